@@ -1,0 +1,102 @@
+"""What a method needs to know about an architecture, and nothing else.
+
+Every adapter answers the same questions (where the attention weights are in a checkpoint, how
+the heads are laid out, whether and where RoPE is applied) so that methods never look at
+``config.model_type``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Head geometry of one model (all layers share it in the supported families)."""
+
+    num_layers: int
+    hidden_size: int  # d: width of the residual stream
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (== num_heads for MHA)
+    head_dim: int
+    scaling: tuple[float, ...]  # softmax scale per layer (GPT-2 can scale by 1/(layer+1))
+    rotary: bool  # RoPE applied to q and k after projection
+    rotary_module: str | None  # attribute path of the model's rotary-embedding module
+
+    @property
+    def kv_width(self) -> int:
+        """e: width of K (and V) per token per layer."""
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass
+class AttentionWeights:
+    """One layer's attention projections in ``nn.Linear`` convention (``y = x @ W.T + b``).
+
+    Shapes: q ``[H·dk, d]``, k ``[Hkv·dk, d]``, v ``[Hkv·dk, d]``, o ``[d, H·dk]``; biases are
+    the matching output widths, or None when the architecture has none.
+    """
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    v_weight: torch.Tensor
+    o_weight: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class AttentionTensorName:
+    """A checkpoint tensor that belongs to a layer's attention block."""
+
+    layer: int
+    prefix: str  # checkpoint prefix of the attention block, e.g. "model.layers.3.self_attn."
+    local: str  # name inside the block, e.g. "q_proj.weight"
+
+
+class ArchAdapter:
+    """Base class: one subclass per architecture family, registered in ``kvconvert.arch``."""
+
+    family: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    # Regex over checkpoint names; groups: prefix (ending in "."), layer index, local name.
+    attention_name_pattern: ClassVar[re.Pattern[str]]
+    # Attribute path of layer i's attention module inside the transformers model.
+    attention_module_template: ClassVar[str]
+
+    def __init__(self, config: Any):
+        self.config = config
+
+    # -- geometry -------------------------------------------------------------------------
+    def layout(self) -> AttentionLayout:
+        raise NotImplementedError
+
+    def causal_lm_class_name(self) -> str:
+        """Name of the transformers class this checkpoint loads with, e.g. ``LlamaForCausalLM``."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        return str(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.config.model_type])
+
+    def attention_module_paths(self) -> list[str]:
+        return [self.attention_module_template.format(i=i) for i in range(self.layout().num_layers)]
+
+    # -- checkpoint -----------------------------------------------------------------------
+    def match_attention_tensor(self, name: str) -> AttentionTensorName | None:
+        m = self.attention_name_pattern.match(name)
+        if m is None:
+            return None
+        return AttentionTensorName(layer=int(m.group("layer")), prefix=m.group("prefix"), local=m.group("local"))
+
+    def read_attention(self, tensors: dict[str, torch.Tensor]) -> AttentionWeights:
+        """Build ``AttentionWeights`` from one layer's attention tensors keyed by local name.
+
+        Tensors that are not weights (old checkpoints' mask buffers, rotary caches) are ignored;
+        they are dropped from the output because transformers recomputes them.
+        """
+        raise NotImplementedError

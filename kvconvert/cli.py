@@ -1,0 +1,117 @@
+"""``kvconvert`` command line: each command parses its options, then calls the library."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvconvert import __version__
+from kvconvert.errors import KVConvertError
+
+
+def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Options shared by every command that reads a source model."""
+    fn = click.option("--allow-pickle", is_flag=True, help="Read pickled .bin weights (weights_only=True).")(fn)
+    fn = click.option("--revision", default=None, help="Hub branch, tag or commit of --model.")(fn)
+    fn = click.option("--model", "model", required=True, help="Hub id or local directory of the source model.")(fn)
+    return fn
+
+
+def _output_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Options shared by every conversion command."""
+    fn = click.option("--quiet", is_flag=True, help="No progress bar or summary table.")(fn)
+    fn = click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")(fn)
+    fn = click.option(
+        "--dtype",
+        type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+        default="auto",
+        show_default=True,
+        help="Output dtype; auto keeps the source's.",
+    )(fn)
+    fn = click.option("--force", is_flag=True, help="Replace an existing --out (and accept refused checks).")(fn)
+    fn = click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Output directory.")(fn)
+    return fn
+
+
+def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn KVConvertError into one line on stderr and exit status 2, without a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except KVConvertError as exc:
+            click.echo(f"kvconvert: error: {exc}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvconvert")
+def main() -> None:
+    """Convert Hugging Face causal LMs into checkpoints with a smaller KV cache."""
+
+
+@main.command()
+@_source_options
+@_output_options
+@click.option(
+    "--max-v-error",
+    type=float,
+    default=1e-2,
+    show_default=True,
+    help="Refuse if V rebuilt from the cached K deviates more than this (relative RMS) in the output dtype.",
+)
+@_user_errors
+def slim(
+    model: str,
+    revision: str | None,
+    allow_pickle: bool,
+    out: Path,
+    force: bool,
+    dtype: str,
+    max_shard_size: str,
+    quiet: bool,
+    max_v_error: float,
+) -> None:
+    """Slim attention: cache only K, compute V = K·W_KV (exact; MHA models only)."""
+    from kvconvert.io.source import open_source
+    from kvconvert.methods.slim import SlimConfig, SlimMethod
+    from kvconvert.pipeline import convert, parse_size
+
+    method = SlimMethod(SlimConfig(max_v_error=max_v_error, force=force))
+    source = open_source(model, revision=revision, allow_pickle=allow_pickle)
+    result = convert(
+        source, method, out, dtype=dtype, replace=force, max_shard_bytes=parse_size(max_shard_size), progress=not quiet
+    )
+    if not quiet:
+        click.echo(f"{'layer':>5}  {'κ(W_K)':>10}  {'V rel. error':>12}  {'dtype rounding':>14}")
+        for r in result.report["layers"]:
+            click.echo(
+                f"{r['layer']:>5}  {r['kappa_k']:>10.3g}  {r['v_rel_error']:>12.2e}  {r['dtype_rel_error']:>14.2e}"
+            )
+    click.echo(f"wrote {result.out} (slim, expected KV budget {result.report['kv_budget_expected']:.2f})")
+
+
+@main.command("import-llama2c")
+@click.argument("checkpoint", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Replace an existing --out.")
+@_user_errors
+def import_llama2c(checkpoint: Path, tokenizer: Path | None, out: Path, force: bool) -> None:
+    """Import a llama2.c (v0 .bin) model, and optionally its tok*.bin vocab, as an HF Llama directory."""
+    from kvconvert.io.llama2c import import_llama2c as run_import
+
+    run_import(checkpoint, out, tokenizer=tokenizer, replace=force)
+    click.echo(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

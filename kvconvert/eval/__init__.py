@@ -1,0 +1,1 @@
+"""Measurements of converted checkpoints (memory now; quality and speed arrive with `kvconvert eval`)."""

@@ -1,0 +1,1 @@
+"""Checkpoint input (Hub or local, streaming) and output (atomic directory, streaming safetensors)."""

@@ -1,0 +1,181 @@
+"""Resolve ``--model`` (Hub id or local directory) and read its tensors lazily, one at a time.
+
+Input repositories are data only: no ``.py`` file is downloaded or imported, and pickled
+weights are refused unless the user opts in, then read with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvconvert.errors import KVConvertError
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+_SAFETENSORS_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
+_PICKLE_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+_HUB_ID = re.compile(r"^[\w.\-]+(/[\w.\-]+)?$")
+
+
+@dataclass
+class SourceCheckpoint:
+    """A source model on local disk, with lazy per-tensor access.
+
+    ``get(name)`` reads one tensor; the only thing held for a whole shard is its header index.
+    """
+
+    model_id: str
+    path: Path
+    revision: str | None
+    config: Any
+    weight_files: list[Path]
+    pickled: bool
+    _index: dict[str, Path] = field(default_factory=dict, repr=False)
+    _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
+
+    def tensor_names(self) -> list[str]:
+        if not self._index:
+            self._build_index()
+        return sorted(self._index)
+
+    def get(self, name: str) -> torch.Tensor:
+        if not self._index:
+            self._build_index()
+        return self._handle(self._index[name])[name] if self.pickled else self._handle(self._index[name]).get_tensor(name)
+
+    def sha256(self) -> dict[str, str]:
+        """sha256 of every weight file, streamed (never the whole file in memory)."""
+        digests = {}
+        for path in self.weight_files:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    h.update(block)
+            digests[path.name] = h.hexdigest()
+        return digests
+
+    def _handle(self, path: Path) -> Any:
+        if path not in self._handles:
+            if self.pickled:
+                # weights_only=True refuses arbitrary objects; mmap keeps memory per tensor.
+                self._handles[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            else:
+                from safetensors import safe_open
+
+                self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path]
+
+    def _build_index(self) -> None:
+        for path in self.weight_files:
+            handle = self._handle(path)
+            for name in handle.keys():
+                self._index[name] = path
+
+
+def _download(model_id: str, revision: str | None, allow_pickle: bool) -> tuple[Path, str | None]:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    patterns = ["config.json", *TOKENIZER_FILES, *_SAFETENSORS_PATTERNS] + (_PICKLE_PATTERNS if allow_pickle else [])
+    try:
+        local = snapshot_download(repo_id=model_id, revision=revision, allow_patterns=patterns)
+    except RepositoryNotFoundError:
+        raise KVConvertError(
+            f"model not found: {model_id!r} is not a local directory and not a Hub repository you can access"
+        ) from None
+    except RevisionNotFoundError:
+        raise KVConvertError(f"revision {revision!r} not found in {model_id!r}") from None
+    except GatedRepoError:
+        raise KVConvertError(f"{model_id!r} is gated: accept its licence on the Hub and log in (hf auth login)") from None
+    except LocalEntryNotFoundError:
+        raise KVConvertError(
+            f"{model_id!r} is not in the local Hugging Face cache and the Hub is unreachable "
+            "(offline or HF_HUB_OFFLINE=1); download it once online or pass a local directory"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise KVConvertError(f"could not download {model_id!r}: {str(exc).splitlines()[0]}") from None
+    path = Path(local)
+    # snapshot paths end in the commit hash: record it so the conversion can be reproduced
+    return path, path.name if re.fullmatch(r"[0-9a-f]{40}", path.name) else revision
+
+
+def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], bool]:
+    safetensors = sorted(path.glob("*.safetensors"))
+    if safetensors:
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [path / n for n in names], False
+        return safetensors, False
+    pickled = sorted(path.glob("pytorch_model*.bin"))
+    if pickled and not allow_pickle:
+        raise KVConvertError(
+            f"{path} has only pickled .bin weights; pass --allow-pickle to read them with "
+            "torch.load(weights_only=True), or convert them to safetensors first"
+        )
+    if pickled:
+        return pickled, True
+    raise KVConvertError(f"no weights found in {path} (expected *.safetensors)")
+
+
+def open_source(model: str, revision: str | None = None, allow_pickle: bool = False) -> SourceCheckpoint:
+    """Resolve ``model`` to a local directory and open its config and weights lazily."""
+    from kvconvert.arch import supported_model_types
+
+    local = Path(model).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise KVConvertError(f"--model {model!r} is a file; pass the model's directory or a Hub id")
+        path, resolved_revision = local.resolve(), revision
+    elif _HUB_ID.match(model) and not model.startswith((".", "/", "~")):
+        path, resolved_revision = _download(model, revision, allow_pickle)
+    else:
+        raise KVConvertError(f"model not found: {model!r} is neither a local directory nor a Hub id")
+
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise KVConvertError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type not in supported_model_types():
+        raise KVConvertError(
+            f"unsupported architecture {model_type!r}; supported model types: {', '.join(supported_model_types())}"
+        )
+    from transformers import AutoConfig
+
+    # trust_remote_code stays False: configs of supported types are transformers' own classes.
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    files, pickled = _weight_files(path, allow_pickle)
+    return SourceCheckpoint(
+        model_id=model if not local.exists() else str(path),
+        path=path,
+        revision=resolved_revision,
+        config=config,
+        weight_files=files,
+        pickled=pickled,
+    )
+
+
+def hf_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")

@@ -1,0 +1,141 @@
+"""Atomic output directories and a streaming, sharded safetensors writer.
+
+The writer appends each tensor's bytes to disk as soon as it is produced, so conversion memory
+stays at one layer's tensors regardless of model size. Output is byte-deterministic: the same
+tensors added in the same order give identical files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from kvconvert.errors import KVConvertError
+
+_DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: Path, replace: bool) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out``; rename it to ``out`` only if the block succeeds.
+
+    An existing ``out`` is refused unless ``replace``. On any failure (including Ctrl-C) the
+    temporary directory is removed and ``out`` is left exactly as it was.
+    """
+    out = out.resolve()
+    if out.exists() and not replace:
+        raise KVConvertError(f"output directory {out} already exists; choose another --out or pass --force")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the output should look like any other directory
+    try:
+        yield tmp
+        if out.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            out.rename(trash / out.name)
+            tmp.rename(out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class ShardedSafetensorsWriter:
+    """Write tensors one by one into ``model.safetensors`` or ``model-0000i-of-0000N.safetensors``.
+
+    Each shard's payload streams to a scratch file; on shard close the header (known only then)
+    is written to the final file and the payload copied behind it.
+    """
+
+    def __init__(self, directory: Path, max_shard_bytes: int = 5 * 1024**3, metadata: dict[str, str] | None = None):
+        self.directory = directory
+        self.max_shard_bytes = max_shard_bytes
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._shards: list[Path] = []
+        self._weight_map: dict[str, int] = {}
+        self._header: dict[str, dict] = {}
+        self._payload: Path | None = None
+        self._payload_file = None
+        self._offset = 0
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._weight_map:
+            raise ValueError(f"tensor {name!r} written twice")
+        tensor = tensor.detach().to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._payload_file is not None and self._offset and self._offset + nbytes > self.max_shard_bytes:
+            self._close_shard()
+        if self._payload_file is None:
+            self._payload = self.directory / f".shard-{len(self._shards):05d}.payload"
+            self._payload_file = open(self._payload, "wb")  # noqa: SIM115 - closed in _close_shard
+        self._header[name] = {
+            "dtype": _DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [self._offset, self._offset + nbytes],
+        }
+        if nbytes:
+            self._payload_file.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        self._offset += nbytes
+        self.total_bytes += nbytes
+        self._weight_map[name] = len(self._shards)
+
+    def _close_shard(self) -> None:
+        assert self._payload_file is not None and self._payload is not None
+        self._payload_file.close()
+        header = json.dumps({"__metadata__": self.metadata, **self._header}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # payload starts 8-byte aligned
+        shard = self.directory / f".shard-{len(self._shards):05d}.safetensors"
+        with open(shard, "wb") as out, open(self._payload, "rb") as payload:
+            out.write(struct.pack("<Q", len(header)))
+            out.write(header)
+            shutil.copyfileobj(payload, out, length=1 << 24)
+        self._payload.unlink()
+        self._shards.append(shard)
+        self._payload_file, self._payload, self._header, self._offset = None, None, {}, 0
+
+    def close(self) -> list[str]:
+        """Finish the last shard, name the shards, write the index if sharded; return file names."""
+        if self._payload_file is not None or not self._shards:
+            if self._payload_file is None:
+                self._payload = self.directory / ".shard-00000.payload"
+                self._payload_file = open(self._payload, "wb")  # noqa: SIM115
+            self._close_shard()
+        count = len(self._shards)
+        names = (
+            ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        )
+        for shard, name in zip(self._shards, names):
+            shard.rename(self.directory / name)
+        if count > 1:
+            index = {
+                "metadata": {"total_size": self.total_bytes},
+                "weight_map": {k: names[v] for k, v in sorted(self._weight_map.items())},
+            }
+            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return names

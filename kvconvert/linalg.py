@@ -1,0 +1,75 @@
+"""Pure float64 linear algebra used by the methods. No module state, no I/O.
+
+Weights follow torch's ``nn.Linear`` convention, ``y = x @ W.T + b`` with ``W: [out, in]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+F64 = torch.float64
+
+
+def condition_number(weight: torch.Tensor) -> float:
+    """κ(W) = σ_max / σ_min of a 2-D weight, computed in float64 (inf when rank-deficient)."""
+    singular_values = torch.linalg.svdvals(weight.to(F64))
+    smallest = float(singular_values[-1])
+    return float("inf") if smallest == 0.0 else float(singular_values[0]) / smallest
+
+
+def key_to_value_map(k_weight: torch.Tensor, v_weight: torch.Tensor) -> torch.Tensor:
+    """Slim attention's W_KV (paper eq. 4) in Linear convention.
+
+    Args:
+        k_weight: W_K as Linear weight, ``[e, d]`` with ``e >= d`` (square for standard MHA).
+        v_weight: W_V as Linear weight, ``[e_v, d]``.
+
+    Returns:
+        ``[e_v, e]`` float64 weight ``M`` such that ``v = k @ M.T`` for every ``k = x @ W_K.T``.
+        In the paper's row-vector notation ``M.T = W_K⁻¹·W_V`` with ``W_K = k_weight.T``; for
+        ``e > d`` the right inverse ``W_K⁻¹ = W_Kᵀ(W_K W_Kᵀ)⁻¹`` of paper §5 option 1 is used.
+    """
+    a_k = k_weight.to(F64).T  # [d, e], row-vector convention: k = x @ a_k
+    a_v = v_weight.to(F64).T  # [d, e_v]
+    d, e = a_k.shape
+    if e < d:
+        raise ValueError(f"W_K maps {d} inputs to only {e} outputs; it has no right inverse")
+    if e == d:
+        w_kv = torch.linalg.solve(a_k, a_v)  # [e, e_v] = a_k⁻¹ a_v
+    else:
+        w_kv = a_k.T @ torch.linalg.solve(a_k @ a_k.T, a_v)  # right inverse, paper §5
+    return w_kv.T.contiguous()
+
+
+def fold_value_bias(
+    v_bias: torch.Tensor | None,
+    k_bias: torch.Tensor | None,
+    kv_weight: torch.Tensor,
+    o_weight: torch.Tensor,
+    o_bias: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Output bias that absorbs the constant part of V = K·W_KV (paper §4), exactly.
+
+    With biases, ``v = (k - b_k) @ M.T + b_v = k @ M.T + c`` where ``c = b_v - b_k @ M.T``.
+    Attention weights sum to one, so ``c`` passes through attention unchanged and then
+    through the output projection: ``b_o' = b_o + W_O @ c``.
+
+    Shapes: v_bias ``[e_v]``, k_bias ``[e]``, kv_weight ``[e_v, e]``, o_weight ``[d, e_v]``,
+    o_bias ``[d]``. Returns ``[d]`` float64, or None when there is nothing to fold.
+    """
+    if v_bias is None and k_bias is None:
+        return None if o_bias is None else o_bias.to(F64)
+    c = torch.zeros(kv_weight.shape[0], dtype=F64)
+    if v_bias is not None:
+        c = c + v_bias.to(F64)
+    if k_bias is not None:
+        c = c - kv_weight.to(F64) @ k_bias.to(F64)
+    folded = o_weight.to(F64) @ c
+    return folded if o_bias is None else folded + o_bias.to(F64)
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """‖approx − exact‖_F / ‖exact‖_F in float64."""
+    exact64 = exact.to(F64)
+    denom = float(torch.linalg.norm(exact64))
+    return float(torch.linalg.norm(approx.to(F64) - exact64)) / max(denom, 1e-300)

@@ -1,0 +1,43 @@
+"""The contract between the conversion pipeline and a method."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from kvconvert.arch import AttentionLayout, AttentionWeights
+
+
+@dataclass
+class LayerOutput:
+    """A converted layer: new attention tensors (names local to the attention block) + a report."""
+
+    tensors: dict[str, torch.Tensor]
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class Method:
+    """One KV-cache compression method. Subclasses are stateless apart from their config."""
+
+    name: ClassVar[str]
+
+    def check(self, layout: AttentionLayout) -> None:
+        """Raise ``KVConvertError`` if the model cannot be converted by this method."""
+
+    def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
+        raise NotImplementedError
+
+    def finish(self, reports: list[dict[str, Any]]) -> None:
+        """Called once all layers are converted; may refuse the result (raise ``KVConvertError``)."""
+
+    def runtime_spec(self, layout: AttentionLayout, outputs: list[LayerOutput]) -> dict[str, Any]:
+        """Method-specific entries of ``config.kvconvert`` that the runtime reads."""
+        return {}
+
+    def expected_kv_budget(self, layout: AttentionLayout) -> float:
+        raise NotImplementedError
+
+    def params(self) -> dict[str, Any]:
+        raise NotImplementedError

@@ -1,0 +1,117 @@
+"""Slim attention (Graef & Wasielewski 2025): cache K only, V = K·W_KV with W_KV = W_K⁻¹·W_V.
+
+Exact for MHA. W_KV replaces W_V in the checkpoint; K and V biases are handled exactly by
+folding into the output bias (paper §4, extended to RoPE models by caching the K bias with K).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kvconvert import linalg
+from kvconvert.arch import AttentionLayout, AttentionWeights
+from kvconvert.errors import KVConvertError
+from kvconvert.methods.base import LayerOutput, Method
+
+
+@dataclass(frozen=True)
+class SlimConfig:
+    """Options of ``kvconvert slim``."""
+
+    # Largest accepted relative RMS error of V = K·W_KV when K is stored in the checkpoint dtype,
+    # measured on random inputs; above it the conversion is refused unless ``force``.
+    max_v_error: float = 1e-2
+    force: bool = False
+    error_samples: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.max_v_error > 0:
+            raise KVConvertError(f"max_v_error must be > 0, got {self.max_v_error}")
+        if self.error_samples < 1:
+            raise KVConvertError(f"error_samples must be >= 1, got {self.error_samples}")
+
+
+class SlimMethod(Method):
+    name = "slim"
+
+    def __init__(self, config: SlimConfig | None = None):
+        self.config = config or SlimConfig()
+
+    def params(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+    def check(self, layout: AttentionLayout) -> None:
+        if layout.num_kv_heads != layout.num_heads:
+            raise KVConvertError(
+                f"slim needs multi-head attention (one K head per query head) but this model has "
+                f"{layout.num_heads} query heads sharing {layout.num_kv_heads} KV heads (GQA/MQA): "
+                "V cannot be computed from a shared K; use lorc or zack instead"
+            )
+        if layout.kv_width < layout.hidden_size:
+            raise KVConvertError(
+                f"slim needs K at least as wide as the hidden state ({layout.kv_width} < {layout.hidden_size}): "
+                "W_K is not invertible"
+            )
+
+    def expected_kv_budget(self, layout: AttentionLayout) -> float:
+        return 0.5
+
+    def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
+        w = weights
+        kv_weight = linalg.key_to_value_map(w.k_weight, w.v_weight)  # [e, e] float64
+        o_bias = linalg.fold_value_bias(w.v_bias, w.k_bias, kv_weight, w.o_weight, w.o_bias)
+        kappa = linalg.condition_number(w.k_weight)
+        v_error, dtype_error = self._value_error(layer, w, kv_weight, dtype)
+
+        tensors = {
+            "q_proj.weight": w.q_weight,
+            "k_proj.weight": w.k_weight,
+            "kv_proj.weight": kv_weight,
+            "o_proj.weight": w.o_weight,
+        }
+        for name, bias in (("q_proj.bias", w.q_bias), ("k_proj.bias", w.k_bias), ("o_proj.bias", o_bias)):
+            if bias is not None:
+                tensors[name] = bias
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+        report = {"layer": layer, "kappa_k": kappa, "v_rel_error": v_error, "dtype_rel_error": dtype_error}
+        return LayerOutput(tensors=tensors, report=report)
+
+    def _value_error(
+        self, layer: int, w: AttentionWeights, kv_weight: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[float, float]:
+        """Relative error of V rebuilt from a K cache stored in ``dtype``, vs the exact V.
+
+        Returns (slim error, error of simply storing the exact V in ``dtype``) so the user can see
+        how much slim adds to the rounding the original model already has.
+        """
+        gen = torch.Generator().manual_seed(self.config.seed + layer)
+        x = torch.randn(self.config.error_samples, w.k_weight.shape[1], generator=gen, dtype=linalg.F64)
+        k_bias = torch.zeros(w.k_weight.shape[0], dtype=linalg.F64) if w.k_bias is None else w.k_bias.to(linalg.F64)
+        v_bias = torch.zeros(w.v_weight.shape[0], dtype=linalg.F64) if w.v_bias is None else w.v_bias.to(linalg.F64)
+        k = x @ w.k_weight.to(linalg.F64).T + k_bias
+        v_exact = x @ w.v_weight.to(linalg.F64).T + v_bias
+        k_cached = k.to(dtype).to(linalg.F64)
+        kv_stored = kv_weight.to(dtype).to(linalg.F64)
+        v_slim = (k_cached - k_bias) @ kv_stored.T + v_bias
+        return linalg.relative_error(v_slim, v_exact), linalg.relative_error(v_exact.to(dtype), v_exact)
+
+    def finish(self, reports: list[dict[str, Any]]) -> None:
+        worst = max(reports, key=lambda r: r["v_rel_error"])
+        if worst["v_rel_error"] > self.config.max_v_error and not self.config.force:
+            raise KVConvertError(
+                f"layer {worst['layer']}: κ(W_K) = {worst['kappa_k']:.3g} makes V = K·W_KV deviate by "
+                f"{worst['v_rel_error']:.2%} (limit {self.config.max_v_error:.2%}) in this dtype; "
+                "convert with --dtype float32, raise --max-v-error, or pass --force"
+            )
+
+    def runtime_spec(self, layout: AttentionLayout, outputs: list[LayerOutput]) -> dict[str, Any]:
+        first = outputs[0].tensors
+        return {
+            "q_bias": "q_proj.bias" in first,
+            "k_bias": "k_proj.bias" in first,
+            "o_bias": "o_proj.bias" in first,
+        }

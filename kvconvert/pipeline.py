@@ -1,0 +1,159 @@
+"""load → method.convert_layer per layer → write, streaming, into an atomic output directory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+import kvconvert
+from kvconvert.arch import adapter_for
+from kvconvert.errors import KVConvertError
+from kvconvert.io.model_card import write_model_card
+from kvconvert.io.source import TOKENIZER_FILES, SourceCheckpoint
+from kvconvert.io.writer import ShardedSafetensorsWriter, atomic_output_dir
+from kvconvert.methods.base import LayerOutput, Method
+
+RUNTIME_DIR = Path(__file__).parent / "runtime"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ConversionResult:
+    out: Path
+    report: dict[str, Any]
+
+
+def _source_dtype(source: SourceCheckpoint, names: list[str]) -> torch.dtype:
+    for name in names:
+        tensor = source.get(name)
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return torch.float32
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '1024' → bytes."""
+    units = {"KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "B": 1}
+    upper = text.strip().upper()
+    for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if upper.endswith(unit):
+            return int(float(upper[: -len(unit)]) * factor)
+    return int(upper)
+
+
+def convert(
+    source: SourceCheckpoint,
+    method: Method,
+    out: Path,
+    *,
+    dtype: str = "auto",
+    replace: bool = False,
+    max_shard_bytes: int = 5 * 1000**3,
+    progress: bool = True,
+) -> ConversionResult:
+    """Convert ``source`` with ``method`` into ``out`` (written atomically).
+
+    Peak memory: one layer's attention tensors plus the largest single non-attention tensor.
+    """
+    adapter = adapter_for(source.config)
+    layout = adapter.layout()
+    method.check(layout)
+    if dtype != "auto" and dtype not in DTYPES:
+        raise KVConvertError(f"--dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+
+    names = source.tensor_names()
+    attention: dict[int, dict[str, str]] = {}
+    prefixes: dict[int, str] = {}
+    passthrough: list[str] = []
+    for name in names:
+        match = adapter.match_attention_tensor(name)
+        if match is None:
+            passthrough.append(name)
+        else:
+            attention.setdefault(match.layer, {})[match.local] = name
+            prefixes[match.layer] = match.prefix
+    if sorted(attention) != list(range(layout.num_layers)):
+        raise KVConvertError(
+            f"checkpoint has attention weights for layers {sorted(attention)} but config says "
+            f"{layout.num_layers} layers; is the checkpoint complete?"
+        )
+    target = DTYPES[dtype] if dtype != "auto" else _source_dtype(source, [n for m in attention.values() for n in m.values()])
+
+    with atomic_output_dir(out, replace) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes)
+        for name in passthrough:
+            tensor = source.get(name)
+            writer.add(name, tensor.to(target) if tensor.is_floating_point() and dtype != "auto" else tensor)
+
+        outputs: list[LayerOutput] = []
+        layers = tqdm(range(layout.num_layers), desc=f"{method.name}", unit="layer", disable=not progress, file=sys.stderr)
+        for layer in layers:
+            local = {k: source.get(v) for k, v in attention[layer].items()}
+            result = method.convert_layer(layer, adapter.read_attention(local), target)
+            for local_name in sorted(result.tensors):
+                writer.add(prefixes[layer] + local_name, result.tensors[local_name])
+            outputs.append(LayerOutput(tensors={k: torch.empty(0) for k in result.tensors}, report=result.report))
+        reports = [o.report for o in outputs]
+        method.finish(reports)
+        weight_files = writer.close()
+
+        spec = {
+            "method": method.name,
+            "version": kvconvert.__version__,
+            "base_model_type": source.config.model_type,
+            "base_architecture": adapter.causal_lm_class_name(),
+            "attention_modules": adapter.attention_module_paths(),
+            "rotary_module": layout.rotary_module if layout.rotary else None,
+            "num_heads": layout.num_heads,
+            "num_kv_heads": layout.num_kv_heads,
+            "head_dim": layout.head_dim,
+            "hidden_size": layout.hidden_size,
+            "scaling": list(layout.scaling),
+            **method.runtime_spec(layout, outputs),
+        }
+        config = source.config.to_dict()
+        config.update(
+            model_type="kvconvert",
+            architectures=["KVConvertForCausalLM"],
+            auto_map={
+                "AutoConfig": "modeling_kvconvert.KVConvertConfig",
+                "AutoModelForCausalLM": "modeling_kvconvert.KVConvertForCausalLM",
+            },
+            kvconvert=spec,
+            dtype=str(target).removeprefix("torch."),
+        )
+        config.pop("torch_dtype", None)
+        config.pop("transformers_version", None)  # keeps output byte-identical across installs
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+        for runtime_file in sorted(RUNTIME_DIR.glob("*.py")):
+            if runtime_file.name != "__init__.py":
+                shutil.copyfile(runtime_file, tmp / runtime_file.name)
+        for name in TOKENIZER_FILES:
+            if (source.path / name).exists():
+                shutil.copyfile(source.path / name, tmp / name)
+
+        report = {
+            "method": method.name,
+            "params": method.params(),
+            "tool_version": kvconvert.__version__,
+            "source": {
+                "model": source.model_id,
+                "revision": source.revision,
+                "sha256": source.sha256(),
+            },
+            "dtype": str(target).removeprefix("torch."),
+            "kv_budget_expected": method.expected_kv_budget(layout),
+            "weight_files": weight_files,
+            "layers": reports,
+        }
+        (tmp / "kvconvert.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_model_card(tmp, report, name=out.name)
+    return ConversionResult(out=out, report=report)

@@ -1,0 +1,167 @@
+"""kvconvert runtime entry point, named in ``config.json``'s ``auto_map``.
+
+A converted checkpoint keeps its source architecture (``LlamaForCausalLM``, ``GPT2LMHeadModel``…)
+for everything but attention. ``KVConvertForCausalLM`` builds, on first use, a subclass of that
+transformers class whose attention modules are the method's (``config.kvconvert["method"]``) and
+whose cache is the method's compressed cache. Copied verbatim into every output directory;
+imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import transformers
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from .kvconvert_slim import SlimAttention, make_cache as make_slim_cache
+
+# method name -> (attention module class, cache factory)
+METHOD_RUNTIMES: dict[str, tuple[Any, Any]] = {
+    "slim": (SlimAttention, make_slim_cache),
+}
+
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+MODEL_TYPE = "kvconvert"  # config.json's model_type: stock transformers refuses it without remote code
+
+
+class KVConvertConfig:
+    """Dispatcher named in ``auto_map["AutoConfig"]``: returns the source architecture's config.
+
+    ``config.json`` says ``model_type: "kvconvert"`` so that loading without
+    ``trust_remote_code=True`` fails loudly instead of building the stock model with missing
+    weights; ``kvconvert.base_model_type`` names the real config class.
+    """
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, **kwargs: Any) -> PretrainedConfig:
+        kwargs.pop("trust_remote_code", None)
+        config_dict, unused = PretrainedConfig.get_config_dict(pretrained_model_name_or_path, **kwargs)
+        base_type = config_dict["kvconvert"]["base_model_type"]
+        config_dict["model_type"] = base_type
+        return CONFIG_MAPPING[base_type].from_dict(config_dict, **unused)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class: Any = "AutoConfig") -> None:
+        """Called by transformers after loading remote code; nothing to record for a dispatcher."""
+
+
+class KVConvertMixin:
+    """Mixed in front of the source architecture's ``*ForCausalLM`` class."""
+
+    config: Any
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any):
+        super().__init__(config, *args, **kwargs)  # type: ignore[call-arg]
+        spec = config.kvconvert
+        attention_class, _ = METHOD_RUNTIMES[spec["method"]]
+        rotary = self.get_submodule(spec["rotary_module"]) if spec.get("rotary_module") else None  # type: ignore[attr-defined]
+        for layer_idx, path in enumerate(spec["attention_modules"]):
+            parent_path, _, name = path.rpartition(".")
+            parent = self.get_submodule(parent_path)  # type: ignore[attr-defined]
+            setattr(parent, name, attention_class(spec, layer_idx, rotary))
+
+    def kvconvert_cache(self, past_key_values: Cache | None) -> Cache:
+        """The method's cache, replacing an empty stock cache that generate() or a caller made."""
+        _, make_cache = METHOD_RUNTIMES[self.config.kvconvert["method"]]
+        if past_key_values is not None and getattr(past_key_values, "is_kvconvert_cache", False):
+            return past_key_values
+        if past_key_values is None or past_key_values.get_seq_length() == 0:
+            cache = make_cache(self.config.kvconvert)
+            cache.is_kvconvert_cache = True
+            return cache
+        raise ValueError(
+            f"this kvconvert checkpoint needs its own cache; got a filled {type(past_key_values).__name__}. "
+            "Pass past_key_values=None and reuse the cache returned in the outputs."
+        )
+
+    def forward(self, *args: Any, past_key_values: Cache | None = None, use_cache: bool | None = None, **kwargs: Any):
+        if use_cache if use_cache is not None else self.config.use_cache:
+            past_key_values = self.kvconvert_cache(past_key_values)
+        return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)  # type: ignore[misc]
+
+    def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any):
+        result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)  # type: ignore[misc]
+        if model_kwargs.get("past_key_values") is not None:
+            model_kwargs["past_key_values"] = self.kvconvert_cache(model_kwargs["past_key_values"])
+        return result
+
+
+_CONCRETE_CLASSES: dict[type, type] = {}
+
+
+def _forward_with_signature_of(base: type) -> Any:
+    """KVConvertMixin.forward, advertising ``base.forward``'s signature.
+
+    generate() inspects ``forward``'s parameters to decide what to pass (``position_ids`` for
+    left padding, among others); a bare ``**kwargs`` signature would silently drop them.
+    """
+
+    @functools.wraps(base.forward)  # type: ignore[attr-defined]
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return KVConvertMixin.forward(self, *args, **kwargs)
+
+    return forward
+
+
+def stock_class(config: Any) -> type:
+    """The transformers class for this config, looked up in transformers' static name table.
+
+    (Loading remote code registers our dispatcher for e.g. LlamaConfig in the auto mapping, so the
+    mutable mapping cannot be trusted to give back the stock class.)
+    """
+    name = (getattr(config, "kvconvert", None) or {}).get("base_architecture") or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[
+        config.model_type
+    ]
+    return getattr(transformers, name)
+
+
+def model_class_for(config: Any) -> type:
+    base = stock_class(config)
+    if getattr(config, "kvconvert", None) is None:
+        return base  # a plain checkpoint reached us through the polluted auto mapping
+    if base not in _CONCRETE_CLASSES:
+        concrete = type(
+            f"KVConvert{base.__name__}",
+            (KVConvertMixin, base),
+            {"__module__": __name__, "forward": _forward_with_signature_of(base)},
+        )
+        # transformers skips its checkpoint renamings (e.g. GPT-NeoX's embed_out -> lm_head) for
+        # custom-code classes unless registered under their own name; inherit the stock ones.
+        renamings = get_checkpoint_conversion_mapping(base.__name__) or get_checkpoint_conversion_mapping(
+            config.kvconvert["base_model_type"]
+        )
+        if renamings:
+            register_checkpoint_conversion_mapping(concrete.__name__, renamings, overwrite=True)
+        _CONCRETE_CLASSES[base] = concrete
+    return _CONCRETE_CLASSES[base]
+
+
+class KVConvertForCausalLM:
+    """Dispatcher named in ``auto_map``: ``from_pretrained`` returns the concrete model class.
+
+    Deliberately not a ``PreTrainedModel``: transformers registers the auto_map class for the
+    source's config class, and the concrete class differs per architecture.
+    """
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *model_args: Any, config: Any = None, **kwargs: Any):
+        if config is None:
+            hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+            config = KVConvertConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+        model_class: Any = model_class_for(config)
+        return model_class.from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+
+    @classmethod
+    def _from_config(cls, config: Any, **kwargs: Any):
+        model_class: Any = model_class_for(config)
+        return model_class._from_config(config, **kwargs)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class: Any = "AutoModelForCausalLM") -> None:
+        """Called by transformers after loading remote code; nothing to record for a dispatcher."""

@@ -1,0 +1,86 @@
+"""Tiny random models built from transformers' own config classes, saved as safetensors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+
+
+def tiny_config(kind: str):
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=97, num_hidden_layers=3, max_position_embeddings=256)
+    if kind == "llama":
+        return LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, **common)
+    if kind == "llama_bias":  # attention_bias=True: q/k/v/o biases with RoPE
+        return LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+            attention_bias=True, **common,
+        )  # fmt: skip
+    if kind == "llama_wide":  # head_dim·heads = 96 > hidden 64: non-square W_K (paper §5 option 1)
+        return LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=24, **common
+        )
+    if kind == "llama_gqa":
+        return LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **common)
+    if kind == "mistral":
+        return MistralConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=16, **common
+        )
+    if kind == "qwen2":  # q/k/v biases, no o bias
+        return Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, **common)
+    if kind == "gpt_neox":  # fused QKV, partial rotary (25 %), biases
+        return GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, **common)
+    if kind == "gpt2":
+        return GPT2Config(n_embd=64, n_head=4, n_layer=3, n_positions=256, vocab_size=97)
+    raise ValueError(kind)
+
+
+def build_tiny_model(kind: str, seed: int = 0):
+    """A random model whose biases are non-zero (transformers initialises them to zero, which
+    would leave the bias folding untested) and whose weights are large enough to give
+    non-trivial attention patterns."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif param.ndim == 2 and "emb" not in name and "wte" not in name and "wpe" not in name:
+                param.normal_(0.0, 0.15)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: kind -> directory with config.json + model.safetensors of a tiny random model."""
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            path = tmp_path_factory.mktemp(f"src-{kind}")
+            build_tiny_model(kind).save_pretrained(path)
+            made[kind] = path
+        return made[kind]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def aidreams_dir(tmp_path_factory):
+    checkpoint = SHARED / "models" / "aidreams260K" / "aidreams260K.bin"
+    if not checkpoint.exists():
+        pytest.skip("../shared/models/aidreams260K is not present")
+    from kvconvert.io.llama2c import import_llama2c
+
+    out = tmp_path_factory.mktemp("aidreams") / "hf"
+    import_llama2c(checkpoint, out, tokenizer=checkpoint.parent / "tok512.bin")
+    return out

@@ -1,0 +1,79 @@
+"""Shared test helpers: run the CLI, load the independent reference, compare two models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from click.testing import CliRunner, Result
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from kvconvert.cli import main
+from kvconvert.eval.memory import kv_bytes_per_token
+
+# float32 stores K with relative rounding 6e-8; V = K·W_KV amplifies it by at most κ(W_K)
+# (≤ 1e4 for the models tested), so 1e-4 of the logit scale is a bound that still catches any
+# real algebra mistake (those show up at 1e-1 and above).
+LOGIT_TOLERANCE = 1e-4
+
+
+def run_cli(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def convert_slim(src: Path, dst: Path, *extra: str) -> None:
+    result = run_cli("slim", "--model", str(src), "--out", str(dst), "--quiet", *extra)
+    assert result.exit_code == 0, result.output
+
+
+def load_reference(src: Path):
+    """The stock transformers class, named explicitly (remote-code loading re-registers the auto
+    mapping for the same config class, so AutoModel is not an independent reference)."""
+    config = transformers.AutoConfig.from_pretrained(src)
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type])
+    return cls.from_pretrained(src, dtype=torch.float32).eval()
+
+
+def load_converted(dst: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True).eval()
+
+
+def assert_same_logits(reference: torch.Tensor, candidate: torch.Tensor, where: str) -> None:
+    scale = reference.abs().max().item()
+    diff = (reference - candidate).abs().max().item()
+    assert diff <= LOGIT_TOLERANCE * scale, f"{where}: max |Δlogit| {diff:.3g} > {LOGIT_TOLERANCE} × {scale:.3g}"
+
+
+@torch.no_grad()
+def assert_equivalent(reference, converted, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    """Prefill logits (valid positions), 32 greedy decode steps' logits and tokens, and sampled
+    tokens under the same seed, all equal to the reference."""
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    ref_logits = reference(input_ids=input_ids, attention_mask=mask).logits
+    new_logits = converted(input_ids=input_ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert_same_logits(ref_logits[valid], new_logits[valid], "prefill")
+
+    kwargs = dict(
+        input_ids=input_ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32,
+        return_dict_in_generate=True, output_logits=True, pad_token_id=0,
+    )  # fmt: skip
+    ref_out = reference.generate(do_sample=False, **kwargs)
+    new_out = converted.generate(do_sample=False, **kwargs)
+    for step, (a, b) in enumerate(zip(ref_out.logits, new_out.logits, strict=True)):
+        assert_same_logits(a, b, f"decode step {step}")
+    assert torch.equal(ref_out.sequences, new_out.sequences), "greedy generations differ"
+
+    torch.manual_seed(1234)
+    ref_sampled = reference.generate(do_sample=True, top_k=20, **kwargs).sequences
+    torch.manual_seed(1234)
+    new_sampled = converted.generate(do_sample=True, top_k=20, **kwargs).sequences
+    assert torch.equal(ref_sampled, new_sampled), "sampled generations differ under the same seed"
+    return new_out
+
+
+def kv_budget(reference, converted, input_ids: torch.Tensor) -> float:
+    """Measured bytes-per-token ratio converted / reference, from the cache objects."""
+    short, long = input_ids.shape[1] // 4, input_ids.shape[1]
+    return kv_bytes_per_token(converted, input_ids, short, long) / kv_bytes_per_token(reference, input_ids, short, long)
