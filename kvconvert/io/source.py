@@ -75,7 +75,13 @@ class SourceCheckpoint:
         if path not in self._handles:
             if self.pickled:
                 # weights_only=True refuses arbitrary objects; mmap keeps memory per tensor.
-                self._handles[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                try:
+                    self._handles[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except Exception as exc:  # UnpicklingError, RuntimeError: anything but plain tensors
+                    raise KVConvertError(
+                        f"refusing {path.name}: it is not a plain tensor file ({type(exc).__name__}); "
+                        "only weights_only pickles are read"
+                    ) from None
             else:
                 from safetensors import safe_open
 

@@ -104,7 +104,7 @@ class SlimMethod(Method):
         if worst["v_rel_error"] > self.config.max_v_error and not self.config.force:
             raise KVConvertError(
                 f"layer {worst['layer']}: κ(W_K) = {worst['kappa_k']:.3g} makes V = K·W_KV deviate by "
-                f"{worst['v_rel_error']:.2%} (limit {self.config.max_v_error:.2%}) in this dtype; "
+                f"{worst['v_rel_error']:.3g} relative RMS (limit {self.config.max_v_error:.3g}) in this dtype; "
                 "convert with --dtype float32, raise --max-v-error, or pass --force"
             )
 

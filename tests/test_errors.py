@@ -1,0 +1,142 @@
+"""Every user error: exit status 2, one line on stderr, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvconvert.cli import main
+from tests.helpers import assert_equivalent, load_converted, load_reference
+
+
+def run(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(main, list(args), env=env)
+
+
+def assert_user_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    errors = [line for line in lines if "error" in line.lower()]
+    assert len(errors) == 1 and lines[-1] == errors[0], f"expected one error line, got: {result.stderr!r}"
+    assert errors[0].startswith("kvconvert: error: ")
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    assert "Traceback" not in result.output
+
+
+def assert_nothing_written(out) -> None:
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")], "temporary dir left behind"
+
+
+def test_gqa_model_is_refused(tiny_model_dir, tmp_path):
+    out = tmp_path / "slim"
+    result = run("slim", "--model", str(tiny_model_dir("llama_gqa")), "--out", str(out))
+    assert_user_error(result, "multi-head attention", "GQA")
+    assert_nothing_written(out)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    src = tmp_path / "opt"
+    OPTForCausalLM(OPTConfig(hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2, vocab_size=50,
+                             word_embed_proj_dim=16)).save_pretrained(src)  # fmt: skip
+    result = run("slim", "--model", str(src), "--out", str(tmp_path / "out"))
+    assert_user_error(result, "unsupported architecture 'opt'", "llama", "gpt_neox", "gpt2")
+
+
+def test_existing_output_is_refused_and_untouched(tiny_model_dir, tmp_path):
+    out = tmp_path / "slim"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out))
+    assert_user_error(result, "already exists", "--force")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_force_replaces_existing_output(tiny_model_dir, tmp_path):
+    out = tmp_path / "slim"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    result = run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--force", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
+
+
+def test_missing_local_model(tmp_path):
+    result = run("slim", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "out"))
+    assert_user_error(result, "model not found")
+
+
+def test_hub_id_offline_without_cache(tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    result = run("slim", "--model", "some-org/not-cached-model", "--out", str(tmp_path / "out"), env=env)
+    assert_user_error(result, "not in the local Hugging Face cache", "HF_HUB_OFFLINE")
+
+
+def _pickled_copy(src, dst):
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    from safetensors.torch import load_file
+
+    torch.save(load_file(src / "model.safetensors"), dst / "pytorch_model.bin")
+
+
+def test_pickle_needs_flag_then_loads_weights_only(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama")
+    pickled = tmp_path / "pickled"
+    _pickled_copy(src, pickled)
+    result = run("slim", "--model", str(pickled), "--out", str(tmp_path / "out"))
+    assert_user_error(result, "--allow-pickle")
+
+    result = run("slim", "--model", str(pickled), "--out", str(tmp_path / "out"), "--allow-pickle", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert_equivalent(load_reference(src), load_converted(tmp_path / "out"), torch.randint(3, 90, (1, 12)))
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/kvconvert-pwned",))
+
+
+def test_malicious_pickle_is_never_executed(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((tiny_model_dir("llama") / "config.json").read_text())
+    with open(bad / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"model.embed_tokens.weight": _Exploit()}, f)
+    if os.path.exists("/tmp/kvconvert-pwned"):
+        os.remove("/tmp/kvconvert-pwned")
+    result = run("slim", "--model", str(bad), "--out", str(tmp_path / "out"), "--allow-pickle")
+    assert_user_error(result, "not a plain tensor file")
+    assert not os.path.exists("/tmp/kvconvert-pwned")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_refused_condition_number_leaves_nothing(tiny_model_dir, tmp_path):
+    out = tmp_path / "slim"
+    result = run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--max-v-error", "1e-12")
+    assert_user_error(result, "κ(W_K)", "--force")
+    assert_nothing_written(out)
+    forced = run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--max-v-error", "1e-12",
+                 "--force", "--quiet")  # fmt: skip
+    assert forced.exit_code == 0
+    assert json.loads((out / "kvconvert.json").read_text())["params"]["force"] is True
+
+
+def test_model_path_is_a_file(tmp_path):
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"x")
+    assert_user_error(run("slim", "--model", str(f), "--out", str(tmp_path / "o")), "is a file")
+
+
+@pytest.mark.parametrize("bad", ["0", "-1"])
+def test_bad_max_v_error(tiny_model_dir, tmp_path, bad):
+    result = run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "o"), "--max-v-error", bad)
+    assert_user_error(result, "max_v_error")
