@@ -84,7 +84,9 @@ def convert(
             f"checkpoint has attention weights for layers {sorted(attention)} but config says "
             f"{layout.num_layers} layers; is the checkpoint complete?"
         )
-    target = DTYPES[dtype] if dtype != "auto" else _source_dtype(source, [n for m in attention.values() for n in m.values()])
+    target = (
+        DTYPES[dtype] if dtype != "auto" else _source_dtype(source, [n for m in attention.values() for n in m.values()])
+    )
 
     with atomic_output_dir(out, replace) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes)
@@ -93,7 +95,9 @@ def convert(
             writer.add(name, tensor.to(target) if tensor.is_floating_point() and dtype != "auto" else tensor)
 
         outputs: list[LayerOutput] = []
-        layers = tqdm(range(layout.num_layers), desc=f"{method.name}", unit="layer", disable=not progress, file=sys.stderr)
+        layers = tqdm(
+            range(layout.num_layers), desc=f"{method.name}", unit="layer", disable=not progress, file=sys.stderr
+        )
         for layer in layers:
             local = {k: source.get(v) for k, v in attention[layer].items()}
             result = method.convert_layer(layer, adapter.read_attention(local), target)

@@ -17,7 +17,9 @@ def tiny_config(kind: str):
 
     common = dict(vocab_size=97, num_hidden_layers=3, max_position_embeddings=256)
     if kind == "llama":
-        return LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, **common)
+        return LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, **common
+        )
     if kind == "llama_bias":  # attention_bias=True: q/k/v/o biases with RoPE
         return LlamaConfig(
             hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
@@ -28,13 +30,17 @@ def tiny_config(kind: str):
             hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=24, **common
         )
     if kind == "llama_gqa":
-        return LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **common)
+        return LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **common
+        )
     if kind == "mistral":
         return MistralConfig(
             hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=16, **common
         )
     if kind == "qwen2":  # q/k/v biases, no o bias
-        return Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, **common)
+        return Qwen2Config(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, **common
+        )
     if kind == "gpt_neox":  # fused QKV, partial rotary (25 %), biases
         return GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, **common)
     if kind == "gpt2":

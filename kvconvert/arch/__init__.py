@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvconvert.arch.base import AttentionLayout, AttentionTensorName, AttentionWeights, ArchAdapter
+from kvconvert.arch.base import ArchAdapter, AttentionLayout, AttentionTensorName, AttentionWeights
 from kvconvert.arch.gpt2 import GPT2Adapter
 from kvconvert.arch.gpt_neox import GPTNeoXAdapter
 from kvconvert.arch.llama import LlamaAdapter

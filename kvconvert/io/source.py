@@ -58,7 +58,9 @@ class SourceCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         if not self._index:
             self._build_index()
-        return self._handle(self._index[name])[name] if self.pickled else self._handle(self._index[name]).get_tensor(name)
+        return (
+            self._handle(self._index[name])[name] if self.pickled else self._handle(self._index[name]).get_tensor(name)
+        )
 
     def sha256(self) -> dict[str, str]:
         """sha256 of every weight file, streamed (never the whole file in memory)."""
@@ -114,7 +116,9 @@ def _download(model_id: str, revision: str | None, allow_pickle: bool) -> tuple[
     except RevisionNotFoundError:
         raise KVConvertError(f"revision {revision!r} not found in {model_id!r}") from None
     except GatedRepoError:
-        raise KVConvertError(f"{model_id!r} is gated: accept its licence on the Hub and log in (hf auth login)") from None
+        raise KVConvertError(
+            f"{model_id!r} is gated: accept its licence on the Hub and log in (hf auth login)"
+        ) from None
     except LocalEntryNotFoundError:
         raise KVConvertError(
             f"{model_id!r} is not in the local Hugging Face cache and the Hub is unreachable "

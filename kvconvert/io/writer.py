@@ -15,6 +15,7 @@ import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -80,7 +81,7 @@ class ShardedSafetensorsWriter:
         self._weight_map: dict[str, int] = {}
         self._header: dict[str, dict] = {}
         self._payload: Path | None = None
-        self._payload_file = None
+        self._payload_file: BinaryIO | None = None
         self._offset = 0
         self.total_bytes = 0
 
@@ -91,19 +92,22 @@ class ShardedSafetensorsWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self._payload_file is not None and self._offset and self._offset + nbytes > self.max_shard_bytes:
             self._close_shard()
-        if self._payload_file is None:
-            self._payload = self.directory / f".shard-{len(self._shards):05d}.payload"
-            self._payload_file = open(self._payload, "wb")  # noqa: SIM115 - closed in _close_shard
+        payload = self._payload_file or self._open_payload()
         self._header[name] = {
             "dtype": _DTYPE_NAMES[tensor.dtype],
             "shape": list(tensor.shape),
             "data_offsets": [self._offset, self._offset + nbytes],
         }
         if nbytes:
-            self._payload_file.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            payload.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
         self._offset += nbytes
         self.total_bytes += nbytes
         self._weight_map[name] = len(self._shards)
+
+    def _open_payload(self) -> BinaryIO:
+        self._payload = self.directory / f".shard-{len(self._shards):05d}.payload"
+        self._payload_file = open(self._payload, "wb")  # noqa: SIM115 - closed in _close_shard
+        return self._payload_file
 
     def _close_shard(self) -> None:
         assert self._payload_file is not None and self._payload is not None
@@ -123,14 +127,15 @@ class ShardedSafetensorsWriter:
         """Finish the last shard, name the shards, write the index if sharded; return file names."""
         if self._payload_file is not None or not self._shards:
             if self._payload_file is None:
-                self._payload = self.directory / ".shard-00000.payload"
-                self._payload_file = open(self._payload, "wb")  # noqa: SIM115
+                self._open_payload()  # a model with no tensors still gets a valid (empty) file
             self._close_shard()
         count = len(self._shards)
         names = (
-            ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+            ["model.safetensors"]
+            if count == 1
+            else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
         )
-        for shard, name in zip(self._shards, names):
+        for shard, name in zip(self._shards, names, strict=True):
             shard.rename(self.directory / name)
         if count > 1:
             index = {

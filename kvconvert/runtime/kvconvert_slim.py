@@ -30,8 +30,12 @@ class KeyOnlyLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, None]:
         if not self.is_initialized:
             self.lazy_initialization(key_states)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.keys = torch.cat([self._keys(), key_states], dim=-2)
         return self.keys, None
+
+    def _keys(self) -> torch.Tensor:
+        assert self.keys is not None, "cache layer used before its first update"
+        return self.keys
 
     def reset(self) -> None:
         self.keys, self.values, self.is_initialized = None, None, False
@@ -40,27 +44,28 @@ class KeyOnlyLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError("crop() takes a negative number of tokens to remove")
         if tokens_to_remove and self.is_initialized:
-            self.keys = self.keys[:, :tokens_to_remove]
+            self.keys = self._keys()[:, :tokens_to_remove]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.get_seq_length() > 0:
-            self.keys = self.keys.repeat_interleave(repeats, dim=0)
+            self.keys = self._keys().repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.get_seq_length() > 0:
-            self.keys = self.keys[indices]
+            self.keys = self._keys()[indices]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.get_seq_length() > 0:
-            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
+            keys = self._keys()
+            self.keys = keys.index_select(0, beam_idx.to(keys.device))
 
     def offload(self) -> None:
         if self.is_initialized:
-            self.keys = self.keys.to("cpu", non_blocking=True)
+            self.keys = self._keys().to("cpu", non_blocking=True)
 
     def prefetch(self) -> None:
-        if self.is_initialized and self.keys.device != self.device:
-            self.keys = self.keys.to(self.device, non_blocking=True)
+        if self.is_initialized and self._keys().device != self.device:
+            self.keys = self._keys().to(self.device, non_blocking=True)
 
 
 class KeyOnlyCache(Cache):
@@ -70,15 +75,28 @@ class KeyOnlyCache(Cache):
     """
 
     def __init__(self, num_layers: int, track_positions: bool):
-        super().__init__(layers=[KeyOnlyLayer() for _ in range(num_layers)])
+        self.key_layers = [KeyOnlyLayer() for _ in range(num_layers)]
+        super().__init__(layers=list(self.key_layers))
         self.track_positions = track_positions
         self.positions: torch.Tensor | None = None
+        # cos/sin of all cached positions, computed by the first layer of a forward pass and
+        # reused by the others; released when the forward pass ends (never kept between steps).
+        self._rope_step: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope_for_keys(self, rotary: nn.Module, keys: torch.Tensor, positions: torch.Tensor):
+        """(cos, sin) ``[b, n, r]`` for the cached keys, shared by all layers of one step."""
+        if self._rope_step is None or self._rope_step[0].shape[1] != positions.shape[1]:
+            self._rope_step = rotary(keys, positions.long())
+        return self._rope_step
+
+    def end_step(self) -> None:
+        self._rope_step = None
 
     def update_keys(
         self, new_keys: torch.Tensor, layer_idx: int, position_ids: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append ``new_keys [b, q, e]``; return all keys ``[b, n, e]`` and positions ``[b, n]``."""
-        keys, _ = self.layers[layer_idx].update(new_keys)
+        keys, _ = self.key_layers[layer_idx].update(new_keys)
         if not self.track_positions:
             return keys, None
         if self.positions is None or self.positions.shape[1] < keys.shape[1]:
@@ -178,7 +196,10 @@ class SlimAttention(nn.Module):
             cos, sin = position_embeddings if position_embeddings is not None else rotary(query, position_ids)
             query = apply_rotary(query, cos, sin)
             assert key_positions is not None
-            key_cos, key_sin = rotary(keys, key_positions.long())
+            if isinstance(cache, KeyOnlyCache):
+                key_cos, key_sin = cache.rope_for_keys(rotary, keys, key_positions)
+            else:
+                key_cos, key_sin = rotary(keys, key_positions.long())
             key_heads = apply_rotary(key_heads, key_cos, key_sin)
 
         bias = additive_mask(attention_mask, q_len, kv_len, query.dtype, query.device)
@@ -187,7 +208,9 @@ class SlimAttention(nn.Module):
             if bias is not None:
                 scores = scores + bias
             probs = softmax_rows(scores, query.dtype)
-            mixed_keys = probs @ keys.unsqueeze(1)  # [b, h, q, e]: option 2, softmax·K first
+            # option 2, softmax·K first; one bmm over all heads ([b, h·q, n] @ [b, n, e]) because a
+            # broadcast matmul against keys[:, None] would copy K once per head.
+            mixed_keys = torch.bmm(probs.reshape(batch, h * q_len, kv_len), keys).view(batch, h, q_len, h * dk)
             kv_per_head = self.kv_proj.weight.view(h, dk, h * dk)  # [h, dk, e]
             out = torch.einsum("bhqe,hde->bhqd", mixed_keys, kv_per_head)
         else:

@@ -19,7 +19,8 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping, r
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from .kvconvert_slim import SlimAttention, make_cache as make_slim_cache
+from .kvconvert_slim import SlimAttention
+from .kvconvert_slim import make_cache as make_slim_cache
 
 # method name -> (attention module class, cache factory)
 METHOD_RUNTIMES: dict[str, tuple[Any, Any]] = {
@@ -83,7 +84,12 @@ class KVConvertMixin:
     def forward(self, *args: Any, past_key_values: Cache | None = None, use_cache: bool | None = None, **kwargs: Any):
         if use_cache if use_cache is not None else self.config.use_cache:
             past_key_values = self.kvconvert_cache(past_key_values)
-        return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)  # type: ignore[misc]
+        try:
+            return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)  # type: ignore[misc]
+        finally:
+            end_step = getattr(past_key_values, "end_step", None)
+            if end_step is not None:
+                end_step()  # drop per-step scratch so only the cache state remains
 
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any):
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)  # type: ignore[misc]

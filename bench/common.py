@@ -1,0 +1,41 @@
+"""Helpers shared by the benchmarks: results files, machine description, timing."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def write_results(name: str, payload: dict[str, Any], table: str) -> tuple[Path, Path]:
+    """Write ``results/<name>-<date>.json`` and ``.md``; return both paths."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = f"{name}-{dt.date.today().isoformat()}"
+    json_path, md_path = RESULTS / f"{stem}.json", RESULTS / f"{stem}.md"
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    md_path.write_text(table + "\n")
+    return json_path, md_path
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

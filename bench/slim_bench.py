@@ -1,0 +1,133 @@
+"""Slim attention benchmark: conversion cost and decode speed/memory on a >= 300 MB MHA model.
+
+Random weights are fine for timing (slim's cost does not depend on their values). Run with
+``make bench-slim`` or ``python bench/slim_bench.py``; writes bench/results/slim-<date>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine, markdown_table, write_results  # noqa: E402
+from kvconvert.eval.memory import cache_nbytes  # noqa: E402
+
+
+def build_source(path: Path, layers: int) -> int:
+    """Save a random MHA Llama (hidden 1024, 16 heads, vocab 16k) and return its size in bytes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=1024, intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=16,
+        num_key_value_heads=16, vocab_size=16000, max_position_embeddings=8192, tie_word_embeddings=True,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def peak_rss_of(cmd: list[str]) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of a child process (Linux reports ru_maxrss in KiB)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if after <= before:
+        raise RuntimeError("child peak RSS not above an earlier child's; run the conversion first")
+    return wall, after * 1024
+
+
+@torch.no_grad()
+def decode_speed(model, context: int, new_tokens: int) -> dict[str, float]:
+    """Prefill ``context`` random tokens, then greedy-decode ``new_tokens`` one at a time."""
+    ids = torch.randint(3, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    start = time.perf_counter()
+    out = model(ids, use_cache=True)
+    prefill = time.perf_counter() - start
+    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    bytes_at_context = cache_nbytes(cache)
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        out = model(token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    decode = time.perf_counter() - start
+    return {
+        "prefill_tokens_per_s": context / prefill,
+        "decode_tokens_per_s": new_tokens / decode,
+        "kv_bytes_per_token": (cache_nbytes(cache) - bytes_at_context) / new_tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "src", Path(tmp) / "slim"
+        size = build_source(src, args.layers)
+        # RSS floor: the same interpreter importing the same libraries and doing nothing.
+        _, floor_rss = peak_rss_of([sys.executable, "-c", "import kvconvert.cli, transformers, torch"])
+        wall, rss = peak_rss_of([sys.executable, "-m", "kvconvert.cli", "slim", "--model", str(src), "--out",
+                                 str(dst), "--quiet"])  # fmt: skip
+        largest_tensor = max(p.numel() * p.element_size() for p in LlamaForCausalLM.from_pretrained(src).parameters())
+
+        original = LlamaForCausalLM.from_pretrained(src).eval()
+        slim = AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True).eval()
+        speed = []
+        for context in args.contexts:
+            for name, model in (("original", original), ("slim", slim)):
+                row = {"model": name, "context": context, **decode_speed(model, context, args.new_tokens)}
+                print(row, flush=True)
+                speed.append(row)
+
+    conversion = {
+        "model_bytes": size,
+        "layers": args.layers,
+        "wall_seconds": wall,
+        "peak_rss_bytes": rss,
+        "import_floor_rss_bytes": floor_rss,
+        "largest_tensor_bytes": largest_tensor,
+    }
+    payload = {"benchmark": "slim", "machine": machine(), "conversion": conversion, "decode": speed}
+    mb = 1024**2
+    conv_table = markdown_table(
+        ["model size", "conversion wall", "peak RSS", "RSS of imports alone", "largest tensor"],
+        [[f"{size / mb:.0f} MiB", f"{wall:.1f} s", f"{rss / mb:.0f} MiB", f"{floor_rss / mb:.0f} MiB",
+          f"{largest_tensor / mb:.0f} MiB"]],
+    )  # fmt: skip
+    rows = []
+    for context in args.contexts:
+        o, s = (next(r for r in speed if r["model"] == m and r["context"] == context) for m in ("original", "slim"))
+        rows.append([
+            context, f"{o['decode_tokens_per_s']:.1f}", f"{s['decode_tokens_per_s']:.1f}",
+            f"{o['prefill_tokens_per_s']:.0f}", f"{s['prefill_tokens_per_s']:.0f}",
+            f"{o['kv_bytes_per_token']:.0f}", f"{s['kv_bytes_per_token']:.0f}",
+            f"{s['kv_bytes_per_token'] / o['kv_bytes_per_token']:.3f}",
+        ])  # fmt: skip
+    speed_table = markdown_table(
+        ["context", "decode tok/s orig", "decode tok/s slim", "prefill tok/s orig", "prefill tok/s slim",
+         "KV B/token orig", "KV B/token slim", "KV ratio"],
+        rows,
+    )  # fmt: skip
+    table = f"{conv_table}\n\n{speed_table}\n\nMachine: {payload['machine']}"
+    json_path, md_path = write_results("slim", payload, table)
+    print(table)
+    print(f"wrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()
