@@ -99,6 +99,53 @@ def slim(
     click.echo(f"wrote {result.out} (slim, expected KV budget {result.report['kv_budget_expected']:.2f})")
 
 
+@main.command("eval")
+@click.option("--model", "model", required=True, help="Local model directory (converted or not).")
+@click.option("--reference", default=None, help="Source model directory to compare against.")
+@click.option("--data", required=True, help="Text file, or dataset spec name[:config]:split:column.")
+@click.option("--ctx", type=int, default=1024, show_default=True, help="Window length (capped at the model's).")
+@click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of --data.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Also write results here.")
+@click.option("--retrieval-lengths", default=None, help="Comma-separated prompt lengths for passkey/copy.")
+@click.option("--no-retrieval", is_flag=True, help="Skip passkey and copy tests.")
+@click.option("--no-speed", is_flag=True, help="Skip throughput measurement.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@_user_errors
+def eval_command(
+    model: str,
+    reference: str | None,
+    data: str,
+    ctx: int,
+    max_tokens: int | None,
+    json_out: Path | None,
+    retrieval_lengths: str | None,
+    no_retrieval: bool,
+    no_speed: bool,
+    quiet: bool,
+) -> None:
+    """Perplexity, KL/top-1 vs --reference, measured KV bytes/token, speed, passkey and copy tests."""
+    import json
+
+    from kvconvert.eval.runner import EvalConfig, format_table, run_eval
+
+    try:
+        lengths = tuple(int(n) for n in retrieval_lengths.split(",")) if retrieval_lengths else None
+    except ValueError:
+        raise KVConvertError(
+            f"--retrieval-lengths must be comma-separated integers, got {retrieval_lengths!r}"
+        ) from None
+    if ctx < 2:
+        raise KVConvertError(f"--ctx must be at least 2, got {ctx}")
+    config = EvalConfig(
+        data=data, ctx=ctx, max_tokens=max_tokens, retrieval_lengths=lengths, retrieval=not no_retrieval,
+        speed=not no_speed, progress=not quiet,
+    )  # fmt: skip
+    result = run_eval(model, reference, config)
+    click.echo(format_table(result))
+    if json_out is not None:
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 @main.command("import-llama2c")
 @click.argument("checkpoint", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)

@@ -1,0 +1,67 @@
+"""Long-context checks where token- and head-dropping methods fail first.
+
+* passkey: a 5-digit number hidden at several depths of filler text, asked for at the end;
+  correct when the greedy continuation starts with the number.
+* copy: a random token sequence repeated twice; accuracy of the argmax predictions over the
+  second copy (induction), which even small models do well.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+QUESTION = " What is the pass key? The pass key is"
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+@torch.no_grad()
+def passkey_accuracy(
+    model: Any, tokenizer: Any, length: int, depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0), seed: int = 0
+) -> float | None:
+    """Fraction of depths at which the model retrieves the key from a ``length``-token prompt
+    (answer included); None when the needle and question alone do not fit in ``length``."""
+    rng = random.Random(seed + length)
+    filler = _encode(tokenizer, FILLER)
+    question = _encode(tokenizer, QUESTION)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and tokenizer.add_bos_token else []
+    correct = 0
+    for depth in depths:
+        key = str(rng.randint(10000, 99999))
+        needle = _encode(tokenizer, f" The pass key is {key}. Remember it. {key} is the pass key. ")
+        expected = _encode(tokenizer, " " + key)
+        # prompt + answer fit in ``length`` tokens
+        budget = length - len(needle) - len(question) - len(bos) - len(expected) - 2
+        if budget < 0:
+            return None
+        haystack = (filler * (budget // len(filler) + 1))[:budget]
+        cut = int(len(haystack) * depth)
+        ids = torch.tensor([bos + haystack[:cut] + needle + haystack[cut:] + question])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(expected) + 2, do_sample=False,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        )  # fmt: skip
+        answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        correct += answer.strip().startswith(key)
+    return correct / len(depths)
+
+
+@torch.no_grad()
+def copy_accuracy(model: Any, length: int, vocab_low: int = 3, seed: int = 0) -> float:
+    """Argmax accuracy on the second half of a ``length``-token sequence that repeats its first half.
+
+    Token ids are drawn from ``[vocab_low, vocab)`` (callers put special tokens below it). The first
+    token of the second copy is not scored: nothing announces that the sequence restarts there.
+    """
+    half = length // 2
+    gen = torch.Generator().manual_seed(seed + length)
+    first = torch.randint(vocab_low, model.config.vocab_size, (half,), generator=gen)
+    ids = torch.cat([first, first])[None]
+    predictions = model(ids, use_cache=False).logits[0, half:-1].argmax(-1)  # predict first[1:]
+    return (predictions == first[1:]).float().mean().item()

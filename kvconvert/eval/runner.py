@@ -1,0 +1,169 @@
+"""``kvconvert eval``: quality, KV memory, speed and long-context retrieval of a model vs its source."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvconvert.errors import KVConvertError
+from kvconvert.eval.data import load_text
+from kvconvert.eval.memory import kv_bytes_per_token
+from kvconvert.eval.quality import evaluate_quality
+from kvconvert.eval.retrieval import copy_accuracy, passkey_accuracy
+from kvconvert.eval.speed import measure_speed
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    data: str
+    ctx: int = 1024
+    max_tokens: int | None = None
+    speed_context: int = 512
+    new_tokens: int = 32
+    retrieval_lengths: tuple[int, ...] | None = None  # None: 256, 512, … up to min(context, 2048)
+    retrieval: bool = True
+    speed: bool = True
+    progress: bool = True
+
+
+def load_for_eval(path: str) -> tuple[Any, Any]:
+    """(model, tokenizer). kvconvert checkpoints load through the installed runtime, so no code
+    from the directory is executed; plain checkpoints load as stock transformers models."""
+    import transformers
+
+    directory = Path(path)
+    config_file = directory / "config.json"
+    if not config_file.exists():
+        raise KVConvertError(f"{path} has no config.json; eval takes a local model directory")
+    if json.loads(config_file.read_text()).get("model_type") == "kvconvert":
+        import kvconvert
+
+        model = kvconvert.load(directory)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=False)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, config=model.config, trust_remote_code=False)
+    except (OSError, ValueError):
+        raise KVConvertError(f"{path} has no tokenizer files; eval needs them to tokenize --data") from None
+    return model.eval(), tokenizer
+
+
+def model_context(model: Any) -> int:
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(model.config, name, None)
+        if value:
+            return int(value)
+    return 2048
+
+
+def default_retrieval_lengths(context: int) -> tuple[int, ...]:
+    """256, 512, … up to min(context, 2048); just the context for models shorter than 256."""
+    lengths, n = [], 256
+    while n <= min(context, 2048):
+        lengths.append(n)
+        n *= 2
+    return tuple(lengths) or (context,)
+
+
+def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) -> dict[str, Any]:
+    start = time.perf_counter()
+    model, tokenizer = load_for_eval(model_path)
+    reference = load_for_eval(reference_path)[0] if reference_path else None
+    context = model_context(model)
+    ctx = min(config.ctx, context)
+    text = load_text(config.data)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+    if config.max_tokens:
+        ids = ids[: config.max_tokens]
+    if ids.numel() < 2:
+        raise KVConvertError(f"--data {config.data!r} has fewer than 2 tokens")
+
+    quality = evaluate_quality(model, ids, ctx, reference, progress=config.progress)
+    result: dict[str, Any] = {
+        "model": model_path,
+        "reference": reference_path,
+        "data": config.data,
+        "ctx": ctx,
+        "window": "non-overlapping",
+        "tokens": quality.tokens,
+        "ppl": quality.ppl,
+    }
+    if reference is not None:
+        result.update(
+            reference_ppl=quality.reference_ppl, kl_mean=quality.kl_mean, top1_agreement=quality.top1_agreement
+        )
+
+    # KV bytes: cache growth between two prompt lengths, on the evaluation text itself.
+    long = min(ctx, ids.numel(), 512)
+    short = max(1, long // 4)
+    sample = ids[None, :long]
+    result["kv_bytes_per_token"] = kv_bytes_per_token(model, sample, short, long)
+    result["kv_measured_between"] = [short, long]
+    if reference is not None:
+        result["reference_kv_bytes_per_token"] = kv_bytes_per_token(reference, sample, short, long)
+        result["kv_budget_measured"] = result["kv_bytes_per_token"] / result["reference_kv_bytes_per_token"]
+
+    if config.speed:
+        speed_context = min(config.speed_context, context - config.new_tokens - 1)
+        result["speed_context"] = speed_context
+        result.update(measure_speed(model, speed_context, config.new_tokens))
+        if reference is not None:
+            ref_speed = measure_speed(reference, speed_context, config.new_tokens)
+            result.update({f"reference_{k}": v for k, v in ref_speed.items()})
+            result["decode_speed_ratio"] = result["decode_tokens_per_s"] / ref_speed["decode_tokens_per_s"]
+
+    if config.retrieval:
+        lengths = config.retrieval_lengths or default_retrieval_lengths(context)
+        vocab_low = max(tokenizer.all_special_ids, default=2) + 1
+        for name, m in (("", model), ("reference_", reference)):
+            if m is None:
+                continue
+            result[f"{name}passkey"] = {str(n): passkey_accuracy(m, tokenizer, n) for n in lengths}
+            result[f"{name}copy"] = {str(n): copy_accuracy(m, n, vocab_low=vocab_low) for n in lengths}
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """Two-column human-readable summary (model vs reference)."""
+    has_ref = result.get("reference") is not None
+    rows: list[tuple[str, str, str]] = [
+        ("perplexity", f"{result['ppl']:.3f}", f"{result['reference_ppl']:.3f}" if has_ref else ""),
+        ("KV bytes/token", f"{result['kv_bytes_per_token']:.0f}",
+         f"{result['reference_kv_bytes_per_token']:.0f}" if has_ref else ""),
+    ]  # fmt: skip
+    if "decode_tokens_per_s" in result:
+        rows.append(("prefill tok/s", f"{result['prefill_tokens_per_s']:.1f}",
+                     f"{result['reference_prefill_tokens_per_s']:.1f}" if has_ref else ""))  # fmt: skip
+        rows.append(("decode tok/s", f"{result['decode_tokens_per_s']:.1f}",
+                     f"{result['reference_decode_tokens_per_s']:.1f}" if has_ref else ""))  # fmt: skip
+    for key, label in (("passkey", "passkey"), ("copy", "copy acc.")):
+        for length, value in result.get(key, {}).items():
+            ref = result.get(f"reference_{key}", {}).get(length)
+            rows.append(
+                (
+                    f"{label} @{length}",
+                    _fmt(value),
+                    "" if length not in result.get(f"reference_{key}", {}) else _fmt(ref),
+                )
+            )
+    lines = [f"{'':<18} {'model':>12} {'reference':>12}"]
+    lines += [f"{a:<18} {b:>12} {c:>12}" for a, b, c in rows]
+    if has_ref:
+        lines.append(
+            f"KL(ref‖model) {result['kl_mean']:.3g} nats/token · top-1 agreement {result['top1_agreement']:.4f} · "
+            f"measured KV budget {result['kv_budget_measured']:.3f}"
+        )
+    lines.append(
+        f"{result['tokens']} tokens scored in {result['window']} windows of {result['ctx']} · {result['seconds']:.1f} s"
+    )
+    return "\n".join(lines)
