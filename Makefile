@@ -1,0 +1,40 @@
+# kvconvert — the two README commands are `make demo` and `make test`.
+PYTHON ?= python3
+SHARED ?= ../shared
+DEMO := demo-out
+AIDREAMS := $(SHARED)/models/aidreams260K
+
+.PHONY: install demo test quality bench bench-quick bench-slim clean
+
+# torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
+install:
+	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e ".[dev,gguf]"
+
+demo: install
+	@test -f $(AIDREAMS)/aidreams260K.bin || { echo "demo needs $(AIDREAMS) (set SHARED=...)"; exit 1; }
+	kvconvert import-llama2c $(AIDREAMS)/aidreams260K.bin --tokenizer $(AIDREAMS)/tok512.bin --out $(DEMO)/aidreams260K --force
+	kvconvert slim --model $(DEMO)/aidreams260K --out $(DEMO)/aidreams260K-slim --force
+	kvconvert eval --model $(DEMO)/aidreams260K-slim --reference $(DEMO)/aidreams260K \
+		--data $(SHARED)/data/tinystories/tinystories_validation_head.txt --max-tokens 4096 --json $(DEMO)/eval.json --quiet
+	$(PYTHON) examples/generate.py $(DEMO)/aidreams260K-slim "I dreamed"
+
+test: install
+	$(PYTHON) -m pytest -q
+
+quality: install
+	ruff check kvconvert tests bench examples
+	ruff format --check kvconvert tests bench examples
+	mypy
+
+bench: install bench-slim
+	$(PYTHON) bench/run.py
+
+bench-slim:
+	$(PYTHON) bench/slim_bench.py
+
+bench-quick: install
+	$(PYTHON) bench/run.py --quick
+
+clean:
+	rm -rf $(DEMO) bench/.cache build *.egg-info

