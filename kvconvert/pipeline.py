@@ -18,7 +18,7 @@ from kvconvert.errors import KVConvertError
 from kvconvert.io.model_card import write_model_card
 from kvconvert.io.source import TOKENIZER_FILES, SourceCheckpoint
 from kvconvert.io.writer import ShardedSafetensorsWriter, atomic_output_dir
-from kvconvert.methods.base import LayerOutput, Method
+from kvconvert.methods.base import Method
 
 RUNTIME_DIR = Path(__file__).parent / "runtime"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -94,17 +94,16 @@ def convert(
             tensor = source.get(name)
             writer.add(name, tensor.to(target) if tensor.is_floating_point() and dtype != "auto" else tensor)
 
-        outputs: list[LayerOutput] = []
-        layers = tqdm(
-            range(layout.num_layers), desc=f"{method.name}", unit="layer", disable=not progress, file=sys.stderr
-        )
+        reports: list[dict[str, Any]] = []
+        tensor_names: list[list[str]] = []  # per layer; the tensors themselves are already on disk
+        layers = tqdm(range(layout.num_layers), desc=method.name, unit="layer", disable=not progress, file=sys.stderr)
         for layer in layers:
             local = {k: source.get(v) for k, v in attention[layer].items()}
             result = method.convert_layer(layer, adapter.read_attention(local), target)
             for local_name in sorted(result.tensors):
                 writer.add(prefixes[layer] + local_name, result.tensors[local_name])
-            outputs.append(LayerOutput(tensors={k: torch.empty(0) for k in result.tensors}, report=result.report))
-        reports = [o.report for o in outputs]
+            reports.append(result.report)
+            tensor_names.append(sorted(result.tensors))
         method.finish(reports)
         weight_files = writer.close()
 
@@ -120,7 +119,7 @@ def convert(
             "head_dim": layout.head_dim,
             "hidden_size": layout.hidden_size,
             "scaling": list(layout.scaling),
-            **method.runtime_spec(layout, outputs),
+            **method.runtime_spec(layout, tensor_names),
         }
         config = source.config.to_dict()
         config.update(

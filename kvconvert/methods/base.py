@@ -32,8 +32,11 @@ class Method:
     def finish(self, reports: list[dict[str, Any]]) -> None:
         """Called once all layers are converted; may refuse the result (raise ``KVConvertError``)."""
 
-    def runtime_spec(self, layout: AttentionLayout, outputs: list[LayerOutput]) -> dict[str, Any]:
-        """Method-specific entries of ``config.kvconvert`` that the runtime reads."""
+    def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
+        """Method-specific entries of ``config.kvconvert`` that the runtime reads.
+
+        ``tensor_names[layer]``: the local names ``convert_layer`` produced for that layer.
+        """
         return {}
 
     def expected_kv_budget(self, layout: AttentionLayout) -> float:

@@ -108,8 +108,8 @@ class SlimMethod(Method):
                 "convert with --dtype float32, raise --max-v-error, or pass --force"
             )
 
-    def runtime_spec(self, layout: AttentionLayout, outputs: list[LayerOutput]) -> dict[str, Any]:
-        first = outputs[0].tensors
+    def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
+        first = set(tensor_names[0])  # biases exist in every layer or in none (one architecture)
         return {
             "q_bias": "q_proj.bias" in first,
             "k_bias": "k_proj.bias" in first,
