@@ -74,9 +74,12 @@ def test_missing_local_model(tmp_path):
     assert_user_error(result, "model not found")
 
 
-def test_hub_id_offline_without_cache(tmp_path):
-    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
-    result = run("slim", "--model", "some-org/not-cached-model", "--out", str(tmp_path / "out"), env=env)
+def test_hub_id_offline_without_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    result = run("slim", "--model", "some-org/not-cached-model", "--out", str(tmp_path / "out"))
     assert_user_error(result, "not in the local Hugging Face cache", "HF_HUB_OFFLINE")
 
 
@@ -140,3 +143,27 @@ def test_model_path_is_a_file(tmp_path):
 def test_bad_max_v_error(tiny_model_dir, tmp_path, bad):
     result = run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "o"), "--max-v-error", bad)
     assert_user_error(result, "max_v_error")
+
+
+def test_hub_id_resolves_from_the_hf_cache_offline(tiny_model_dir, tmp_path, monkeypatch):
+    """A Hub id is resolved through huggingface_hub (here from its cache, offline) and the
+    snapshot's commit hash is recorded as the source revision."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf-home" / "hub" / "models--some-org--tiny-llama"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(tiny_model_dir("llama"), snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    from huggingface_hub import constants
+
+    # huggingface_hub reads HF_HOME when imported; point the already-imported constant at our cache
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    out = tmp_path / "out"
+    result = run("slim", "--model", "some-org/tiny-llama", "--out", str(out), "--quiet")
+    assert result.exit_code == 0, result.output
+    source = json.loads((out / "kvconvert.json").read_text())["source"]
+    assert source["model"] == "some-org/tiny-llama" and source["revision"] == commit
+    assert "base_model: some-org/tiny-llama" in (out / "README.md").read_text()
