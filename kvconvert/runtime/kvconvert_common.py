@@ -1,11 +1,166 @@
-"""Shared runtime pieces: RoPE application, attention masks, cache byte accounting.
+"""Shared runtime pieces: the compressed cache, RoPE application, attention masks.
 
-Copied verbatim into every kvconvert output directory; imports only torch.
+Copied verbatim into every kvconvert output directory; imports only torch and transformers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class LatentLayer(DynamicLayer):
+    """One layer's compressed state: ``keys [b, n, wk]`` and optional ``values [b, n, wv]``.
+
+    What the widths hold is the method's business (slim: pre-RoPE K and no V; lorc: rank-d_c
+    latents). ``keys`` also provides the sequence length that masks are built from.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[:, :0]
+        self.values = None if value_states is None else value_states[:, :0]
+        self.is_initialized = True
+
+    def update(  # type: ignore[override]
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self._keys(), key_states], dim=-2)
+        if value_states is not None:
+            self.values = value_states if self.values is None else torch.cat([self.values, value_states], dim=-2)
+        return self.keys, self.values
+
+    def _keys(self) -> torch.Tensor:
+        assert self.keys is not None, "cache layer used before its first update"
+        return self.keys
+
+    def _apply(self, fn: Any) -> None:
+        self.keys = fn(self._keys())
+        if self.values is not None:
+            self.values = fn(self.values)
+
+    def reset(self) -> None:
+        self.keys, self.values, self.is_initialized = None, None, False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop() takes a negative number of tokens to remove")
+        if tokens_to_remove and self.is_initialized:
+            self._apply(lambda t: t[:, :tokens_to_remove])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.get_seq_length() > 0:
+            self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length() > 0:
+            self._apply(lambda t: t[indices])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.get_seq_length() > 0:
+            self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def offload(self) -> None:
+        if self.is_initialized:
+            self._apply(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self._keys().device != self.device:
+            self._apply(lambda t: t.to(self.device, non_blocking=True))
+
+
+class CompressedCache(Cache):
+    """Per layer a ``LatentLayer`` (compressed layers) or a stock ``DynamicLayer`` (layers a method
+    leaves untouched), plus one ``[b, n]`` int32 position table shared by all layers when RoPE has
+    to be applied at read time (left padding makes positions differ per row).
+    """
+
+    is_kvconvert_cache = True
+
+    def __init__(self, layers: Sequence[DynamicLayer], track_positions: bool):
+        super().__init__(layers=list(layers))
+        self.track_positions = track_positions
+        self.positions: torch.Tensor | None = None
+        # cos/sin of all cached positions, computed by the first layer of a forward pass and
+        # reused by the others; released when the forward pass ends (never kept between steps).
+        self._rope_step: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update_latent(
+        self,
+        layer_idx: int,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Append ``[b, q, w]`` states; return all keys, values and positions ``[b, n]``."""
+        layer = self.layers[layer_idx]
+        assert isinstance(layer, LatentLayer)
+        keys, values = layer.update(new_keys, new_values)
+        if not self.track_positions:
+            return keys, values, None
+        if self.positions is None or self.positions.shape[1] < keys.shape[1]:
+            # The first latent layer of a forward pass appends; later layers read the same table.
+            assert position_ids is not None
+            new_positions = position_ids.to(torch.int32).expand(new_keys.shape[0], new_keys.shape[1])
+            self.positions = (
+                new_positions if self.positions is None else torch.cat([self.positions, new_positions], dim=1)
+            )
+        return keys, values, self.positions[:, : keys.shape[1]]
+
+    def rope_for_keys(
+        self, rotary: nn.Module, like: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) ``[b, n, r]`` for the cached positions, shared by all layers of one step."""
+        if self._rope_step is None or self._rope_step[0].shape[1] != positions.shape[1]:
+            self._rope_step = rotary(like, positions.long())
+        return self._rope_step
+
+    def end_step(self) -> None:
+        self._rope_step = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.positions = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.positions is not None and tokens_to_remove:
+            self.positions = self.positions[:, :tokens_to_remove]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.positions is not None:
+            self.positions = self.positions.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.positions is not None:
+            self.positions = self.positions[indices]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.positions is not None:
+            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+
+
+def rotary_for_keys(
+    cache: Cache | None, rotary: nn.Module, like: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for cached keys: shared through the cache when there is one."""
+    if isinstance(cache, CompressedCache):
+        return cache.rope_for_keys(rotary, like, positions)
+    return rotary(like, positions.long())
+
+
+def default_position_ids(cache: Cache | None, layer_idx: int, q_len: int, device: torch.device) -> torch.Tensor:
+    past = cache.get_seq_length(layer_idx) if cache is not None else 0
+    return torch.arange(past, past + q_len, device=device)[None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,127 +11,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
-from .kvconvert_common import additive_mask, apply_rotary, softmax_rows
-
-
-class KeyOnlyLayer(DynamicLayer):
-    """One layer's cache: pre-RoPE keys ``[b, n, e]`` and nothing else (``values`` stays None)."""
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_empty((key_states.shape[0], 0, key_states.shape[-1]))
-        self.values = None
-        self.is_initialized = True
-
-    def update(  # type: ignore[override]
-        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, None]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states)
-        self.keys = torch.cat([self._keys(), key_states], dim=-2)
-        return self.keys, None
-
-    def _keys(self) -> torch.Tensor:
-        assert self.keys is not None, "cache layer used before its first update"
-        return self.keys
-
-    def reset(self) -> None:
-        self.keys, self.values, self.is_initialized = None, None, False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop() takes a negative number of tokens to remove")
-        if tokens_to_remove and self.is_initialized:
-            self.keys = self._keys()[:, :tokens_to_remove]
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.get_seq_length() > 0:
-            self.keys = self._keys().repeat_interleave(repeats, dim=0)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.get_seq_length() > 0:
-            self.keys = self._keys()[indices]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.get_seq_length() > 0:
-            keys = self._keys()
-            self.keys = keys.index_select(0, beam_idx.to(keys.device))
-
-    def offload(self) -> None:
-        if self.is_initialized:
-            self.keys = self._keys().to("cpu", non_blocking=True)
-
-    def prefetch(self) -> None:
-        if self.is_initialized and self._keys().device != self.device:
-            self.keys = self._keys().to(self.device, non_blocking=True)
-
-
-class KeyOnlyCache(Cache):
-    """Slim attention's cache: per layer the pre-RoPE keys, plus one ``[b, n]`` int32 position
-    table shared by all layers (RoPE is applied at read time, and left padding makes positions
-    differ per row). No value tensor exists anywhere in it.
-    """
-
-    def __init__(self, num_layers: int, track_positions: bool):
-        self.key_layers = [KeyOnlyLayer() for _ in range(num_layers)]
-        super().__init__(layers=list(self.key_layers))
-        self.track_positions = track_positions
-        self.positions: torch.Tensor | None = None
-        # cos/sin of all cached positions, computed by the first layer of a forward pass and
-        # reused by the others; released when the forward pass ends (never kept between steps).
-        self._rope_step: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def rope_for_keys(self, rotary: nn.Module, keys: torch.Tensor, positions: torch.Tensor):
-        """(cos, sin) ``[b, n, r]`` for the cached keys, shared by all layers of one step."""
-        if self._rope_step is None or self._rope_step[0].shape[1] != positions.shape[1]:
-            self._rope_step = rotary(keys, positions.long())
-        return self._rope_step
-
-    def end_step(self) -> None:
-        self._rope_step = None
-
-    def update_keys(
-        self, new_keys: torch.Tensor, layer_idx: int, position_ids: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Append ``new_keys [b, q, e]``; return all keys ``[b, n, e]`` and positions ``[b, n]``."""
-        keys, _ = self.key_layers[layer_idx].update(new_keys)
-        if not self.track_positions:
-            return keys, None
-        if self.positions is None or self.positions.shape[1] < keys.shape[1]:
-            # The first layer of a forward pass appends; later layers read the same table.
-            assert position_ids is not None
-            batch, q_len = new_keys.shape[0], new_keys.shape[1]
-            new_positions = position_ids.to(torch.int32).expand(batch, q_len)
-            self.positions = (
-                new_positions if self.positions is None else torch.cat([self.positions, new_positions], dim=1)
-            )
-        return keys, self.positions[:, : keys.shape[1]]
-
-    def reset(self) -> None:
-        super().reset()
-        self.positions = None
-
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        if self.positions is not None and tokens_to_remove:
-            self.positions = self.positions[:, :tokens_to_remove]
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.positions is not None:
-            self.positions = self.positions.repeat_interleave(repeats, dim=0)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        if self.positions is not None:
-            self.positions = self.positions[indices]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        if self.positions is not None:
-            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+from .kvconvert_common import (
+    CompressedCache,
+    LatentLayer,
+    additive_mask,
+    apply_rotary,
+    default_position_ids,
+    rotary_for_keys,
+    softmax_rows,
+)
 
 
 class SlimAttention(nn.Module):
@@ -182,11 +72,10 @@ class SlimAttention(nn.Module):
         query = self.q_proj(hidden_states).view(batch, q_len, h, dk).transpose(1, 2)  # [b, h, q, dk]
         new_keys = self.k_proj(hidden_states)  # [b, q, e], before RoPE
         if position_ids is None:
-            past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
-            position_ids = torch.arange(past, past + q_len, device=hidden_states.device)[None]
+            position_ids = default_position_ids(cache, self.layer_idx, q_len, hidden_states.device)
 
-        if isinstance(cache, KeyOnlyCache):
-            keys, key_positions = cache.update_keys(new_keys, self.layer_idx, position_ids)
+        if isinstance(cache, CompressedCache):
+            keys, _, key_positions = cache.update_latent(self.layer_idx, new_keys, None, position_ids)
         else:
             keys, key_positions = new_keys, position_ids.expand(batch, q_len)
         kv_len = keys.shape[1]
@@ -196,10 +85,7 @@ class SlimAttention(nn.Module):
             cos, sin = position_embeddings if position_embeddings is not None else rotary(query, position_ids)
             query = apply_rotary(query, cos, sin)
             assert key_positions is not None
-            if isinstance(cache, KeyOnlyCache):
-                key_cos, key_sin = cache.rope_for_keys(rotary, keys, key_positions)
-            else:
-                key_cos, key_sin = rotary(keys, key_positions.long())
+            key_cos, key_sin = rotary_for_keys(cache, rotary, keys, key_positions)
             key_heads = apply_rotary(key_heads, key_cos, key_sin)
 
         bias = additive_mask(attention_mask, q_len, kv_len, query.dtype, query.device)
@@ -222,5 +108,7 @@ class SlimAttention(nn.Module):
         return self.o_proj(out), None
 
 
-def make_cache(spec: dict[str, Any]) -> KeyOnlyCache:
-    return KeyOnlyCache(len(spec["attention_modules"]), track_positions=spec.get("rotary_module") is not None)
+def make_cache(spec: dict[str, Any]) -> CompressedCache:
+    """Per layer only the pre-RoPE keys (``LatentLayer`` with no values)."""
+    layers = [LatentLayer() for _ in spec["attention_modules"]]
+    return CompressedCache(layers, track_positions=spec.get("rotary_module") is not None)

@@ -63,9 +63,11 @@ class KVConvertMixin:
         attention_class, _ = METHOD_RUNTIMES[spec["method"]]
         rotary = self.get_submodule(spec["rotary_module"]) if spec.get("rotary_module") else None  # type: ignore[attr-defined]
         for layer_idx, path in enumerate(spec["attention_modules"]):
+            module = attention_class(spec, layer_idx, rotary)
+            if module is None:
+                continue  # the method leaves this layer's stock attention (and weights) as they are
             parent_path, _, name = path.rpartition(".")
-            parent = self.get_submodule(parent_path)  # type: ignore[attr-defined]
-            setattr(parent, name, attention_class(spec, layer_idx, rotary))
+            setattr(self.get_submodule(parent_path), name, module)  # type: ignore[attr-defined]
 
     def kvconvert_cache(self, past_key_values: Cache | None) -> Cache:
         """The method's cache, replacing an empty stock cache that generate() or a caller made."""
@@ -73,9 +75,7 @@ class KVConvertMixin:
         if past_key_values is not None and getattr(past_key_values, "is_kvconvert_cache", False):
             return past_key_values
         if past_key_values is None or past_key_values.get_seq_length() == 0:
-            cache = make_cache(self.config.kvconvert)
-            cache.is_kvconvert_cache = True
-            return cache
+            return make_cache(self.config.kvconvert)
         raise ValueError(
             f"this kvconvert checkpoint needs its own cache; got a filled {type(past_key_values).__name__}. "
             "Pass past_key_values=None and reuse the cache returned in the outputs."
