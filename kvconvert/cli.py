@@ -81,22 +81,86 @@ def slim(
     max_v_error: float,
 ) -> None:
     """Slim attention: cache only K, compute V = K·W_KV (exact; MHA models only)."""
-    from kvconvert.io.source import open_source
     from kvconvert.methods.slim import SlimConfig, SlimMethod
-    from kvconvert.pipeline import convert, parse_size
 
     method = SlimMethod(SlimConfig(max_v_error=max_v_error, force=force))
+    report = _convert(method, model, revision, allow_pickle, out, force, dtype, max_shard_size, quiet)
+    if not quiet:
+        _print_layers(report, [("κ(W_K)", "kappa_k", ".3g"), ("V rel. error", "v_rel_error", ".2e"),
+                               ("dtype rounding", "dtype_rel_error", ".2e")])  # fmt: skip
+    click.echo(f"wrote {out} (slim, expected KV budget {report['kv_budget_expected']:.2f})")
+
+
+@main.command()
+@_source_options
+@_output_options
+@click.option("--kv-budget", type=float, required=True, help="Cached bytes per token ÷ original, in (0, 1].")
+@click.option(
+    "--schedule",
+    type=click.Choice(["progressive", "uniform"]),
+    default="progressive",
+    show_default=True,
+    help="Per-layer ranks from cumulative condition numbers (paper eq. 13), or one ratio for all layers.",
+)
+@click.option("--threshold", type=float, default=None, help="Leave layers with log10 κ̃ above this uncompressed.")
+@click.option(
+    "--compress", type=click.Choice(["kv", "k", "v"]), default="kv", show_default=True, help="Which projections."
+)
+@_user_errors
+def lorc(
+    model: str,
+    revision: str | None,
+    allow_pickle: bool,
+    out: Path,
+    force: bool,
+    dtype: str,
+    max_shard_size: str,
+    quiet: bool,
+    kv_budget: float,
+    schedule: str,
+    threshold: float | None,
+    compress: str,
+) -> None:
+    """LoRC: low-rank K/V weights, the cache holds rank-d_c latents (any MHA/GQA model)."""
+    from kvconvert.methods.lorc import LorcConfig, LorcMethod
+
+    config = LorcConfig(kv_budget=kv_budget, schedule=schedule, threshold=threshold, compress=compress)  # type: ignore[arg-type]
+    report = _convert(LorcMethod(config), model, revision, allow_pickle, out, force, dtype, max_shard_size, quiet)
+    if not quiet:
+        _print_layers(report, [("κ(W_K)", "kappa_k", ".3g"), ("κ(W_V)", "kappa_v", ".3g"),
+                               ("log10 κ̃", "log10_kappa_cum", ".1f"), ("rank K", "rank_k", ""),
+                               ("rank V", "rank_v", ""), ("K error", "k_rel_frobenius_error", ".3f"),
+                               ("V error", "v_rel_frobenius_error", ".3f")])  # fmt: skip
+    click.echo(f"wrote {out} (lorc {schedule}, KV budget {report['kv_budget_expected']:.3f})")
+
+
+def _convert(
+    method: Any,
+    model: str,
+    revision: str | None,
+    allow_pickle: bool,
+    out: Path,
+    force: bool,
+    dtype: str,
+    max_shard_size: str,
+    quiet: bool,
+) -> dict[str, Any]:
+    from kvconvert.io.source import open_source
+    from kvconvert.pipeline import convert, parse_size
+
     source = open_source(model, revision=revision, allow_pickle=allow_pickle)
     result = convert(
         source, method, out, dtype=dtype, replace=force, max_shard_bytes=parse_size(max_shard_size), progress=not quiet
     )
-    if not quiet:
-        click.echo(f"{'layer':>5}  {'κ(W_K)':>10}  {'V rel. error':>12}  {'dtype rounding':>14}")
-        for r in result.report["layers"]:
-            click.echo(
-                f"{r['layer']:>5}  {r['kappa_k']:>10.3g}  {r['v_rel_error']:>12.2e}  {r['dtype_rel_error']:>14.2e}"
-            )
-    click.echo(f"wrote {result.out} (slim, expected KV budget {result.report['kv_budget_expected']:.2f})")
+    return result.report
+
+
+def _print_layers(report: dict[str, Any], columns: list[tuple[str, str, str]]) -> None:
+    """Per-layer table of the conversion report; missing values print as '-'."""
+    click.echo(f"{'layer':>5}  " + "  ".join(f"{title:>14}" for title, _, _ in columns))
+    for row in report["layers"]:
+        cells = ["-" if row.get(key) is None else format(row[key], fmt) for _, key, fmt in columns]
+        click.echo(f"{row['layer']:>5}  " + "  ".join(f"{c:>14}" for c in cells))
 
 
 @main.command("eval")

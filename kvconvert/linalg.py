@@ -5,6 +5,8 @@ Weights follow torch's ``nn.Linear`` convention, ``y = x @ W.T + b`` with ``W: [
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 F64 = torch.float64
@@ -73,3 +75,27 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     exact64 = exact.to(F64)
     denom = float(torch.linalg.norm(exact64))
     return float(torch.linalg.norm(approx.to(F64) - exact64)) / max(denom, 1e-300)
+
+
+def truncated_svd(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-``rank`` factors of a Linear weight ``W [m, n] ≈ up @ down``, float64.
+
+    ``up = U[:, :r]`` (orthonormal columns, ``[m, r]``) and ``down = Σ_r V_rᵀ`` (``[r, n]``), so
+    ``x @ down.T`` is the latent LoRC caches and ``‖W x − up down x‖ ≤ σ_{r+1}‖x‖`` (LoRC thm. 1).
+    """
+    u, s, vh = torch.linalg.svd(weight.to(F64), full_matrices=False)
+    if not 1 <= rank <= s.numel():
+        raise ValueError(f"rank {rank} outside [1, {s.numel()}]")
+    return u[:, :rank].contiguous(), (s[:rank, None] * vh[:rank]).contiguous()
+
+
+def relative_frobenius_error(singular_values: torch.Tensor, rank: int) -> float:
+    """‖W − W_r‖_F / ‖W‖_F of the best rank-``rank`` approximation, from W's singular values."""
+    energy = singular_values.to(F64) ** 2
+    return float(energy[rank:].sum().sqrt() / energy.sum().sqrt())
+
+
+def log_cumulative_condition(kappa_k: list[float], kappa_v: list[float]) -> list[float]:
+    """ln κ̃_l = Σ_{j ≥ l} ln κ(W_K^j) + ln κ(W_V^j) (LoRC eq. 12 in log space: κ̃ itself overflows)."""
+    logs = [math.log(k) + math.log(v) for k, v in zip(kappa_k, kappa_v, strict=True)]
+    return [sum(logs[layer:]) for layer in range(len(logs))]

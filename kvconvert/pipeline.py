@@ -88,6 +88,11 @@ def convert(
         DTYPES[dtype] if dtype != "auto" else _source_dtype(source, [n for m in attention.values() for n in m.values()])
     )
 
+    def read_layer(layer: int) -> dict[str, torch.Tensor]:
+        return {k: source.get(v) for k, v in attention[layer].items()}
+
+    method.plan(layout, (adapter.read_attention(read_layer(layer)) for layer in range(layout.num_layers)))
+
     with atomic_output_dir(out, replace) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes)
         for name in passthrough:
@@ -98,12 +103,16 @@ def convert(
         tensor_names: list[list[str]] = []  # per layer; the tensors themselves are already on disk
         layers = tqdm(range(layout.num_layers), desc=method.name, unit="layer", disable=not progress, file=sys.stderr)
         for layer in layers:
-            local = {k: source.get(v) for k, v in attention[layer].items()}
+            local = read_layer(layer)
             result = method.convert_layer(layer, adapter.read_attention(local), target)
-            for local_name in sorted(result.tensors):
-                writer.add(prefixes[layer] + local_name, result.tensors[local_name])
+            produced = local if result.passthrough else result.tensors
+            for local_name in sorted(produced):
+                tensor = produced[local_name]
+                if result.passthrough and tensor.is_floating_point() and dtype != "auto":
+                    tensor = tensor.to(target)
+                writer.add(prefixes[layer] + local_name, tensor)
             reports.append(result.report)
-            tensor_names.append(sorted(result.tensors))
+            tensor_names.append(sorted(produced))
         method.finish(reports)
         weight_files = writer.close()
 

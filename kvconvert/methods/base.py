@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -16,6 +17,7 @@ class LayerOutput:
 
     tensors: dict[str, torch.Tensor]
     report: dict[str, Any] = field(default_factory=dict)
+    passthrough: bool = False  # keep the layer's original attention tensors and stock module
 
 
 class Method:
@@ -25,6 +27,10 @@ class Method:
 
     def check(self, layout: AttentionLayout) -> None:
         """Raise ``KVConvertError`` if the model cannot be converted by this method."""
+
+    def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights]) -> None:
+        """Whole-model decisions before any layer is converted. ``layers`` reads each layer's
+        attention weights lazily, one at a time; methods that need nothing global ignore it."""
 
     def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         raise NotImplementedError

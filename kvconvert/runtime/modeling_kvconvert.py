@@ -19,12 +19,15 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping, r
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from .kvconvert_lorc import make_attention as make_lorc_attention
+from .kvconvert_lorc import make_cache as make_lorc_cache
 from .kvconvert_slim import SlimAttention
 from .kvconvert_slim import make_cache as make_slim_cache
 
-# method name -> (attention module class, cache factory)
+# method name -> (attention factory: (spec, layer, rotary) -> module or None for stock, cache factory)
 METHOD_RUNTIMES: dict[str, tuple[Any, Any]] = {
     "slim": (SlimAttention, make_slim_cache),
+    "lorc": (make_lorc_attention, make_lorc_cache),
 }
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")

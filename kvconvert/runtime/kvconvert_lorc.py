@@ -1,0 +1,140 @@
+"""LoRC runtime (Zhang et al., "LoRC: Low-Rank Compression for LLMs KV Cache").
+
+The cache holds per layer the rank-r latents ``c_k = x·W_down,Kᵀ`` and ``c_v = x·W_down,Vᵀ``.
+Values are never rebuilt: U_V is folded into the output projection, so each query head's
+attention-weighted latent goes straight into ``o_proj``. Keys: without RoPE, U_K is folded into
+the query projection and scores are taken against the latent directly; with RoPE, per-head keys
+are rebuilt from the latent (``k_up``) and rotated at read time (positions come from the cache).
+Layers the conversion left uncompressed keep transformers' own attention and a stock cache layer.
+Copied verbatim into every lorc output directory; imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .kvconvert_common import (
+    CompressedCache,
+    LatentLayer,
+    additive_mask,
+    apply_rotary,
+    default_position_ids,
+    rotary_for_keys,
+    softmax_rows,
+)
+
+
+class LorcAttention(nn.Module):
+    """Attention over a low-rank K/V cache (GQA-aware: query head i uses KV group i // G).
+
+    Parameters, by what was factored (r_k, r_v ranks; H, Hkv heads; dk head dim; d hidden):
+    K factored: ``k_down [r_k, d]``, and with RoPE ``k_up [Hkv·dk, r_k]`` + ``q_proj [H·dk, d]``,
+    without RoPE ``q_proj [H·r_k, d]`` (U_K absorbed); K kept: ``k_proj``, ``q_proj`` as usual.
+    V factored: ``v_down [r_v, d]``, ``o_proj [d, H·r_v]``; V kept: ``v_proj``, ``o_proj [d, H·dk]``.
+    """
+
+    def __init__(self, spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None):
+        super().__init__()
+        layer = spec["lorc_layers"][layer_idx]
+        self.layer_idx = layer_idx
+        self.heads, self.kv_heads, self.head_dim = (
+            int(spec["num_heads"]),
+            int(spec["num_kv_heads"]),
+            int(spec["head_dim"]),
+        )
+        self.scaling = float(spec["scaling"][layer_idx])
+        self.rank_k, self.rank_v = layer["rank_k"], layer["rank_v"]
+        biases = set(layer["biases"])
+        hidden, kv_width = int(spec["hidden_size"]), self.kv_heads * self.head_dim
+        self.absorbed_keys = self.rank_k is not None and rotary is None
+        q_width = self.heads * (self.rank_k if self.absorbed_keys else self.head_dim)
+        self.q_proj = nn.Linear(hidden, q_width, bias="q_proj" in biases)
+        if self.rank_k is None:
+            self.k_proj = nn.Linear(hidden, kv_width, bias="k_proj" in biases)
+        else:
+            self.k_down = nn.Linear(hidden, self.rank_k, bias=False)
+            if rotary is not None:
+                self.k_up = nn.Linear(self.rank_k, kv_width, bias="k_up" in biases)
+        if self.rank_v is None:
+            self.v_proj = nn.Linear(hidden, kv_width, bias="v_proj" in biases)
+        else:
+            self.v_down = nn.Linear(hidden, self.rank_v, bias=False)
+        self.o_proj = nn.Linear(self.heads * (self.rank_v or self.head_dim), hidden, bias="o_proj" in biases)
+        self.__dict__["_rotary"] = rotary  # owned by the model; a reference, not a submodule
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """``[b, n, Hkv·dk]`` -> ``[b, Hkv, n, dk]``."""
+        b, n, _ = x.shape
+        return x.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        position_ids: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        layer_past: Cache | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        cache = past_key_values if past_key_values is not None else layer_past
+        batch, q_len, _ = hidden_states.shape
+        h, hkv = self.heads, self.kv_heads
+        group = h // hkv
+        rotary = self.__dict__["_rotary"]
+        if position_ids is None:
+            position_ids = default_position_ids(cache, self.layer_idx, q_len, hidden_states.device)
+
+        new_keys = self.k_proj(hidden_states) if self.rank_k is None else self.k_down(hidden_states)  # pre-RoPE
+        new_values = self.v_proj(hidden_states) if self.rank_v is None else self.v_down(hidden_states)
+        if isinstance(cache, CompressedCache):
+            keys, values, key_positions = cache.update_latent(self.layer_idx, new_keys, new_values, position_ids)
+            assert values is not None
+        else:
+            keys, values, key_positions = new_keys, new_values, position_ids.expand(batch, q_len)
+        kv_len = keys.shape[1]
+
+        query = self.q_proj(hidden_states).view(batch, q_len, h, -1).transpose(1, 2)  # [b, h, q, dk or r_k]
+        if self.absorbed_keys:
+            # scores against the shared latent: [b, h·q, r_k] @ [b, r_k, n]
+            scores = torch.bmm(query.reshape(batch, h * q_len, -1), keys.transpose(1, 2)).view(batch, h, q_len, kv_len)
+        else:
+            key_heads = self._grouped(keys if self.rank_k is None else self.k_up(keys))  # [b, Hkv, n, dk]
+            if rotary is not None:
+                cos, sin = position_embeddings if position_embeddings is not None else rotary(query, position_ids)
+                query = apply_rotary(query, cos, sin)
+                assert key_positions is not None
+                key_cos, key_sin = rotary_for_keys(cache, rotary, keys, key_positions)
+                key_heads = apply_rotary(key_heads, key_cos, key_sin)
+            grouped_query = query.reshape(batch, hkv, group * q_len, self.head_dim)  # heads of a group are adjacent
+            scores = (grouped_query @ key_heads.transpose(-1, -2)).view(batch, h, q_len, kv_len)
+
+        scores = scores * self.scaling
+        bias = additive_mask(attention_mask, q_len, kv_len, scores.dtype, scores.device)
+        if bias is not None:
+            scores = scores + bias
+        probs = softmax_rows(scores, hidden_states.dtype)  # [b, h, q, n]
+
+        if self.rank_v is None:
+            grouped = probs.reshape(batch, hkv, group * q_len, kv_len) @ self._grouped(values)
+            out = grouped.view(batch, h, q_len, self.head_dim)
+        else:
+            # each head's weighted latent; U_V lives in o_proj
+            out = torch.bmm(probs.reshape(batch, h * q_len, kv_len), values).view(batch, h, q_len, self.rank_v)
+        out = out.transpose(1, 2).reshape(batch, q_len, -1)
+        return self.o_proj(out), None
+
+
+def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None) -> LorcAttention | None:
+    """None for layers left uncompressed: they keep the stock transformers attention."""
+    return None if spec["lorc_layers"][layer_idx] is None else LorcAttention(spec, layer_idx, rotary)
+
+
+def make_cache(spec: dict[str, Any]) -> CompressedCache:
+    layers = [DynamicLayer() if layer is None else LatentLayer() for layer in spec["lorc_layers"]]
+    rope_needed = spec.get("rotary_module") is not None
+    return CompressedCache(layers, track_positions=rope_needed)

@@ -1,0 +1,116 @@
+"""LoRC: exactness at full rank, theorem 1, the rank schedules, and the budget really reached."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvconvert import linalg
+from kvconvert.errors import KVConvertError
+from kvconvert.methods.lorc import LorcConfig, plan_ranks, progressive_ranks, uniform_ranks
+from tests.helpers import assert_equivalent, kv_budget, load_converted, load_reference, run_cli
+
+
+def convert_lorc(src, dst, *extra: str) -> dict:
+    result = run_cli("lorc", "--model", str(src), "--out", str(dst), "--quiet", *extra)
+    assert result.exit_code == 0, result.output
+    return json.loads((dst / "kvconvert.json").read_text())
+
+
+def left_padded(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, vocab, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_gqa", "qwen2_gqa", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("compress", ["kv", "k", "v"])
+def test_full_rank_reproduces_transformers(kind, compress, tiny_model_dir, tmp_path):
+    """Budget 1.0 factors every layer at full rank: the SVD/folding path runs and must be exact."""
+    src = tiny_model_dir(kind)
+    report = convert_lorc(src, tmp_path / "lorc", "--kv-budget", "1.0", "--compress", compress)
+    assert all(r["rank_k" if compress != "v" else "rank_v"] is not None for r in report["layers"])
+    reference, converted = load_reference(src), load_converted(tmp_path / "lorc")
+    assert_equivalent(reference, converted, *left_padded(reference.config.vocab_size))
+
+
+def test_theorem1_error_bound_per_layer():
+    """‖Wx − W̃x‖ ≤ σ_{k+1}‖x‖ for the factors LoRC stores, on random inputs."""
+    torch.manual_seed(0)
+    for shape in [(64, 64), (32, 64), (96, 48)]:
+        weight = torch.randn(*shape, dtype=torch.float64)
+        sigma = torch.linalg.svdvals(weight)
+        x = torch.randn(shape[1], 200, dtype=torch.float64)
+        for rank in (1, shape[0] // 3, min(shape) - 1):
+            up, down = linalg.truncated_svd(weight, rank)
+            err = torch.linalg.norm(weight @ x - up @ (down @ x), dim=0)
+            assert (err <= sigma[rank] * torch.linalg.norm(x, dim=0) * (1 + 1e-12)).all()
+
+
+def test_eq13_on_hand_made_condition_numbers():
+    """ln κ̃ = [9, 6, 3, 0]: f = [0, 1/3, 2/3, 1]; with d_max 12 and total 30, d_min = 12 − 18/2 = 3,
+    so d = [12, 9, 6, 3] exactly."""
+    assert progressive_ranks([9.0, 6.0, 3.0, 0.0], [True] * 4, 12, 30) == [12, 9, 6, 3]
+    # a total between grid points is met exactly by largest-remainder rounding
+    ranks = progressive_ranks([9.0, 6.0, 3.0, 0.0], [True] * 4, 12, 31)
+    assert sum(ranks) == 31 and ranks == sorted(ranks, reverse=True)
+    assert uniform_ranks([True, False, True], 10, 11) == [6, 10, 5]
+
+
+def test_plan_reaches_budget_and_skips_sensitive_layers():
+    kappa = [100.0, 50.0, 20.0, 10.0]  # log10 κ̃ (K and V equal): [8.0, 6.0, 4.6, 2.0]
+    plan = plan_ranks(LorcConfig(kv_budget=0.75, threshold=5.0), kappa, kappa, width=16)
+    assert plan.compressed == [False, False, True, True]
+    assert plan.rank_k[:2] == [None, None]
+    cached = sum((k or 16) + (v or 16) for k, v in zip(plan.rank_k, plan.rank_v, strict=True))
+    assert cached == round(0.75 * 2 * 4 * 16) and plan.budget == pytest.approx(0.75)
+    with pytest.raises(KVConvertError, match="below what this plan can reach"):
+        plan_ranks(LorcConfig(kv_budget=0.4, threshold=5.0), kappa, kappa, width=16)
+    assert math.isclose(plan.log10_kappa_cum[3], 2 * math.log10(10.0))
+
+
+def test_progressive_cannot_go_below_its_floor():
+    with pytest.raises(KVConvertError, match="use --schedule uniform"):
+        plan_ranks(LorcConfig(kv_budget=0.3), [10.0] * 3 + [5.0], [10.0] * 3 + [5.0], width=16)
+    plan = plan_ranks(LorcConfig(kv_budget=0.3, schedule="uniform"), [10.0] * 4, [10.0] * 4, width=16)
+    assert plan.budget == pytest.approx(0.3, abs=1 / 64)
+
+
+@pytest.mark.parametrize(("kind", "schedule"), [("llama_gqa", "progressive"), ("gpt2", "uniform")])
+def test_measured_budget_matches_request(kind, schedule, tiny_model_dir, tmp_path):
+    src = tiny_model_dir(kind)
+    report = convert_lorc(src, tmp_path / "lorc", "--kv-budget", "0.6", "--schedule", schedule)
+    reference, converted = load_reference(src), load_converted(tmp_path / "lorc")
+    measured = kv_budget(reference, converted, torch.randint(3, 90, (2, 64)))
+    layout = json.loads((tmp_path / "lorc" / "config.json").read_text())["kvconvert"]
+    one_rank_step = 1 / (len(report["layers"]) * layout["num_kv_heads"] * layout["head_dim"])
+    assert abs(measured - 0.6) <= one_rank_step, (measured, one_rank_step)
+    out = converted.generate(torch.randint(3, 90, (2, 8)), max_new_tokens=6, do_sample=False)
+    assert out.shape == (2, 14)
+
+
+def test_threshold_mixes_stock_and_latent_layers_exactly(tiny_model_dir, tmp_path):
+    """Layer 0 (largest κ̃) stays stock; the cache then mixes a stock layer with latent layers."""
+    src = tiny_model_dir("llama_gqa")
+    first = convert_lorc(src, tmp_path / "probe", "--kv-budget", "1.0")
+    threshold = str(first["layers"][1]["log10_kappa_cum"])  # compress layers 1.., skip layer 0
+    report = convert_lorc(src, tmp_path / "lorc", "--kv-budget", "1.0", "--threshold", threshold)
+    assert [r["rank_k"] is None for r in report["layers"]] == [True, False, False]
+    converted = load_converted(tmp_path / "lorc")
+    assert type(converted.model.layers[0].self_attn).__name__ == "LlamaAttention"
+    assert type(converted.model.layers[1].self_attn).__name__ == "LorcAttention"
+    assert_equivalent(load_reference(src), converted, *left_padded(97))
+
+
+def test_lorc_user_errors(tiny_model_dir, tmp_path):
+    for args, fragment in [
+        (["--kv-budget", "1.5"], "kv_budget must be in (0, 1]"),
+        (["--kv-budget", "0.05"], "cannot reach this budget"),
+    ]:
+        result = run_cli("lorc", "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "o"), *args)
+        assert result.exit_code == 2 and fragment in result.stderr, result.stderr
+        assert not (tmp_path / "o").exists()
