@@ -163,6 +163,37 @@ def _print_layers(report: dict[str, Any], columns: list[tuple[str, str, str]]) -
         click.echo(f"{row['layer']:>5}  " + "  ".join(f"{c:>14}" for c in cells))
 
 
+@main.command()
+@_source_options
+@click.option("--out", "out", type=click.Path(path_type=Path), default=None, help="Directory (default NAME-analysis).")
+@click.option("--force", is_flag=True, help="Replace an existing --out.")
+@_user_errors
+def analyze(model: str, revision: str | None, allow_pickle: bool, out: Path | None, force: bool) -> None:
+    """Spectra and condition numbers of W_K/W_V per layer, LoRC rank plans: analysis.json + PNG plots."""
+    import json
+
+    from kvconvert.analysis.plots import plot_condition, plot_ranks, plot_spectra
+    from kvconvert.analysis.spectra import analyze_spectra
+    from kvconvert.io.source import open_source
+    from kvconvert.io.writer import atomic_output_dir
+
+    source = open_source(model, revision=revision, allow_pickle=allow_pickle)
+    out = out or Path(f"{Path(source.model_id).name}-analysis")
+    analysis = analyze_spectra(source)
+    with atomic_output_dir(out, replace=force) as tmp:
+        (tmp / "analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
+        plot_spectra(analysis, tmp / "spectra.png")
+        plot_condition(analysis, tmp / "condition.png")
+        plot_ranks(analysis, tmp / "ranks.png")
+    click.echo(f"{'layer':>5}  {'κ(W_K)':>9}  {'κ(W_V)':>9}  {'log10 κ̃':>8}  {'K err@50%':>9}  {'V err@50%':>9}")
+    for row in analysis["layers"]:
+        click.echo(
+            f"{row['layer']:>5}  {row['kappa_k']:>9.3g}  {row['kappa_v']:>9.3g}  {row['log10_kappa_cum']:>8.1f}  "
+            f"{row['rel_error_k']['0.5']:>9.3f}  {row['rel_error_v']['0.5']:>9.3f}"
+        )
+    click.echo(f"wrote {out}/analysis.json, spectra.png, condition.png, ranks.png")
+
+
 @main.command("eval")
 @click.option("--model", "model", required=True, help="Local model directory (converted or not).")
 @click.option("--reference", default=None, help="Source model directory to compare against.")

@@ -6,6 +6,7 @@ Unknown keys, wrong types and out-of-range values are one-line errors naming the
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,35 @@ from typing import Any
 import yaml
 
 from kvconvert.errors import KVConvertError
+from kvconvert.methods.lorc import LorcConfig
 from kvconvert.methods.slim import SlimConfig
 
-METHOD_CONFIGS: dict[str, type] = {"slim": SlimConfig}
+METHOD_CONFIGS: dict[str, type] = {"slim": SlimConfig, "lorc": LorcConfig}
+
+
+def _matches(value: Any, expected: Any) -> bool:
+    """Does a YAML value fit a config field's annotation (float, bool, Literal, X | None…)?"""
+    origin = typing.get_origin(expected)
+    if origin is typing.Literal:
+        return value in typing.get_args(expected)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arm) for arm in typing.get_args(expected))
+    if expected is type(None):
+        return value is None
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, expected)
+
+
+def _describe(expected: Any) -> str:
+    origin = typing.get_origin(expected)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(expected))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arm) for arm in typing.get_args(expected))
+    return "null" if expected is type(None) else getattr(expected, "__name__", str(expected))
 
 
 def parse_recipe(data: Any, source: str = "<recipe>") -> tuple[str, Any]:
@@ -32,14 +59,16 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> tuple[str, Any]:
     for key, value in options.items():
         if key not in fields:
             raise KVConvertError(f"{source}: unknown key {key!r} for {method}; allowed: {', '.join(sorted(fields))}")
-        expected = hints[key]
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if expected is float else None
-        if ok is None:
-            ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
-        if not ok:
-            raise KVConvertError(
-                f"{source}: {key!r} must be {getattr(expected, '__name__', expected)}, got {type(value).__name__}"
-            )
+        if not _matches(value, hints[key]):
+            raise KVConvertError(f"{source}: {key!r} must be {_describe(hints[key])}, got {value!r}")
+    required = [
+        f.name
+        for f in dataclasses.fields(config_class)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [name for name in required if name not in options]
+    if missing:
+        raise KVConvertError(f"{source}: {method} needs {', '.join(repr(m) for m in missing)}")
     try:
         return method, config_class(**options)
     except KVConvertError as exc:

@@ -34,7 +34,9 @@ def tiny_config(kind: str):
             hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **common
         )
     if kind == "qwen2_gqa":  # GQA with q/k/v biases
-        return Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **common)
+        return Qwen2Config(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **common
+        )
     if kind == "mistral":
         return MistralConfig(
             hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=16, **common

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvconvert.errors import KVConvertError
+from kvconvert.methods.lorc import LorcConfig
 from kvconvert.methods.slim import SlimConfig
 from kvconvert.recipe import load_recipe, parse_recipe
 
@@ -18,6 +19,17 @@ def test_shipped_slim_recipe_parses():
     assert method == "slim" and config == SlimConfig(max_v_error=0.01)
 
 
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_parses(path):
+    method, config = load_recipe(path)
+    assert type(config).__name__.lower().startswith(method)
+
+
+def test_lorc_recipe_types():
+    method, config = parse_recipe({"method": "lorc", "kv_budget": 1, "threshold": None, "compress": "k"})
+    assert method == "lorc" and config == LorcConfig(kv_budget=1.0, compress="k")
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -26,6 +38,9 @@ def test_shipped_slim_recipe_parses():
         ({"method": "slim", "max_v_error": -1.0}, "max_v_error must be > 0"),
         ({"method": "slim", "force": 1}, "'force' must be bool"),
         ({"method": "nope"}, "unknown method 'nope'"),
+        ({"method": "lorc", "kv_budget": 0.5, "schedule": "steep"}, "'schedule' must be one of 'progressive'"),
+        ({"method": "lorc", "kv_budget": 0.5, "threshold": "high"}, "'threshold' must be float or null"),
+        ({"method": "lorc"}, "kv_budget"),
         (["slim"], "a recipe is a mapping"),
     ],
 )

@@ -1,0 +1,1 @@
+"""``kvconvert analyze``: per-layer statistics that methods base their decisions on."""

@@ -1,0 +1,79 @@
+"""PNG figures for ``kvconvert analyze`` (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; must precede the pyplot import
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_spectra(analysis: dict[str, Any], path: Path) -> None:
+    """σ_i/σ_1 of W_K and W_V per layer, shallow layers dark, deep layers light."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    layers = analysis["layers"]
+    cmap = plt.get_cmap("viridis")
+    for ax, side, title in ((axes[0], "k", "W_K"), (axes[1], "v", "W_V")):
+        for row in layers:
+            svals = row[f"singular_values_{side}"]
+            ax.semilogy(range(1, len(svals) + 1), [s / svals[0] for s in svals],
+                        color=cmap(row["layer"] / max(1, len(layers) - 1)), lw=1)  # fmt: skip
+        ax.set_title(f"{title} spectra (colour = layer, dark = shallow)")
+        ax.set_xlabel("singular value index")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("σ_i / σ_1")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_condition(analysis: dict[str, Any], path: Path) -> None:
+    """κ(W_K), κ(W_V) per layer and the cumulative log10 κ̃ of LoRC eq. 12."""
+    plt = _pyplot()
+    layers = analysis["layers"]
+    x = [r["layer"] for r in layers]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.semilogy(x, [r["kappa_k"] for r in layers], "o-", label="κ(W_K)")
+    ax.semilogy(x, [r["kappa_v"] for r in layers], "s-", label="κ(W_V)")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("condition number")
+    ax.grid(alpha=0.3)
+    twin = ax.twinx()
+    twin.plot(x, [r["log10_kappa_cum"] for r in layers], "k--", label="log10 κ̃ (cumulative)")
+    twin.set_ylabel("log10 κ̃")
+    lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    ax.legend(lines, [str(line.get_label()) for line in lines], loc="upper right")
+    ax.set_title("Condition numbers per layer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_ranks(analysis: dict[str, Any], path: Path) -> None:
+    """LoRC's per-layer ranks, progressive (solid) vs uniform (dashed), at each budget."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    colours = plt.get_cmap("tab10")
+    budgets = sorted({key.split("@")[1] for key in analysis["lorc_rank_plans"]}, reverse=True)
+    for i, budget in enumerate(budgets):
+        for schedule, style in (("progressive", "-"), ("uniform", "--")):
+            ranks = analysis["lorc_rank_plans"].get(f"{schedule}@{budget}")
+            if ranks is not None:
+                ax.plot(range(len(ranks)), ranks, style, color=colours(i), label=f"{schedule} @ {budget}")
+    ax.axhline(analysis["kv_width"], color="grey", lw=0.8)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("rank of K and V")
+    ax.set_title("LoRC rank plans (grey: full width)")
+    ax.legend(fontsize=8, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

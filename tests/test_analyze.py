@@ -1,0 +1,45 @@
+"""``kvconvert analyze``: numbers against direct computation, files a person can open."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.helpers import run_cli
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_analyze_writes_json_and_plots(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama_gqa")
+    out = tmp_path / "analysis"
+    result = run_cli("analyze", "--model", str(src), "--out", str(out))
+    assert result.exit_code == 0, result.output
+    for name in ("spectra.png", "condition.png", "ranks.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
+    analysis = json.loads((out / "analysis.json").read_text())
+    assert analysis["kv_width"] == 2 * 16 and len(analysis["layers"]) == 3
+
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        for row in analysis["layers"]:
+            wk = f.get_tensor(f"model.layers.{row['layer']}.self_attn.k_proj.weight").double()
+            svals = torch.linalg.svdvals(wk)  # the full [n_kv·d, D] matrix (appendix D)
+            assert row["kappa_k"] == pytest.approx(float(svals[0] / svals[-1]), rel=1e-9)
+            assert row["singular_values_k"] == pytest.approx(svals.tolist(), rel=1e-9)
+            tail = svals[round(0.5 * 32) :]
+            assert row["rel_error_k"]["0.5"] == pytest.approx(float(tail.norm() / svals.norm()), rel=1e-9)
+    logs = [math.log10(r["kappa_k"]) + math.log10(r["kappa_v"]) for r in analysis["layers"]]
+    assert [r["log10_kappa_cum"] for r in analysis["layers"]] == pytest.approx([sum(logs[i:]) for i in range(3)])
+    assert "progressive@0.9" in analysis["lorc_rank_plans"] and "uniform@0.5" in analysis["lorc_rank_plans"]
+    assert "κ(W_K)" in result.output
+
+
+def test_analyze_refuses_existing_out(tiny_model_dir, tmp_path):
+    (tmp_path / "a").mkdir()
+    result = run_cli("analyze", "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "a"))
+    assert result.exit_code == 2 and "already exists" in result.stderr
