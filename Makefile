@@ -4,7 +4,7 @@ SHARED ?= ../shared
 DEMO := demo-out
 AIDREAMS := $(SHARED)/models/aidreams260K
 
-.PHONY: install demo test quality bench bench-quick bench-slim clean
+.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc clean
 
 # torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
 install:
@@ -18,6 +18,9 @@ demo: install
 	kvconvert eval --model $(DEMO)/aidreams260K-slim --reference $(DEMO)/aidreams260K \
 		--data $(SHARED)/data/tinystories/tinystories_validation_head.txt --max-tokens 4096 --json $(DEMO)/eval.json --quiet
 	$(PYTHON) examples/generate.py $(DEMO)/aidreams260K-slim "I dreamed"
+	kvconvert lorc --model $(DEMO)/aidreams260K --out $(DEMO)/aidreams260K-lorc --kv-budget 0.75 --force
+	kvconvert eval --model $(DEMO)/aidreams260K-lorc --reference $(DEMO)/aidreams260K \
+		--data $(SHARED)/data/tinystories/tinystories_validation_head.txt --max-tokens 4096 --no-retrieval --quiet
 
 test: install
 	$(PYTHON) -m pytest -q
@@ -32,6 +35,10 @@ bench: install bench-slim
 
 bench-slim:
 	$(PYTHON) bench/slim_bench.py
+
+# LoRC on SmolLM2: progressive vs uniform, K+V vs K-only (about 15 minutes on 2 cores)
+bench-lorc: install
+	$(PYTHON) bench/lorc_bench.py
 
 bench-quick: install
 	$(PYTHON) bench/run.py --quick

@@ -25,9 +25,13 @@ LADDER = (1.0, 0.9, 0.75, 0.6, 0.5)
 
 def conversions() -> list[tuple[str, float, Any]]:
     """(method, budget, factory) for every implemented method; exact methods at their natural point."""
+    from kvconvert.methods.lorc import LorcConfig, LorcMethod
     from kvconvert.methods.slim import SlimMethod
 
-    return [("slim", 0.5, SlimMethod)]
+    ladder: list[tuple[str, float, Any]] = [("slim", 0.5, SlimMethod)]
+    for budget in LADDER:
+        ladder.append(("lorc", budget, lambda b=budget: LorcMethod(LorcConfig(kv_budget=b))))
+    return ladder
 
 
 def convert(src: Path, dst: Path, factory: Any) -> str | None:
@@ -63,11 +67,15 @@ def main() -> None:
                 dst = Path(tmp) / f"{model_name}-{method}-{budget}"
                 refusal = convert(src, dst, factory)
                 converted[f"{method}@{budget}"] = refusal if refusal else dst
-            for text_name, text in texts.items():
+            base_speed = None
+            for first, (text_name, text) in zip((True, False, False), texts.items(), strict=False):
+                # passkey/copy and speed do not depend on the text: measure them on the first text only
                 config = EvalConfig(
-                    data=str(text), ctx=1024, max_tokens=max_tokens, retrieval_lengths=lengths, progress=False
-                )
+                    data=str(text), ctx=1024, max_tokens=max_tokens, retrieval_lengths=lengths, progress=False,
+                    retrieval=first, speed=first, reference_extras=False,
+                )  # fmt: skip
                 base = run_eval(str(src), None, config)
+                base_speed = base.get("decode_tokens_per_s", base_speed)
                 rows.append({**base, "model": model_name, "data": text_name, "method": "original", "budget": 1.0})
                 print(f"{model_name} {text_name} original ppl {base['ppl']:.3f}", flush=True)
                 for key, target in converted.items():
@@ -78,6 +86,8 @@ def main() -> None:
                         row["refused"] = target
                     else:
                         row = {**run_eval(str(target), str(src), config), **row}
+                        if "decode_tokens_per_s" in row and base_speed:
+                            row["decode_speed_ratio"] = row["decode_tokens_per_s"] / base_speed
                         print(f"{model_name} {text_name} {key} ppl {row['ppl']:.3f}", flush=True)
                     rows.append(row)
 
@@ -88,7 +98,9 @@ def main() -> None:
 
 
 def _passkey(row: dict[str, Any]) -> str:
-    values = [v for v in row.get("passkey", {}).values() if v is not None]
+    if "passkey" not in row:
+        return ""  # measured on the first text only
+    values = [v for v in row["passkey"].values() if v is not None]
     return f"{sum(values) / len(values):.2f}" if values else "n/a"
 
 
@@ -96,7 +108,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     table = []
     for row in rows:
         if "refused" in row:
-            reason = "refused: " + row["refused"].split(" but ")[0]
+            reason = "refused: " + row["refused"].split(" but ")[0].split(": it would")[0]
             table.append([row["model"], row["data"], row["method"], f"{row['budget']:.2f}", "—", "", "", "", "", "",
                           "", reason])  # fmt: skip
             continue
@@ -109,7 +121,8 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"{row['kv_budget_measured']:.3f}" if has_ref else "1.000",
             f"{row['ppl']:.3f}", f"{delta:+.2f}%" if has_ref else "",
             f"{row['kl_mean']:.2e}" if has_ref else "", f"{row['top1_agreement']:.4f}" if has_ref else "",
-            _passkey(row), f"{row['decode_speed_ratio']:.2f}" if has_ref else "", f"ctx {row['ctx']}",
+            _passkey(row), f"{row['decode_speed_ratio']:.2f}" if "decode_speed_ratio" in row else "",
+            f"ctx {row['ctx']}",
         ])  # fmt: skip
     headers = ["model", "data", "method", "budget", "measured budget", "ppl", "Δppl", "KL", "top-1", "passkey",
                "decode speed ×", "note"]  # fmt: skip

@@ -29,6 +29,8 @@ class EvalConfig:
     retrieval: bool = True
     speed: bool = True
     progress: bool = True
+    # speed and retrieval of the reference too (off when a caller already has them, e.g. benchmarks)
+    reference_extras: bool = True
 
 
 def load_for_eval(path: str) -> tuple[Any, Any]:
@@ -112,7 +114,7 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
         speed_context = min(config.speed_context, context - config.new_tokens - 1)
         result["speed_context"] = speed_context
         result.update(measure_speed(model, speed_context, config.new_tokens))
-        if reference is not None:
+        if reference is not None and config.reference_extras:
             ref_speed = measure_speed(reference, speed_context, config.new_tokens)
             result.update({f"reference_{k}": v for k, v in ref_speed.items()})
             result["decode_speed_ratio"] = result["decode_tokens_per_s"] / ref_speed["decode_tokens_per_s"]
@@ -120,7 +122,7 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
     if config.retrieval:
         lengths = config.retrieval_lengths or default_retrieval_lengths(context)
         vocab_low = max(tokenizer.all_special_ids, default=2) + 1
-        for name, m in (("", model), ("reference_", reference)):
+        for name, m in (("", model), ("reference_", reference if config.reference_extras else None)):
             if m is None:
                 continue
             result[f"{name}passkey"] = {str(n): passkey_accuracy(m, tokenizer, n) for n in lengths}
