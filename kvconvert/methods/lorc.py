@@ -206,6 +206,13 @@ def _head_blocks(matrix: torch.Tensor, heads: int) -> list[torch.Tensor]:
     return list(matrix.view(heads, -1, *matrix.shape[1:]).unbind(0))
 
 
+def _linear(out: dict[str, torch.Tensor], name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Store a Linear's weight (and bias, if any) under ``name.weight`` / ``name.bias``, float64."""
+    out[f"{name}.weight"] = weight.to(linalg.F64)
+    if bias is not None:
+        out[f"{name}.bias"] = bias.to(linalg.F64)
+
+
 def factor_attention(
     w: AttentionWeights, layout: AttentionLayout, rank_k: int | None, rank_v: int | None
 ) -> dict[str, torch.Tensor]:
@@ -220,52 +227,42 @@ def factor_attention(
     heads, kv_heads = layout.num_heads, layout.num_kv_heads
     group = heads // kv_heads
     out: dict[str, torch.Tensor] = {}
-    q_w, q_b = w.q_weight.to(f64), None if w.q_bias is None else w.q_bias.to(f64)
 
     if rank_k is None:
-        out["k_proj.weight"] = w.k_weight.to(f64)
-        if w.k_bias is not None:
-            out["k_proj.bias"] = w.k_bias.to(f64)
-        out["q_proj.weight"] = q_w
-        if q_b is not None:
-            out["q_proj.bias"] = q_b
+        _linear(out, "k_proj", w.k_weight, w.k_bias)
+        _linear(out, "q_proj", w.q_weight, w.q_bias)
     else:
         up, down = linalg.truncated_svd(w.k_weight, rank_k)  # [e, r], [r, D]
-        out["k_down.weight"] = down
+        _linear(out, "k_down", down, None)
         if layout.rotary:
-            out["k_up.weight"] = up
-            if w.k_bias is not None:
-                out["k_up.bias"] = w.k_bias.to(f64)
-            out["q_proj.weight"] = q_w
-            if q_b is not None:
-                out["q_proj.bias"] = q_b
+            _linear(out, "k_up", up, w.k_bias)
+            _linear(out, "q_proj", w.q_weight, w.q_bias)
         else:
             up_heads = _head_blocks(up, kv_heads)  # Hkv × [dk, r]
-            q_heads = _head_blocks(q_w, heads)  # H × [dk, D]
-            out["q_proj.weight"] = torch.cat([up_heads[i // group].T @ q_heads[i] for i in range(heads)])
-            if q_b is not None:
-                qb_heads = _head_blocks(q_b, heads)
-                out["q_proj.bias"] = torch.cat([up_heads[i // group].T @ qb_heads[i] for i in range(heads)])
+            q_heads = _head_blocks(w.q_weight.to(f64), heads)  # H × [dk, D]
+            q_weight = torch.cat([up_heads[i // group].T @ q_heads[i] for i in range(heads)])
+            q_bias = None
+            if w.q_bias is not None:
+                qb_heads = _head_blocks(w.q_bias.to(f64), heads)
+                q_bias = torch.cat([up_heads[i // group].T @ qb_heads[i] for i in range(heads)])
+            _linear(out, "q_proj", q_weight, q_bias)
 
-    o_w = w.o_weight.to(f64)  # [D, H·dk]
-    o_b = None if w.o_bias is None else w.o_bias.to(f64)
     if rank_v is None:
-        out["v_proj.weight"] = w.v_weight.to(f64)
-        if w.v_bias is not None:
-            out["v_proj.bias"] = w.v_bias.to(f64)
-        out["o_proj.weight"] = o_w
-        if o_b is not None:
-            out["o_proj.bias"] = o_b
+        _linear(out, "v_proj", w.v_weight, w.v_bias)
+        _linear(out, "o_proj", w.o_weight, w.o_bias)
     else:
+        o_w = w.o_weight.to(f64)  # [D, H·dk]
         up, down = linalg.truncated_svd(w.v_weight, rank_v)
-        out["v_down.weight"] = down
+        _linear(out, "v_down", down, None)
         up_heads = _head_blocks(up, kv_heads)  # Hkv × [dk, r]
         o_heads = _head_blocks(o_w.T.contiguous(), heads)  # H × [dk, D]
-        out["o_proj.weight"] = torch.cat([(o_heads[i].T @ up_heads[i // group]) for i in range(heads)], dim=1)
+        o_weight = torch.cat([o_heads[i].T @ up_heads[i // group] for i in range(heads)], dim=1)
+        o_bias = None if w.o_bias is None else w.o_bias.to(f64)
         if w.v_bias is not None:
             # softmax rows sum to one, so the V bias reaches W_O unchanged: fold it into the O bias
             v_bias_per_query_head = w.v_bias.to(f64).view(kv_heads, -1).repeat_interleave(group, dim=0).reshape(-1)
-            o_b = (o_b if o_b is not None else torch.zeros(o_w.shape[0], dtype=f64)) + o_w @ v_bias_per_query_head
-        if o_b is not None:
-            out["o_proj.bias"] = o_b
+            o_bias = (
+                o_bias if o_bias is not None else torch.zeros(o_w.shape[0], dtype=f64)
+            ) + o_w @ v_bias_per_query_head
+        _linear(out, "o_proj", o_weight, o_bias)
     return out
