@@ -134,6 +134,80 @@ def lorc(
     click.echo(f"wrote {out} (lorc {schedule}, KV budget {report['kv_budget_expected']:.3f})")
 
 
+@main.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@_source_options
+@_output_options
+@_user_errors
+def run(
+    recipe: Path,
+    model: str,
+    revision: str | None,
+    allow_pickle: bool,
+    out: Path,
+    force: bool,
+    dtype: str,
+    max_shard_size: str,
+    quiet: bool,
+) -> None:
+    """Convert with a recipe (YAML: method + options); the recipe is saved as DST/recipe.yaml."""
+    from kvconvert.methods import build_method
+    from kvconvert.recipe import load_recipe
+
+    name, config = load_recipe(recipe)
+    report = _convert(build_method(name, config), model, revision, allow_pickle, out, force, dtype, max_shard_size,
+                      quiet)  # fmt: skip
+    click.echo(f"wrote {out} ({name}, KV budget {report['kv_budget_expected']:.3f})")
+
+
+@main.command()
+@click.argument("jobs_file", type=click.Path(path_type=Path))
+@click.option("--summary", type=click.Path(path_type=Path), default=None, help="JSON summary (default: next to JOBS).")
+@click.option("--no-measure", is_flag=True, help="Skip measuring each output's KV budget from its cache.")
+@_user_errors
+def batch(jobs_file: Path, summary: Path | None, no_measure: bool) -> None:
+    """Run every job of JOBS.yaml in order; skip up-to-date outputs; exit 1 if any job failed."""
+    from kvconvert.batch import run_batch
+
+    summary = summary or jobs_file.with_suffix(".summary.json")
+    result = run_batch(jobs_file, summary, measure=not no_measure, echo=click.echo)
+    click.echo(f"{len(result.jobs) - result.failed} of {len(result.jobs)} jobs succeeded; summary: {summary}")
+    if result.failed:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--repo-id", required=True, help="ORG/NAME on the Hub.")
+@click.option("--private", is_flag=True, help="Create the repository as private.")
+@click.option("--revision", default=None, help="Branch to push to (created if missing).")
+@click.option("--dry-run", is_flag=True, help="List what would be uploaded; contact nobody.")
+@_user_errors
+def push(directory: Path, repo_id: str, private: bool, revision: str | None, dry_run: bool) -> None:
+    """Upload a converted directory to the Hub (model card refreshed from kvconvert.json / eval.json)."""
+    import json
+
+    from kvconvert.io.hub import push as push_to_hub
+    from kvconvert.io.hub import upload_list
+    from kvconvert.io.model_card import write_model_card
+
+    report_file = directory / "kvconvert.json"
+    if not report_file.exists():
+        raise KVConvertError(f"{directory} is not a kvconvert output directory (no kvconvert.json)")
+    evaluation_file = directory / "eval.json"
+    evaluation = json.loads(evaluation_file.read_text()) if evaluation_file.exists() else None
+    if not dry_run:
+        write_model_card(directory, json.loads(report_file.read_text()), repo_id, evaluation)
+    files = upload_list(directory)
+    if dry_run:
+        for name, size in files:
+            click.echo(f"{size:>14,}  {name}")
+        target = f"{repo_id}{'@' + revision if revision else ''}{' (private)' if private else ''}"
+        click.echo(f"dry run: {len(files)} files, {sum(s for _, s in files):,} bytes would go to {target}")
+        return
+    click.echo(f"pushed {len(files)} files: {push_to_hub(directory, repo_id, private=private, revision=revision)}")
+
+
 def _convert(
     method: Any,
     model: str,

@@ -19,6 +19,7 @@ from kvconvert.io.model_card import write_model_card
 from kvconvert.io.source import TOKENIZER_FILES, SourceCheckpoint
 from kvconvert.io.writer import ShardedSafetensorsWriter, atomic_output_dir
 from kvconvert.methods.base import Method
+from kvconvert.recipe import recipe_text
 
 RUNTIME_DIR = Path(__file__).parent / "runtime"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -167,5 +168,6 @@ def convert(
             "layers": reports,
         }
         (tmp / "kvconvert.json").write_text(json.dumps(report, indent=2) + "\n")
+        (tmp / "recipe.yaml").write_text(recipe_text(method))  # `kvconvert run` repeats the conversion
         write_model_card(tmp, report, name=out.name)
     return ConversionResult(out=out, report=report)

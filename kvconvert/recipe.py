@@ -14,10 +14,7 @@ from typing import Any
 import yaml
 
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.lorc import LorcConfig
-from kvconvert.methods.slim import SlimConfig
-
-METHOD_CONFIGS: dict[str, type] = {"slim": SlimConfig, "lorc": LorcConfig}
+from kvconvert.methods import METHODS, Method
 
 
 def _matches(value: Any, expected: Any) -> bool:
@@ -51,9 +48,9 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> tuple[str, Any]:
         raise KVConvertError(f"{source}: a recipe is a mapping with a 'method' key")
     options = {k: v for k, v in data.items() if k != "method"}
     method = data["method"]
-    if method not in METHOD_CONFIGS:
-        raise KVConvertError(f"{source}: unknown method {method!r}; known: {', '.join(sorted(METHOD_CONFIGS))}")
-    config_class = METHOD_CONFIGS[method]
+    if method not in METHODS:
+        raise KVConvertError(f"{source}: unknown method {method!r}; known: {', '.join(sorted(METHODS))}")
+    config_class = METHODS[method][0]
     hints = typing.get_type_hints(config_class)
     fields = {f.name for f in dataclasses.fields(config_class)}
     for key, value in options.items():
@@ -81,3 +78,8 @@ def load_recipe(path: Path) -> tuple[str, Any]:
     except (OSError, yaml.YAMLError) as exc:
         raise KVConvertError(f"{path}: cannot read recipe ({str(exc).splitlines()[0]})") from None
     return parse_recipe(data, str(path))
+
+
+def recipe_text(method: Method) -> str:
+    """The recipe that reproduces ``method``: every option spelled out, defaults included."""
+    return yaml.safe_dump({"method": method.name, **method.params()}, sort_keys=False)

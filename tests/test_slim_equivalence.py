@@ -77,7 +77,8 @@ def test_output_directory_contract(tiny_model_dir, tmp_path):
     assert len(report["layers"]) == 3 and all(r["kappa_k"] >= 1 for r in report["layers"])
     assert set(report["source"]["sha256"]) == {"model.safetensors"}
     card = (dst / "README.md").read_text()
-    assert "base_model:" in card and "trust_remote_code=True" in card
+    assert "library_name: transformers" in card and "trust_remote_code=True" in card
+    assert "base_model:" not in card  # a local path is not a Hub model id
     from safetensors import safe_open
 
     with safe_open(str(dst / "model.safetensors"), "pt") as f:

@@ -33,9 +33,9 @@ class EvalConfig:
     reference_extras: bool = True
 
 
-def load_for_eval(path: str) -> tuple[Any, Any]:
-    """(model, tokenizer). kvconvert checkpoints load through the installed runtime, so no code
-    from the directory is executed; plain checkpoints load as stock transformers models."""
+def load_model(path: str) -> Any:
+    """kvconvert checkpoints load through the installed runtime, so no code from the directory is
+    executed; plain checkpoints load as stock transformers models."""
     import transformers
 
     directory = Path(path)
@@ -45,9 +45,16 @@ def load_for_eval(path: str) -> tuple[Any, Any]:
     if json.loads(config_file.read_text()).get("model_type") == "kvconvert":
         import kvconvert
 
-        model = kvconvert.load(directory)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=False)
+        return kvconvert.load(directory).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=False).eval()
+
+
+def load_for_eval(path: str) -> tuple[Any, Any]:
+    """(model, tokenizer) of a local directory."""
+    import transformers
+
+    directory = Path(path)
+    model = load_model(path)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory, config=model.config, trust_remote_code=False)
     except (OSError, ValueError):

@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Any
 
 _CARD = """---
-base_model: {base_model}
-library_name: transformers
+{base_model_line}library_name: transformers
 tags:
 - kvconvert
 - {method}
@@ -15,11 +14,11 @@ tags:
 
 # {title}
 
-`{method}` conversion of [{base_model}]({base_link}) made with kvconvert {version}.
-Expected KV-cache size: **{budget:.0%}** of the original per token.
+`{method}` conversion of {source} made with kvconvert {version}.
+Expected KV-cache size: **{budget:.1%}** of the original per token.
 
 {details}
-
+{measured}
 ## Load
 
 ```python
@@ -39,6 +38,13 @@ Conversion details (per-layer decisions and errors, source sha256) are in `kvcon
 
 
 def _details(report: dict[str, Any]) -> str:
+    if report["method"] == "lorc":
+        ranks = [r["rank_k"] for r in report["layers"]]
+        return (
+            "LoRC caches rank-d_c latents of K and V (low-rank W_K, W_V by SVD; U_V folded into W_O). "
+            f"Schedule {report['params']['schedule']}, factored {report['params']['compress']}; "
+            f"K ranks per layer: {ranks}."
+        )
     if report["method"] == "slim":
         worst = max(report["layers"], key=lambda r: r["v_rel_error"])
         return (
@@ -49,13 +55,34 @@ def _details(report: dict[str, Any]) -> str:
     return ""
 
 
-def write_model_card(directory: Path, report: dict[str, Any], name: str) -> None:
-    """Write README.md into ``directory``; ``name`` is the final output directory's name."""
+def _measured(evaluation: dict[str, Any] | None) -> str:
+    """Quality section from ``kvconvert eval --json`` results, when the directory has them."""
+    if not evaluation or evaluation.get("reference_ppl") is None:
+        return ""
+    return (
+        "## Measured quality\n\n"
+        "| data | tokens | ctx | ppl | reference ppl | KL(ref‖model) | top-1 agreement | measured KV budget |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+        f"| {Path(str(evaluation['data'])).name} | {evaluation['tokens']} | {evaluation['ctx']} | "
+        f"{evaluation['ppl']:.3f} | {evaluation['reference_ppl']:.3f} | {evaluation['kl_mean']:.3g} | "
+        f"{evaluation['top1_agreement']:.4f} | {evaluation['kv_budget_measured']:.3f} |\n\n"
+        "Measured with `kvconvert eval` (KV bytes from the live cache objects).\n"
+    )
+
+
+def write_model_card(
+    directory: Path, report: dict[str, Any], name: str, evaluation: dict[str, Any] | None = None
+) -> None:
+    """Write README.md into ``directory``; ``name`` is what users load it by (output dir or Hub repo id).
+
+    Hub metadata names ``base_model`` only for Hub sources (a local path is not a model id).
+    """
     base_model = report["source"]["model"]
     is_hub = not base_model.startswith("/")
     text = _CARD.format(
-        base_model=base_model if is_hub else Path(base_model).name,
-        base_link=f"https://huggingface.co/{base_model}" if is_hub else base_model,
+        base_model_line=f"base_model: {base_model}\n" if is_hub else "",
+        source=f"[{base_model}](https://huggingface.co/{base_model})" if is_hub else f"`{Path(base_model).name}`",
+        measured=_measured(evaluation),
         title=f"{Path(base_model).name}-{report['method']}",
         method=report["method"],
         version=report["tool_version"],

@@ -48,7 +48,8 @@ def atomic_output_dir(out: Path, replace: bool) -> Iterator[Path]:
     if out.exists() and not replace:
         raise KVConvertError(f"output directory {out} already exists; choose another --out or pass --force")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    remove_stale_temporaries(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the output should look like any other directory
@@ -64,6 +65,21 @@ def atomic_output_dir(out: Path, replace: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_stale_temporaries(out: Path) -> None:
+    """Delete ``.NAME.tmp-PID-*`` siblings left by conversions that were killed (SIGKILL cannot be
+    caught, so their cleanup never ran). Directories of live processes are left alone."""
+    for candidate in out.parent.glob(f".{out.name}.tmp-*-*"):
+        pid_text = candidate.name.removeprefix(f".{out.name}.tmp-").split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(candidate, ignore_errors=True)
+        except PermissionError:
+            pass  # someone else's live process
 
 
 class ShardedSafetensorsWriter:

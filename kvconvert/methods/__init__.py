@@ -1,6 +1,22 @@
 """Conversion methods: one file, one typed config and one ``Method`` subclass each."""
 
+from __future__ import annotations
+
+from typing import Any
+
 from kvconvert.methods.base import LayerOutput, Method
+from kvconvert.methods.lorc import LorcConfig, LorcMethod
 from kvconvert.methods.slim import SlimConfig, SlimMethod
 
-__all__ = ["LayerOutput", "Method", "SlimConfig", "SlimMethod"]
+# method name -> (config dataclass, method class); recipes and batch jobs are resolved through it
+METHODS: dict[str, tuple[type, type[Method]]] = {
+    "slim": (SlimConfig, SlimMethod),
+    "lorc": (LorcConfig, LorcMethod),
+}
+
+
+def build_method(name: str, config: Any) -> Method:
+    return METHODS[name][1](config)  # type: ignore[call-arg]
+
+
+__all__ = ["METHODS", "LayerOutput", "LorcConfig", "LorcMethod", "Method", "SlimConfig", "SlimMethod", "build_method"]
