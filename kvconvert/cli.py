@@ -135,6 +135,52 @@ def lorc(
 
 
 @main.command()
+@_source_options
+@_output_options
+@click.option("--induction-frac", type=float, default=0.14, show_default=True, help="Top heads by induction score.")
+@click.option("--echo-frac", type=float, default=0.01, show_default=True, help="Top heads by echo score.")
+@click.option("--sink", type=int, default=4, show_default=True, help="First tokens every head keeps.")
+@click.option("--window", type=int, default=None, help="Recent tokens kept (default min(4000, context/16)).")
+@click.option(
+    "--window-frac", type=float, default=0.2, show_default=True, help="Recent share kept: L = max(window, N·frac)."
+)
+@click.option("--kv-budget", type=float, default=None, help="Long-context budget; sets --window-frac.")
+@click.option("--profile-tokens", type=int, default=None, help="K random tokens for profiling (repeated 4×).")
+@_user_errors
+def razor(
+    model: str,
+    revision: str | None,
+    allow_pickle: bool,
+    out: Path,
+    force: bool,
+    dtype: str,
+    max_shard_size: str,
+    quiet: bool,
+    induction_frac: float,
+    echo_frac: float,
+    sink: int,
+    window: int | None,
+    window_frac: float,
+    kv_budget: float | None,
+    profile_tokens: int | None,
+) -> None:
+    """RazorAttention: full cache for retrieval heads, sink + window + compensation token for the rest."""
+    from kvconvert.methods.razor import RazorConfig, RazorMethod
+
+    config = RazorConfig(induction_frac=induction_frac, echo_frac=echo_frac, sink=sink, window=window,
+                         window_frac=window_frac, kv_budget=kv_budget, profile_tokens=profile_tokens)  # fmt: skip
+    method = RazorMethod(config, progress=not quiet)
+    report = _convert(method, model, revision, allow_pickle, out, force, dtype, max_shard_size, quiet)
+    if not quiet:
+        click.echo(f"{'layer':>5}  {'retrieval KV heads':<24}  {'max induction':>13}  {'max echo':>9}")
+        for row in report["layers"]:
+            heads = ",".join(map(str, row["retrieval_kv_heads"])) or "-"
+            click.echo(f"{row['layer']:>5}  {heads:<24}  {max(row['induction_scores']):>13.3f}  "
+                       f"{max(row['echo_scores']):>9.3f}")  # fmt: skip
+    click.echo(f"wrote {out} (razor, long-context KV budget {report['kv_budget_expected']:.3f})")
+
+
+@main.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @_source_options
 @_output_options
@@ -241,12 +287,23 @@ def _print_layers(report: dict[str, Any], columns: list[tuple[str, str, str]]) -
 @_source_options
 @click.option("--out", "out", type=click.Path(path_type=Path), default=None, help="Directory (default NAME-analysis).")
 @click.option("--force", is_flag=True, help="Replace an existing --out.")
+@click.option("--heads", is_flag=True, help="Also profile echo/induction scores per head (runs the model).")
+@click.option("--profile-tokens", type=int, default=None, help="With --heads: K random tokens (repeated 4×).")
 @_user_errors
-def analyze(model: str, revision: str | None, allow_pickle: bool, out: Path | None, force: bool) -> None:
-    """Spectra and condition numbers of W_K/W_V per layer, LoRC rank plans: analysis.json + PNG plots."""
+def analyze(
+    model: str,
+    revision: str | None,
+    allow_pickle: bool,
+    out: Path | None,
+    force: bool,
+    heads: bool,
+    profile_tokens: int | None,
+) -> None:
+    """Spectra and condition numbers of W_K/W_V per layer, LoRC rank plans, and (--heads) echo and
+    induction scores of every head: analysis.json + PNG plots."""
     import json
 
-    from kvconvert.analysis.plots import plot_condition, plot_ranks, plot_spectra
+    from kvconvert.analysis.plots import plot_condition, plot_head_scores, plot_ranks, plot_spectra
     from kvconvert.analysis.spectra import analyze_spectra
     from kvconvert.io.source import open_source
     from kvconvert.io.writer import atomic_output_dir
@@ -254,18 +311,24 @@ def analyze(model: str, revision: str | None, allow_pickle: bool, out: Path | No
     source = open_source(model, revision=revision, allow_pickle=allow_pickle)
     out = out or Path(f"{Path(source.model_id).name}-analysis")
     analysis = analyze_spectra(source)
+    if heads:
+        from kvconvert.analysis.spectra import analyze_heads
+
+        analysis["heads"] = analyze_heads(source, profile_tokens)
     with atomic_output_dir(out, replace=force) as tmp:
         (tmp / "analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
         plot_spectra(analysis, tmp / "spectra.png")
         plot_condition(analysis, tmp / "condition.png")
         plot_ranks(analysis, tmp / "ranks.png")
+        if heads:
+            plot_head_scores(analysis["heads"]["echo"], analysis["heads"]["induction"], tmp / "heads.png")
     click.echo(f"{'layer':>5}  {'κ(W_K)':>9}  {'κ(W_V)':>9}  {'log10 κ̃':>8}  {'K err@50%':>9}  {'V err@50%':>9}")
     for row in analysis["layers"]:
         click.echo(
             f"{row['layer']:>5}  {row['kappa_k']:>9.3g}  {row['kappa_v']:>9.3g}  {row['log10_kappa_cum']:>8.1f}  "
             f"{row['rel_error_k']['0.5']:>9.3f}  {row['rel_error_v']['0.5']:>9.3f}"
         )
-    click.echo(f"wrote {out}/analysis.json, spectra.png, condition.png, ranks.png")
+    click.echo(f"wrote {out}/analysis.json, spectra.png, condition.png, ranks.png" + (", heads.png" if heads else ""))
 
 
 @main.command("eval")

@@ -92,7 +92,7 @@ def convert(
     def read_layer(layer: int) -> dict[str, torch.Tensor]:
         return {k: source.get(v) for k, v in attention[layer].items()}
 
-    method.plan(layout, (adapter.read_attention(read_layer(layer)) for layer in range(layout.num_layers)))
+    method.plan(layout, (adapter.read_attention(read_layer(layer)) for layer in range(layout.num_layers)), source)
 
     with atomic_output_dir(out, replace) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes)

@@ -43,3 +43,14 @@ def test_analyze_refuses_existing_out(tiny_model_dir, tmp_path):
     (tmp_path / "a").mkdir()
     result = run_cli("analyze", "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "a"))
     assert result.exit_code == 2 and "already exists" in result.stderr
+
+
+def test_analyze_heads_heat_map(tiny_model_dir, tmp_path):
+    out = tmp_path / "analysis"
+    result = run_cli("analyze", "--model", str(tiny_model_dir("llama_gqa")), "--out", str(out), "--heads",
+                     "--profile-tokens", "16")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert (out / "heads.png").read_bytes().startswith(PNG_MAGIC)
+    heads = json.loads((out / "analysis.json").read_text())["heads"]
+    assert len(heads["echo"]) == 3 and len(heads["echo"][0]) == 4  # layers × query heads
+    assert all(0 <= x <= 1 for row in heads["induction"] for x in row)

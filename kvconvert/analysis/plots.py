@@ -77,3 +77,18 @@ def plot_ranks(analysis: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_head_scores(echo: list[list[float]], induction: list[list[float]], path: Path) -> None:
+    """Heat maps (layers × heads) of RazorAttention's echo and induction scores."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.25 * len(echo) + 2.5))
+    for ax, data, title in ((axes[0], echo, "echo score"), (axes[1], induction, "induction score")):
+        image = ax.imshow(data, aspect="auto", cmap="magma", origin="upper")
+        ax.set_title(title)
+        ax.set_xlabel("query head")
+        ax.set_ylabel("layer")
+        fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -63,3 +63,18 @@ def analyze_spectra(source: SourceCheckpoint) -> dict[str, Any]:
         "layers": layers,
         "lorc_rank_plans": plans,
     }
+
+
+def analyze_heads(source: SourceCheckpoint, profile_tokens: int | None = None) -> dict[str, Any]:
+    """Echo and induction scores ``[L][H]`` (RazorAttention §3.3) and the heads razor would keep."""
+    from kvconvert.methods.razor import RazorConfig, RazorMethod
+
+    method = RazorMethod(RazorConfig(profile_tokens=profile_tokens), progress=False)
+    layout = adapter_for(source.config).layout()
+    method.plan(layout, [], source)
+    return {
+        "echo": method.report["echo"].tolist(),
+        "induction": method.report["induction"].tolist(),
+        "retrieval_kv_heads": method.report["retrieval_kv_heads"],
+        "profile_tokens": method.report["profile_tokens"],
+    }

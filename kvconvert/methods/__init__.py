@@ -6,12 +6,14 @@ from typing import Any
 
 from kvconvert.methods.base import LayerOutput, Method
 from kvconvert.methods.lorc import LorcConfig, LorcMethod
+from kvconvert.methods.razor import RazorConfig, RazorMethod
 from kvconvert.methods.slim import SlimConfig, SlimMethod
 
 # method name -> (config dataclass, method class); recipes and batch jobs are resolved through it
 METHODS: dict[str, tuple[type, type[Method]]] = {
     "slim": (SlimConfig, SlimMethod),
     "lorc": (LorcConfig, LorcMethod),
+    "razor": (RazorConfig, RazorMethod),
 }
 
 
@@ -19,4 +21,7 @@ def build_method(name: str, config: Any) -> Method:
     return METHODS[name][1](config)  # type: ignore[call-arg]
 
 
-__all__ = ["METHODS", "LayerOutput", "LorcConfig", "LorcMethod", "Method", "SlimConfig", "SlimMethod", "build_method"]
+__all__ = [
+    "METHODS", "LayerOutput", "LorcConfig", "LorcMethod", "Method", "RazorConfig", "RazorMethod", "SlimConfig",
+    "SlimMethod", "build_method",
+]  # fmt: skip

@@ -28,9 +28,10 @@ class Method:
     def check(self, layout: AttentionLayout) -> None:
         """Raise ``KVConvertError`` if the model cannot be converted by this method."""
 
-    def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights]) -> None:
+    def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
         """Whole-model decisions before any layer is converted. ``layers`` reads each layer's
-        attention weights lazily, one at a time; methods that need nothing global ignore it."""
+        attention weights lazily, one at a time; ``source`` (a ``SourceCheckpoint``) is there for
+        methods that must run the model (profiling). Methods that need nothing global ignore both."""
 
     def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         raise NotImplementedError

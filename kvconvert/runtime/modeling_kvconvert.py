@@ -9,7 +9,9 @@ imports only torch and transformers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import transformers
@@ -21,13 +23,18 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .kvconvert_lorc import make_attention as make_lorc_attention
 from .kvconvert_lorc import make_cache as make_lorc_cache
+from .kvconvert_razor import configure as configure_razor
+from .kvconvert_razor import make_attention as make_razor_attention
+from .kvconvert_razor import make_cache as make_razor_cache
 from .kvconvert_slim import SlimAttention
 from .kvconvert_slim import make_cache as make_slim_cache
 
-# method name -> (attention factory: (spec, layer, rotary) -> module or None for stock, cache factory)
-METHOD_RUNTIMES: dict[str, tuple[Any, Any]] = {
-    "slim": (SlimAttention, make_slim_cache),
-    "lorc": (make_lorc_attention, make_lorc_cache),
+# method name -> (attention factory: (spec, layer, rotary) -> module, or None to keep the stock one;
+#                 cache factory: spec -> Cache; configure: model -> None, run once after construction)
+METHOD_RUNTIMES: dict[str, tuple[Any, Any, Any]] = {
+    "slim": (SlimAttention, make_slim_cache, None),
+    "lorc": (make_lorc_attention, make_lorc_cache, None),
+    "razor": (make_razor_attention, make_razor_cache, configure_razor),
 }
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
@@ -63,7 +70,7 @@ class KVConvertMixin:
     def __init__(self, config: Any, *args: Any, **kwargs: Any):
         super().__init__(config, *args, **kwargs)  # type: ignore[call-arg]
         spec = config.kvconvert
-        attention_class, _ = METHOD_RUNTIMES[spec["method"]]
+        attention_class, _, configure = METHOD_RUNTIMES[spec["method"]]
         rotary = self.get_submodule(spec["rotary_module"]) if spec.get("rotary_module") else None  # type: ignore[attr-defined]
         for layer_idx, path in enumerate(spec["attention_modules"]):
             module = attention_class(spec, layer_idx, rotary)
@@ -71,10 +78,12 @@ class KVConvertMixin:
                 continue  # the method leaves this layer's stock attention (and weights) as they are
             parent_path, _, name = path.rpartition(".")
             setattr(self.get_submodule(parent_path), name, module)  # type: ignore[attr-defined]
+        if configure is not None:
+            configure(self)
 
     def kvconvert_cache(self, past_key_values: Cache | None) -> Cache:
         """The method's cache, replacing an empty stock cache that generate() or a caller made."""
-        _, make_cache = METHOD_RUNTIMES[self.config.kvconvert["method"]]
+        _, make_cache, _ = METHOD_RUNTIMES[self.config.kvconvert["method"]]
         if past_key_values is not None and getattr(past_key_values, "is_kvconvert_cache", False):
             return past_key_values
         if past_key_values is None or past_key_values.get_seq_length() == 0:
@@ -88,11 +97,25 @@ class KVConvertMixin:
         if use_cache if use_cache is not None else self.config.use_cache:
             past_key_values = self.kvconvert_cache(past_key_values)
         try:
-            return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)  # type: ignore[misc]
+            with self._cache_attached(past_key_values):
+                return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)  # type: ignore[misc]
         finally:
             end_step = getattr(past_key_values, "end_step", None)
             if end_step is not None:
                 end_step()  # drop per-step scratch so only the cache state remains
+
+    @contextlib.contextmanager
+    def _cache_attached(self, cache: Cache | None) -> Iterator[None]:
+        """Give attention modules (and attention functions, which only see the module) this forward's
+        cache; always detached afterwards so no module keeps a cache alive."""
+        modules = [self.get_submodule(path) for path in self.config.kvconvert["attention_modules"]]  # type: ignore[attr-defined]
+        for module in modules:
+            module.__dict__["_kvconvert_cache"] = cache
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.__dict__.pop("_kvconvert_cache", None)
 
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any):
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)  # type: ignore[misc]

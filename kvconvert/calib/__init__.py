@@ -1,0 +1,1 @@
+"""Calibration and profiling machinery: hooks in context managers, statistics accumulated online."""

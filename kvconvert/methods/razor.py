@@ -1,0 +1,137 @@
+"""RazorAttention (Tang et al. 2024): keep a full cache only for retrieval heads.
+
+Retrieval heads are found by profiling (§3.3): top ``induction_frac`` of all heads by induction
+score ∪ top ``echo_frac`` by echo score; for GQA a KV head is kept whole if any of its query heads
+qualifies (§4.1.1). Weights are copied unchanged. The other heads keep ``sink`` first tokens, the
+most recent L = max(window, N·window_frac) tokens and one compensation token (runtime).
+ALiBi's analytic scope L_h (theorem 1) is not implemented: no supported architecture uses ALiBi.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kvconvert.arch import AttentionLayout, AttentionWeights
+from kvconvert.errors import KVConvertError
+from kvconvert.methods.base import LayerOutput, Method
+
+PAPER_WINDOW = 4000  # Table 2: buffer length max(4000, N/5), for 32K-context models
+
+
+@dataclass(frozen=True)
+class RazorConfig:
+    """Options of ``kvconvert razor`` (defaults: paper Table 2)."""
+
+    induction_frac: float = 0.14
+    echo_frac: float = 0.01
+    sink: int = 4
+    # None: min(4000, context / 16), i.e. the paper's 4000 scaled down for short-context models
+    window: int | None = None
+    window_frac: float = 0.2
+    profile_tokens: int | None = None  # K random tokens, repeated 4×; None: min(2500, context / 4)
+    kv_budget: float | None = None  # long-context budget; sets window_frac when given
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("induction_frac", "echo_frac", "window_frac"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise KVConvertError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.sink < 0 or (self.window is not None and self.window < 1):
+            raise KVConvertError("sink must be >= 0 and window >= 1")
+        if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
+            raise KVConvertError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
+        if self.profile_tokens is not None and self.profile_tokens < 2:
+            raise KVConvertError(f"profile_tokens must be >= 2, got {self.profile_tokens}")
+
+
+def top_heads(scores: torch.Tensor, fraction: float) -> set[tuple[int, int]]:
+    """(layer, head) of the top ``fraction`` of all heads by score (at least one when fraction > 0)."""
+    if fraction <= 0:
+        return set()
+    count = max(1, round(fraction * scores.numel()))
+    flat = torch.topk(scores.flatten(), count).indices
+    return {(int(i) // scores.shape[1], int(i) % scores.shape[1]) for i in flat}
+
+
+def retrieval_kv_heads(chosen: set[tuple[int, int]], num_layers: int, group: int) -> list[list[int]]:
+    """Per layer, the KV heads kept in full: those with at least one chosen query head."""
+    return [sorted({head // group for layer_, head in chosen if layer_ == layer}) for layer in range(num_layers)]
+
+
+class RazorMethod(Method):
+    name = "razor"
+
+    def __init__(self, config: RazorConfig | None = None, progress: bool = True):
+        self.config = config or RazorConfig()
+        self.progress = progress
+        self.report: dict[str, Any] = {}
+
+    def params(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+    def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
+        """Profile echo/induction scores on the source model and choose the retrieval heads."""
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        from kvconvert.calib.heads import profile_heads
+
+        cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[source.config.model_type])
+        model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval()
+        config = model.config
+        context = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 2048))
+        tokens = self.config.profile_tokens or max(2, min(2500, context // 4))
+        if 4 * tokens > context:
+            raise KVConvertError(f"profile_tokens {tokens} × 4 exceeds the model's context ({context})")
+        special = {t for t in (config.bos_token_id, config.eos_token_id, config.pad_token_id) if isinstance(t, int)}
+        scores = profile_heads(model, tokens, special, seed=self.config.seed, progress=self.progress)
+        del model
+        chosen = top_heads(scores.induction, self.config.induction_frac) | top_heads(scores.echo, self.config.echo_frac)
+        group = layout.num_heads // layout.num_kv_heads
+        kept = retrieval_kv_heads(chosen, layout.num_layers, group)
+        share = sum(len(k) for k in kept) / (layout.num_layers * layout.num_kv_heads)
+        window_frac = self.config.window_frac
+        if self.config.kv_budget is not None:
+            if self.config.kv_budget <= share:
+                raise KVConvertError(
+                    f"kv_budget {self.config.kv_budget} is not above the retrieval heads' share of the cache "
+                    f"({share:.3f}); lower --induction-frac/--echo-frac or raise the budget"
+                )
+            window_frac = (self.config.kv_budget - share) / (1 - share) if share < 1 else 1.0
+        self.report = {
+            "echo": scores.echo,
+            "induction": scores.induction,
+            "retrieval_kv_heads": kept,
+            "retrieval_share": share,
+            "window": self.config.window or min(PAPER_WINDOW, max(16, context // 16)),
+            "window_frac": window_frac,
+            "profile_tokens": tokens,
+        }
+
+    def expected_kv_budget(self, layout: AttentionLayout) -> float:
+        """Long-context limit: retrieval heads in full, the others at window_frac of the tokens."""
+        share, frac = self.report["retrieval_share"], self.report["window_frac"]
+        return share + (1 - share) * frac
+
+    def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
+        report = {
+            "layer": layer,
+            "retrieval_kv_heads": self.report["retrieval_kv_heads"][layer],
+            "echo_scores": [round(float(x), 6) for x in self.report["echo"][layer]],
+            "induction_scores": [round(float(x), 6) for x in self.report["induction"][layer]],
+        }
+        return LayerOutput(tensors={}, report=report, passthrough=True)
+
+    def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
+        return {
+            "razor": {
+                "retrieval_kv_heads": self.report["retrieval_kv_heads"],
+                "sink": self.config.sink,
+                "window": self.report["window"],
+                "window_frac": self.report["window_frac"],
+            }
+        }

@@ -1,0 +1,230 @@
+"""RazorAttention runtime (Tang et al., "RazorAttention: efficient KV cache compression through retrieval heads").
+
+Weights and attention modules stay stock. A registered attention function does the work, with a
+head-wise cache: retrieval KV heads keep every token; the other KV heads keep the first ``sink``
+tokens, the most recent L = max(window, N·window_frac) tokens and one compensation token per head
+holding the mean of all dropped keys and values with their count N_d (paper eq. 4), attended as in
+eq. 5. Prefill attends over everything and the cache is compressed afterwards (Algorithm 1); decode
+attends over the compressed cache. Copied verbatim into every razor output directory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .kvconvert_common import additive_mask, softmax_rows
+
+IMPLEMENTATION = "kvconvert_razor"
+
+
+def compensated_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor | None,
+    comp_key: torch.Tensor,
+    comp_value: torch.Tensor,
+    comp_count: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Eq. 5: softmax attention over kept tokens plus a compensation token weighted by N_d.
+
+    Shapes: query ``[b, h, q, d]``; keys/values ``[b, h, n, d]``; bias ``[b|1, 1|h, q, n]`` or None;
+    comp_key/comp_value ``[b, h, 1, d]`` (means of the dropped tokens); comp_count ``[b]`` (N_d,
+    0 where nothing was dropped: the compensation token then takes no weight). Returns ``[b, h, q, d]``.
+    """
+    scores = (query @ keys.transpose(-1, -2)) * scaling
+    if bias is not None:
+        scores = scores + bias
+    # N_d·exp(q·k̂) = exp(q·k̂ + ln N_d): the count becomes an additive logit
+    log_count = torch.where(comp_count > 0, comp_count.clamp(min=1).log(), torch.finfo(scores.dtype).min)
+    comp_scores = (query @ comp_key.transpose(-1, -2)) * scaling + log_count.view(-1, 1, 1, 1).to(scores.dtype)
+    probs = softmax_rows(torch.cat([scores, comp_scores], dim=-1), values.dtype)
+    return probs[..., :-1] @ values + probs[..., -1:] * comp_value
+
+
+class RazorLayer(DynamicLayer):
+    """One layer's head-wise state. Retrieval KV heads: ``full_k/full_v [b, R, n, d]``. Other KV
+    heads: ``sink_k/v [b, N, ≤sink, d]``, ``recent_k/v [b, N, ≤L, d]``, ``comp_k/v_sum [b, N, 1, d]``
+    (float32 running sums of dropped tokens) and ``comp_count [b]`` (dropped non-padding tokens).
+    ``seen`` is the logical sequence length the masks are built for."""
+
+    def __init__(self, retrieval: list[int], others: list[int], sink: int, window: int, window_frac: float):
+        super().__init__()
+        self.retrieval, self.others = retrieval, others
+        self.sink, self.window, self.window_frac = sink, window, window_frac
+        self.seen = 0
+        # tensors once the layer has seen its first tokens (None before); Any keeps the state terse
+        self.full_k: Any = None
+        self.full_v: Any = None
+        self.sink_k: Any = None
+        self.sink_v: Any = None
+        self.recent_k: Any = None
+        self.recent_v: Any = None
+        self.comp_k_sum: Any = None
+        self.comp_v_sum: Any = None
+        self.comp_count: Any = None
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        """Called by the stock attention module; the attention function reads the cache itself."""
+        return key_states, value_states
+
+    def recent_budget(self, total: int) -> int:
+        return max(self.window, int(total * self.window_frac))
+
+    def commit(self, new_k: torch.Tensor, new_v: torch.Tensor, valid: torch.Tensor) -> None:
+        """Append this step's keys/values ``[b, Hkv, q, d]``; move what falls out of the window into the
+        compensation sums. ``valid [b, seen + q]``: False for padding tokens (never compensated)."""
+        q_len = new_k.shape[2]
+        r, o = self.retrieval, self.others
+        if r:
+            parts = [t for t in (self.full_k, new_k[:, r]) if t is not None]
+            self.full_k = torch.cat(parts, dim=2)
+            parts = [t for t in (self.full_v, new_v[:, r]) if t is not None]
+            self.full_v = torch.cat(parts, dim=2)
+        if o:
+            k, v = new_k[:, o], new_v[:, o]
+            start = self.seen
+            if self.sink_k is None:
+                self.sink_k, self.sink_v = k[:, :, :0], v[:, :, :0]
+                self.recent_k, self.recent_v = k[:, :, :0], v[:, :, :0]
+                self.comp_k_sum = torch.zeros_like(k[:, :, :1], dtype=torch.float32)
+                self.comp_v_sum = torch.zeros_like(v[:, :, :1], dtype=torch.float32)
+                self.comp_count = torch.zeros(k.shape[0], dtype=torch.float32, device=k.device)
+            take = max(0, min(self.sink - self.sink_k.shape[2], q_len))
+            self.sink_k = torch.cat([self.sink_k, k[:, :, :take]], dim=2)
+            self.sink_v = torch.cat([self.sink_v, v[:, :, :take]], dim=2)
+            recent_k = torch.cat([self.recent_k, k[:, :, take:]], dim=2)
+            recent_v = torch.cat([self.recent_v, v[:, :, take:]], dim=2)
+            total = start + q_len
+            keep = self.recent_budget(total)
+            drop = max(0, recent_k.shape[2] - keep)
+            if drop:
+                first = total - recent_k.shape[2]  # logical index of the oldest recent token
+                weight = valid[:, first : first + drop].to(torch.float32)  # [b, drop]
+                w = weight[:, None, :, None]
+                self.comp_k_sum = self.comp_k_sum + (recent_k[:, :, :drop].float() * w).sum(2, keepdim=True)
+                self.comp_v_sum = self.comp_v_sum + (recent_v[:, :, :drop].float() * w).sum(2, keepdim=True)
+                self.comp_count = self.comp_count + weight.sum(1)
+            self.recent_k, self.recent_v = recent_k[:, :, drop:], recent_v[:, :, drop:]
+        self.seen += q_len
+
+
+class RazorCache(Cache):
+    is_kvconvert_cache = True
+
+    def __init__(self, layers: list[RazorLayer]):
+        super().__init__(layers=list(layers))
+
+
+def razor_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [b, H, q, d]``, this step's ``key/value [b, Hkv, q, d]``
+    (after RoPE). Returns ``[b, q, H, d]`` like transformers' own implementations."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    cache = module.__dict__.get("_kvconvert_cache")
+    found = cache.layers[getattr(module, "layer_idx")] if isinstance(cache, RazorCache) else None  # noqa: B009
+    layer = found if isinstance(found, RazorLayer) else None  # None: no cache (use_cache=False)
+    seen = layer.seen if layer is not None else 0
+    total = seen + q_len
+    bias = additive_mask(attention_mask, q_len, total, query.dtype, query.device)
+    if bias is None:  # single decode step without padding: everything visible
+        bias = torch.zeros(1, 1, q_len, total, dtype=query.dtype, device=query.device)
+    valid = bias[:, 0, -1, :] == 0  # [b|1, total]: the last query sees every non-padding token
+    valid = valid.expand(batch, total)
+    out = torch.empty_like(query)
+
+    def heads_of(kv: list[int]) -> list[int]:
+        return [g * group + j for g in kv for j in range(group)]
+
+    def grouped(kv_tensor: torch.Tensor) -> torch.Tensor:  # [b, k, n, d] -> [b, k·G, n, d]
+        return kv_tensor.repeat_interleave(group, dim=1)
+
+    retrieval = layer.retrieval if layer is not None else list(range(kv_heads))
+    others = layer.others if layer is not None else []
+    if retrieval:
+        k = (
+            key[:, retrieval]
+            if layer is None or layer.full_k is None
+            else torch.cat([layer.full_k, key[:, retrieval]], 2)
+        )
+        v = (
+            value[:, retrieval]
+            if layer is None or layer.full_v is None
+            else torch.cat([layer.full_v, value[:, retrieval]], 2)
+        )
+        q = query[:, heads_of(retrieval)]
+        scores = (q @ grouped(k).transpose(-1, -2)) * scale + bias
+        out[:, heads_of(retrieval)] = softmax_rows(scores, value.dtype) @ grouped(v)
+    if others:
+        assert layer is not None
+        kept_index = list(range(layer.sink_k.shape[2] if layer.sink_k is not None else 0))
+        if layer.recent_k is not None:
+            kept_index += list(range(seen - layer.recent_k.shape[2], seen))
+        kept_index += list(range(seen, total))
+        index = torch.tensor(kept_index, device=query.device)
+        parts_k = [t for t in (layer.sink_k, layer.recent_k) if t is not None] + [key[:, others]]
+        parts_v = [t for t in (layer.sink_v, layer.recent_v) if t is not None] + [value[:, others]]
+        k, v = torch.cat(parts_k, 2), torch.cat(parts_v, 2)
+        if layer.comp_count is None:
+            comp_k = torch.zeros_like(k[:, :, :1])
+            comp_v, count = comp_k, torch.zeros(batch, device=query.device)
+        else:
+            denominator = layer.comp_count.clamp(min=1).view(-1, 1, 1, 1)
+            comp_k = (layer.comp_k_sum / denominator).to(k.dtype)
+            comp_v = (layer.comp_v_sum / denominator).to(v.dtype)
+            count = layer.comp_count
+        heads_o = heads_of(others)
+        out[:, heads_o] = compensated_attention(
+            query[:, heads_o], grouped(k), grouped(v), bias.index_select(-1, index), grouped(comp_k), grouped(comp_v),
+            count, scale,
+        )  # fmt: skip
+    if layer is not None:
+        layer.commit(key, value, valid)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(IMPLEMENTATION, razor_attention)
+AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+
+
+def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
+    """Attention modules stay stock; the work happens in ``razor_attention``."""
+    return None
+
+
+def make_cache(spec: dict[str, Any]) -> RazorCache:
+    razor = spec["razor"]
+    kv_heads = int(spec["num_kv_heads"])
+    layers = []
+    for retrieval in razor["retrieval_kv_heads"]:
+        others = [g for g in range(kv_heads) if g not in retrieval]
+        layers.append(RazorLayer(list(retrieval), others, razor["sink"], razor["window"], razor["window_frac"]))
+    return RazorCache(layers)
+
+
+def configure(model: Any) -> None:
+    """Route every attention module of ``model`` through ``razor_attention``."""
+    model.set_attn_implementation(IMPLEMENTATION)

@@ -1,0 +1,134 @@
+"""RazorAttention: exactness where nothing is dropped, eq. 5 by hand, head profiling, bounded cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvconvert.calib.heads import HeadScores, profile_heads
+from kvconvert.errors import KVConvertError
+from kvconvert.eval.memory import cache_nbytes
+from kvconvert.methods.razor import retrieval_kv_heads, top_heads
+from kvconvert.runtime.kvconvert_razor import compensated_attention
+from tests.conftest import build_tiny_model
+from tests.helpers import assert_equivalent, load_converted, load_reference, run_cli
+
+
+def convert_razor(src, dst, *extra: str) -> dict:
+    result = run_cli("razor", "--model", str(src), "--out", str(dst), "--quiet", "--profile-tokens", "16", *extra)
+    assert result.exit_code == 0, result.output
+    return json.loads((dst / "kvconvert.json").read_text())
+
+
+def left_padded() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "gpt_neox", "gpt2"])
+def test_all_heads_retrieval_is_exact(kind, tiny_model_dir, tmp_path):
+    src = tiny_model_dir(kind)
+    report = convert_razor(src, tmp_path / "razor", "--induction-frac", "1")
+    assert all(r["retrieval_kv_heads"] for r in report["layers"])
+    converted = load_converted(tmp_path / "razor")
+    assert converted.config._attn_implementation == "kvconvert_razor"
+    assert_equivalent(load_reference(src), converted, *left_padded())
+
+
+def test_non_retrieval_heads_are_exact_while_nothing_is_dropped(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama_gqa")
+    convert_razor(src, tmp_path / "razor", "--induction-frac", "0", "--echo-frac", "0", "--window", "1000")
+    assert_equivalent(load_reference(src), load_converted(tmp_path / "razor"), *left_padded())
+
+
+def test_compensation_token_follows_eq5():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
+    k_hat, v_hat, n_d = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4), 5.0
+    scale = 0.5
+    # eq. 5 written out: (N_d e^{q·k̂} v̂ + Σ e^{q·k_n} v_n) / (N_d e^{q·k̂} + Σ e^{q·k_n})
+    w = [torch.exp(scale * (q[0, 0, 0] @ k[0, 0, n])) for n in range(3)]
+    w_hat = n_d * torch.exp(scale * (q[0, 0, 0] @ k_hat[0, 0, 0]))
+    expected = (w_hat * v_hat[0, 0, 0] + sum(w[n] * v[0, 0, n] for n in range(3))) / (w_hat + sum(w))
+    got = compensated_attention(q, k, v, None, k_hat, v_hat, torch.tensor([n_d]), scale)
+    torch.testing.assert_close(got[0, 0, 0], expected)
+    # N_d = 0: the compensation token takes no weight
+    plain = torch.softmax(scale * (q @ k.transpose(-1, -2)), -1) @ v
+    torch.testing.assert_close(compensated_attention(q, k, v, None, k_hat, v_hat, torch.tensor([0.0]), scale), plain)
+
+
+def test_head_scores_on_planted_attention_patterns():
+    period, n = 5, 20
+    rows = torch.arange(period, n)
+    probs = torch.full((1, 3, rows.numel(), n), 0.01)
+    probs[0, 0, torch.arange(rows.numel()), rows - period] = 0.9  # head 0: echo
+    probs[0, 1, torch.arange(rows.numel()), rows - period + 1] = 0.9  # head 1: induction
+    scores = HeadScores(num_layers=1, num_heads=3, period=period)
+    scores.add(0, probs, rows)
+    assert scores.echo[0].argmax() == 0 and scores.induction[0].argmax() == 1
+    assert scores.echo[0, 0] == pytest.approx(0.9) and scores.induction[0, 1] == pytest.approx(0.9)
+
+
+@torch.no_grad()
+def test_profiling_finds_a_planted_echo_head():
+    """GPT-2 without position embeddings whose head (0, 0) has W_Q = W_K = 8·I: each query is most
+    similar to the earlier copies of its own token, i.e. an echo head."""
+    model = build_tiny_model("gpt2")
+    attn = model.transformer.h[0].attn
+    d, head = 64, 16
+    model.transformer.wpe.weight.zero_()
+    eye = 8.0 * torch.eye(d)[:, :head]  # Conv1D weight [in, out]: first head reads the input's first 16 dims
+    attn.c_attn.weight[:, :head] = eye  # q of head 0
+    attn.c_attn.weight[:, d : d + head] = eye  # k of head 0
+    attn.c_attn.bias.zero_()
+    scores = profile_heads(model, tokens=24, exclude=set(), progress=False)
+    assert torch.argmax(scores.echo.flatten()) == 0, scores.echo
+
+
+def test_top_heads_and_gqa_grouping():
+    scores = torch.tensor([[0.1, 0.9, 0.2, 0.3], [0.5, 0.0, 0.0, 0.8]])
+    assert top_heads(scores, 0.25) == {(0, 1), (1, 3)}
+    assert top_heads(scores, 0.0) == set()
+    # 4 query heads sharing 2 KV heads: query head 1 → KV 0, query head 3 → KV 1
+    assert retrieval_kv_heads({(0, 1), (1, 3)}, 2, group=2) == [[0], [1]]
+
+
+@torch.no_grad()
+def test_non_retrieval_cache_stays_bounded(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama_gqa")
+    convert_razor(src, tmp_path / "razor", "--induction-frac", "0.2", "--echo-frac", "0", "--window", "8",
+                  "--window-frac", "0.1", "--sink", "2")  # fmt: skip
+    converted, reference = load_converted(tmp_path / "razor"), load_reference(src)
+    ids, mask = left_padded()
+    kwargs = dict(attention_mask=mask, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                  return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    cache = converted.generate(ids, **kwargs).past_key_values
+    total = 24 + 39
+    budget = max(8, int(total * 0.1))
+    for layer in cache.layers:
+        if layer.others:
+            assert layer.sink_k.shape[2] == 2 and layer.recent_k.shape[2] == budget
+            # dropped = total − sink − recent; the padded row's 7 padding tokens are never compensated
+            assert layer.comp_count.tolist() == [total - 2 - budget, total - 2 - budget - 5]
+    ref_cache = reference.generate(ids, **kwargs).past_key_values
+    assert cache_nbytes(cache) < 0.8 * cache_nbytes(ref_cache)
+
+
+def test_kv_budget_sets_window_fraction(tiny_model_dir, tmp_path):
+    report = convert_razor(tiny_model_dir("llama_gqa"), tmp_path / "r", "--induction-frac", "0.2", "--echo-frac",
+                           "0", "--kv-budget", "0.6")  # fmt: skip
+    spec = json.loads((tmp_path / "r" / "config.json").read_text())["kvconvert"]["razor"]
+    share = sum(len(r["retrieval_kv_heads"]) for r in report["layers"]) / (3 * 2)
+    assert spec["window_frac"] == pytest.approx((0.6 - share) / (1 - share))
+    assert report["kv_budget_expected"] == pytest.approx(0.6)
+    with pytest.raises(KVConvertError, match="not above the retrieval heads' share"):
+        from kvconvert.io.source import open_source
+        from kvconvert.methods.razor import RazorConfig, RazorMethod
+        from kvconvert.pipeline import convert
+
+        method = RazorMethod(RazorConfig(induction_frac=1.0, kv_budget=0.5, profile_tokens=16), progress=False)
+        convert(open_source(str(tiny_model_dir("llama_gqa"))), method, tmp_path / "x", progress=False)
