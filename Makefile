@@ -4,7 +4,7 @@ SHARED ?= ../shared
 DEMO := demo-out
 AIDREAMS := $(SHARED)/models/aidreams260K
 
-.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc clean
+.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor clean
 
 # torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
 install:
@@ -39,6 +39,10 @@ bench-slim:
 # LoRC on SmolLM2: progressive vs uniform, K+V vs K-only (about 15 minutes on 2 cores)
 bench-lorc: install
 	$(PYTHON) bench/lorc_bench.py
+
+# RazorAttention on SmolLM2: KV bytes at 2K/4K/8K, chunked perplexity, passkey (about 10 minutes)
+bench-razor: install
+	$(PYTHON) bench/razor_bench.py
 
 bench-quick: install
 	$(PYTHON) bench/run.py --quick

@@ -7,7 +7,6 @@ Random weights are fine for timing (slim's cost does not depend on their values)
 from __future__ import annotations
 
 import argparse
-import resource
 import subprocess
 import sys
 import tempfile
@@ -34,16 +33,26 @@ def build_source(path: Path, layers: int) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
-def peak_rss_of(cmd: list[str]) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of a child process (Linux reports ru_maxrss in KiB)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+# Runs a module as __main__ in a fresh interpreter and prints that process's own peak RSS last
+# (RUSAGE_CHILDREN would report the maximum over all children so far, not this one's).
+_PEAK_RSS_WRAPPER = """
+import resource, runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__")
+except SystemExit as exit_:
+    if exit_.code not in (None, 0):
+        raise
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
+
+
+def peak_rss_of(module: str, *args: str) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of ``python -m module args`` (Linux ru_maxrss is in KiB)."""
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if after <= before:
-        raise RuntimeError("child peak RSS not above an earlier child's; run the conversion first")
-    return wall, after * 1024
+    done = subprocess.run([sys.executable, "-c", _PEAK_RSS_WRAPPER, module, *args], check=True,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return time.perf_counter() - start, int(done.stderr.strip().splitlines()[-1]) * 1024
 
 
 @torch.no_grad()
@@ -79,10 +88,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "src", Path(tmp) / "slim"
         size = build_source(src, args.layers)
-        # RSS floor: the same interpreter importing the same libraries and doing nothing.
-        _, floor_rss = peak_rss_of([sys.executable, "-c", "import kvconvert.cli, transformers, torch"])
-        wall, rss = peak_rss_of([sys.executable, "-m", "kvconvert.cli", "slim", "--model", str(src), "--out",
-                                 str(dst), "--quiet"])  # fmt: skip
+        # RSS floor: the same interpreter importing the libraries a conversion imports, doing nothing.
+        _, floor_rss = peak_rss_of("bench._import_floor")
+        wall, rss = peak_rss_of("kvconvert.cli", "slim", "--model", str(src), "--out", str(dst), "--quiet")
         largest_tensor = max(p.numel() * p.element_size() for p in LlamaForCausalLM.from_pretrained(src).parameters())
 
         original = LlamaForCausalLM.from_pretrained(src).eval()
