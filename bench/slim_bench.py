@@ -33,22 +33,24 @@ def build_source(path: Path, layers: int) -> int:
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
 
-# Runs a module as __main__ in a fresh interpreter and prints that process's own peak RSS last
-# (RUSAGE_CHILDREN would report the maximum over all children so far, not this one's).
+# Runs a module as __main__ in a fresh interpreter and prints that process's own peak RSS last.
+# VmHWM belongs to the address space exec() created; ru_maxrss would not do: Linux carries the
+# parent's high-water mark across fork + exec, so every child would report at least this process's.
 _PEAK_RSS_WRAPPER = """
-import resource, runpy, sys
+import runpy, sys
 sys.argv = sys.argv[1:]
 try:
     runpy.run_module(sys.argv[0], run_name="__main__")
 except SystemExit as exit_:
     if exit_.code not in (None, 0):
         raise
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(int(hwm.split()[1]), file=sys.stderr)
 """
 
 
 def peak_rss_of(module: str, *args: str) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of ``python -m module args`` (Linux ru_maxrss is in KiB)."""
+    """(wall seconds, peak RSS bytes) of ``python -m module args`` (VmHWM is in KiB)."""
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", _PEAK_RSS_WRAPPER, module, *args], check=True,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -88,8 +90,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "src", Path(tmp) / "slim"
         size = build_source(src, args.layers)
-        # RSS floor: the same interpreter importing the libraries a conversion imports, doing nothing.
-        _, floor_rss = peak_rss_of("bench._import_floor")
+        # RSS floor: imports, config and shard index — everything a conversion does except converting.
+        _, floor_rss = peak_rss_of("bench._import_floor", str(src))
         wall, rss = peak_rss_of("kvconvert.cli", "slim", "--model", str(src), "--out", str(dst), "--quiet")
         largest_tensor = max(p.numel() * p.element_size() for p in LlamaForCausalLM.from_pretrained(src).parameters())
 
@@ -113,7 +115,7 @@ def main() -> None:
     payload = {"benchmark": "slim", "machine": machine(), "conversion": conversion, "decode": speed}
     mb = 1024**2
     conv_table = markdown_table(
-        ["model size", "conversion wall", "peak RSS", "RSS of imports alone", "largest tensor"],
+        ["model size", "conversion wall", "peak RSS", "RSS without converting", "largest tensor"],
         [[f"{size / mb:.0f} MiB", f"{wall:.1f} s", f"{rss / mb:.0f} MiB", f"{floor_rss / mb:.0f} MiB",
           f"{largest_tensor / mb:.0f} MiB"]],
     )  # fmt: skip

@@ -99,6 +99,8 @@ def convert(
         for name in passthrough:
             tensor = source.get(name)
             writer.add(name, tensor.to(target) if tensor.is_floating_point() and dtype != "auto" else tensor)
+            del tensor
+            source.release()
 
         reports: list[dict[str, Any]] = []
         tensor_names: list[list[str]] = []  # per layer; the tensors themselves are already on disk
@@ -114,6 +116,8 @@ def convert(
                 writer.add(prefixes[layer] + local_name, tensor)
             reports.append(result.report)
             tensor_names.append(sorted(produced))
+            del local, result, produced
+            source.release()
         method.finish(reports)
         weight_files = writer.close()
 

@@ -62,6 +62,12 @@ class SourceCheckpoint:
             self._handle(self._index[name])[name] if self.pickled else self._handle(self._index[name]).get_tensor(name)
         )
 
+    def release(self) -> None:
+        """Close the open shard handles. safetensors maps files into memory, and every page read stays
+        resident (and counted in RSS) while the mapping lives; the pipeline calls this after each
+        tensor it finishes so resident memory stays at what is being converted."""
+        self._handles.clear()
+
     def sha256(self) -> dict[str, str]:
         """sha256 of every weight file, streamed (never the whole file in memory)."""
         digests = {}
