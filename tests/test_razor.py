@@ -112,6 +112,8 @@ def test_non_retrieval_cache_stays_bounded(tiny_model_dir, tmp_path):
     for layer in cache.layers:
         if layer.others:
             assert layer.sink_k.shape[2] == 2 and layer.recent_k.shape[2] == budget
+            # the storage itself is bounded too, not just the visible slice
+            assert layer.recent_k.untyped_storage().nbytes() == layer.recent_k.numel() * layer.recent_k.element_size()
             # dropped = total − sink − recent; the padded row's 7 padding tokens are never compensated
             assert layer.comp_count.tolist() == [total - 2 - budget, total - 2 - budget - 5]
     ref_cache = reference.generate(ids, **kwargs).past_key_values

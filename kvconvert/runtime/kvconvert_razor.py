@@ -117,7 +117,9 @@ class RazorLayer(DynamicLayer):
                 self.comp_k_sum = self.comp_k_sum + (recent_k[:, :, :drop].float() * w).sum(2, keepdim=True)
                 self.comp_v_sum = self.comp_v_sum + (recent_v[:, :, :drop].float() * w).sum(2, keepdim=True)
                 self.comp_count = self.comp_count + weight.sum(1)
-            self.recent_k, self.recent_v = recent_k[:, :, drop:], recent_v[:, :, drop:]
+            if drop:  # copy: a slice would keep the dropped tokens' storage alive
+                recent_k, recent_v = recent_k[:, :, drop:].clone(), recent_v[:, :, drop:].clone()
+            self.recent_k, self.recent_v = recent_k, recent_v
         self.seen += q_len
 
 
