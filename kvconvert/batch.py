@@ -8,7 +8,6 @@ can simply be started again: outputs are atomic, so only finished jobs exist.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import tempfile
@@ -109,14 +108,9 @@ def _is_up_to_date(out: Path, method_name: str, params: dict[str, Any], source_s
 
 
 def output_sha256(out: Path) -> dict[str, str]:
-    digests = {}
-    for path in sorted(out.glob("*.safetensors")):
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                h.update(block)
-        digests[path.name] = h.hexdigest()
-    return digests
+    from kvconvert.io.source import sha256_file
+
+    return {path.name: sha256_file(path) for path in sorted(out.glob("*.safetensors"))}
 
 
 def measured_kv_budget(source_dir: Path, out: Path, tokens: int = 64) -> float:

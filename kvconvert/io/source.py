@@ -34,6 +34,15 @@ _PICKLE_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 _HUB_ID = re.compile(r"^[\w.\-]+(/[\w.\-]+)?$")
 
 
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, streamed in 16 MiB blocks (never the whole file in memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 @dataclass
 class SourceCheckpoint:
     """A source model on local disk, with lazy per-tensor access.
@@ -69,15 +78,8 @@ class SourceCheckpoint:
         self._handles.clear()
 
     def sha256(self) -> dict[str, str]:
-        """sha256 of every weight file, streamed (never the whole file in memory)."""
-        digests = {}
-        for path in self.weight_files:
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 24), b""):
-                    h.update(block)
-            digests[path.name] = h.hexdigest()
-        return digests
+        """sha256 of every weight file."""
+        return {path.name: sha256_file(path) for path in self.weight_files}
 
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:
