@@ -49,7 +49,7 @@ class SlimMethod(Method):
             raise KVConvertError(
                 f"slim needs multi-head attention (one K head per query head) but this model has "
                 f"{layout.num_heads} query heads sharing {layout.num_kv_heads} KV heads (GQA/MQA): "
-                "V cannot be computed from a shared K; use lorc or zack instead"
+                "V cannot be computed from a shared K; use lorc or razor instead"
             )
         if layout.kv_width < layout.hidden_size:
             raise KVConvertError(
