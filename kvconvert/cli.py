@@ -337,6 +337,7 @@ def analyze(
 @click.option("--data", required=True, help="Text file, or dataset spec name[:config]:split:column.")
 @click.option("--ctx", type=int, default=1024, show_default=True, help="Window length (capped at the model's).")
 @click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of --data.")
+@click.option("--chunk", type=int, default=None, help="Feed each window through the cache N tokens at a time.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Also write results here.")
 @click.option("--retrieval-lengths", default=None, help="Comma-separated prompt lengths for passkey/copy.")
 @click.option("--no-retrieval", is_flag=True, help="Skip passkey and copy tests.")
@@ -349,6 +350,7 @@ def eval_command(
     data: str,
     ctx: int,
     max_tokens: int | None,
+    chunk: int | None,
     json_out: Path | None,
     retrieval_lengths: str | None,
     no_retrieval: bool,
@@ -368,8 +370,10 @@ def eval_command(
         ) from None
     if ctx < 2:
         raise KVConvertError(f"--ctx must be at least 2, got {ctx}")
+    if chunk is not None and chunk < 1:
+        raise KVConvertError(f"--chunk must be at least 1, got {chunk}")
     config = EvalConfig(
-        data=data, ctx=ctx, max_tokens=max_tokens, retrieval_lengths=lengths, retrieval=not no_retrieval,
+        data=data, ctx=ctx, max_tokens=max_tokens, chunk=chunk, retrieval_lengths=lengths, retrieval=not no_retrieval,
         speed=not no_speed, progress=not quiet,
     )  # fmt: skip
     result = run_eval(model, reference, config)

@@ -129,3 +129,15 @@ def test_eval_cli_bad_data_is_a_user_error(tmp_path):
     _save_word_tokenizer(src)
     result = run_cli("eval", "--model", str(src), "--data", "no-such-file.txt")
     assert result.exit_code == 2 and "neither a file nor a dataset spec" in result.stderr
+
+
+def test_chunked_scoring_equals_single_forward_for_full_caches(tiny_model_dir, tmp_path):
+    from tests.helpers import load_converted
+
+    model = build_tiny_model("llama_gqa")
+    ids = torch.randint(3, 90, (100,), generator=torch.Generator().manual_seed(2))
+    whole, chunked = evaluate_quality(model, ids, 64), evaluate_quality(model, ids, 64, chunk=10)
+    assert chunked.ppl == pytest.approx(whole.ppl, rel=1e-5) and chunked.tokens == whole.tokens
+    convert_slim(tiny_model_dir("llama"), tmp_path / "slim")
+    slim = load_converted(tmp_path / "slim")
+    assert evaluate_quality(slim, ids, 64, chunk=7).ppl == pytest.approx(evaluate_quality(slim, ids, 64).ppl, rel=1e-5)

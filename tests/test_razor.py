@@ -134,3 +134,19 @@ def test_kv_budget_sets_window_fraction(tiny_model_dir, tmp_path):
 
         method = RazorMethod(RazorConfig(induction_frac=1.0, kv_budget=0.5, profile_tokens=16), progress=False)
         convert(open_source(str(tiny_model_dir("llama_gqa"))), method, tmp_path / "x", progress=False)
+
+
+def test_chunked_eval_sees_dropped_tokens(tiny_model_dir, tmp_path):
+    """A single forward attends over everything (same ppl as the original); feeding the same text
+    through the cache in chunks makes non-retrieval heads drop tokens, and ppl changes."""
+    from kvconvert.eval.quality import evaluate_quality
+
+    src = tiny_model_dir("llama_gqa")
+    convert_razor(src, tmp_path / "razor", "--induction-frac", "0", "--echo-frac", "0", "--window", "4",
+                  "--window-frac", "0", "--sink", "1")  # fmt: skip
+    razor, reference = load_converted(tmp_path / "razor"), load_reference(src)
+    ids = torch.randint(3, 90, (96,), generator=torch.Generator().manual_seed(4))
+    single = evaluate_quality(razor, ids, 96, reference=reference)
+    assert single.kl_mean == pytest.approx(0.0, abs=1e-9)
+    chunked = evaluate_quality(razor, ids, 96, reference=reference, chunk=8)
+    assert chunked.kl_mean > 1e-4 and chunked.ppl != pytest.approx(single.ppl, rel=1e-4)

@@ -26,24 +26,42 @@ def windows(token_ids: torch.Tensor, ctx: int) -> list[torch.Tensor]:
     ]
 
 
+def window_logits(model: Any, window: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """Logits ``[1, n, V]`` of one window: one forward, or ``chunk`` tokens at a time through the
+    cache (what token-dropping caches need to be measured: a single forward attends over everything)."""
+    if chunk is None:
+        return model(window, use_cache=False).logits
+    cache, parts = None, []
+    for start in range(0, window.shape[1], chunk):
+        out = model(window[:, start : start + chunk], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        parts.append(out.logits)
+    return torch.cat(parts, dim=1)
+
+
 @torch.no_grad()
 def evaluate_quality(
-    model: Any, token_ids: torch.Tensor, ctx: int, reference: Any | None = None, progress: bool = False
+    model: Any,
+    token_ids: torch.Tensor,
+    ctx: int,
+    reference: Any | None = None,
+    progress: bool = False,
+    chunk: int | None = None,
 ) -> QualityResult:
     """Score ``token_ids [n]`` window by window (only one window's logits are ever held).
 
     For every window ``w``: log-probs of ``w[1:]`` given ``w[:-1]`` from the model (and the
-    reference); NLL, KL and argmax agreement are summed in float64.
+    reference, fed the same way); NLL, KL and argmax agreement are summed in float64.
     """
     nll = ref_nll = kl = 0.0
     agree = count = 0
     for window in tqdm(windows(token_ids, ctx), desc="eval", unit="window", disable=not progress):
         targets = window[:, 1:]
-        logp = torch.log_softmax(model(window, use_cache=False).logits[:, :-1].double(), dim=-1)
+        logp = torch.log_softmax(window_logits(model, window, chunk)[:, :-1].double(), dim=-1)
         nll -= logp.gather(-1, targets[..., None]).sum().item()
         count += targets.numel()
         if reference is not None:
-            ref_logp = torch.log_softmax(reference(window, use_cache=False).logits[:, :-1].double(), dim=-1)
+            ref_logp = torch.log_softmax(window_logits(reference, window, chunk)[:, :-1].double(), dim=-1)
             ref_nll -= ref_logp.gather(-1, targets[..., None]).sum().item()
             kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
             agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())

@@ -23,6 +23,7 @@ class EvalConfig:
     data: str
     ctx: int = 1024
     max_tokens: int | None = None
+    chunk: int | None = None  # feed each window through the cache this many tokens at a time
     speed_context: int = 512
     new_tokens: int = 32
     retrieval_lengths: tuple[int, ...] | None = None  # None: 256, 512, … up to min(context, 2048)
@@ -92,13 +93,13 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
     if ids.numel() < 2:
         raise KVConvertError(f"--data {config.data!r} has fewer than 2 tokens")
 
-    quality = evaluate_quality(model, ids, ctx, reference, progress=config.progress)
+    quality = evaluate_quality(model, ids, ctx, reference, progress=config.progress, chunk=config.chunk)
     result: dict[str, Any] = {
         "model": model_path,
         "reference": reference_path,
         "data": config.data,
         "ctx": ctx,
-        "window": "non-overlapping",
+        "window": "non-overlapping" if config.chunk is None else f"non-overlapping, fed in chunks of {config.chunk}",
         "tokens": quality.tokens,
         "ppl": quality.ppl,
     }
