@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,32 @@ def _output_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+@dataclass(frozen=True)
+class ConversionOptions:
+    """The options every conversion command shares (source and output)."""
+
+    model: str
+    revision: str | None
+    allow_pickle: bool
+    out: Path
+    force: bool
+    dtype: str
+    max_shard_size: str
+    quiet: bool
+
+
+def _conversion_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the shared source/output options and hand them to ``fn`` as one ``options`` argument."""
+    names = [f.name for f in dataclasses.fields(ConversionOptions)]
+
+    @functools.wraps(fn)
+    def wrapper(**kwargs: Any) -> Any:
+        options = ConversionOptions(**{name: kwargs.pop(name) for name in names})
+        return fn(options=options, **kwargs)
+
+    return _source_options(_output_options(wrapper))
+
+
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn KVConvertError into one line on stderr and exit status 2, without a traceback."""
 
@@ -59,8 +87,7 @@ def main() -> None:
 
 
 @main.command()
-@_source_options
-@_output_options
+@_conversion_options
 @click.option(
     "--max-v-error",
     type=float,
@@ -70,30 +97,22 @@ def main() -> None:
 )
 @_user_errors
 def slim(
-    model: str,
-    revision: str | None,
-    allow_pickle: bool,
-    out: Path,
-    force: bool,
-    dtype: str,
-    max_shard_size: str,
-    quiet: bool,
+    options: ConversionOptions,
     max_v_error: float,
 ) -> None:
     """Slim attention: cache only K, compute V = K·W_KV (exact; MHA models only)."""
     from kvconvert.methods.slim import SlimConfig, SlimMethod
 
-    method = SlimMethod(SlimConfig(max_v_error=max_v_error, force=force))
-    report = _convert(method, model, revision, allow_pickle, out, force, dtype, max_shard_size, quiet)
-    if not quiet:
+    method = SlimMethod(SlimConfig(max_v_error=max_v_error, force=options.force))
+    report = _convert(method, options)
+    if not options.quiet:
         _print_layers(report, [("κ(W_K)", "kappa_k", ".3g"), ("V rel. error", "v_rel_error", ".2e"),
                                ("dtype rounding", "dtype_rel_error", ".2e")])  # fmt: skip
-    click.echo(f"wrote {out} (slim, expected KV budget {report['kv_budget_expected']:.2f})")
+    click.echo(f"wrote {options.out} (slim, expected KV budget {report['kv_budget_expected']:.2f})")
 
 
 @main.command()
-@_source_options
-@_output_options
+@_conversion_options
 @click.option("--kv-budget", type=float, required=True, help="Cached bytes per token ÷ original, in (0, 1].")
 @click.option(
     "--schedule",
@@ -108,14 +127,7 @@ def slim(
 )
 @_user_errors
 def lorc(
-    model: str,
-    revision: str | None,
-    allow_pickle: bool,
-    out: Path,
-    force: bool,
-    dtype: str,
-    max_shard_size: str,
-    quiet: bool,
+    options: ConversionOptions,
     kv_budget: float,
     schedule: str,
     threshold: float | None,
@@ -125,18 +137,17 @@ def lorc(
     from kvconvert.methods.lorc import LorcConfig, LorcMethod
 
     config = LorcConfig(kv_budget=kv_budget, schedule=schedule, threshold=threshold, compress=compress)  # type: ignore[arg-type]
-    report = _convert(LorcMethod(config), model, revision, allow_pickle, out, force, dtype, max_shard_size, quiet)
-    if not quiet:
+    report = _convert(LorcMethod(config), options)
+    if not options.quiet:
         _print_layers(report, [("κ(W_K)", "kappa_k", ".3g"), ("κ(W_V)", "kappa_v", ".3g"),
                                ("log10 κ̃", "log10_kappa_cum", ".1f"), ("rank K", "rank_k", ""),
                                ("rank V", "rank_v", ""), ("K error", "k_rel_frobenius_error", ".3f"),
                                ("V error", "v_rel_frobenius_error", ".3f")])  # fmt: skip
-    click.echo(f"wrote {out} (lorc {schedule}, KV budget {report['kv_budget_expected']:.3f})")
+    click.echo(f"wrote {options.out} (lorc {schedule}, KV budget {report['kv_budget_expected']:.3f})")
 
 
 @main.command()
-@_source_options
-@_output_options
+@_conversion_options
 @click.option("--induction-frac", type=float, default=0.14, show_default=True, help="Top heads by induction score.")
 @click.option("--echo-frac", type=float, default=0.01, show_default=True, help="Top heads by echo score.")
 @click.option("--sink", type=int, default=4, show_default=True, help="First tokens every head keeps.")
@@ -148,14 +159,7 @@ def lorc(
 @click.option("--profile-tokens", type=int, default=None, help="K random tokens for profiling (repeated 4×).")
 @_user_errors
 def razor(
-    model: str,
-    revision: str | None,
-    allow_pickle: bool,
-    out: Path,
-    force: bool,
-    dtype: str,
-    max_shard_size: str,
-    quiet: bool,
+    options: ConversionOptions,
     induction_frac: float,
     echo_frac: float,
     sink: int,
@@ -169,41 +173,32 @@ def razor(
 
     config = RazorConfig(induction_frac=induction_frac, echo_frac=echo_frac, sink=sink, window=window,
                          window_frac=window_frac, kv_budget=kv_budget, profile_tokens=profile_tokens)  # fmt: skip
-    method = RazorMethod(config, progress=not quiet)
-    report = _convert(method, model, revision, allow_pickle, out, force, dtype, max_shard_size, quiet)
-    if not quiet:
+    method = RazorMethod(config, progress=not options.quiet)
+    report = _convert(method, options)
+    if not options.quiet:
         click.echo(f"{'layer':>5}  {'retrieval KV heads':<24}  {'max induction':>13}  {'max echo':>9}")
         for row in report["layers"]:
             heads = ",".join(map(str, row["retrieval_kv_heads"])) or "-"
             click.echo(f"{row['layer']:>5}  {heads:<24}  {max(row['induction_scores']):>13.3f}  "
                        f"{max(row['echo_scores']):>9.3f}")  # fmt: skip
-    click.echo(f"wrote {out} (razor, long-context KV budget {report['kv_budget_expected']:.3f})")
+    click.echo(f"wrote {options.out} (razor, long-context KV budget {report['kv_budget_expected']:.3f})")
 
 
 @main.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
-@_source_options
-@_output_options
+@_conversion_options
 @_user_errors
 def run(
     recipe: Path,
-    model: str,
-    revision: str | None,
-    allow_pickle: bool,
-    out: Path,
-    force: bool,
-    dtype: str,
-    max_shard_size: str,
-    quiet: bool,
+    options: ConversionOptions,
 ) -> None:
     """Convert with a recipe (YAML: method + options); the recipe is saved as DST/recipe.yaml."""
     from kvconvert.methods import build_method
     from kvconvert.recipe import load_recipe
 
     name, config = load_recipe(recipe)
-    report = _convert(build_method(name, config), model, revision, allow_pickle, out, force, dtype, max_shard_size,
-                      quiet)  # fmt: skip
-    click.echo(f"wrote {out} ({name}, KV budget {report['kv_budget_expected']:.3f})")
+    report = _convert(build_method(name, config), options)
+    click.echo(f"wrote {options.out} ({name}, KV budget {report['kv_budget_expected']:.3f})")
 
 
 @main.command()
@@ -254,23 +249,19 @@ def push(directory: Path, repo_id: str, private: bool, revision: str | None, dry
     click.echo(f"pushed {len(files)} files: {push_to_hub(directory, repo_id, private=private, revision=revision)}")
 
 
-def _convert(
-    method: Any,
-    model: str,
-    revision: str | None,
-    allow_pickle: bool,
-    out: Path,
-    force: bool,
-    dtype: str,
-    max_shard_size: str,
-    quiet: bool,
-) -> dict[str, Any]:
+def _convert(method: Any, options: ConversionOptions) -> dict[str, Any]:
     from kvconvert.io.source import open_source
     from kvconvert.pipeline import convert, parse_size
 
-    source = open_source(model, revision=revision, allow_pickle=allow_pickle)
+    source = open_source(options.model, revision=options.revision, allow_pickle=options.allow_pickle)
     result = convert(
-        source, method, out, dtype=dtype, replace=force, max_shard_bytes=parse_size(max_shard_size), progress=not quiet
+        source,
+        method,
+        options.out,
+        dtype=options.dtype,
+        replace=options.force,
+        max_shard_bytes=parse_size(options.max_shard_size),
+        progress=not options.quiet,
     )
     return result.report
 
