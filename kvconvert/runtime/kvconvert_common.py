@@ -149,6 +149,37 @@ class CompressedCache(Cache):
             self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
 
 
+class LatentAttention(nn.Module):
+    """Base of kvconvert's attention modules: the model's rotary module by reference (it is owned,
+    and moved between devices, by the model), and appending one step's compressed state to the cache."""
+
+    def __init__(self, layer_idx: int, rotary: nn.Module | None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.__dict__["_rotary"] = rotary  # a plain reference, not a submodule
+
+    @property
+    def rotary(self) -> nn.Module | None:
+        return self.__dict__["_rotary"]
+
+    def append_step(
+        self,
+        cache: Cache | None,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Store this step's ``[b, q, w]`` states; return (all keys, all values, this step's position ids,
+        positions of all keys). Without a cache (``use_cache=False``) only this step's states exist."""
+        batch, q_len = new_keys.shape[0], new_keys.shape[1]
+        if position_ids is None:
+            position_ids = default_position_ids(cache, self.layer_idx, q_len, new_keys.device)
+        if isinstance(cache, CompressedCache):
+            keys, values, key_positions = cache.update_latent(self.layer_idx, new_keys, new_values, position_ids)
+            return keys, values, position_ids, key_positions
+        return new_keys, new_values, position_ids, position_ids.expand(batch, q_len)
+
+
 def rotary_for_keys(
     cache: Cache | None, rotary: nn.Module, like: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

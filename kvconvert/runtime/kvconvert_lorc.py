@@ -19,16 +19,16 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .kvconvert_common import (
     CompressedCache,
+    LatentAttention,
     LatentLayer,
     additive_mask,
     apply_rotary,
-    default_position_ids,
     rotary_for_keys,
     softmax_rows,
 )
 
 
-class LorcAttention(nn.Module):
+class LorcAttention(LatentAttention):
     """Attention over a low-rank K/V cache (GQA-aware: query head i uses KV group i // G).
 
     Parameters, by what was factored (r_k, r_v ranks; H, Hkv heads; dk head dim; d hidden):
@@ -38,9 +38,8 @@ class LorcAttention(nn.Module):
     """
 
     def __init__(self, spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None):
-        super().__init__()
+        super().__init__(layer_idx, rotary)
         layer = spec["lorc_layers"][layer_idx]
-        self.layer_idx = layer_idx
         self.heads, self.kv_heads, self.head_dim = (
             int(spec["num_heads"]),
             int(spec["num_kv_heads"]),
@@ -64,7 +63,6 @@ class LorcAttention(nn.Module):
         else:
             self.v_down = nn.Linear(hidden, self.rank_v, bias=False)
         self.o_proj = nn.Linear(self.heads * (self.rank_v or self.head_dim), hidden, bias="o_proj" in biases)
-        self.__dict__["_rotary"] = rotary  # owned by the model; a reference, not a submodule
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """``[b, n, Hkv·dk]`` -> ``[b, Hkv, n, dk]``."""
@@ -85,17 +83,11 @@ class LorcAttention(nn.Module):
         batch, q_len, _ = hidden_states.shape
         h, hkv = self.heads, self.kv_heads
         group = h // hkv
-        rotary = self.__dict__["_rotary"]
-        if position_ids is None:
-            position_ids = default_position_ids(cache, self.layer_idx, q_len, hidden_states.device)
-
+        rotary = self.rotary
         new_keys = self.k_proj(hidden_states) if self.rank_k is None else self.k_down(hidden_states)  # pre-RoPE
         new_values = self.v_proj(hidden_states) if self.rank_v is None else self.v_down(hidden_states)
-        if isinstance(cache, CompressedCache):
-            keys, values, key_positions = cache.update_latent(self.layer_idx, new_keys, new_values, position_ids)
-            assert values is not None
-        else:
-            keys, values, key_positions = new_keys, new_values, position_ids.expand(batch, q_len)
+        keys, values, position_ids, key_positions = self.append_step(cache, new_keys, new_values, position_ids)
+        assert values is not None
         kv_len = keys.shape[1]
 
         query = self.q_proj(hidden_states).view(batch, q_len, h, -1).transpose(1, 2)  # [b, h, q, dk or r_k]

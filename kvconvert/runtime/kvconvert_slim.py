@@ -15,16 +15,16 @@ from transformers.cache_utils import Cache
 
 from .kvconvert_common import (
     CompressedCache,
+    LatentAttention,
     LatentLayer,
     additive_mask,
     apply_rotary,
-    default_position_ids,
     rotary_for_keys,
     softmax_rows,
 )
 
 
-class SlimAttention(nn.Module):
+class SlimAttention(LatentAttention):
     """Drop-in replacement for an MHA attention module whose cache holds only K.
 
     Parameters (``nn.Linear``, weights ``[out, in]``): ``q_proj [e, d]``, ``k_proj [e, d]``,
@@ -33,8 +33,7 @@ class SlimAttention(nn.Module):
     """
 
     def __init__(self, spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None):
-        super().__init__()
-        self.layer_idx = layer_idx
+        super().__init__(layer_idx, rotary)
         self.num_heads = int(spec["num_heads"])
         self.head_dim = int(spec["head_dim"])
         self.scaling = float(spec["scaling"][layer_idx])
@@ -44,8 +43,6 @@ class SlimAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, width, bias=bool(spec["k_bias"]))
         self.kv_proj = nn.Linear(width, width, bias=False)
         self.o_proj = nn.Linear(width, hidden, bias=bool(spec["o_bias"]))
-        # The rotary module is owned by the model; keep a plain reference, not a submodule.
-        self.__dict__["_rotary"] = rotary
 
     def _decode_order_is_cheaper(self, q_len: int, kv_len: int) -> bool:
         """Paper eq. 5: option 2 ((softmax·K)·W_KV) vs option 1 (softmax·(K·W_KV)), in multiply-adds."""
@@ -67,17 +64,11 @@ class SlimAttention(nn.Module):
         cache = past_key_values if past_key_values is not None else layer_past
         batch, q_len, _ = hidden_states.shape
         h, dk = self.num_heads, self.head_dim
-        rotary = self.__dict__["_rotary"]
+        rotary = self.rotary
 
         query = self.q_proj(hidden_states).view(batch, q_len, h, dk).transpose(1, 2)  # [b, h, q, dk]
         new_keys = self.k_proj(hidden_states)  # [b, q, e], before RoPE
-        if position_ids is None:
-            position_ids = default_position_ids(cache, self.layer_idx, q_len, hidden_states.device)
-
-        if isinstance(cache, CompressedCache):
-            keys, _, key_positions = cache.update_latent(self.layer_idx, new_keys, None, position_ids)
-        else:
-            keys, key_positions = new_keys, position_ids.expand(batch, q_len)
+        keys, _, position_ids, key_positions = self.append_step(cache, new_keys, None, position_ids)
         kv_len = keys.shape[1]
         key_heads = keys.view(batch, kv_len, h, dk).transpose(1, 2)  # [b, h, n, dk]
 
