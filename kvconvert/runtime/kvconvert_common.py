@@ -162,6 +162,31 @@ class LatentAttention(nn.Module):
     def rotary(self) -> nn.Module | None:
         return self.__dict__["_rotary"]
 
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        position_ids: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        layer_past: Cache | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """The call every supported decoder layer makes (GPT-NeoX names the cache ``layer_past``)."""
+        cache = past_key_values if past_key_values is not None else layer_past
+        return self.attend(hidden_states, cache, attention_mask, position_ids, position_embeddings), None
+
+    def attend(
+        self,
+        hidden_states: torch.Tensor,
+        cache: Cache | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """``hidden_states [b, q, d]`` -> attention output ``[b, q, d]`` (after the output projection)."""
+        raise NotImplementedError
+
     def append_step(
         self,
         cache: Cache | None,

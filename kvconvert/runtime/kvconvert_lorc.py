@@ -69,17 +69,14 @@ class LorcAttention(LatentAttention):
         b, n, _ = x.shape
         return x.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
 
-    def forward(
+    def attend(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        position_ids: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        layer_past: Cache | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        cache = past_key_values if past_key_values is not None else layer_past
+        cache: Cache | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
         batch, q_len, _ = hidden_states.shape
         h, hkv = self.heads, self.kv_heads
         group = h // hkv
@@ -118,7 +115,7 @@ class LorcAttention(LatentAttention):
             # each head's weighted latent; U_V lives in o_proj
             out = torch.bmm(probs.reshape(batch, h * q_len, kv_len), values).view(batch, h, q_len, self.rank_v)
         out = out.transpose(1, 2).reshape(batch, q_len, -1)
-        return self.o_proj(out), None
+        return self.o_proj(out)
 
 
 def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None) -> LorcAttention | None:

@@ -51,17 +51,14 @@ class SlimAttention(LatentAttention):
         option2 = h * q_len * kv_len * e + q_len * e * e
         return option2 < option1
 
-    def forward(
+    def attend(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        position_ids: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        layer_past: Cache | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        cache = past_key_values if past_key_values is not None else layer_past
+        cache: Cache | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
         batch, q_len, _ = hidden_states.shape
         h, dk = self.num_heads, self.head_dim
         rotary = self.rotary
@@ -96,7 +93,7 @@ class SlimAttention(LatentAttention):
                 query, key_heads, values, attn_mask=bias, scale=self.scaling
             )
         out = out.transpose(1, 2).reshape(batch, q_len, h * dk)
-        return self.o_proj(out), None
+        return self.o_proj(out)
 
 
 def make_cache(spec: dict[str, Any]) -> CompressedCache:
