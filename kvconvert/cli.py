@@ -184,6 +184,52 @@ def razor(
     click.echo(f"wrote {options.out} (razor, long-context KV budget {report['kv_budget_expected']:.3f})")
 
 
+def _calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Options of every command that runs the model on calibration text."""
+    fn = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chunk shuffle.")(fn)
+    fn = click.option(
+        "--calib-tokens", type=int, default=16384, show_default=True, help="Calibration tokens (512-token chunks)."
+    )(fn)
+    fn = click.option(
+        "--calib",
+        default=None,
+        help="Calibration text: file, directory of *.txt, or dataset name[:config]:split:column (default calib_data/).",
+    )(fn)
+    return fn
+
+
+@main.command()
+@_conversion_options
+@click.option("--kv-budget", type=float, default=None, help="Cached bytes per token ÷ original, in (0, 1].")
+@click.option("--removal-rate", type=float, default=None, help="Singular-value mass each head drops (eq. 6's r).")
+@click.option(
+    "--target-agreement", type=float, default=None, help="Smallest cache keeping this top-1 agreement (held-out)."
+)
+@_calibration_options
+@_user_errors
+def zack(
+    options: ConversionOptions,
+    kv_budget: float | None,
+    removal_rate: float | None,
+    target_agreement: float | None,
+    calib: str | None,
+    calib_tokens: int,
+    seed: int,
+) -> None:
+    """ZACK: calibrated per-head rotations, adaptive widths; attention runs in the compressed space."""
+    from kvconvert.methods.zack import ZackConfig, ZackMethod
+
+    config = ZackConfig(kv_budget=kv_budget, removal_rate=removal_rate, target_agreement=target_agreement,
+                        calib=calib, calib_tokens=calib_tokens, seed=seed)  # fmt: skip
+    report = _convert(ZackMethod(config, progress=not options.quiet), options)
+    if not options.quiet:
+        click.echo(f"{'layer':>5}  {'K widths':<24}  {'V widths':<24}")
+        for row in report["layers"]:
+            click.echo(f"{row['layer']:>5}  {','.join(map(str, row['rank_k'])):<24}  {','.join(map(str, row['rank_v'])):<24}")
+    rate = report["layers"][0]["removal_rate"]
+    click.echo(f"wrote {options.out} (zack r={rate:.4f}, KV budget {report['kv_budget_expected']:.3f})")
+
+
 @main.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @_conversion_options

@@ -99,3 +99,49 @@ def log_cumulative_condition(kappa_k: list[float], kappa_v: list[float]) -> list
     """ln κ̃_l = Σ_{j ≥ l} ln κ(W_K^j) + ln κ(W_V^j) (LoRC eq. 12 in log space: κ̃ itself overflows)."""
     logs = [math.log(k) + math.log(v) for k, v in zip(kappa_k, kappa_v, strict=True)]
     return [sum(logs[layer:]) for layer in range(len(logs))]
+
+
+def principal_basis(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotation and singular values of a stacked activation matrix from its Gram matrix.
+
+    For ``A [n, d]`` with ``gram = AᵀA``, returns ``(R [d, d], s [d])`` with ``A = UΣRᵀ``: R's columns are
+    orthonormal, ordered by descending singular value ``s = sqrt(eig(AᵀA))``. Signs are fixed so
+    that each column's largest-magnitude entry is positive, which makes two fits comparable entry by
+    entry (ZACK §4.3 compares rotations element-wise).
+    """
+    gram = gram.to(F64)
+    gram = (gram + gram.T) / 2  # accumulated sums drift from exact symmetry
+    eigenvalues, vectors = torch.linalg.eigh(gram)
+    order = torch.argsort(eigenvalues, descending=True)
+    eigenvalues, vectors = eigenvalues[order], vectors[:, order]
+    pivot = vectors.abs().argmax(dim=0)
+    signs = torch.sign(vectors[pivot, torch.arange(vectors.shape[1])])
+    signs[signs == 0] = 1.0
+    return (vectors * signs).contiguous(), eigenvalues.clamp(min=0).sqrt()
+
+
+def rank_for_removal_rate(singular_values: torch.Tensor, removal_rate: float) -> int:
+    """ZACK eq. 6: keep dims ``0..j`` where j satisfies ``Σ_{i>j} s_i ≤ r·Σ s_i < Σ_{i≥j} s_i``.
+
+    ``singular_values`` sorted descending; returns the kept width ``j + 1`` (at least 1). ``r = 0``
+    keeps every dimension with a non-zero singular value.
+    """
+    s = singular_values.to(F64)
+    total = float(s.sum())
+    if total == 0.0:
+        return 1
+    # tail[k] = Σ_{i ≥ k} s_i for k = 0..d (tail[d] = 0): the mass removed when keeping k dims
+    tail = torch.cat([s.flip(0).cumsum(0).flip(0), s.new_zeros(1)])
+    allowed = removal_rate * total
+    keep = int(torch.nonzero(tail <= allowed)[0])  # tail is non-increasing: first k that fits
+    return max(1, keep)
+
+
+def rotation_difference(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    """ZACK §4.3 / table 4: (ε, δ) = (mean |R̄|, mean |R̄ − R|) over all entries, float64.
+
+    Columns are sign-aligned first (an eigenvector is only defined up to sign)."""
+    reference, other = reference.to(F64), other.to(F64)
+    signs = torch.sign((reference * other).sum(dim=-2, keepdim=True))
+    signs[signs == 0] = 1.0
+    return float(reference.abs().mean()), float((reference - other * signs).abs().mean())

@@ -83,6 +83,11 @@ class ArchAdapter:
 
         return str(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.config.model_type])
 
+    def decoder_layers_path(self) -> str:
+        """Attribute path of the ``nn.ModuleList`` of decoder layers, e.g. ``model.layers``."""
+        layer_template = self.attention_module_template.rpartition(".")[0]  # "model.layers.{i}"
+        return layer_template.removesuffix(".{i}")
+
     def attention_module_paths(self) -> list[str]:
         return [self.attention_module_template.format(i=i) for i in range(self.layout().num_layers)]
 

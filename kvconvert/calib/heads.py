@@ -10,13 +10,14 @@ a registered attention function, so memory stays at one chunk's attention rows p
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tqdm import tqdm
+
+from kvconvert.calib.hooks import AttentionObserver, observed_attention
 
 
 @dataclass
@@ -51,12 +52,10 @@ class HeadScores:
         self.count[layer] += probs.shape[0] * rows.numel()
 
 
-def _scoring_attention(scores: HeadScores, chunk: int) -> Any:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                  scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> Any:  # fmt: skip
-        """Stock SDPA for the output; echo/induction weights from causal softmax rows, chunk by chunk."""
+def _scoring_observer(scores: HeadScores, chunk: int) -> AttentionObserver:
+    def observe(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                scaling: float | None) -> None:  # fmt: skip
+        """Echo/induction weights from causal softmax rows, chunk by chunk of query rows."""
         n, d = query.shape[2], query.shape[3]
         scale = d**-0.5 if scaling is None else scaling
         keys = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1).float()  # GQA: [b, H, n, d]
@@ -66,31 +65,17 @@ def _scoring_attention(scores: HeadScores, chunk: int) -> Any:
             logits = (query[:, :, rows].float() @ keys.transpose(-1, -2)) * scale  # [b, H, r, n]
             logits = logits.masked_fill(positions[None, :] > rows[:, None], float("-inf"))
             scores.add(getattr(module, "layer_idx"), torch.softmax(logits, dim=-1), rows)  # noqa: B009
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)  # fmt: skip
 
-    return attention
+    return observe
 
 
 @contextlib.contextmanager
 def scoring_heads(model: Any, period: int, chunk: int = 256) -> Iterator[HeadScores]:
-    """Route ``model``'s attention through a scoring function while the block runs; restore after."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
+    """Accumulate echo/induction scores of ``model``'s heads while the block runs."""
     config = model.config
     scores = HeadScores(config.num_hidden_layers, config.num_attention_heads, period)
-    name = f"kvconvert_profile_{uuid.uuid4().hex[:8]}"
-    previous = config._attn_implementation
-    AttentionInterface.register(name, _scoring_attention(scores, chunk))
-    AttentionMaskInterface.register(name, sdpa_mask)
-    try:
-        model.set_attn_implementation(name)
+    with observed_attention(model, _scoring_observer(scores, chunk)):
         yield scores
-    finally:
-        model.set_attn_implementation(previous)
-        AttentionInterface._global_mapping.pop(name, None)
-        AttentionMaskInterface._global_mapping.pop(name, None)
 
 
 @torch.no_grad()

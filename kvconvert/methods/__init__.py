@@ -8,12 +8,14 @@ from kvconvert.methods.base import LayerOutput, Method
 from kvconvert.methods.lorc import LorcConfig, LorcMethod
 from kvconvert.methods.razor import RazorConfig, RazorMethod
 from kvconvert.methods.slim import SlimConfig, SlimMethod
+from kvconvert.methods.zack import ZackConfig, ZackMethod
 
 # method name -> (config dataclass, method class); recipes and batch jobs are resolved through it
 METHODS: dict[str, tuple[type, type[Method]]] = {
     "slim": (SlimConfig, SlimMethod),
     "lorc": (LorcConfig, LorcMethod),
     "razor": (RazorConfig, RazorMethod),
+    "zack": (ZackConfig, ZackMethod),
 }
 
 
@@ -23,5 +25,5 @@ def build_method(name: str, config: Any) -> Method:
 
 __all__ = [
     "METHODS", "LayerOutput", "LorcConfig", "LorcMethod", "Method", "RazorConfig", "RazorMethod", "SlimConfig",
-    "SlimMethod", "build_method",
+    "SlimMethod", "ZackConfig", "ZackMethod", "build_method",
 ]  # fmt: skip

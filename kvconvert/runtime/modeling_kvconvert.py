@@ -28,6 +28,8 @@ from .kvconvert_razor import make_attention as make_razor_attention
 from .kvconvert_razor import make_cache as make_razor_cache
 from .kvconvert_slim import SlimAttention
 from .kvconvert_slim import make_cache as make_slim_cache
+from .kvconvert_zack import make_attention as make_zack_attention
+from .kvconvert_zack import make_cache as make_zack_cache
 
 # method name -> (attention factory: (spec, layer, rotary) -> module, or None to keep the stock one;
 #                 cache factory: spec -> Cache; configure: model -> None, run once after construction)
@@ -35,6 +37,7 @@ METHOD_RUNTIMES: dict[str, tuple[Any, Any, Any]] = {
     "slim": (SlimAttention, make_slim_cache, None),
     "lorc": (make_lorc_attention, make_lorc_cache, None),
     "razor": (make_razor_attention, make_razor_cache, configure_razor),
+    "zack": (make_zack_attention, make_zack_cache, None),
 }
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")

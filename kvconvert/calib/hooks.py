@@ -1,0 +1,44 @@
+"""Routing a transformers model's attention through an observer, only inside a ``with`` block."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+# (module, query [b, H, n, dk] after RoPE, key [b, Hkv, n, dk] after RoPE, value [b, Hkv, n, dk],
+#  softmax scale or None for 1/sqrt(dk)) -> None
+AttentionObserver = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, float | None], None]
+
+
+@contextlib.contextmanager
+def observed_attention(model: Any, observer: AttentionObserver) -> Iterator[None]:
+    """Run stock SDPA attention, calling ``observer`` with every layer's q/k/v first.
+
+    The function is registered under a fresh name in transformers' ``AttentionInterface`` (the
+    one place every supported architecture takes q/k/v after RoPE) and unregistered on exit, and
+    the model's previous attention implementation is restored, even when the block raises.
+    """
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                  **kwargs: Any) -> Any:  # fmt: skip
+        observer(module, query, key, value, kwargs.get("scaling"))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    name = f"kvconvert_observe_{uuid.uuid4().hex[:8]}"
+    previous = model.config._attn_implementation
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    try:
+        model.set_attn_implementation(name)
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)

@@ -1,0 +1,80 @@
+"""Per-head second moments of Q, K and V, accumulated online in float64 while the model runs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvconvert.calib.hooks import observed_attention
+
+F64 = torch.float64
+
+
+@dataclass
+class HeadGrams:
+    """Running Gram matrices per (layer, KV head), all ``[L, Hkv, dk, dk]`` float64.
+
+    ``query``: Σ over the group's query heads and all tokens of qᵀq (after RoPE); ``key``: kᵀk
+    (after RoPE); ``value``: vᵀv. Stacking Q‖K (or V‖·) along the sequence and taking its SVD
+    (ZACK fig. 9) is the eigendecomposition of the sum of the parts, so only d×d sums are kept,
+    never activations. ``tokens [L]``: tokens seen per layer.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    query: torch.Tensor = field(init=False)
+    key: torch.Tensor = field(init=False)
+    value: torch.Tensor = field(init=False)
+    tokens: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.head_dim)
+        self.query = torch.zeros(shape, dtype=F64)
+        self.key = torch.zeros(shape, dtype=F64)
+        self.value = torch.zeros(shape, dtype=F64)
+        self.tokens = torch.zeros(self.num_layers, dtype=torch.long)
+
+    def add(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """query ``[b, H, n, dk]``, key/value ``[b, Hkv, n, dk]`` (query heads of a group adjacent)."""
+        b, heads, n, dk = query.shape
+        kv_heads = key.shape[1]
+        grouped = query.to(F64).view(b, kv_heads, heads // kv_heads, n, dk)
+        self.query[layer] += torch.einsum("bgjnd,bgjne->gde", grouped, grouped)
+        key, value = key.to(F64), value.to(F64)
+        self.key[layer] += torch.einsum("bgnd,bgne->gde", key, key)
+        self.value[layer] += torch.einsum("bgnd,bgne->gde", value, value)
+        self.tokens[layer] += b * n
+
+
+@contextlib.contextmanager
+def accumulating_grams(model: Any, num_kv_heads: int, head_dim: int) -> Iterator[HeadGrams]:
+    """Accumulate ``HeadGrams`` of every attention layer of ``model`` while the block runs."""
+    grams = HeadGrams(model.config.num_hidden_layers, num_kv_heads, head_dim)
+
+    def observe(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> None:
+        grams.add(int(module.layer_idx), query, key, value)
+
+    with observed_attention(model, observe):
+        yield grams
+
+
+def collect_head_grams(source: Any, adapter: Any, chunks: torch.Tensor, progress: bool = True) -> HeadGrams:
+    """``HeadGrams`` of a checkpoint over ``chunks [n, T]``, computed one decoder layer at a time."""
+    from kvconvert.calib.sequential import run_layer_by_layer
+
+    layout = adapter.layout()
+    result: list[HeadGrams] = []
+
+    @contextlib.contextmanager
+    def observe(model: Any) -> Iterator[None]:
+        with accumulating_grams(model, layout.num_kv_heads, layout.head_dim) as grams:
+            result.append(grams)
+            yield
+
+    run_layer_by_layer(source, adapter, chunks, observe, progress=progress)
+    return result[0]

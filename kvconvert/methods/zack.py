@@ -1,0 +1,249 @@
+"""ZACK (Zhang & Shen 2024): calibrated per-head rotations, adaptive ranks, attention in the compressed space.
+
+Per layer and KV head, two orthogonal rotations are fitted offline on calibration text (§4.3,
+fig. 9): R_QK from Q‖K stacked along the sequence (for GQA all query heads of the group with
+their shared K) and R_VW from V‖W_Oʰᵀ. Scores are invariant to a rotation shared by q and k, and a
+rotation of V is undone inside W_O, so truncating the rotated coordinates compresses the cache
+without ever decompressing it (lemmas 1–2). One singular-value removal rate r shared by all heads
+sets each head's width (eq. 6); ``kv_budget`` finds the r that meets a cache budget (the paper's f).
+
+V/O: R_VW is folded into W_V and W_O. Q/K: without RoPE R_QK is folded into W_Q and W_K; with
+RoPE q and k are rotated after RoPE at run time (§5.1 "Rotary embedding") and the cache holds the
+rotated, truncated keys. Per-head widths differ; the cache packs them without padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvconvert import linalg
+from kvconvert.arch import AttentionLayout, AttentionWeights, adapter_for
+from kvconvert.errors import KVConvertError
+from kvconvert.methods.base import LayerOutput, Method
+
+
+@dataclass(frozen=True)
+class ZackConfig:
+    """Options of ``kvconvert zack``: exactly one of ``kv_budget``, ``removal_rate``, ``target_agreement``."""
+
+    kv_budget: float | None = None  # cached bytes per token ÷ original
+    removal_rate: float | None = None  # r of eq. 6, shared by all heads
+    target_agreement: float | None = None  # keep this top-1 agreement with the source on held-out calib text
+    calib: str | None = None  # calibration source; None: the project's calib_data/
+    calib_tokens: int = 16384  # ZACK §6.6: > 16K tokens of coherent text give stable rotations
+    chunk_len: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        chosen = [n for n in ("kv_budget", "removal_rate", "target_agreement") if getattr(self, n) is not None]
+        if len(chosen) != 1:
+            raise KVConvertError("zack needs exactly one of --kv-budget, --removal-rate, --target-agreement")
+        if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
+            raise KVConvertError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
+        if self.removal_rate is not None and not 0 <= self.removal_rate < 1:
+            raise KVConvertError(f"removal_rate must be in [0, 1), got {self.removal_rate}")
+        if self.target_agreement is not None and not 0 < self.target_agreement <= 1:
+            raise KVConvertError(f"target_agreement must be in (0, 1], got {self.target_agreement}")
+
+
+@dataclass
+class HeadBases:
+    """Per layer and KV head: rotations ``[dk, dk]`` (columns by descending singular value) and spectra."""
+
+    qk: list[list[torch.Tensor]]
+    qk_spectrum: list[list[torch.Tensor]]
+    vw: list[list[torch.Tensor]]
+    vw_spectrum: list[list[torch.Tensor]]
+
+
+@dataclass
+class ZackPlan:
+    removal_rate: float
+    rank_k: list[list[int]]  # [layer][kv head]
+    rank_v: list[list[int]]
+    budget: float = field(default=0.0)
+
+
+def output_gram(o_weight: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
+    """Σ over each group's query heads of W_Oʰ W_Oʰᵀ: ``[Hkv, dk, dk]`` float64.
+
+    ``o_weight [d, H·dk]`` (Linear); query head h reads columns ``h·dk:(h+1)·dk`` = W_Oʰᵀ.
+    """
+    heads, kv_heads, dk = layout.num_heads, layout.num_kv_heads, layout.head_dim
+    blocks = o_weight.to(linalg.F64).view(-1, kv_heads, heads // kv_heads, dk)  # [d, Hkv, G, dk]
+    return torch.einsum("xgjd,xgje->gde", blocks, blocks)
+
+
+def fit_bases(grams: Any, o_grams: list[torch.Tensor]) -> HeadBases:
+    """R_QK and R_VW of every head from calibration Grams (``HeadGrams``) and ``output_gram``s."""
+    qk: list[list[torch.Tensor]] = []
+    qk_s: list[list[torch.Tensor]] = []
+    vw: list[list[torch.Tensor]] = []
+    vw_s: list[list[torch.Tensor]] = []
+    for layer, o_gram in enumerate(o_grams):
+        pairs_qk = [linalg.principal_basis(grams.query[layer, g] + grams.key[layer, g]) for g in range(len(o_gram))]
+        pairs_vw = [linalg.principal_basis(grams.value[layer, g] + o_gram[g]) for g in range(len(o_gram))]
+        qk.append([r for r, _ in pairs_qk])
+        qk_s.append([s for _, s in pairs_qk])
+        vw.append([r for r, _ in pairs_vw])
+        vw_s.append([s for _, s in pairs_vw])
+    return HeadBases(qk, qk_s, vw, vw_s)
+
+
+def plan_for_rate(bases: HeadBases, removal_rate: float, head_dim: int) -> ZackPlan:
+    """Eq. 6 per head for one shared r; ``budget`` = Σ kept widths / (2·L·Hkv·dk)."""
+    rank_k = [[linalg.rank_for_removal_rate(s, removal_rate) for s in layer] for layer in bases.qk_spectrum]
+    rank_v = [[linalg.rank_for_removal_rate(s, removal_rate) for s in layer] for layer in bases.vw_spectrum]
+    kept = sum(map(sum, rank_k)) + sum(map(sum, rank_v))
+    full = 2 * head_dim * sum(len(layer) for layer in rank_k)
+    return ZackPlan(removal_rate, rank_k, rank_v, budget=kept / full)
+
+
+def plan_for_budget(bases: HeadBases, kv_budget: float, head_dim: int, steps: int = 60) -> ZackPlan:
+    """The paper's f: the smallest r whose cache fits ``kv_budget`` (budget falls as r grows)."""
+    if plan_for_rate(bases, 0.0, head_dim).budget <= kv_budget:
+        return plan_for_rate(bases, 0.0, head_dim)
+    floor = plan_for_rate(bases, 1.0, head_dim)
+    if floor.budget > kv_budget:
+        raise KVConvertError(f"kv_budget {kv_budget} is below ZACK's floor of one dim per head ({floor.budget:.4f})")
+    low, high = 0.0, 1.0  # budget(low) > kv_budget >= budget(high)
+    for _ in range(steps):
+        middle = (low + high) / 2
+        if plan_for_rate(bases, middle, head_dim).budget <= kv_budget:
+            high = middle
+        else:
+            low = middle
+    return plan_for_rate(bases, high, head_dim)
+
+
+class ZackMethod(Method):
+    name = "zack"
+
+    def __init__(self, config: ZackConfig, progress: bool = True):
+        self.config = config
+        self.progress = progress
+        self.layout: AttentionLayout | None = None
+        self.bases: HeadBases | None = None
+        self.plan_: ZackPlan | None = None
+        self.calibration: dict[str, Any] = {}
+
+    def params(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+    def expected_kv_budget(self, layout: AttentionLayout) -> float:
+        assert self.plan_ is not None
+        return self.plan_.budget
+
+    def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
+        """Calibrate (layer by layer), fit every head's rotations, then choose r and the ranks."""
+        from kvconvert.calib.stats import collect_head_grams
+        from kvconvert.calib.text import calibration_set
+
+        config = self.config
+        context = int(getattr(source.config, "max_position_embeddings", 0) or getattr(source.config, "n_positions"))
+        calib = calibration_set(source.path, config.calib, config.calib_tokens, min(config.chunk_len, context),
+                                config.seed)  # fmt: skip
+        grams = collect_head_grams(source, adapter_for(source.config), calib.chunks, progress=self.progress)
+        o_grams = [output_gram(w.o_weight, layout) for w in layers]
+        self.layout, self.bases = layout, fit_bases(grams, o_grams)
+        self.calibration = {"source": calib.source, "tokens": calib.tokens, "chunk_len": calib.chunks.shape[1]}
+        if config.removal_rate is not None:
+            self.plan_ = plan_for_rate(self.bases, config.removal_rate, layout.head_dim)
+        elif config.kv_budget is not None:
+            self.plan_ = plan_for_budget(self.bases, config.kv_budget, layout.head_dim)
+        else:
+            from kvconvert.calib.search import search_removal_rate
+
+            assert config.target_agreement is not None
+            self.plan_, self.calibration["search"] = search_removal_rate(
+                source, layout, self.bases, calib.held_out, config.target_agreement, progress=self.progress
+            )
+
+    def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
+        plan, layout, bases = self.plan_, self.layout, self.bases
+        assert plan is not None and layout is not None and bases is not None, "plan() runs before convert_layer()"
+        rank_k, rank_v = plan.rank_k[layer], plan.rank_v[layer]
+        tensors = rotate_attention(weights, layout, bases.qk[layer], rank_k, bases.vw[layer], rank_v)
+        report: dict[str, Any] = {
+            "layer": layer,
+            "rank_k": rank_k,
+            "rank_v": rank_v,
+            "removed_k": [_removed(s, r) for s, r in zip(bases.qk_spectrum[layer], rank_k, strict=True)],
+            "removed_v": [_removed(s, r) for s, r in zip(bases.vw_spectrum[layer], rank_v, strict=True)],
+        }
+        if layer == 0:
+            report["calibration"] = self.calibration
+            report["removal_rate"] = plan.removal_rate
+        return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
+
+    def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
+        assert self.plan_ is not None
+        return {
+            "zack_layers": [
+                {"rank_k": rk, "rank_v": rv, "biases": sorted(n.removesuffix(".bias") for n in names if n.endswith(".bias"))}
+                for rk, rv, names in zip(self.plan_.rank_k, self.plan_.rank_v, tensor_names, strict=True)
+            ]
+        }  # fmt: skip
+
+
+def _removed(spectrum: torch.Tensor, rank: int) -> float:
+    """Share of the singular-value mass a head drops (eq. 6's left-hand side)."""
+    total = float(spectrum.sum())
+    return 0.0 if total == 0 else float(spectrum[rank:].sum()) / total
+
+
+def _heads(weight: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """Rows of ``[heads·dk, …]`` as ``heads`` blocks ``[dk, …]``, float64."""
+    return list(weight.to(linalg.F64).view(heads, -1, *weight.shape[1:]).unbind(0))
+
+
+def rotate_attention(
+    w: AttentionWeights,
+    layout: AttentionLayout,
+    qk_bases: list[torch.Tensor],
+    rank_k: list[int],
+    vw_bases: list[torch.Tensor],
+    rank_v: list[int],
+) -> dict[str, torch.Tensor]:
+    """ZACK's projections for one layer, float64, names local to the attention module.
+
+    ``B_g = R_g[:, :r_g]`` per KV head g (query head h belongs to g = h // G). Widths are packed
+    head after head: Σ_g r_k,g for keys, Σ_h r_k,g(h) for queries (and the same with r_v).
+    With RoPE: ``q_proj``/``k_proj`` unchanged, ``qk_basis [dk, Σ_g r_k,g]`` applied after RoPE.
+    Without: ``q_proj [Σ_h r_k, d]``, ``k_proj [Σ_g r_k, d]`` with the bases folded in (biases too).
+    Always: ``v_proj [Σ_g r_v, d]`` = B_gᵀ W_V^g, ``o_proj [d, Σ_h r_v]`` = W_O^h B_g(h).
+    """
+    heads, kv_heads = layout.num_heads, layout.num_kv_heads
+    group = heads // kv_heads
+    k_basis = [qk_bases[g][:, : rank_k[g]] for g in range(kv_heads)]
+    v_basis = [vw_bases[g][:, : rank_v[g]] for g in range(kv_heads)]
+    out: dict[str, torch.Tensor] = {}
+
+    def put(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        out[f"{name}.weight"] = weight.contiguous()
+        if bias is not None:
+            out[f"{name}.bias"] = bias.contiguous()
+
+    def fold(weight: torch.Tensor, bias: torch.Tensor | None, count: int, basis_of: Any) -> tuple[Any, Any]:
+        """Rows of each head h replaced by ``B(h)ᵀ W^h`` (and ``B(h)ᵀ b^h``)."""
+        new_w = torch.cat([basis_of(h).T @ block for h, block in enumerate(_heads(weight, count))])
+        new_b = None if bias is None else torch.cat([basis_of(h).T @ b for h, b in enumerate(_heads(bias, count))])
+        return new_w, new_b
+
+    if layout.rotary:
+        put("q_proj", w.q_weight.to(linalg.F64), None if w.q_bias is None else w.q_bias.to(linalg.F64))
+        put("k_proj", w.k_weight.to(linalg.F64), None if w.k_bias is None else w.k_bias.to(linalg.F64))
+        out["qk_basis"] = torch.cat(k_basis, dim=1)
+    else:
+        put("q_proj", *fold(w.q_weight, w.q_bias, heads, lambda h: k_basis[h // group]))
+        put("k_proj", *fold(w.k_weight, w.k_bias, kv_heads, lambda g: k_basis[g]))
+    put("v_proj", *fold(w.v_weight, w.v_bias, kv_heads, lambda g: v_basis[g]))
+    o_columns = _heads(w.o_weight.T.contiguous(), heads)  # H × [dk, d] = W_Oʰᵀ
+    o_weight = torch.cat([v_basis[h // group].T @ o_columns[h] for h in range(heads)]).T
+    put("o_proj", o_weight, None if w.o_bias is None else w.o_bias.to(linalg.F64))
+    return out

@@ -1,0 +1,116 @@
+"""ZACK runtime (Zhang & Shen, "ZACK: Zero-Overhead LLM Inference Acceleration via Dimensionality
+Compression of the Key-Value Cache").
+
+Every KV head g has its own widths r_k,g and r_v,g; the cache packs the heads side by side, so a
+token costs Σ_g (r_k,g + r_v,g) values per layer and nothing is padded. Keys and queries meet in
+the rotated, truncated space (with RoPE the rotation ``qk_basis`` is applied after RoPE; without,
+it is folded into q_proj/k_proj); values stay compressed and W_O, rotated offline, reads them.
+Copied verbatim into every zack output directory; imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+
+from .kvconvert_common import (
+    CompressedCache,
+    LatentAttention,
+    LatentLayer,
+    additive_mask,
+    apply_rotary,
+    default_position_ids,
+    softmax_rows,
+)
+
+
+class ZackAttention(LatentAttention):
+    """Parameters (H query heads, Hkv KV heads, G = H / Hkv, dk head dim, d hidden):
+    ``v_proj [Σ_g r_v,g, d]``, ``o_proj [d, Σ_h r_v,g(h)]``; with RoPE ``q_proj [H·dk, d]``,
+    ``k_proj [Hkv·dk, d]``, ``qk_basis [dk, Σ_g r_k,g]``; without, ``q_proj [Σ_h r_k,g(h), d]``
+    and ``k_proj [Σ_g r_k,g, d]``.
+    """
+
+    def __init__(self, spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None):
+        super().__init__(layer_idx, rotary)
+        layer = spec["zack_layers"][layer_idx]
+        self.heads, self.kv_heads, self.head_dim = int(spec["num_heads"]), int(spec["num_kv_heads"]), int(spec["head_dim"])
+        self.group = self.heads // self.kv_heads
+        self.scaling = float(spec["scaling"][layer_idx])
+        self.rank_k: list[int] = [int(r) for r in layer["rank_k"]]
+        self.rank_v: list[int] = [int(r) for r in layer["rank_v"]]
+        biases = set(layer["biases"])
+        hidden = int(spec["hidden_size"])
+        if rotary is not None:
+            self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias="q_proj" in biases)
+            self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias="k_proj" in biases)
+            self.qk_basis = nn.Parameter(torch.empty(self.head_dim, sum(self.rank_k)), requires_grad=False)
+        else:
+            self.q_proj = nn.Linear(hidden, self.group * sum(self.rank_k), bias="q_proj" in biases)
+            self.k_proj = nn.Linear(hidden, sum(self.rank_k), bias="k_proj" in biases)
+        self.v_proj = nn.Linear(hidden, sum(self.rank_v), bias="v_proj" in biases)
+        self.o_proj = nn.Linear(self.group * sum(self.rank_v), hidden, bias="o_proj" in biases)
+
+    def _rotated_queries_and_keys(
+        self, query: torch.Tensor, key: torch.Tensor, position_ids: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:  # fmt: skip
+        """RoPE, then each head's basis: queries per group ``[b, G, q, r_k,g]``, packed keys ``[b, q, Σ r_k]``."""
+        batch, q_len, _ = query.shape
+        query = query.view(batch, q_len, self.heads, self.head_dim).transpose(1, 2)
+        key = key.view(batch, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
+        rotary = self.rotary
+        assert rotary is not None
+        cos, sin = position_embeddings if position_embeddings is not None else rotary(query, position_ids)
+        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        bases = self.qk_basis.split(self.rank_k, dim=1)  # Hkv × [dk, r_k,g]
+        queries = [query[:, g * self.group : (g + 1) * self.group] @ bases[g] for g in range(self.kv_heads)]
+        keys = torch.cat([key[:, g] @ bases[g] for g in range(self.kv_heads)], dim=-1)
+        return queries, keys
+
+    def attend(
+        self,
+        hidden_states: torch.Tensor,
+        cache: Cache | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        batch, q_len, _ = hidden_states.shape
+        query, key = self.q_proj(hidden_states), self.k_proj(hidden_states)
+        if self.rotary is not None:
+            if position_ids is None:
+                position_ids = default_position_ids(cache, self.layer_idx, q_len, hidden_states.device)
+            queries, new_keys = self._rotated_queries_and_keys(query, key, position_ids, position_embeddings)
+        else:
+            # packed [b, q, Σ_h r_k,g(h)]: the G heads of group g take G·r_k,g columns, head after head
+            queries = [
+                block.view(batch, q_len, self.group, -1).transpose(1, 2)
+                for block in query.split([self.group * r for r in self.rank_k], dim=-1)
+            ]
+            new_keys = key
+        keys, values, _, _ = self.append_step(cache, new_keys, self.v_proj(hidden_states), position_ids)
+        assert values is not None
+        kv_len = keys.shape[1]
+        bias = additive_mask(attention_mask, q_len, kv_len, hidden_states.dtype, hidden_states.device)
+        outputs = []
+        for g, (key_g, value_g) in enumerate(zip(keys.split(self.rank_k, dim=-1), values.split(self.rank_v, dim=-1))):
+            scores = (queries[g] @ key_g.transpose(1, 2).unsqueeze(1)) * self.scaling  # [b, G, q, n]
+            if bias is not None:
+                scores = scores + bias
+            probs = softmax_rows(scores, hidden_states.dtype)
+            out = probs @ value_g.unsqueeze(1)  # [b, G, q, r_v,g]: still rotated; W_O undoes it
+            outputs.append(out.transpose(1, 2).reshape(batch, q_len, -1))
+        return self.o_proj(torch.cat(outputs, dim=-1))
+
+
+def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None) -> ZackAttention:
+    return ZackAttention(spec, layer_idx, rotary)
+
+
+def make_cache(spec: dict[str, Any]) -> CompressedCache:
+    # keys are cached after RoPE and rotation: no positions to remember
+    return CompressedCache([LatentLayer() for _ in spec["zack_layers"]], track_positions=False)
