@@ -10,13 +10,16 @@ from typing import Any
 import torch
 
 # (module, query [b, H, n, dk] after RoPE, key [b, Hkv, n, dk] after RoPE, value [b, Hkv, n, dk],
-#  softmax scale or None for 1/sqrt(dk)) -> None
-AttentionObserver = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, float | None], None]
+#  softmax scale or None for 1/sqrt(dk)) -> None, or replacement (query, key, value) to attend with
+AttentionObserver = Callable[
+    [Any, torch.Tensor, torch.Tensor, torch.Tensor, float | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+]
 
 
 @contextlib.contextmanager
 def observed_attention(model: Any, observer: AttentionObserver) -> Iterator[None]:
-    """Run stock SDPA attention, calling ``observer`` with every layer's q/k/v first.
+    """Run stock SDPA attention, calling ``observer`` with every layer's q/k/v first (and
+    attending with the q/k/v it returns, if any: searches simulate a method this way).
 
     The function is registered under a fresh name in transformers' ``AttentionInterface`` (the
     one place every supported architecture takes q/k/v after RoPE) and unregistered on exit, and
@@ -28,7 +31,9 @@ def observed_attention(model: Any, observer: AttentionObserver) -> Iterator[None
 
     def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                   **kwargs: Any) -> Any:  # fmt: skip
-        observer(module, query, key, value, kwargs.get("scaling"))
+        replaced = observer(module, query, key, value, kwargs.get("scaling"))
+        if replaced is not None:
+            query, key, value = replaced
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     name = f"kvconvert_observe_{uuid.uuid4().hex[:8]}"

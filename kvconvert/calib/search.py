@@ -1,0 +1,109 @@
+"""Searching ZACK's removal rate for a quality target, on held-out calibration text.
+
+The converted model is simulated inside the source model: in every layer q and k (after RoPE)
+are projected onto each head's kept rotated dims, B Bᵀ, and v onto its kept V dims. Scores
+``(qB)(kB)ᵀ`` and outputs ``P·v·B_v·B_vᵀ·W_O`` are exactly what the converted checkpoint computes,
+so one source model serves every candidate r without writing a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvconvert.arch import AttentionLayout
+from kvconvert.calib.hooks import observed_attention
+from kvconvert.errors import KVConvertError
+
+
+def _projector(basis: torch.Tensor, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    kept = basis[:, :rank]
+    return (kept @ kept.T).to(dtype)
+
+
+@contextlib.contextmanager
+def truncated_attention(model: Any, projectors: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """Inside the block ``model`` computes what ZACK's checkpoint would: per layer
+    ``projectors[layer] = (P_k [Hkv, dk, dk], P_v [Hkv, dk, dk])``, P = B Bᵀ of each head's kept dims."""
+
+    def truncate(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
+        p_k, p_v = projectors[module.layer_idx]
+        b, heads, n, dk = query.shape
+        kv_heads = key.shape[1]
+        grouped = query.reshape(b, kv_heads, heads // kv_heads, n, dk) @ p_k[None, :, None]
+        return grouped.reshape(b, heads, n, dk), key @ p_k[None], value @ p_v[None]
+
+    with observed_attention(model, truncate):
+        yield
+
+
+def projectors_for(bases: Any, plan: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``truncated_attention``'s projectors for a ``ZackPlan`` over ``HeadBases``, float32."""
+    return [
+        (
+            torch.stack([_projector(b, r, torch.float32) for b, r in zip(bases.qk[i], plan.rank_k[i], strict=True)]),
+            torch.stack([_projector(b, r, torch.float32) for b, r in zip(bases.vw[i], plan.rank_v[i], strict=True)]),
+        )
+        for i in range(len(plan.rank_k))
+    ]
+
+
+@torch.no_grad()
+def top1_agreement(model: Any, chunks: torch.Tensor, reference: torch.Tensor) -> float:
+    """Share of positions of ``chunks [n, T]`` whose argmax equals ``reference [n, T]``."""
+    hits = 0
+    for row, expected in zip(chunks, reference, strict=True):
+        hits += int((model(row[None], use_cache=False).logits[0].argmax(-1) == expected).sum())
+    return hits / reference.numel()
+
+
+def search_removal_rate(
+    source: Any,
+    layout: AttentionLayout,
+    bases: Any,
+    held_out: torch.Tensor,
+    target: float,
+    max_chunks: int = 8,
+    steps: int = 10,
+    progress: bool = True,
+) -> tuple[Any, list[dict[str, float]]]:
+    """Largest r (smallest cache) whose simulated top-1 agreement with the source stays >= ``target``.
+
+    Bisection over r in [0, 1): agreement falls as r grows (more of every head is removed).
+    Returns the plan and the log of every probe (r, kv budget, agreement).
+    """
+    import transformers
+
+    from kvconvert.arch import adapter_for
+    from kvconvert.methods.zack import plan_for_rate
+
+    if held_out.shape[0] == 0:
+        raise KVConvertError("--target-agreement scores on held-out calibration text and none is left: "
+                             "pass more text with --calib or lower --calib-tokens")  # fmt: skip
+    chunks = held_out[:max_chunks]
+    cls = getattr(transformers, adapter_for(source.config).causal_lm_class_name())
+    model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = torch.stack([model(row[None], use_cache=False).logits[0].argmax(-1) for row in chunks])
+
+    def probe(rate: float) -> tuple[Any, float]:
+        plan = plan_for_rate(bases, rate, layout.head_dim)
+        with truncated_attention(model, projectors_for(bases, plan)):
+            return plan, top1_agreement(model, chunks, reference)
+
+    log: list[dict[str, float]] = []
+    best, _ = probe(0.0)
+    low, high = 0.0, 1.0  # agreement(low) >= target (r = 0 is exact); high: untested upper end
+    for _ in tqdm(range(steps), desc="searching r", disable=not progress):
+        middle = (low + high) / 2
+        plan, agreement = probe(middle)
+        log.append({"removal_rate": middle, "kv_budget": plan.budget, "agreement": agreement})
+        if agreement >= target:
+            low, best = middle, plan
+        else:
+            high = middle
+    return best, log
