@@ -4,7 +4,7 @@ SHARED ?= ../shared
 DEMO := demo-out
 AIDREAMS := $(SHARED)/models/aidreams260K
 
-.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor clean
+.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack clean
 
 # torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
 install:
@@ -43,6 +43,9 @@ bench-lorc: install
 # RazorAttention on SmolLM2: KV bytes at 2K/4K/8K, chunked perplexity, passkey (about 10 minutes)
 bench-razor: install
 	$(PYTHON) bench/razor_bench.py
+
+bench-zack: install
+	$(PYTHON) bench/zack_bench.py
 
 bench-quick: install
 	$(PYTHON) bench/run.py --quick

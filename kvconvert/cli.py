@@ -205,6 +205,9 @@ def _calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--target-agreement", type=float, default=None, help="Smallest cache keeping this top-1 agreement (held-out)."
 )
+@click.option(
+    "--compress", type=click.Choice(["kv", "k", "v"]), default="kv", show_default=True, help="Which sides to truncate."
+)
 @_calibration_options
 @_user_errors
 def zack(
@@ -212,6 +215,7 @@ def zack(
     kv_budget: float | None,
     removal_rate: float | None,
     target_agreement: float | None,
+    compress: str,
     calib: str | None,
     calib_tokens: int,
     seed: int,
@@ -219,13 +223,22 @@ def zack(
     """ZACK: calibrated per-head rotations, adaptive widths; attention runs in the compressed space."""
     from kvconvert.methods.zack import ZackConfig, ZackMethod
 
-    config = ZackConfig(kv_budget=kv_budget, removal_rate=removal_rate, target_agreement=target_agreement,
-                        calib=calib, calib_tokens=calib_tokens, seed=seed)  # fmt: skip
+    config = ZackConfig(
+        kv_budget=kv_budget,
+        removal_rate=removal_rate,
+        target_agreement=target_agreement,
+        compress=compress,  # type: ignore[arg-type]
+        calib=calib,
+        calib_tokens=calib_tokens,
+        seed=seed,
+    )
     report = _convert(ZackMethod(config, progress=not options.quiet), options)
     if not options.quiet:
         click.echo(f"{'layer':>5}  {'K widths':<24}  {'V widths':<24}")
         for row in report["layers"]:
-            click.echo(f"{row['layer']:>5}  {','.join(map(str, row['rank_k'])):<24}  {','.join(map(str, row['rank_v'])):<24}")
+            click.echo(
+                f"{row['layer']:>5}  {','.join(map(str, row['rank_k'])):<24}  {','.join(map(str, row['rank_v'])):<24}"
+            )
     rate = report["layers"][0]["removal_rate"]
     click.echo(f"wrote {options.out} (zack r={rate:.4f}, KV budget {report['kv_budget_expected']:.3f})")
 
@@ -326,6 +339,9 @@ def _print_layers(report: dict[str, Any], columns: list[tuple[str, str, str]]) -
 @click.option("--force", is_flag=True, help="Replace an existing --out.")
 @click.option("--heads", is_flag=True, help="Also profile echo/induction scores per head (runs the model).")
 @click.option("--profile-tokens", type=int, default=None, help="With --heads: K random tokens (repeated 4×).")
+@click.option("--rotations", is_flag=True, help="Also fit ZACK's per-head rotations on --calib (runs the model).")
+@click.option("--compare-calib", default=None, help="With --rotations: refit on this text, report δ/ε (ZACK §4.3).")
+@_calibration_options
 @_user_errors
 def analyze(
     model: str,
@@ -335,9 +351,15 @@ def analyze(
     force: bool,
     heads: bool,
     profile_tokens: int | None,
+    rotations: bool,
+    compare_calib: str | None,
+    calib: str | None,
+    calib_tokens: int,
+    seed: int,
 ) -> None:
-    """Spectra and condition numbers of W_K/W_V per layer, LoRC rank plans, and (--heads) echo and
-    induction scores of every head: analysis.json + PNG plots."""
+    """Spectra and condition numbers of W_K/W_V per layer, LoRC rank plans, (--heads) echo and
+    induction scores of every head, (--rotations) ZACK head spectra, plans and calibration
+    agreement: analysis.json + PNG plots."""
     import json
 
     from kvconvert.analysis.plots import plot_condition, plot_head_scores, plot_ranks, plot_spectra
@@ -352,6 +374,12 @@ def analyze(
         from kvconvert.analysis.spectra import analyze_heads
 
         analysis["heads"] = analyze_heads(source, profile_tokens)
+    if rotations:
+        from kvconvert.analysis.rotations import analyze_rotations
+
+        analysis["rotations"] = analyze_rotations(source, calib, compare_calib, calib_tokens, seed)
+    elif compare_calib is not None:
+        raise KVConvertError("--compare-calib needs --rotations")
     with atomic_output_dir(out, replace=force) as tmp:
         (tmp / "analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
         plot_spectra(analysis, tmp / "spectra.png")
@@ -365,7 +393,23 @@ def analyze(
             f"{row['layer']:>5}  {row['kappa_k']:>9.3g}  {row['kappa_v']:>9.3g}  {row['log10_kappa_cum']:>8.1f}  "
             f"{row['rel_error_k']['0.5']:>9.3f}  {row['rel_error_v']['0.5']:>9.3f}"
         )
+    if rotations:
+        _print_rotations(analysis["rotations"])
     click.echo(f"wrote {out}/analysis.json, spectra.png, condition.png, ranks.png" + (", heads.png" if heads else ""))
+
+
+def _print_rotations(result: dict[str, Any]) -> None:
+    click.echo(f"ZACK rotations on {result['calib']} ({result['tokens']} tokens): CV of leading singular values "
+               f"across heads: QK {result['qk_max_sv_cv']:.1%}, VW {result['vw_max_sv_cv']:.1%}")  # fmt: skip
+    for budget, plan in result["plans"].items():
+        click.echo(f"  budget {budget}: r = {plan['removal_rate']:.4f} (achieved {plan['kv_budget']:.3f})")
+    if "compare" in result:
+        cmp = result["compare"]
+        for side, title in (("qk", "R_QK"), ("vw", "R_VW")):
+            row = cmp[side]
+            click.echo(f"  vs {cmp['calib']}: {title} ε̄ = {row['epsilon']:.3e}, δ̄ = {row['delta']:.3e}, "
+                       f"δ̄/ε̄ = {row['ratio']:.2%}; energy kept at budget {cmp['at_budget']}: "
+                       f"{row['captured_energy_mean']:.2%} (min {row['captured_energy_min']:.2%})")  # fmt: skip
 
 
 @main.command("eval")

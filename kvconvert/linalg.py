@@ -145,3 +145,14 @@ def rotation_difference(reference: torch.Tensor, other: torch.Tensor) -> tuple[f
     signs = torch.sign((reference * other).sum(dim=-2, keepdim=True))
     signs[signs == 0] = 1.0
     return float(reference.abs().mean()), float((reference - other * signs).abs().mean())
+
+
+def captured_energy(basis: torch.Tensor, rank: int, other_basis: torch.Tensor, other_spectrum: torch.Tensor) -> float:
+    """How well ``basis[:, :rank]`` (fitted on text A) keeps the activations of text B, relative to B's
+    own best rank-``rank`` basis: ``‖Σ_B R_Bᵀ A_k‖²_F / Σ_{i<k} s_B,i²`` in (0, 1], float64.
+
+    Unlike the element-wise δ, this does not depend on how a fit orders or rotates directions of
+    (nearly) equal singular value, e.g. the pairs of dims RoPE turns together."""
+    weighted = other_spectrum.to(F64)[:, None] * (other_basis.to(F64).T @ basis.to(F64)[:, :rank])
+    best = float((other_spectrum.to(F64)[:rank] ** 2).sum())
+    return 1.0 if best == 0 else float((weighted**2).sum()) / best

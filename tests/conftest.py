@@ -94,3 +94,37 @@ def aidreams_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("aidreams") / "hf"
     import_llama2c(checkpoint, out, tokenizer=checkpoint.parent / "tok512.bin")
     return out
+
+
+CALIB_DATA = Path(__file__).resolve().parents[1] / "calib_data"
+
+
+def save_tiny_tokenizer(path: Path, vocab_size: int = 97) -> None:
+    """A word-piece BPE tokenizer trained on calib_data/ with the tiny models' vocabulary size,
+    so that commands needing a tokenizer (calibration) run on tiny random models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = "\n".join(f.read_text() for f in sorted(CALIB_DATA.glob("*.txt")))
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>"], limit_alphabet=60,
+                                  show_progress=False)  # fmt: skip
+    tokenizer.train_from_iterator([text], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tokenized_model_dir(tmp_path_factory):
+    """Factory: kind -> tiny random model directory that also holds a tokenizer."""
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            path = tmp_path_factory.mktemp(f"tok-{kind}")
+            build_tiny_model(kind).save_pretrained(path)
+            save_tiny_tokenizer(path)
+            made[kind] = path
+        return made[kind]
+
+    return make

@@ -12,7 +12,8 @@ import torch
 # (module, query [b, H, n, dk] after RoPE, key [b, Hkv, n, dk] after RoPE, value [b, Hkv, n, dk],
 #  softmax scale or None for 1/sqrt(dk)) -> None, or replacement (query, key, value) to attend with
 AttentionObserver = Callable[
-    [Any, torch.Tensor, torch.Tensor, torch.Tensor, float | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    [Any, torch.Tensor, torch.Tensor, torch.Tensor, float | None],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ]
 
 

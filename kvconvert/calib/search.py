@@ -67,9 +67,10 @@ def search_removal_rate(
     bases: Any,
     held_out: torch.Tensor,
     target: float,
+    compress: str = "kv",
+    progress: bool = True,
     max_chunks: int = 8,
     steps: int = 10,
-    progress: bool = True,
 ) -> tuple[Any, list[dict[str, float]]]:
     """Largest r (smallest cache) whose simulated top-1 agreement with the source stays >= ``target``.
 
@@ -91,7 +92,7 @@ def search_removal_rate(
         reference = torch.stack([model(row[None], use_cache=False).logits[0].argmax(-1) for row in chunks])
 
     def probe(rate: float) -> tuple[Any, float]:
-        plan = plan_for_rate(bases, rate, layout.head_dim)
+        plan = plan_for_rate(bases, rate, layout.head_dim, compress)
         with truncated_attention(model, projectors_for(bases, plan)):
             return plan, top1_agreement(model, chunks, reference)
 

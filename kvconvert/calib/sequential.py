@@ -9,6 +9,7 @@ the hidden states of all chunks — independent of depth, so models larger than 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
@@ -102,10 +103,8 @@ def run_layer_by_layer(
     layers[0] = _Catcher(inbox)
     with observe(model):
         for row in chunks:
-            try:
+            with contextlib.suppress(_Captured):
                 model(input_ids=row[None], use_cache=False)
-            except _Captured:
-                pass
         layers[0] = first
         hidden = [args[0] if args else kwargs.pop("hidden_states") for args, kwargs in inbox]
         extra = [(args[1:], kwargs) for args, kwargs in inbox]

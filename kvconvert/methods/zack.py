@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from tqdm import tqdm
 
 from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights, adapter_for
@@ -38,6 +37,9 @@ class ZackConfig:
     calib_tokens: int = 16384  # ZACK §6.6: > 16K tokens of coherent text give stable rotations
     chunk_len: int = 512
     seed: int = 0
+    # Which side is truncated (the other keeps full width, still rotated). The paper truncates both;
+    # "k" is kvconvert's extension for models whose values do not survive truncation (small GQA models).
+    compress: Literal["kv", "k", "v"] = "kv"
 
     def __post_init__(self) -> None:
         chosen = [n for n in ("kv_budget", "removal_rate", "target_agreement") if getattr(self, n) is not None]
@@ -49,6 +51,8 @@ class ZackConfig:
             raise KVConvertError(f"removal_rate must be in [0, 1), got {self.removal_rate}")
         if self.target_agreement is not None and not 0 < self.target_agreement <= 1:
             raise KVConvertError(f"target_agreement must be in (0, 1], got {self.target_agreement}")
+        if self.compress not in ("kv", "k", "v"):
+            raise KVConvertError(f"compress must be kv, k or v, got {self.compress!r}")
 
 
 @dataclass
@@ -95,30 +99,64 @@ def fit_bases(grams: Any, o_grams: list[torch.Tensor]) -> HeadBases:
     return HeadBases(qk, qk_s, vw, vw_s)
 
 
-def plan_for_rate(bases: HeadBases, removal_rate: float, head_dim: int) -> ZackPlan:
-    """Eq. 6 per head for one shared r; ``budget`` = Σ kept widths / (2·L·Hkv·dk)."""
-    rank_k = [[linalg.rank_for_removal_rate(s, removal_rate) for s in layer] for layer in bases.qk_spectrum]
-    rank_v = [[linalg.rank_for_removal_rate(s, removal_rate) for s in layer] for layer in bases.vw_spectrum]
+def plan_for_rate(bases: HeadBases, removal_rate: float, head_dim: int, compress: str = "kv") -> ZackPlan:
+    """Eq. 6 per head for one shared r; ``budget`` = Σ kept widths / (2·L·Hkv·dk).
+
+    ``compress`` names the truncated sides; the others keep all ``head_dim`` dims."""
+
+    def widths(spectra: list[list[torch.Tensor]], truncated: bool) -> list[list[int]]:
+        rate = removal_rate if truncated else 0.0
+        return [[linalg.rank_for_removal_rate(s, rate) if truncated else head_dim for s in layer] for layer in spectra]
+
+    rank_k = widths(bases.qk_spectrum, "k" in compress)
+    rank_v = widths(bases.vw_spectrum, "v" in compress)
     kept = sum(map(sum, rank_k)) + sum(map(sum, rank_v))
     full = 2 * head_dim * sum(len(layer) for layer in rank_k)
     return ZackPlan(removal_rate, rank_k, rank_v, budget=kept / full)
 
 
-def plan_for_budget(bases: HeadBases, kv_budget: float, head_dim: int, steps: int = 60) -> ZackPlan:
+def plan_for_budget(bases: HeadBases, kv_budget: float, head_dim: int, compress: str = "kv",
+                    steps: int = 60) -> ZackPlan:  # fmt: skip
     """The paper's f: the smallest r whose cache fits ``kv_budget`` (budget falls as r grows)."""
-    if plan_for_rate(bases, 0.0, head_dim).budget <= kv_budget:
-        return plan_for_rate(bases, 0.0, head_dim)
-    floor = plan_for_rate(bases, 1.0, head_dim)
+    if plan_for_rate(bases, 0.0, head_dim, compress).budget <= kv_budget:
+        return plan_for_rate(bases, 0.0, head_dim, compress)
+    floor = plan_for_rate(bases, 1.0, head_dim, compress)
     if floor.budget > kv_budget:
-        raise KVConvertError(f"kv_budget {kv_budget} is below ZACK's floor of one dim per head ({floor.budget:.4f})")
+        raise KVConvertError(
+            f"kv_budget {kv_budget} is below what zack can reach with compress={compress} ({floor.budget:.4f}: "
+            "one dim per truncated head)"
+        )
     low, high = 0.0, 1.0  # budget(low) > kv_budget >= budget(high)
     for _ in range(steps):
         middle = (low + high) / 2
-        if plan_for_rate(bases, middle, head_dim).budget <= kv_budget:
+        if plan_for_rate(bases, middle, head_dim, compress).budget <= kv_budget:
             high = middle
         else:
             low = middle
-    return plan_for_rate(bases, high, head_dim)
+    return plan_for_rate(bases, high, head_dim, compress)
+
+
+def calibrate_bases(
+    source: Any,
+    layout: AttentionLayout,
+    layers: Iterable[AttentionWeights],
+    calib: str | None,
+    tokens: int,
+    chunk_len: int,
+    seed: int,
+    progress: bool = True,
+) -> tuple[HeadBases, Any]:
+    """Run ``source`` over calibration text layer by layer and fit every head's R_QK and R_VW.
+
+    Returns the bases and the ``CalibrationSet`` used (its held-out chunks serve searches)."""
+    from kvconvert.calib.stats import collect_head_grams
+    from kvconvert.calib.text import calibration_set
+
+    context = int(getattr(source.config, "max_position_embeddings", 0) or source.config.n_positions)
+    calib_set = calibration_set(source.path, calib, tokens, min(chunk_len, context), seed)
+    grams = collect_head_grams(source, adapter_for(source.config), calib_set.chunks, progress=progress)
+    o_grams = [output_gram(w.o_weight, layout) for w in layers]
+    return fit_bases(grams, o_grams), calib_set
 
 
 class ZackMethod(Method):
@@ -141,27 +179,21 @@ class ZackMethod(Method):
 
     def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
         """Calibrate (layer by layer), fit every head's rotations, then choose r and the ranks."""
-        from kvconvert.calib.stats import collect_head_grams
-        from kvconvert.calib.text import calibration_set
-
         config = self.config
-        context = int(getattr(source.config, "max_position_embeddings", 0) or getattr(source.config, "n_positions"))
-        calib = calibration_set(source.path, config.calib, config.calib_tokens, min(config.chunk_len, context),
-                                config.seed)  # fmt: skip
-        grams = collect_head_grams(source, adapter_for(source.config), calib.chunks, progress=self.progress)
-        o_grams = [output_gram(w.o_weight, layout) for w in layers]
-        self.layout, self.bases = layout, fit_bases(grams, o_grams)
+        self.bases, calib = calibrate_bases(source, layout, layers, config.calib, config.calib_tokens,
+                                            config.chunk_len, config.seed, self.progress)  # fmt: skip
+        self.layout = layout
         self.calibration = {"source": calib.source, "tokens": calib.tokens, "chunk_len": calib.chunks.shape[1]}
         if config.removal_rate is not None:
-            self.plan_ = plan_for_rate(self.bases, config.removal_rate, layout.head_dim)
+            self.plan_ = plan_for_rate(self.bases, config.removal_rate, layout.head_dim, config.compress)
         elif config.kv_budget is not None:
-            self.plan_ = plan_for_budget(self.bases, config.kv_budget, layout.head_dim)
+            self.plan_ = plan_for_budget(self.bases, config.kv_budget, layout.head_dim, config.compress)
         else:
             from kvconvert.calib.search import search_removal_rate
 
             assert config.target_agreement is not None
             self.plan_, self.calibration["search"] = search_removal_rate(
-                source, layout, self.bases, calib.held_out, config.target_agreement, progress=self.progress
+                source, layout, self.bases, calib.held_out, config.target_agreement, config.compress, self.progress
             )
 
     def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
@@ -183,12 +215,11 @@ class ZackMethod(Method):
 
     def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
         assert self.plan_ is not None
-        return {
-            "zack_layers": [
-                {"rank_k": rk, "rank_v": rv, "biases": sorted(n.removesuffix(".bias") for n in names if n.endswith(".bias"))}
-                for rk, rv, names in zip(self.plan_.rank_k, self.plan_.rank_v, tensor_names, strict=True)
-            ]
-        }  # fmt: skip
+        layers = []
+        for rank_k, rank_v, names in zip(self.plan_.rank_k, self.plan_.rank_v, tensor_names, strict=True):
+            biases = sorted(n.removesuffix(".bias") for n in names if n.endswith(".bias"))
+            layers.append({"rank_k": rank_k, "rank_v": rank_v, "biases": biases})
+        return {"zack_layers": layers}
 
 
 def _removed(spectrum: torch.Tensor, rank: int) -> float:

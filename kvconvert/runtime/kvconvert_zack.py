@@ -37,7 +37,11 @@ class ZackAttention(LatentAttention):
     def __init__(self, spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None):
         super().__init__(layer_idx, rotary)
         layer = spec["zack_layers"][layer_idx]
-        self.heads, self.kv_heads, self.head_dim = int(spec["num_heads"]), int(spec["num_kv_heads"]), int(spec["head_dim"])
+        self.heads, self.kv_heads, self.head_dim = (
+            int(spec["num_heads"]),
+            int(spec["num_kv_heads"]),
+            int(spec["head_dim"]),
+        )
         self.group = self.heads // self.kv_heads
         self.scaling = float(spec["scaling"][layer_idx])
         self.rank_k: list[int] = [int(r) for r in layer["rank_k"]]
@@ -97,7 +101,8 @@ class ZackAttention(LatentAttention):
         kv_len = keys.shape[1]
         bias = additive_mask(attention_mask, q_len, kv_len, hidden_states.dtype, hidden_states.device)
         outputs = []
-        for g, (key_g, value_g) in enumerate(zip(keys.split(self.rank_k, dim=-1), values.split(self.rank_v, dim=-1))):
+        per_head = zip(keys.split(self.rank_k, dim=-1), values.split(self.rank_v, dim=-1), strict=True)
+        for g, (key_g, value_g) in enumerate(per_head):
             scores = (queries[g] @ key_g.transpose(1, 2).unsqueeze(1)) * self.scaling  # [b, G, q, n]
             if bias is not None:
                 scores = scores + bias

@@ -1,0 +1,111 @@
+"""ZACK on SmolLM2-135M at budgets 0.9 / 0.75 / 0.6 / 0.5, K+V (the paper) and K only, next to LoRC,
+plus the paper's headline search: the smallest cache keeping 99 % top-1 agreement (``make bench-zack``).
+
+wikitext-2 test, first 4096 tokens, ctx 1024: ppl, KL, top-1 agreement and the KV budget measured
+from the cache. Calibration: the shipped calib_data/ (16 384 tokens). LoRC rows come from the
+newest bench/results/lorc-*.json (same text and settings); run ``make bench-lorc`` to refresh them.
+Also records the peak RSS and time of one conversion (calibration included), in a child process.
+Writes bench/results/zack-<date>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine, markdown_table, write_results  # noqa: E402
+from bench.models import SHARED, prepare_models  # noqa: E402
+from kvconvert.eval.runner import EvalConfig, run_eval  # noqa: E402
+from kvconvert.io.source import open_source  # noqa: E402
+from kvconvert.methods.zack import ZackConfig, ZackMethod  # noqa: E402
+from kvconvert.pipeline import convert  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def peak_conversion(src: Path, dst: Path) -> dict[str, float]:
+    """Wall time and peak RSS (VmHWM) of ``kvconvert zack --kv-budget 0.75`` in a fresh process."""
+    code = (
+        "import sys, time, resource; from kvconvert.cli import main; t = time.perf_counter()\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print('WALL', time.perf_counter() - t); print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, "zack", "--model", str(src), "--out", str(dst), "--kv-budget",
+                          "0.75", "--quiet"], capture_output=True, text=True, check=True).stdout  # fmt: skip
+    values = dict(line.split() for line in out.splitlines() if line.startswith(("WALL", "PEAK")))
+    return {"seconds": float(values["WALL"]), "peak_rss_mib": float(values["PEAK"]) / 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.9, 0.75, 0.6, 0.5])
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--target-agreement", type=float, default=0.99)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    src = prepare_models()["smollm2-135m"]
+    text = SHARED / "data" / "wikitext2" / "wikitext2_raw_test.txt"
+    config = EvalConfig(data=str(text), ctx=1024, max_tokens=args.max_tokens, retrieval=False, speed=False,
+                        progress=False)  # fmt: skip
+    base = run_eval(str(src), None, config)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cost = peak_conversion(src, Path(tmp) / "peak")
+        print(cost, flush=True)
+        jobs: list[tuple[str, ZackConfig]] = []
+        for compress in ("kv", "k"):
+            for budget in args.budgets:
+                jobs.append((f"{budget}", ZackConfig(kv_budget=budget, compress=compress)))  # type: ignore[arg-type]
+            jobs.append((f"agreement ≥ {args.target_agreement}",
+                         ZackConfig(target_agreement=args.target_agreement, compress=compress)))  # type: ignore[arg-type]  # fmt: skip
+        for label, zack in jobs:
+            dst = Path(tmp) / f"{label}-{zack.compress}".replace(" ", "")
+            result = convert(open_source(str(src)), ZackMethod(zack, progress=False), dst, progress=False)
+            first = result.report["layers"][0]
+            evaluation = run_eval(str(dst), str(src), config)
+            scores = {k: evaluation[k] for k in ("ppl", "kl_mean", "top1_agreement", "kv_budget_measured")}
+            row = {"target": label, "compress": zack.compress, "removal_rate": first["removal_rate"], **scores}
+            if "search" in first["calibration"]:
+                row["search"] = first["calibration"]["search"]
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "search"}, flush=True)
+    lorc_files = sorted(RESULTS.glob("lorc-*.json"))
+    lorc = json.loads(lorc_files[-1].read_text())["rows"] if lorc_files else []
+    table_rows = []
+    for r in rows:
+        table_rows.append([
+            "zack", r["target"], r["compress"], f"r={r['removal_rate']:.4f}", f"{r['kv_budget_measured']:.3f}",
+            f"{r['ppl']:.2f}", f"{100 * (r['ppl'] / base['ppl'] - 1):+.1f}%", f"{r['kl_mean']:.3f}",
+            f"{r['top1_agreement']:.3f}",
+        ])  # fmt: skip
+    for r in lorc:
+        if r["budget"] in args.budgets and r["schedule"] == "uniform" and "refused" not in r:
+            table_rows.append([
+                "lorc", r["budget"], r["compress"], "uniform", f"{r['kv_budget_measured']:.3f}", f"{r['ppl']:.2f}",
+                f"{100 * (r['ppl'] / base['ppl'] - 1):+.1f}%", f"{r['kl_mean']:.3f}", f"{r['top1_agreement']:.3f}",
+            ])  # fmt: skip
+    table = markdown_table(
+        ["method", "target", "truncated", "setting", "measured budget", "ppl", "Δppl", "KL", "top-1"], table_rows
+    )
+    table += (
+        f"\n\nSmolLM2-135M fp32 reference ppl {base['ppl']:.3f} (wikitext-2 test, first {args.max_tokens} tokens, "
+        f"ctx 1024). ZACK calibrated on calib_data/ (16 384 tokens); the agreement rows search r on held-out "
+        f"calib_data chunks, then are scored on wikitext like the others. One conversion (budget 0.75, "
+        f"calibration included): {cost['seconds']:.1f} s, peak RSS {cost['peak_rss_mib']:.0f} MiB."
+    )
+    payload = {"benchmark": "zack", "machine": machine(), "reference_ppl": base["ppl"], "conversion": cost,
+               "rows": rows, "seconds": time.perf_counter() - started}  # fmt: skip
+    json_path, md_path = write_results("zack", payload, table)
+    print(table)
+    print(f"wrote {json_path} and {md_path} in {payload['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""ZACK: eq. 6, rotations, exactness at r = 0, real memory saving, the simulation the search relies on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import SHARED
+from helpers import assert_equivalent, assert_same_logits, kv_budget, load_converted, load_reference, run_cli
+
+from kvconvert import linalg
+from kvconvert.errors import KVConvertError
+from kvconvert.methods.zack import ZackConfig
+
+CALIB = ("--calib-tokens", "2048")  # tiny models: 8 chunks of 256 tokens of calib_data/
+
+
+def _zack(src, dst, *args: str):
+    result = run_cli("zack", "--model", str(src), "--out", str(dst), "--quiet", *CALIB, *args)
+    assert result.exit_code == 0, result.output
+    return json.loads((dst / "kvconvert.json").read_text())
+
+
+def test_eq6_on_a_hand_made_spectrum():
+    s = torch.tensor([4.0, 3.0, 2.0, 1.0])  # total 10; removing the last k dims drops 1, 3, 6 (of 10)
+    expected = {0.0: 4, 0.05: 4, 0.1: 3, 0.25: 3, 0.3: 2, 0.59: 2, 0.6: 1, 0.99: 1}
+    assert {r: linalg.rank_for_removal_rate(s, r) for r in expected} == expected
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_eq6_inequality_holds_for_random_spectra(seed):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.rand(16, generator=g, dtype=torch.float64).sort(descending=True).values
+    for r in torch.rand(20, generator=g, dtype=torch.float64).tolist():
+        keep = linalg.rank_for_removal_rate(s, r)  # keep = j + 1
+        removed_after_j = float(s[keep:].sum() / s.sum())
+        removed_from_j = float(s[keep - 1 :].sum() / s.sum())
+        assert removed_after_j <= r < removed_from_j
+
+
+def test_principal_basis_is_orthogonal_and_diagonalises_the_gram():
+    g = torch.Generator().manual_seed(0)
+    activations = torch.randn(500, 12, generator=g, dtype=torch.float64) @ torch.randn(12, 12, generator=g,
+                                                                                      dtype=torch.float64)  # fmt: skip
+    rotation, singular = linalg.principal_basis(activations.T @ activations)
+    assert torch.allclose(rotation.T @ rotation, torch.eye(12, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(singular, torch.linalg.svdvals(activations), rtol=1e-9)
+    rotated = activations @ rotation  # columns ordered by descending energy
+    assert torch.all(rotated.pow(2).sum(0)[:-1] >= rotated.pow(2).sum(0)[1:] - 1e-9)
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2_gqa", "gpt2", "gpt_neox"])
+def test_removal_rate_zero_is_exact(tokenized_model_dir, tmp_path, kind):
+    """RoPE + GQA (llama, qwen2 with biases), no RoPE (GPT-2, rotations folded into W_Q/W_K) and
+    partial RoPE (GPT-NeoX): full-width rotations change nothing."""
+    src = tokenized_model_dir(kind)
+    report = _zack(src, tmp_path / "zack", "--removal-rate", "0")
+    assert all(width == 16 for row in report["layers"] for width in row["rank_k"] + row["rank_v"])
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    assert_equivalent(load_reference(src), load_converted(tmp_path / "zack"), ids, mask)
+
+
+def test_budget_is_met_with_per_head_widths_and_a_smaller_cache(tokenized_model_dir, tmp_path):
+    src = tokenized_model_dir("llama_gqa")
+    report = _zack(src, tmp_path / "zack", "--kv-budget", "0.6")
+    layers = report["layers"]
+    widths = [w for row in layers for w in row["rank_k"] + row["rank_v"]]
+    assert len(widths) == 3 * 2 * 2 and len(set(widths)) > 1  # adaptive: heads differ
+    expected = sum(widths) / (3 * 2 * 2 * 16)
+    assert expected <= 0.6 and report["kv_budget_expected"] == pytest.approx(expected)
+    config = json.loads((tmp_path / "zack" / "config.json").read_text())
+    assert [row["rank_k"] for row in config["kvconvert"]["zack_layers"]] == [row["rank_k"] for row in layers]
+    reference, converted = load_reference(src), load_converted(tmp_path / "zack")
+    ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(0))
+    assert kv_budget(reference, converted, ids) == pytest.approx(expected, abs=1e-9)
+    generated = converted.generate(ids[:, :8], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert generated.shape == (1, 14)
+
+
+def test_k_only_keeps_values_full(tokenized_model_dir, tmp_path):
+    report = _zack(tokenized_model_dir("llama_gqa"), tmp_path / "zack", "--kv-budget", "0.75", "--compress", "k")
+    assert all(w == 16 for row in report["layers"] for w in row["rank_v"])
+    assert sum(w for row in report["layers"] for w in row["rank_k"]) <= 0.5 * 3 * 2 * 16
+
+
+def test_truncated_attention_simulates_the_checkpoint(tokenized_model_dir, tmp_path):
+    """The --target-agreement search scores a simulation; it must compute what the checkpoint does."""
+    from kvconvert.calib.search import projectors_for, truncated_attention
+    from kvconvert.io.source import open_source
+    from kvconvert.methods.zack import ZackMethod
+
+    src = tokenized_model_dir("qwen2_gqa")
+    method = ZackMethod(ZackConfig(removal_rate=0.3, calib_tokens=2048), progress=False)
+    from kvconvert.pipeline import convert
+
+    convert(open_source(str(src)), method, tmp_path / "zack", progress=False)
+    assert method.bases is not None and method.plan_ is not None
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
+    reference = load_reference(src)
+    with torch.no_grad(), truncated_attention(reference, projectors_for(method.bases, method.plan_)):
+        simulated = reference(ids).logits
+    plain = reference(ids).logits  # hooks are gone after the block
+    converted = load_converted(tmp_path / "zack")(ids).logits
+    assert_same_logits(simulated, converted, "simulation vs checkpoint")
+    assert (plain - converted).abs().max() > 1e-2  # r = 0.3 really truncates
+
+
+def test_target_agreement_search_logs_probes(tokenized_model_dir, tmp_path):
+    report = _zack(tokenized_model_dir("llama_gqa"), tmp_path / "zack", "--target-agreement", "0.8")
+    search = report["layers"][0]["calibration"]["search"]
+    chosen = report["layers"][0]["removal_rate"]
+    passing = [p for p in search if p["agreement"] >= 0.8]
+    assert chosen == (max(p["removal_rate"] for p in passing) if passing else 0.0)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--kv-budget", "0.5", "--removal-rate", "0.1"), "exactly one of"),
+        (("--removal-rate", "1.5"), "removal_rate must be in"),
+        (("--kv-budget", "0.01"), "below what zack can reach"),
+        (("--kv-budget", "0.5", "--calib-tokens", "10000000"), "--calib-tokens asks for"),
+    ],
+)
+def test_bad_input_is_one_line(tokenized_model_dir, tmp_path, args, message):
+    result = run_cli("zack", "--model", str(tokenized_model_dir("llama_gqa")), "--out", str(tmp_path / "z"),
+                     "--quiet", *args)  # fmt: skip
+    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "z").exists()
+
+
+def test_no_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    result = run_cli(
+        "zack", "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "z"), "--kv-budget", "0.5"
+    )
+    assert result.exit_code == 2 and "tokenizer" in result.output
+
+
+def test_config_needs_exactly_one_target():
+    with pytest.raises(KVConvertError):
+        ZackConfig()
+
+
+@pytest.mark.skipif(not (SHARED / "data" / "tinystories").exists(), reason="../shared/data is not present")
+def test_rotations_do_not_depend_on_the_calibration_text(aidreams_dir, tmp_path):
+    """ZACK §4.3/§6.6: bases fitted on calib_data/ and on TinyStories (16K tokens each) keep the same
+    activations. Element-wise δ/ε is reported too but is not small: RoPE pairs dims with equal
+    singular values, so which basis a fit picks inside such a pair is arbitrary."""
+    text = SHARED / "data" / "tinystories" / "tinystories_train_head.txt"
+    result = run_cli("analyze", "--model", str(aidreams_dir), "--out", str(tmp_path / "a"), "--rotations",
+                     "--compare-calib", str(text))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    compare = json.loads((tmp_path / "a" / "analysis.json").read_text())["rotations"]["compare"]
+    assert compare["tokens"] >= 16384
+    assert compare["qk"]["captured_energy_min"] > 0.99
+    assert compare["vw"]["captured_energy_mean"] > 0.97
+    assert 0 < compare["qk"]["ratio"] < 1 and "R_QK" in result.output
