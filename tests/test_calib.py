@@ -70,4 +70,4 @@ def test_hooks_come_off_even_when_the_block_raises():
         assert model.config._attn_implementation != before
         raise RuntimeError("boom")
     assert model.config._attn_implementation == before
-    assert not [name for name in AttentionInterface._global_mapping if name.startswith("kvconvert_")]
+    assert not [name for name in AttentionInterface._global_mapping if name.startswith("kvconvert_observe_")]
