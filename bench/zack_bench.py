@@ -22,6 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, markdown_table, write_results  # noqa: E402
 from bench.models import SHARED, prepare_models  # noqa: E402
+from kvconvert.errors import KVConvertError  # noqa: E402
 from kvconvert.eval.runner import EvalConfig, run_eval  # noqa: E402
 from kvconvert.io.source import open_source  # noqa: E402
 from kvconvert.methods.zack import ZackConfig, ZackMethod  # noqa: E402
@@ -69,7 +70,12 @@ def main() -> None:
                          ZackConfig(target_agreement=args.target_agreement, compress=compress)))  # type: ignore[arg-type]  # fmt: skip
         for label, zack in jobs:
             dst = Path(tmp) / f"{label}-{zack.compress}".replace(" ", "")
-            result = convert(open_source(str(src)), ZackMethod(zack, progress=False), dst, progress=False)
+            try:
+                result = convert(open_source(str(src)), ZackMethod(zack, progress=False), dst, progress=False)
+            except KVConvertError as exc:  # e.g. K-only cannot go below ~0.5
+                rows.append({"target": label, "compress": zack.compress, "refused": str(exc)})
+                print(rows[-1], flush=True)
+                continue
             first = result.report["layers"][0]
             evaluation = run_eval(str(dst), str(src), config)
             scores = {k: evaluation[k] for k in ("ppl", "kl_mean", "top1_agreement", "kv_budget_measured")}
@@ -82,6 +88,9 @@ def main() -> None:
     lorc = json.loads(lorc_files[-1].read_text())["rows"] if lorc_files else []
     table_rows = []
     for r in rows:
+        if "refused" in r:
+            table_rows.append(["zack", r["target"], r["compress"], "—", "refused", "", "", "", ""])
+            continue
         table_rows.append([
             "zack", r["target"], r["compress"], f"r={r['removal_rate']:.4f}", f"{r['kv_budget_measured']:.3f}",
             f"{r['ppl']:.2f}", f"{100 * (r['ppl'] / base['ppl'] - 1):+.1f}%", f"{r['kl_mean']:.3f}",
