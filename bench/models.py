@@ -11,6 +11,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -63,3 +64,15 @@ def eval_texts(tmp: Path) -> dict[str, Path]:
         "tinystories": SHARED / "data" / "tinystories" / "tinystories_validation_head.txt",
     }
     return {name: path for name, path in texts.items() if path.exists()}
+
+
+def smollm2_wikitext(max_tokens: int) -> tuple[Path, Any, dict[str, Any]]:
+    """The quality setting the method studies share: SmolLM2-135M fp32, wikitext-2 test, first
+    ``max_tokens`` tokens, ctx 1024, quality only. Returns (model dir, EvalConfig, reference result)."""
+    from kvconvert.eval.runner import EvalConfig, run_eval
+
+    src = prepare_models()["smollm2-135m"]
+    text = SHARED / "data" / "wikitext2" / "wikitext2_raw_test.txt"
+    config = EvalConfig(data=str(text), ctx=1024, max_tokens=max_tokens, retrieval=False, speed=False,
+                        progress=False)  # fmt: skip
+    return src, config, run_eval(str(src), None, config)

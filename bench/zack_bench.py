@@ -20,15 +20,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine, markdown_table, write_results  # noqa: E402
-from bench.models import SHARED, prepare_models  # noqa: E402
+from bench.common import RESULTS, machine, markdown_table, write_results  # noqa: E402
+from bench.models import smollm2_wikitext  # noqa: E402
 from kvconvert.errors import KVConvertError  # noqa: E402
-from kvconvert.eval.runner import EvalConfig, run_eval  # noqa: E402
+from kvconvert.eval.runner import run_eval  # noqa: E402
 from kvconvert.io.source import open_source  # noqa: E402
 from kvconvert.methods.zack import ZackConfig, ZackMethod  # noqa: E402
 from kvconvert.pipeline import convert  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def peak_conversion(src: Path, dst: Path) -> dict[str, float]:
@@ -53,11 +51,7 @@ def main() -> None:
     parser.add_argument("--target-agreement", type=float, default=0.99)
     args = parser.parse_args()
     started = time.perf_counter()
-    src = prepare_models()["smollm2-135m"]
-    text = SHARED / "data" / "wikitext2" / "wikitext2_raw_test.txt"
-    config = EvalConfig(data=str(text), ctx=1024, max_tokens=args.max_tokens, retrieval=False, speed=False,
-                        progress=False)  # fmt: skip
-    base = run_eval(str(src), None, config)
+    src, config, base = smollm2_wikitext(args.max_tokens)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         cost = peak_conversion(src, Path(tmp) / "peak")

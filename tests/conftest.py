@@ -69,19 +69,26 @@ def build_tiny_model(kind: str, seed: int = 0):
     return model.eval()
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """Factory: kind -> directory with config.json + model.safetensors of a tiny random model."""
+def _model_dir_factory(tmp_path_factory, prefix: str, with_tokenizer: bool):
+    """kind -> directory of a tiny random model (+ tokenizer), each kind built once per session."""
     made: dict[str, Path] = {}
 
     def make(kind: str) -> Path:
         if kind not in made:
-            path = tmp_path_factory.mktemp(f"src-{kind}")
+            path = tmp_path_factory.mktemp(f"{prefix}-{kind}")
             build_tiny_model(kind).save_pretrained(path)
+            if with_tokenizer:
+                save_tiny_tokenizer(path)
             made[kind] = path
         return made[kind]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: kind -> directory with config.json + model.safetensors of a tiny random model."""
+    return _model_dir_factory(tmp_path_factory, "src", with_tokenizer=False)
 
 
 @pytest.fixture(scope="session")
@@ -117,14 +124,4 @@ def save_tiny_tokenizer(path: Path, vocab_size: int = 97) -> None:
 @pytest.fixture(scope="session")
 def tokenized_model_dir(tmp_path_factory):
     """Factory: kind -> tiny random model directory that also holds a tokenizer."""
-    made: dict[str, Path] = {}
-
-    def make(kind: str) -> Path:
-        if kind not in made:
-            path = tmp_path_factory.mktemp(f"tok-{kind}")
-            build_tiny_model(kind).save_pretrained(path)
-            save_tiny_tokenizer(path)
-            made[kind] = path
-        return made[kind]
-
-    return make
+    return _model_dir_factory(tmp_path_factory, "tok", with_tokenizer=True)

@@ -19,11 +19,7 @@ AGREEMENT_BUDGET = 0.75  # widths at which captured energy is compared
 
 def _layer_weights(source: SourceCheckpoint) -> Any:
     adapter = adapter_for(source.config)
-    by_layer: dict[int, dict[str, str]] = {}
-    for name in source.tensor_names():
-        match = adapter.match_attention_tensor(name)
-        if match is not None:
-            by_layer.setdefault(match.layer, {})[match.local] = name
+    by_layer = adapter.attention_names_by_layer(source.tensor_names())
     for layer in sorted(by_layer):
         yield adapter.read_attention({k: source.get(v) for k, v in by_layer[layer].items()})
 

@@ -22,11 +22,7 @@ def analyze_spectra(source: SourceCheckpoint) -> dict[str, Any]:
     width; plus LoRC's rank plans (progressive and uniform) at a few budgets."""
     adapter = adapter_for(source.config)
     layout = adapter.layout()
-    by_layer: dict[int, dict[str, str]] = {}
-    for name in source.tensor_names():
-        match = adapter.match_attention_tensor(name)
-        if match is not None:
-            by_layer.setdefault(match.layer, {})[match.local] = name
+    by_layer = adapter.attention_names_by_layer(source.tensor_names())
     width = layout.kv_width
     layers = []
     for layer in range(layout.num_layers):

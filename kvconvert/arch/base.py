@@ -26,6 +26,7 @@ class AttentionLayout:
     scaling: tuple[float, ...]  # softmax scale per layer (GPT-2 can scale by 1/(layer+1))
     rotary: bool  # RoPE applied to q and k after projection
     rotary_module: str | None  # attribute path of the model's rotary-embedding module
+    context: int  # longest sequence the model was trained for
 
     @property
     def kv_width(self) -> int:
@@ -97,6 +98,15 @@ class ArchAdapter:
         if m is None:
             return None
         return AttentionTensorName(layer=int(m.group("layer")), prefix=m.group("prefix"), local=m.group("local"))
+
+    def attention_names_by_layer(self, names: list[str]) -> dict[int, dict[str, str]]:
+        """Checkpoint names of each layer's attention tensors, keyed by local name."""
+        by_layer: dict[int, dict[str, str]] = {}
+        for name in names:
+            match = self.match_attention_tensor(name)
+            if match is not None:
+                by_layer.setdefault(match.layer, {})[match.local] = name
+        return by_layer
 
     def read_attention(self, tensors: dict[str, torch.Tensor]) -> AttentionWeights:
         """Build ``AttentionWeights`` from one layer's attention tensors keyed by local name.

@@ -33,6 +33,7 @@ class GPT2Adapter(ArchAdapter):
             scaling=tuple(scaling),
             rotary=False,
             rotary_module=None,
+            context=c.n_positions,
         )
 
     def read_attention(self, tensors: dict[str, torch.Tensor]) -> AttentionWeights:

@@ -29,6 +29,7 @@ class GPTNeoXAdapter(ArchAdapter):
             scaling=(head_dim**-0.5,) * c.num_hidden_layers,
             rotary=True,
             rotary_module="gpt_neox.rotary_emb",
+            context=c.max_position_embeddings,
         )
 
     def read_attention(self, tensors: dict[str, torch.Tensor]) -> AttentionWeights:

@@ -27,6 +27,7 @@ class LlamaAdapter(ArchAdapter):
             scaling=(head_dim**-0.5,) * c.num_hidden_layers,
             rotary=True,
             rotary_module="model.rotary_emb",
+            context=c.max_position_embeddings,
         )
 
     def read_attention(self, tensors: dict[str, torch.Tensor]) -> AttentionWeights:

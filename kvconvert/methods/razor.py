@@ -83,7 +83,7 @@ class RazorMethod(Method):
         cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[source.config.model_type])
         model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval()
         config = model.config
-        context = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 2048))
+        context = layout.context
         tokens = self.config.profile_tokens or max(2, min(2500, context // 4))
         if 4 * tokens > context:
             raise KVConvertError(f"profile_tokens {tokens} × 4 exceeds the model's context ({context})")

@@ -152,8 +152,7 @@ def calibrate_bases(
     from kvconvert.calib.stats import collect_head_grams
     from kvconvert.calib.text import calibration_set
 
-    context = int(getattr(source.config, "max_position_embeddings", 0) or source.config.n_positions)
-    calib_set = calibration_set(source.path, calib, tokens, min(chunk_len, context), seed)
+    calib_set = calibration_set(source.path, calib, tokens, min(chunk_len, layout.context), seed)
     grams = collect_head_grams(source, adapter_for(source.config), calib_set.chunks, progress=progress)
     o_grams = [output_gram(w.o_weight, layout) for w in layers]
     return fit_bases(grams, o_grams), calib_set
