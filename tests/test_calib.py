@@ -36,6 +36,8 @@ def test_calibration_sources(tmp_path):
     assert source == str(CALIB_DATA) and len(text.split()) > 16000  # ZACK §6.6: > 16K tokens
     (tmp_path / "a.txt").write_text("alpha\r\nbeta")
     assert read_calibration_text(str(tmp_path))[0] == "alpha\nbeta"
+    with pytest.raises(KVConvertError, match="^--calib '.*' is neither a file"):
+        read_calibration_text(str(tmp_path / "missing.txt"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(KVConvertError, match="no \\*.txt"):
         read_calibration_text(str(tmp_path / "empty"))

@@ -46,7 +46,7 @@ def read_calibration_text(spec: str | None) -> tuple[str, str]:
         if not files:
             raise KVConvertError(f"--calib directory {spec!r} holds no *.txt files")
         return "\n\n".join(f.read_text(encoding="utf-8").replace("\r\n", "\n") for f in files), str(path)
-    return load_text(spec), spec
+    return load_text(spec, option="--calib"), spec
 
 
 def load_tokenizer(model_path: Path) -> Any:

@@ -7,17 +7,19 @@ from pathlib import Path
 from kvconvert.errors import KVConvertError
 
 
-def load_text(spec: str) -> str:
-    """Text of a local file (CRLF normalised), or the rows of a ``datasets`` split joined by newlines."""
+def load_text(spec: str, option: str = "--data") -> str:
+    """Text of a local file (CRLF normalised), or the rows of a ``datasets`` split joined by newlines.
+
+    ``option`` names the command-line option in error messages."""
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_dir():
-            raise KVConvertError(f"--data {spec!r} is a directory; pass a text file or a dataset spec")
+            raise KVConvertError(f"{option} {spec!r} is a directory; pass a text file or a dataset spec")
         return path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
     parts = spec.split(":")
     if len(parts) not in (3, 4):
         raise KVConvertError(
-            f"--data {spec!r} is neither a file nor a dataset spec like wikitext:wikitext-2-raw-v1:test:text"
+            f"{option} {spec!r} is neither a file nor a dataset spec like wikitext:wikitext-2-raw-v1:test:text"
         )
     try:
         import datasets
