@@ -4,7 +4,7 @@ SHARED ?= ../shared
 DEMO := demo-out
 AIDREAMS := $(SHARED)/models/aidreams260K
 
-.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack clean
+.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache clean
 
 # torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
 install:
@@ -46,6 +46,10 @@ bench-razor: install
 
 bench-zack: install
 	$(PYTHON) bench/zack_bench.py
+
+# MiniCache on SmolLM2: merged layers, SLERP vs average, retention; decoded token by token (about 35 minutes)
+bench-minicache: install
+	$(PYTHON) bench/minicache_bench.py
 
 bench-quick: install
 	$(PYTHON) bench/run.py --quick

@@ -184,6 +184,9 @@ def razor(
     click.echo(f"wrote {options.out} (razor, long-context KV budget {report['kv_budget_expected']:.3f})")
 
 
+CALIB_DEFAULT = "<calib_data>"  # what a bare --calib stands for
+
+
 def _calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Options of every command that runs the model on calibration text."""
     fn = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chunk shuffle.")(fn)
@@ -241,6 +244,58 @@ def zack(
             )
     rate = report["layers"][0]["removal_rate"]
     click.echo(f"wrote {options.out} (zack r={rate:.4f}, KV budget {report['kv_budget_expected']:.3f})")
+
+
+@main.command()
+@_conversion_options
+@click.option("--start-layer", type=int, default=None, help="First merged layer S (default L/2; L merges nothing).")
+@click.option("--kv-budget", type=float, default=None, help="Merge the fewest deepest pairs meeting this budget.")
+@click.option(
+    "--min-similarity", type=float, default=None, help="Calibrate; S = shallowest layer whose pairs keep this cosine."
+)
+@click.option("--t", "t", type=float, default=0.6, show_default=True, help="SLERP parameter (1 leans to layer l).")
+@click.option("--gamma", type=float, default=0.05, show_default=True, help="Retention threshold (0: none, 1: all).")
+@click.option(
+    "--merge", type=click.Choice(["slerp", "average"]), default="slerp", show_default=True, help="Merge function."
+)
+@click.option(
+    "--calib",
+    is_flag=False,
+    flag_value=CALIB_DEFAULT,
+    default=None,
+    help="Measure adjacent-layer similarity on this text (bare --calib: the shipped calib_data/).",
+)
+@click.option("--calib-tokens", type=int, default=16384, show_default=True, help="Calibration tokens.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chunk shuffle.")
+@_user_errors
+def minicache(
+    options: ConversionOptions,
+    start_layer: int | None,
+    kv_budget: float | None,
+    min_similarity: float | None,
+    t: float,
+    gamma: float,
+    merge: str,
+    calib: str | None,
+    calib_tokens: int,
+    seed: int,
+) -> None:
+    """MiniCache: layer pairs from mid-depth share one KV direction tensor + per-layer norms + retained tokens."""
+    from kvconvert.methods.minicache import MiniCacheConfig, MiniCacheMethod
+
+    config = MiniCacheConfig(
+        start_layer=start_layer, kv_budget=kv_budget, min_similarity=min_similarity, t=t, gamma=gamma,
+        merge=merge,  # type: ignore[arg-type]
+        calibrate=calib is not None, calib=None if calib in (None, CALIB_DEFAULT) else calib,
+        calib_tokens=calib_tokens, seed=seed,
+    )  # fmt: skip
+    report = _convert(MiniCacheMethod(config, progress=not options.quiet), options)
+    plan = report["plan"]
+    if not options.quiet and "layer_similarity" in plan:
+        _print_layer_similarity(plan["layer_similarity"], merged={tuple(p) for p in plan["pairs"]})
+    pairs = ", ".join(f"{a}-{b}" for a, b in plan["pairs"]) or "none"
+    click.echo(f"wrote {options.out} (minicache from layer {plan['start_layer']}, pairs {pairs}; "
+               f"KV budget {report['kv_budget_expected']:.3f})")  # fmt: skip
 
 
 @main.command()
@@ -341,6 +396,9 @@ def _print_layers(report: dict[str, Any], columns: list[tuple[str, str, str]]) -
 @click.option("--profile-tokens", type=int, default=None, help="With --heads: K random tokens (repeated 4×).")
 @click.option("--rotations", is_flag=True, help="Also fit ZACK's per-head rotations on --calib (runs the model).")
 @click.option("--compare-calib", default=None, help="With --rotations: refit on this text, report δ/ε (ZACK §4.3).")
+@click.option(
+    "--layer-similarity", is_flag=True, help="Also measure adjacent layers' K/V similarity on --calib (MiniCache)."
+)
 @_calibration_options
 @_user_errors
 def analyze(
@@ -353,16 +411,23 @@ def analyze(
     profile_tokens: int | None,
     rotations: bool,
     compare_calib: str | None,
+    layer_similarity: bool,
     calib: str | None,
     calib_tokens: int,
     seed: int,
 ) -> None:
     """Spectra and condition numbers of W_K/W_V per layer, LoRC rank plans, (--heads) echo and
     induction scores of every head, (--rotations) ZACK head spectra, plans and calibration
-    agreement: analysis.json + PNG plots."""
+    agreement, (--layer-similarity) adjacent-layer K/V similarity: analysis.json + PNG plots."""
     import json
 
-    from kvconvert.analysis.plots import plot_condition, plot_head_scores, plot_ranks, plot_spectra
+    from kvconvert.analysis.plots import (
+        plot_condition,
+        plot_head_scores,
+        plot_layer_similarity,
+        plot_ranks,
+        plot_spectra,
+    )
     from kvconvert.analysis.spectra import analyze_spectra
     from kvconvert.io.source import open_source
     from kvconvert.io.writer import atomic_output_dir
@@ -380,6 +445,10 @@ def analyze(
         analysis["rotations"] = analyze_rotations(source, calib, compare_calib, calib_tokens, seed)
     elif compare_calib is not None:
         raise KVConvertError("--compare-calib needs --rotations")
+    if layer_similarity:
+        from kvconvert.analysis.layer_similarity import measure_layer_similarity
+
+        analysis["layer_similarity"] = measure_layer_similarity(source, calib, calib_tokens, seed=seed)
     with atomic_output_dir(out, replace=force) as tmp:
         (tmp / "analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
         plot_spectra(analysis, tmp / "spectra.png")
@@ -387,6 +456,8 @@ def analyze(
         plot_ranks(analysis, tmp / "ranks.png")
         if heads:
             plot_head_scores(analysis["heads"]["echo"], analysis["heads"]["induction"], tmp / "heads.png")
+        if layer_similarity:
+            plot_layer_similarity(analysis["layer_similarity"], tmp / "layer_similarity.png")
     click.echo(f"{'layer':>5}  {'κ(W_K)':>9}  {'κ(W_V)':>9}  {'log10 κ̃':>8}  {'K err@50%':>9}  {'V err@50%':>9}")
     for row in analysis["layers"]:
         click.echo(
@@ -395,7 +466,23 @@ def analyze(
         )
     if rotations:
         _print_rotations(analysis["rotations"])
-    click.echo(f"wrote {out}/analysis.json, spectra.png, condition.png, ranks.png" + (", heads.png" if heads else ""))
+    if layer_similarity:
+        _print_layer_similarity(analysis["layer_similarity"])
+    pngs = ["spectra.png", "condition.png", "ranks.png"] + ["heads.png"] * heads
+    pngs += ["layer_similarity.png"] * layer_similarity
+    click.echo(f"wrote {out}/analysis.json, " + ", ".join(pngs))
+
+
+def _print_layer_similarity(result: dict[str, Any], merged: set[tuple[int, ...]] | None = None) -> None:
+    click.echo(f"adjacent-layer similarity on {result['calib']} ({result['tokens']} tokens; kept = unmerged at "
+               f"γ = {result['gamma']}):")  # fmt: skip
+    header = f"{'pair':>7}  {'cos K':>7}  {'cos V':>7}  {'kept K':>7}  {'kept V':>7}"
+    click.echo(header + ("  merged" if merged else ""))
+    for row in result["pairs"]:
+        a, b = row["layers"]
+        mark = ("  yes" if (a, b) in merged else "") if merged else ""
+        click.echo(f"{a:>3}-{b:<3}  {row['cos_k']:>7.3f}  {row['cos_v']:>7.3f}  {row['retained_k']:>7.1%}  "
+                   f"{row['retained_v']:>7.1%}{mark}")  # fmt: skip
 
 
 def _print_rotations(result: dict[str, Any]) -> None:

@@ -171,6 +171,8 @@ def convert(
             "weight_files": weight_files,
             "layers": reports,
         }
+        if method.summary():
+            report["plan"] = method.summary()
         (tmp / "kvconvert.json").write_text(json.dumps(report, indent=2) + "\n")
         (tmp / "recipe.yaml").write_text(recipe_text(method))  # `kvconvert run` repeats the conversion
         write_model_card(tmp, report, name=out.name)

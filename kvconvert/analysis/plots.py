@@ -92,3 +92,29 @@ def plot_head_scores(echo: list[list[float]], induction: list[list[float]], path
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_layer_similarity(similarity: dict[str, Any], path: Path) -> None:
+    """MiniCache fig. 1a for this model: mean per-token cosine of adjacent layers' K and V (all KV
+    heads as one vector, per-head means as dots), and the share eq. 4 keeps unmerged at γ."""
+    plt = _pyplot()
+    pairs = similarity["pairs"]
+    x = [p["layers"][1] for p in pairs]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for side, colour in (("k", "tab:blue"), ("v", "tab:orange")):
+        axes[0].plot(x, [p[f"cos_{side}"] for p in pairs], marker="o", color=colour, label=side.upper())
+        for layer, p in zip(x, pairs, strict=True):
+            heads = p[f"cos_{side}_heads"]
+            axes[0].scatter([layer] * len(heads), heads, s=8, color=colour, alpha=0.35)
+        axes[1].plot(x, [p[f"retained_{side}"] for p in pairs], marker="o", color=colour, label=side.upper())
+    axes[0].axhline(0.0, color="grey", linewidth=0.8)
+    axes[0].set_ylim(-1.05, 1.05)
+    axes[0].set_title("cosine similarity of layer l-1 and l (dots: per KV head)")
+    axes[1].set_title(f"tokens kept unmerged at γ = {similarity['gamma']}")
+    for ax in axes:
+        ax.set_xlabel("layer l")
+        ax.legend()
+    fig.suptitle(f"{similarity['calib']} · {similarity['tokens']} tokens", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

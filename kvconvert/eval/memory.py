@@ -6,28 +6,37 @@ cache or its layers is counted once (shared storage is de-duplicated).
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 
+# never followed: code, classes and modules (their attributes are not cache state)
+_OPAQUE = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    found = []
-    for value in vars(obj).values():
-        if torch.is_tensor(value):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(v for v in value if torch.is_tensor(v))
-        elif isinstance(value, dict):
-            found.extend(v for v in value.values() if torch.is_tensor(v))
-    return found
+
+def _tensors(obj: Any, visited: set[int]) -> list[torch.Tensor]:
+    """Tensors held by ``obj``'s attributes, followed through lists, tuples, dicts and plain
+    objects (a cache layer may keep its state in helper objects, or share it with another layer)."""
+    if torch.is_tensor(obj):
+        return [obj]
+    if id(obj) in visited or isinstance(obj, _OPAQUE):
+        return []
+    visited.add(id(obj))
+    if isinstance(obj, (list, tuple)):
+        items: Any = obj
+    elif isinstance(obj, dict):
+        items = obj.values()
+    elif hasattr(obj, "__dict__"):
+        items = vars(obj).values()
+    else:
+        return []
+    return [t for item in items for t in _tensors(item, visited)]
 
 
 def cache_nbytes(cache: Any) -> int:
-    """Bytes held by the tensors of ``cache`` and of each of its ``layers``."""
-    tensors = _tensors(cache)
-    for layer in getattr(cache, "layers", []):
-        tensors.extend(_tensors(layer))
+    """Bytes held by every tensor reachable from ``cache`` (its layers included)."""
+    tensors = _tensors(cache, set())
     seen: set[tuple[int, int]] = set()
     total = 0
     for t in tensors:

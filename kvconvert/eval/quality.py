@@ -50,8 +50,10 @@ def evaluate_quality(
 ) -> QualityResult:
     """Score ``token_ids [n]`` window by window (only one window's logits are ever held).
 
-    For every window ``w``: log-probs of ``w[1:]`` given ``w[:-1]`` from the model (and the
-    reference, fed the same way); NLL, KL and argmax agreement are summed in float64.
+    For every window ``w``: log-probs of ``w[1:]`` given ``w[:-1]`` from the model (fed ``chunk``
+    tokens at a time when given) and from the reference (a stock model, always one forward: feeding
+    a full cache in chunks changes nothing but the time); NLL, KL and argmax agreement are summed
+    in float64.
     """
     nll = ref_nll = kl = 0.0
     agree = count = 0
@@ -61,7 +63,7 @@ def evaluate_quality(
         nll -= logp.gather(-1, targets[..., None]).sum().item()
         count += targets.numel()
         if reference is not None:
-            ref_logp = torch.log_softmax(window_logits(reference, window, chunk)[:, :-1].double(), dim=-1)
+            ref_logp = torch.log_softmax(window_logits(reference, window, None)[:, :-1].double(), dim=-1)
             ref_nll -= ref_logp.gather(-1, targets[..., None]).sum().item()
             kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
             agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())

@@ -6,6 +6,7 @@ from typing import Any
 
 from kvconvert.methods.base import LayerOutput, Method
 from kvconvert.methods.lorc import LorcConfig, LorcMethod
+from kvconvert.methods.minicache import MiniCacheConfig, MiniCacheMethod
 from kvconvert.methods.razor import RazorConfig, RazorMethod
 from kvconvert.methods.slim import SlimConfig, SlimMethod
 from kvconvert.methods.zack import ZackConfig, ZackMethod
@@ -16,6 +17,7 @@ METHODS: dict[str, tuple[type, type[Method]]] = {
     "lorc": (LorcConfig, LorcMethod),
     "razor": (RazorConfig, RazorMethod),
     "zack": (ZackConfig, ZackMethod),
+    "minicache": (MiniCacheConfig, MiniCacheMethod),
 }
 
 
@@ -24,6 +26,7 @@ def build_method(name: str, config: Any) -> Method:
 
 
 __all__ = [
-    "METHODS", "LayerOutput", "LorcConfig", "LorcMethod", "Method", "RazorConfig", "RazorMethod", "SlimConfig",
+    "METHODS", "LayerOutput", "LorcConfig", "LorcMethod", "Method", "MiniCacheConfig", "MiniCacheMethod",
+    "RazorConfig", "RazorMethod", "SlimConfig",
     "SlimMethod", "ZackConfig", "ZackMethod", "build_method",
 ]  # fmt: skip

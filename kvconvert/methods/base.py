@@ -49,5 +49,9 @@ class Method:
     def expected_kv_budget(self, layout: AttentionLayout) -> float:
         raise NotImplementedError
 
+    def summary(self) -> dict[str, Any]:
+        """Whole-model decisions for ``kvconvert.json``'s ``plan`` (empty: no such section)."""
+        return {}
+
     def params(self) -> dict[str, Any]:
         raise NotImplementedError

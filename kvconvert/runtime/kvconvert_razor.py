@@ -146,9 +146,12 @@ def razor_attention(
     kv_heads = key.shape[1]
     group = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
+    # Duck-typed, not isinstance: every checkpoint directory loaded with remote code brings its own
+    # copy of this module, and the last one imported owns the registered name for all of them.
     cache = module.__dict__.get("_kvconvert_cache")
-    found = cache.layers[getattr(module, "layer_idx")] if isinstance(cache, RazorCache) else None  # noqa: B009
-    layer = found if isinstance(found, RazorLayer) else None  # None: no cache (use_cache=False)
+    layers = getattr(cache, "layers", None) if getattr(cache, "is_kvconvert_cache", False) else None
+    found = layers[getattr(module, "layer_idx")] if layers is not None else None  # noqa: B009
+    layer: Any = found if hasattr(found, "retrieval") else None  # None: no cache (use_cache=False)
     seen = layer.seen if layer is not None else 0
     total = seen + q_len
     bias = additive_mask(attention_mask, q_len, total, query.dtype, query.device)

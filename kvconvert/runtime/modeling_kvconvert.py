@@ -23,6 +23,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .kvconvert_lorc import make_attention as make_lorc_attention
 from .kvconvert_lorc import make_cache as make_lorc_cache
+from .kvconvert_minicache import configure as configure_minicache
+from .kvconvert_minicache import make_attention as make_minicache_attention
+from .kvconvert_minicache import make_cache as make_minicache_cache
 from .kvconvert_razor import configure as configure_razor
 from .kvconvert_razor import make_attention as make_razor_attention
 from .kvconvert_razor import make_cache as make_razor_cache
@@ -38,6 +41,7 @@ METHOD_RUNTIMES: dict[str, tuple[Any, Any, Any]] = {
     "lorc": (make_lorc_attention, make_lorc_cache, None),
     "razor": (make_razor_attention, make_razor_cache, configure_razor),
     "zack": (make_zack_attention, make_zack_cache, None),
+    "minicache": (make_minicache_attention, make_minicache_cache, configure_minicache),
 }
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")

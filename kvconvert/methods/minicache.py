@@ -1,0 +1,204 @@
+"""MiniCache (Liu et al. 2024): adjacent layers from mid-depth share one KV direction tensor.
+
+Weights are copied unchanged; the conversion only decides the merge plan (§4.1): the start layer
+S (default L/2, the paper's choice), the pairs (S, S+1), (S+2, S+3), … up to the last layer, the
+SLERP parameter t (0.6) and the retention threshold γ (0.05). S can instead follow from a KV
+budget (how many of the deepest layers to merge) or from measured adjacent-layer similarity on
+calibration text (the shallowest S from which every pair keeps a target cosine similarity).
+The runtime (``kvconvert_minicache``) does the merging, retention and restoration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+
+from kvconvert.arch import AttentionLayout, AttentionWeights
+from kvconvert.errors import KVConvertError
+from kvconvert.methods.base import LayerOutput, Method
+
+NORM_BYTES = 4  # per token, layer and side: norms are float32 whatever the cache dtype
+INDEX_BYTES = 8  # per retained token and side: (batch row, position) as int32
+
+
+@dataclass(frozen=True)
+class MiniCacheConfig:
+    """Options of ``kvconvert minicache``: at most one of ``start_layer``, ``kv_budget``, ``min_similarity``."""
+
+    start_layer: int | None = None  # S; None: L // 2 unless kv_budget / min_similarity decide
+    kv_budget: float | None = None  # merge the fewest deepest pairs that bring the cache under this
+    min_similarity: float | None = None  # shallowest S whose pairs all keep this mean cosine (calibrates)
+    t: float = 0.6  # SLERP parameter, eq. 3 (t → 1 leans to the deeper layer)
+    gamma: float = 0.05  # retention threshold, eq. 4 (0 keeps no token unmerged, 1 keeps all)
+    merge: Literal["slerp", "average"] = "slerp"  # "average": the paper's mean baseline (table G)
+    calibrate: bool = False  # measure adjacent-layer similarity (always on with min_similarity)
+    calib: str | None = None  # calibration source; None: the project's calib_data/
+    calib_tokens: int = 16384
+    chunk_len: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        chosen = [n for n in ("start_layer", "kv_budget", "min_similarity") if getattr(self, n) is not None]
+        if len(chosen) > 1:
+            raise KVConvertError("minicache takes at most one of --start-layer, --kv-budget, --min-similarity")
+        if self.start_layer is not None and self.start_layer < 0:
+            raise KVConvertError(f"start_layer must be >= 0, got {self.start_layer}")
+        if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
+            raise KVConvertError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
+        if self.min_similarity is not None and not -1 <= self.min_similarity <= 1:
+            raise KVConvertError(f"min_similarity is a cosine, in [-1, 1]; got {self.min_similarity}")
+        for name in ("t", "gamma"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise KVConvertError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.merge not in ("slerp", "average"):
+            raise KVConvertError(f"merge must be slerp or average, got {self.merge!r}")
+
+    @property
+    def measures(self) -> bool:
+        return self.calibrate or self.min_similarity is not None
+
+
+def merge_pairs(start: int, num_layers: int) -> list[tuple[int, int]]:
+    """(S, S+1), (S+2, S+3), … while both layers exist (an odd layer left at the end stays unmerged)."""
+    return [(first, first + 1) for first in range(start, num_layers - 1, 2)]
+
+
+def kv_bytes_per_token(
+    layout: AttentionLayout,
+    pairs: int,
+    element_bytes: int,
+    retained_k: float,
+    retained_v: float,
+    merge: str = "slerp",
+) -> tuple[int | float, int]:
+    """(MiniCache bytes, original bytes) per token for ``pairs`` merged pairs.
+
+    Per pair and side: one direction vector (h elements), two float32 norms (SLERP only) and, for
+    the retained share f of tokens, both layers' exact vectors (2h elements) and their int32
+    (row, position). The paper's appendix E counts the same parts, (3.1h + 2) per token in place
+    of 4h for half the layers merged at f = 0.05 (norms and indices there in units of one element).
+    """
+    h = layout.kv_width
+    original = 2 * layout.num_layers * h * element_bytes
+    unmerged = 2 * (layout.num_layers - 2 * pairs) * h * element_bytes
+    norms = 2 * NORM_BYTES if merge == "slerp" else 0
+    per_side = [h * element_bytes + norms + f * (2 * h * element_bytes + INDEX_BYTES) for f in (retained_k, retained_v)]
+    return unmerged + pairs * sum(per_side), original
+
+
+class MiniCacheMethod(Method):
+    name = "minicache"
+
+    def __init__(self, config: MiniCacheConfig | None = None, progress: bool = True):
+        self.config = config or MiniCacheConfig()
+        self.progress = progress
+        self.layout: AttentionLayout | None = None
+        self.start: int | None = None
+        self.similarity: dict[str, Any] | None = None
+        self.retained = (self.config.gamma, self.config.gamma)  # appendix E's assumption until measured
+        self.element_bytes = 2
+
+    def params(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+    def check(self, layout: AttentionLayout) -> None:
+        if self.config.start_layer is not None and self.config.start_layer > layout.num_layers:
+            raise KVConvertError(
+                f"--start-layer {self.config.start_layer} is past the model's {layout.num_layers} layers "
+                f"(use {layout.num_layers} to merge nothing)"
+            )
+
+    def pairs(self) -> list[tuple[int, int]]:
+        assert self.start is not None and self.layout is not None, "plan() runs first"
+        return merge_pairs(self.start, self.layout.num_layers)
+
+    def budget(self, layout: AttentionLayout, pairs: int) -> float:
+        new, original = kv_bytes_per_token(layout, pairs, self.element_bytes, *self.retained, self.config.merge)
+        return new / original
+
+    def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
+        config = self.config
+        self.layout = layout
+        first = next(iter(layers), None)
+        if first is not None:
+            self.element_bytes = first.k_weight.element_size()
+        if config.measures:
+            from kvconvert.analysis.layer_similarity import measure_layer_similarity
+
+            self.similarity = measure_layer_similarity(source, config.calib, config.calib_tokens, config.chunk_len,
+                                                       config.seed, config.gamma, self.progress)  # fmt: skip
+        if config.start_layer is not None:
+            self.start = config.start_layer
+        elif config.kv_budget is not None:
+            self.start = self._start_for_budget(layout, config.kv_budget)
+        elif config.min_similarity is not None:
+            self.start = self._start_for_similarity(layout, config.min_similarity)
+        else:
+            self.start = layout.num_layers // 2
+        if self.similarity is not None and self.pairs():  # measured retention replaces the assumed one
+            chosen = [self.similarity["pairs"][first_layer] for first_layer, _ in self.pairs()]
+            self.retained = (
+                sum(p["retained_k"] for p in chosen) / len(chosen),
+                sum(p["retained_v"] for p in chosen) / len(chosen),
+            )
+
+    def _start_for_budget(self, layout: AttentionLayout, kv_budget: float) -> int:
+        most = layout.num_layers // 2
+        for count in range(most + 1):
+            if self.budget(layout, count) <= kv_budget:
+                return layout.num_layers - 2 * count
+        raise KVConvertError(
+            f"kv_budget {kv_budget} is below what merging every layer pair reaches "
+            f"({self.budget(layout, most):.3f} at γ = {self.config.gamma}); raise it or lower --gamma"
+        )
+
+    def _start_for_similarity(self, layout: AttentionLayout, min_similarity: float) -> int:
+        from kvconvert.analysis.layer_similarity import pair_similarity, shallowest_start
+
+        assert self.similarity is not None
+        pairs = self.similarity["pairs"]
+        start = shallowest_start(pairs, layout.num_layers, min_similarity)
+        if start is None:
+            best = max(pairs, key=pair_similarity)
+            raise KVConvertError(
+                f"no layer pair reaches mean cosine similarity {min_similarity} on the calibration text (best: "
+                f"{pair_similarity(best):.3f} at layers {best['layers'][0]}-{best['layers'][1]}); lower "
+                "--min-similarity or set --start-layer"
+            )
+        return start
+
+    def expected_kv_budget(self, layout: AttentionLayout) -> float:
+        return self.budget(layout, len(self.pairs()))
+
+    def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
+        self.element_bytes = torch.empty((), dtype=dtype).element_size()
+        partner = next((b if layer == a else a for a, b in self.pairs() if layer in (a, b)), None)
+        report: dict[str, Any] = {"layer": layer, "merged_with": partner}
+        if self.similarity is not None and layer > 0:
+            row = self.similarity["pairs"][layer - 1]
+            report.update(cos_k_with_previous=round(row["cos_k"], 6), cos_v_with_previous=round(row["cos_v"], 6))
+        return LayerOutput(tensors={}, report=report, passthrough=True)
+
+    def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
+        return {"minicache": self.merge_plan()}
+
+    def merge_plan(self) -> dict[str, Any]:
+        return {
+            "start_layer": self.start,
+            "pairs": [list(p) for p in self.pairs()],
+            "t": self.config.t,
+            "gamma": self.config.gamma,
+            "merge": self.config.merge,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """kvconvert.json's ``plan``: the merge plan, the retention shares the budget assumes, and the
+        adjacent-layer similarity when it was measured."""
+        plan: dict[str, Any] = {**self.merge_plan(), "retained_share_assumed": list(self.retained)}
+        plan["retention_source"] = "measured on calibration text" if self.similarity else "γ (paper appendix E)"
+        if self.similarity is not None:
+            plan["layer_similarity"] = self.similarity
+        return plan

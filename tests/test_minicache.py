@@ -1,0 +1,337 @@
+"""MiniCache: SLERP and retention by hand, exactness where nothing is lost, the stored state and its
+accounting, the merge plan (start layer, budget, measured similarity)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvconvert.errors import KVConvertError
+from kvconvert.eval.memory import cache_nbytes
+from kvconvert.eval.quality import evaluate_quality
+from kvconvert.methods.minicache import MiniCacheConfig, kv_bytes_per_token, merge_pairs
+from kvconvert.runtime.kvconvert_minicache import PairState, merge_tokens, retained_tokens, slerp
+from tests.conftest import build_tiny_model
+from tests.helpers import assert_equivalent, load_converted, load_reference, run_cli
+
+
+def convert_minicache(src, dst, *extra: str) -> dict:
+    result = run_cli("minicache", "--model", str(src), "--out", str(dst), "--quiet", *extra)
+    assert result.exit_code == 0, result.output
+    return json.loads((dst / "kvconvert.json").read_text())
+
+
+def left_padded() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    return ids, mask
+
+
+def text_ids(n: int = 160) -> torch.Tensor:
+    return torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(1))
+
+
+# -- eq. 2-4 on hand-made vectors ------------------------------------------------------------
+
+
+def test_slerp_endpoints_midpoint_and_unit_norm():
+    e1, e2 = torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0])
+    start, omega = slerp(e1, e2, 0.0)
+    torch.testing.assert_close(start, e1)
+    assert float(omega) == pytest.approx(math.pi / 2)
+    torch.testing.assert_close(slerp(e1, e2, 1.0)[0], e2)
+    # t = 0.6 is 0.6 of the way along the great circle, i.e. at 54°
+    angle = 0.6 * math.pi / 2
+    torch.testing.assert_close(slerp(e1, e2, 0.6)[0], torch.tensor([math.cos(angle), math.sin(angle), 0.0]))
+    torch.manual_seed(0)
+    a, b = torch.nn.functional.normalize(torch.randn(50, 16), dim=-1), torch.nn.functional.normalize(
+        torch.randn(50, 16), dim=-1
+    )
+    for t in (0.0, 0.3, 0.6, 1.0):
+        torch.testing.assert_close(slerp(a, b, t)[0].norm(dim=-1), torch.ones(50))
+    same, omega = slerp(a, a, 0.6)  # parallel: the limit, no NaN
+    torch.testing.assert_close(same, a)
+    assert torch.all(omega.abs() < 1e-3)
+
+
+def test_merge_keeps_each_layers_norm_and_identical_layers_restore_exactly():
+    torch.manual_seed(0)
+    first, second = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)
+    merged = merge_tokens(first, second, 0.6)
+    for member, original in enumerate((first, second)):
+        restored = merged.direction * merged.norms[:, member, None, :, None]
+        # per token, the norm over all KV heads is the original's
+        torch.testing.assert_close(restored.norm(dim=(1, 3)), original.norm(dim=(1, 3)))
+    same = merge_tokens(first, first.clone(), 0.6)
+    torch.testing.assert_close(same.direction * same.norms[:, 1, None, :, None], first)
+    assert same.distance.abs().max() < 1e-3
+    # angular distance: d = Ω/π of the flattened per-token states
+    flat_a, flat_b = first.transpose(1, 2).reshape(2, 7, -1), second.transpose(1, 2).reshape(2, 7, -1)
+    expected = torch.arccos(torch.nn.functional.cosine_similarity(flat_a, flat_b, dim=-1)) / math.pi
+    torch.testing.assert_close(merged.distance, expected)
+    average = merge_tokens(first, second, 0.6, merge="average")
+    torch.testing.assert_close(average.direction, (first + second) / 2)
+    assert average.norms is None
+
+
+def test_retention_keeps_the_most_distant_tokens():
+    distance = torch.tensor([[0.1, 0.2, 0.5, 0.9, 0.88, 0.95]])
+    valid = torch.tensor([[True, True, True, True, True, False]])  # the last one is padding
+    fresh = torch.tensor([[math.inf, -math.inf]])
+    keep, seen_range = retained_tokens(distance, valid, fresh, gamma=0.05)
+    # d ≥ d_max − (d_max − d_min)·γ = 0.9 − 0.8·0.05 = 0.86; padding neither kept nor ranged
+    assert keep.tolist() == [[False, False, False, True, True, False]]
+    torch.testing.assert_close(seen_range, torch.tensor([[0.1, 0.9]]))
+    assert not retained_tokens(distance, valid, fresh, gamma=0.0)[0].any()
+    assert retained_tokens(distance, valid, fresh, gamma=1.0)[0].tolist() == [valid[0].tolist()]
+    # a decode step is judged against the range seen so far, not against itself alone
+    step, _ = retained_tokens(torch.tensor([[0.5]]), torch.tensor([[True]]), seen_range, gamma=0.05)
+    assert not step.any()
+    step, grown = retained_tokens(torch.tensor([[0.97]]), torch.tensor([[True]]), seen_range, gamma=0.05)
+    assert step.all() and grown[0, 1] == pytest.approx(0.97)
+
+
+def test_pair_state_stores_one_direction_and_restores_both_layers():
+    torch.manual_seed(0)
+    pair = PairState(t=0.6, gamma=0.0, merge="slerp")
+    k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    valid = torch.ones(2, 5, dtype=torch.bool)
+    pair.commit(0, k, v, valid)
+    pair.commit(1, k.clone(), v.clone(), valid)  # identical layers
+    assert pair.pending is None and pair.seen == 5
+    assert pair.keys_merged.direction.shape == (2, 3, 5, 4)  # one tensor for the two layers
+    for member in (0, 1):
+        restored_k, restored_v = pair.restore(member)
+        torch.testing.assert_close(restored_k, k)
+        torch.testing.assert_close(restored_v, v)
+
+
+def test_retained_tokens_follow_batch_reordering():
+    torch.manual_seed(0)
+    pair = PairState(t=0.6, gamma=0.3, merge="slerp")
+    first, second = torch.randn(3, 2, 6, 4), torch.randn(3, 2, 6, 4)
+    valid = torch.ones(3, 6, dtype=torch.bool)
+    pair.commit(0, first, first, valid)
+    pair.commit(1, second, second, valid)
+    assert pair.keys_merged.retained.shape[0] > 0
+    before = [pair.restore(member)[0] for member in (0, 1)]
+    index = torch.tensor([2, 0, 0])
+    pair.select_rows(index)
+    for member in (0, 1):
+        torch.testing.assert_close(pair.restore(member)[0], before[member][index])
+
+
+# -- whole models ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "gpt_neox", "gpt2"])
+def test_retaining_every_token_is_exact(kind, tiny_model_dir, tmp_path):
+    """γ = 1 keeps every pair unmerged: prefill, greedy and sampled decoding equal the source."""
+    src = tiny_model_dir(kind)
+    report = convert_minicache(src, tmp_path / "mc", "--gamma", "1", "--start-layer", "0")
+    assert report["plan"]["pairs"] == [[0, 1]]
+    converted = load_converted(tmp_path / "mc")
+    assert converted.config._attn_implementation == "kvconvert_minicache"
+    assert_equivalent(load_reference(src), converted, *left_padded())
+
+
+def test_start_at_last_layer_merges_nothing_through_reload(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama_gqa")
+    report = convert_minicache(src, tmp_path / "mc", "--start-layer", "3", "--gamma", "0")
+    assert report["plan"]["pairs"] == [] and report["kv_budget_expected"] == 1.0
+    assert all(row["merged_with"] is None for row in report["layers"])
+    assert_equivalent(load_reference(src), load_converted(tmp_path / "mc"), *left_padded())
+
+
+@torch.no_grad()
+def test_identical_adjacent_layers_decode_exactly(tmp_path):
+    """Layer 1 adds nothing to the residual stream and layer 2 repeats its norm and q/k/v: both
+    layers compute the same K and V, so restoring from one shared direction is exact even with
+    no retention, token after token through the cache."""
+    model = build_tiny_model("llama_gqa")
+    one, two = model.model.layers[1], model.model.layers[2]
+    one.self_attn.o_proj.weight.zero_()
+    one.mlp.down_proj.weight.zero_()
+    two.input_layernorm.weight.copy_(one.input_layernorm.weight)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(two.self_attn, name).weight.copy_(getattr(one.self_attn, name).weight)
+    model.save_pretrained(tmp_path / "src")
+    convert_minicache(tmp_path / "src", tmp_path / "mc", "--start-layer", "1", "--gamma", "0")
+    converted, reference = load_converted(tmp_path / "mc"), load_reference(tmp_path / "src")
+    result = evaluate_quality(converted, text_ids(), 80, reference, chunk=1)
+    assert result.kl_mean < 1e-9 and result.top1_agreement == 1.0
+    # while a different pair of layers is not reproduced: the check above can fail
+    convert_minicache(tmp_path / "src", tmp_path / "mc0", "--start-layer", "0", "--gamma", "0")
+    lossy = evaluate_quality(load_converted(tmp_path / "mc0"), text_ids(), 80, reference, chunk=1)
+    assert lossy.kl_mean > 1e-4
+
+
+@torch.no_grad()
+def test_cache_holds_what_the_accounting_says(tiny_model_dir, tmp_path):
+    """Bytes of the live cache = appendix-E-style accounting at the retained shares counted in it
+    (+ the running distance range, 2 floats per row, side and pair), and fewer than the source's."""
+    src = tiny_model_dir("llama_gqa")
+    convert_minicache(src, tmp_path / "mc", "--start-layer", "0", "--gamma", "0.05")
+    converted, reference = load_converted(tmp_path / "mc"), load_reference(src)
+    ids = text_ids(96).view(2, 48)
+    cache = converted(ids, use_cache=True).past_key_values
+    pairs = [layer for layer in cache.layers if getattr(layer, "pair", None) is layer]
+    assert len(pairs) == 1 and cache.layers[0].pair is pairs[0]
+    state = pairs[0]
+    tokens = ids.numel()
+    share_k = state.keys_merged.retained.shape[0] / tokens
+    share_v = state.values_merged.retained.shape[0] / tokens
+    assert 0 < share_k < 0.5 and 0 < share_v < 0.5  # eq. 4 kept some, not most
+    layout = type("Layout", (), {"kv_width": 2 * 16, "num_layers": 3})()
+    per_token, original = kv_bytes_per_token(layout, 1, 4, share_k, share_v)  # type: ignore[arg-type]
+    distance_ranges = 2 * (ids.shape[0] * 2 * 4)
+    assert cache_nbytes(cache) == pytest.approx(per_token * tokens + distance_ranges)
+    assert cache_nbytes(cache) < cache_nbytes(reference(ids, use_cache=True).past_key_values)
+    assert original == 2 * 3 * 32 * 4
+
+
+@torch.no_grad()
+def test_decode_merges_each_new_token_pairwise(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama_gqa")
+    convert_minicache(src, tmp_path / "mc", "--start-layer", "1", "--gamma", "0.05")
+    converted = load_converted(tmp_path / "mc")
+    ids, mask = left_padded()
+    out = converted.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                             return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    cache = out.past_key_values
+    first, state = cache.layers[1], cache.layers[2]
+    assert state.pending is None and state.seen == 24 + 9
+    assert state.keys_merged.direction.shape == (2, 2, 33, 16)
+    assert not [v for v in vars(first).values() if torch.is_tensor(v)]  # layer l-1 owns no tensors
+    # the padded row's 7 padding positions are never retained
+    at = state.keys_merged.retained_at
+    assert not ((at[:, 0] == 1) & (at[:, 1] < 7)).any()
+    beams = converted.generate(ids, attention_mask=mask, max_new_tokens=6, num_beams=2, do_sample=False,
+                               pad_token_id=0)  # fmt: skip
+    assert beams.shape == (2, 30)
+
+
+def test_two_checkpoints_in_one_process_keep_their_own_behaviour(tiny_model_dir, tmp_path):
+    """Each directory loaded with remote code registers its own copy of the attention function
+    under the same name; the first model must still run its own cache afterwards."""
+    src = tiny_model_dir("llama_gqa")
+    convert_minicache(src, tmp_path / "exact", "--gamma", "1", "--start-layer", "0")
+    convert_minicache(src, tmp_path / "lossy", "--gamma", "0", "--start-layer", "0")
+    exact = load_converted(tmp_path / "exact")
+    load_converted(tmp_path / "lossy")
+    assert_equivalent(load_reference(src), exact, *left_padded())
+
+
+def test_average_merge_is_worse_than_exact_but_runs(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama_gqa")
+    report = convert_minicache(src, tmp_path / "avg", "--merge", "average", "--gamma", "0", "--start-layer", "0")
+    assert report["plan"]["merge"] == "average"
+    result = evaluate_quality(load_converted(tmp_path / "avg"), text_ids(), 80, load_reference(src), chunk=4)
+    assert result.kl_mean > 1e-4 and math.isfinite(result.ppl)
+
+
+# -- the plan --------------------------------------------------------------------------------
+
+
+def test_merge_pairs_and_default_start():
+    assert merge_pairs(15, 30) == [(15, 16), (17, 18), (19, 20), (21, 22), (23, 24), (25, 26), (27, 28)]
+    assert merge_pairs(16, 30)[-1] == (28, 29)
+    assert merge_pairs(30, 30) == [] and merge_pairs(29, 30) == []
+
+
+def test_kv_budget_picks_the_number_of_merged_layers(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama_gqa")
+    report = convert_minicache(src, tmp_path / "b", "--kv-budget", "0.8", "--gamma", "0")
+    # 3 layers: one pair saves a third of the cache minus the norms → budget 0.667 + ε ≤ 0.8
+    assert report["plan"]["pairs"] == [[1, 2]] and report["kv_budget_expected"] <= 0.8
+    report = convert_minicache(src, tmp_path / "c", "--kv-budget", "1.0")
+    assert report["plan"]["pairs"] == []
+    result = run_cli("minicache", "--model", str(src), "--out", str(tmp_path / "d"), "--kv-budget", "0.3")
+    assert result.exit_code == 2 and "below what merging every layer pair reaches" in result.output
+    assert not (tmp_path / "d").exists()
+
+
+def test_bad_options_are_one_line_errors(tiny_model_dir, tmp_path):
+    src = str(tiny_model_dir("llama_gqa"))
+    for extra, message in (
+        (["--start-layer", "4"], "past the model's 3 layers"),
+        (["--start-layer", "1", "--kv-budget", "0.5"], "at most one of"),
+        (["--gamma", "1.5"], "gamma must be in [0, 1]"),
+        (["--t", "-0.1"], "t must be in [0, 1]"),
+    ):
+        result = run_cli("minicache", "--model", src, "--out", str(tmp_path / "x"), *extra)
+        assert result.exit_code == 2, result.output
+        assert message in result.output and len(result.output.strip().splitlines()) == 1
+    with pytest.raises(KVConvertError, match="min_similarity is a cosine"):
+        MiniCacheConfig(min_similarity=2.0)
+
+
+@torch.no_grad()
+def test_similarity_measurement_matches_the_stock_cache(tokenized_model_dir, tmp_path):
+    """Layer-by-layer measurement vs K/V read from transformers' own DynamicCache of a full forward."""
+    from transformers import AutoTokenizer
+
+    from kvconvert.analysis.layer_similarity import measure_layer_similarity
+    from kvconvert.io.source import open_source
+
+    src = tokenized_model_dir("llama_gqa")
+    result = measure_layer_similarity(open_source(str(src)), tokens=256, chunk_len=64, progress=False)
+    assert [p["layers"] for p in result["pairs"]] == [[0, 1], [1, 2]]
+    from kvconvert.calib.text import calibration_set
+
+    chunks = calibration_set(src, None, 256, 64, 0).chunks
+    model = load_reference(src)
+    cache = model(chunks, use_cache=True).past_key_values
+    for pair in result["pairs"]:
+        a, b = pair["layers"]
+        for side in ("keys", "values"):
+            x, y = getattr(cache.layers[a], side), getattr(cache.layers[b], side)  # [n, Hkv, T, d]
+            flat = lambda t: t.transpose(1, 2).flatten(2)  # noqa: E731
+            expected = torch.nn.functional.cosine_similarity(flat(x), flat(y), dim=-1).mean()
+            assert pair[f"cos_{side[0]}"] == pytest.approx(float(expected), abs=1e-5)
+            heads = torch.nn.functional.cosine_similarity(x, y, dim=-1).mean(dim=(0, 2))
+            assert pair[f"cos_{side[0]}_heads"] == pytest.approx(heads.tolist(), abs=1e-5)
+    assert AutoTokenizer.from_pretrained(src) is not None
+
+
+def test_min_similarity_chooses_the_start_layer(tokenized_model_dir, tmp_path):
+    src = tokenized_model_dir("llama_gqa")
+    extra = ("--calib-tokens", "256")
+    report = convert_minicache(src, tmp_path / "a", "--min-similarity", "-1", *extra)
+    assert report["plan"]["start_layer"] == 0  # every pair passes
+    assert report["plan"]["retention_source"] == "measured on calibration text"
+    pairs = report["plan"]["layer_similarity"]["pairs"]
+    lowest = min(min(p["cos_k"], p["cos_v"]) for p in pairs)
+    highest = max(min(p["cos_k"], p["cos_v"]) for p in pairs)
+    result = run_cli("minicache", "--model", str(src), "--out", str(tmp_path / "b"), "--min-similarity",
+                     f"{highest + 1e-3:.6f}", *extra)  # fmt: skip
+    assert result.exit_code == 2 and "no layer pair reaches" in result.output
+    assert lowest <= highest
+    # bare --calib measures and records, keeping the default start
+    report = convert_minicache(src, tmp_path / "c", "--calib", *extra)
+    assert report["plan"]["start_layer"] == 1 and "layer_similarity" in report["plan"]
+    assert report["layers"][2]["cos_k_with_previous"] == pytest.approx(pairs[1]["cos_k"], abs=1e-6)
+
+
+def test_analyze_writes_layer_similarity(tokenized_model_dir, tmp_path):
+    src = tokenized_model_dir("llama_gqa")
+    result = run_cli("analyze", "--model", str(src), "--out", str(tmp_path / "a"), "--layer-similarity",
+                     "--calib-tokens", "256")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    analysis = json.loads((tmp_path / "a" / "analysis.json").read_text())
+    assert len(analysis["layer_similarity"]["pairs"]) == 2
+    assert (tmp_path / "a" / "layer_similarity.png").stat().st_size > 10_000
+
+
+def test_recipe_round_trip(tiny_model_dir, tmp_path):
+    from kvconvert.recipe import load_recipe
+
+    name, config = load_recipe(__import__("pathlib").Path(__file__).parents[1] / "recipes" / "minicache.yaml")
+    assert name == "minicache" and config == MiniCacheConfig()
+    convert_minicache(tiny_model_dir("llama_gqa"), tmp_path / "mc")
+    again = load_recipe(tmp_path / "mc" / "recipe.yaml")
+    assert again == ("minicache", MiniCacheConfig())
