@@ -48,8 +48,9 @@ def test_slerp_endpoints_midpoint_and_unit_norm():
     angle = 0.6 * math.pi / 2
     torch.testing.assert_close(slerp(e1, e2, 0.6)[0], torch.tensor([math.cos(angle), math.sin(angle), 0.0]))
     torch.manual_seed(0)
-    a, b = torch.nn.functional.normalize(torch.randn(50, 16), dim=-1), torch.nn.functional.normalize(
-        torch.randn(50, 16), dim=-1
+    a, b = (
+        torch.nn.functional.normalize(torch.randn(50, 16), dim=-1),
+        torch.nn.functional.normalize(torch.randn(50, 16), dim=-1),
     )
     for t in (0.0, 0.3, 0.6, 1.0):
         torch.testing.assert_close(slerp(a, b, t)[0].norm(dim=-1), torch.ones(50))
