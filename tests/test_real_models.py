@@ -66,3 +66,35 @@ def test_llama2c_import_reproduces_reported_perplexity(tmp_path):
     ppl = math.exp(nll / count)
     print(f"stories260K TinyStories-val ppl over {count} tokens: {ppl:.2f}")
     assert ppl < 6.0
+
+
+@torch.no_grad()
+def test_aidreams_minicache_generates_with_a_smaller_cache(aidreams_dir, tmp_path):
+    """The paper's default plan on a real MHA model: loads, generates (left-padded batch), holds
+    fewer bytes per token, and at γ = 1 (nothing merged in effect) decodes exactly like the source."""
+    from transformers import AutoTokenizer
+
+    from kvconvert.eval.quality import evaluate_quality
+
+    result = run_cli("minicache", "--model", str(aidreams_dir), "--out", str(tmp_path / "mc"), "--calib",
+                     "--calib-tokens", "2048", "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    plan = json.loads((tmp_path / "mc" / "kvconvert.json").read_text())["plan"]
+    assert plan["pairs"] == [[2, 3]] and len(plan["layer_similarity"]["pairs"]) == 3
+    reference, converted = load_reference(aidreams_dir), load_converted(tmp_path / "mc")
+    tokenizer = AutoTokenizer.from_pretrained(aidreams_dir)
+    batch = tokenizer(["I dreamed of a quiet network", "In the dream, whispers of data drift"], return_tensors="pt",
+                      padding=True, padding_side="left")  # fmt: skip
+    out = converted.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == batch.input_ids.shape[1] + 12
+    budget = kv_budget(reference, converted, torch.randint(3, 500, (2, 96)))
+    assert 0.75 < budget < 0.85  # one of four layers' K and V gone, plus norms and retained tokens
+
+    assert run_cli("minicache", "--model", str(aidreams_dir), "--out", str(tmp_path / "exact"), "--gamma", "1",
+                   "--quiet").exit_code == 0  # fmt: skip
+    ids = torch.tensor(tokenizer((SHARED / "data" / "tinystories" / "tinystories_validation_head.txt").read_text()
+                                 [:3000]).input_ids[:200])  # fmt: skip
+    exact = evaluate_quality(load_converted(tmp_path / "exact"), ids, 128, reference, chunk=1)
+    assert exact.kl_mean < 1e-9 and exact.top1_agreement == 1.0
+    merged = evaluate_quality(converted, ids, 128, reference, chunk=1)
+    assert math.isfinite(merged.ppl) and merged.kl_mean > exact.kl_mean

@@ -52,6 +52,27 @@ def _details(report: dict[str, Any]) -> str:
             f"Largest κ(W_K): {max(r['kappa_k'] for r in report['layers']):.3g}; largest relative V error "
             f"on random inputs in {report['dtype']}: {worst['v_rel_error']:.2e} (layer {worst['layer']})."
         )
+    if report["method"] == "razor":
+        kept = sum(len(r["retrieval_kv_heads"]) for r in report["layers"])
+        return (
+            f"RazorAttention keeps the full cache for {kept} retrieval KV heads; the others keep "
+            f"{report['params']['sink']} sink tokens, a recent window and one compensation token."
+        )
+    if report["method"] == "zack":
+        widths = [sum(r["rank_k"]) + sum(r["rank_v"]) for r in report["layers"]]
+        return (
+            "ZACK caches K and V in calibrated per-head rotated bases, truncated to adaptive widths; attention "
+            f"runs in the compressed space. Cached K+V width per layer: {widths}."
+        )
+    if report["method"] == "minicache":
+        plan = report["plan"]
+        pairs = ", ".join(f"{a}-{b}" for a, b in plan["pairs"]) or "none"
+        return (
+            f"MiniCache: adjacent layer pairs ({pairs}) share one K and one V direction tensor (SLERP, t = {plan['t']}) "
+            f"plus per-token norms of each layer; tokens at the far end of the distance range (γ = {plan['gamma']}) "
+            "are kept unmerged. Only cached states are merged, so quality shows when text is decoded through the "
+            "cache (`kvconvert eval --chunk 1`), not in a single forward pass."
+        )
     return ""
 
 
