@@ -9,7 +9,7 @@ AIDREAMS := $(SHARED)/models/aidreams260K
 # torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e ".[dev,gguf]"
+	$(PYTHON) -m pip install -q -e ".[dev,gguf,kernels]"
 
 demo: install
 	@test -f $(AIDREAMS)/aidreams260K.bin || { echo "demo needs $(AIDREAMS) (set SHARED=...)"; exit 1; }

@@ -10,6 +10,9 @@ import torch
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on CPU; read when the kernels are decorated (import time)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def tiny_config(kind: str):

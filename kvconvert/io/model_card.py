@@ -68,10 +68,10 @@ def _details(report: dict[str, Any]) -> str:
         plan = report["plan"]
         pairs = ", ".join(f"{a}-{b}" for a, b in plan["pairs"]) or "none"
         return (
-            f"MiniCache: adjacent layer pairs ({pairs}) share one K and one V direction tensor (SLERP, t = {plan['t']}) "
-            f"plus per-token norms of each layer; tokens at the far end of the distance range (γ = {plan['gamma']}) "
-            "are kept unmerged. Only cached states are merged, so quality shows when text is decoded through the "
-            "cache (`kvconvert eval --chunk 1`), not in a single forward pass."
+            f"MiniCache: adjacent layer pairs ({pairs}) share one K and one V direction tensor "
+            f"(SLERP, t = {plan['t']}) plus per-token norms of each layer; tokens at the far end of the "
+            f"distance range (γ = {plan['gamma']}) are kept unmerged. Only cached states are merged, so quality "
+            "shows when text is decoded through the cache (`kvconvert eval --chunk 1`), not in a single forward."
         )
     return ""
 

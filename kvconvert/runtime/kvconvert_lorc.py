@@ -26,6 +26,7 @@ from .kvconvert_common import (
     rotary_for_keys,
     softmax_rows,
 )
+from .kvconvert_kernels import HeadColumns, packed_decode_triton, use_kernels
 
 
 class LorcAttention(LatentAttention):
@@ -69,6 +70,20 @@ class LorcAttention(LatentAttention):
         b, n, _ = x.shape
         return x.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
 
+    def _columns(self, device: torch.device) -> HeadColumns:
+        """Decode-kernel columns: a latent is shared by all heads (offset 0); full-width keys or values
+        are read per KV group g = h // G."""
+        cached = self.__dict__.get("_head_columns")
+        if cached is None or cached.wk.device != device:
+            heads, group, dk = range(self.heads), self.heads // self.kv_heads, self.head_dim
+            wk = [self.rank_k if self.absorbed_keys else dk for _ in heads]
+            k_off = [0 if self.absorbed_keys else (h // group) * dk for h in heads]
+            wv = [self.rank_v or dk for _ in heads]
+            v_off = [0 if self.rank_v else (h // group) * dk for h in heads]
+            cached = HeadColumns.build([sum(wk[:h]) for h in heads], k_off, wk, v_off, wv, device)
+            self.__dict__["_head_columns"] = cached
+        return cached
+
     def attend(
         self,
         hidden_states: torch.Tensor,
@@ -88,10 +103,7 @@ class LorcAttention(LatentAttention):
         kv_len = keys.shape[1]
 
         query = self.q_proj(hidden_states).view(batch, q_len, h, -1).transpose(1, 2)  # [b, h, q, dk or r_k]
-        if self.absorbed_keys:
-            # scores against the shared latent: [b, h·q, r_k] @ [b, r_k, n]
-            scores = torch.bmm(query.reshape(batch, h * q_len, -1), keys.transpose(1, 2)).view(batch, h, q_len, kv_len)
-        else:
+        if not self.absorbed_keys:
             key_heads = self._grouped(keys if self.rank_k is None else self.k_up(keys))  # [b, Hkv, n, dk]
             if rotary is not None:
                 cos, sin = position_embeddings if position_embeddings is not None else rotary(query, position_ids)
@@ -99,6 +111,17 @@ class LorcAttention(LatentAttention):
                 assert key_positions is not None
                 key_cos, key_sin = rotary_for_keys(cache, rotary, keys, key_positions)
                 key_heads = apply_rotary(key_heads, key_cos, key_sin)
+        if q_len == 1 and use_kernels(hidden_states):
+            key_tokens = keys if self.absorbed_keys else key_heads.transpose(1, 2).reshape(batch, kv_len, -1)
+            bias = additive_mask(attention_mask, 1, kv_len, torch.float32, keys.device)
+            row_bias = None if bias is None else bias[:, 0, -1, :].expand(batch, kv_len)
+            out = packed_decode_triton(query.reshape(batch, -1), key_tokens, values, row_bias,
+                                       self._columns(keys.device), self.scaling)  # fmt: skip
+            return self.o_proj(out.to(hidden_states.dtype)[:, None])
+        if self.absorbed_keys:
+            # scores against the shared latent: [b, h·q, r_k] @ [b, r_k, n]
+            scores = torch.bmm(query.reshape(batch, h * q_len, -1), keys.transpose(1, 2)).view(batch, h, q_len, kv_len)
+        else:
             grouped_query = query.reshape(batch, hkv, group * q_len, self.head_dim)  # heads of a group are adjacent
             scores = (grouped_query @ key_heads.transpose(-1, -2)).view(batch, h, q_len, kv_len)
 

@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_common import additive_mask, softmax_rows
+from .kvconvert_kernels import razor_decode_triton, use_kernels
 
 IMPLEMENTATION = "kvconvert_razor"
 
@@ -169,6 +170,10 @@ def razor_attention(
 
     retrieval = layer.retrieval if layer is not None else list(range(kv_heads))
     others = layer.others if layer is not None else []
+    if q_len == 1 and layer is not None and use_kernels(query):
+        out = _decode_with_kernel(layer, query, key, value, bias, group, scale)
+        layer.commit(key, value, valid)
+        return out.transpose(1, 2).contiguous(), None
     if retrieval:
         k = (
             key[:, retrieval]
@@ -185,11 +190,7 @@ def razor_attention(
         out[:, heads_of(retrieval)] = softmax_rows(scores, value.dtype) @ grouped(v)
     if others:
         assert layer is not None
-        kept_index = list(range(layer.sink_k.shape[2] if layer.sink_k is not None else 0))
-        if layer.recent_k is not None:
-            kept_index += list(range(seen - layer.recent_k.shape[2], seen))
-        kept_index += list(range(seen, total))
-        index = torch.tensor(kept_index, device=query.device)
+        index = torch.tensor(_kept_index(layer, total), device=query.device)
         parts_k = [t for t in (layer.sink_k, layer.recent_k) if t is not None] + [key[:, others]]
         parts_v = [t for t in (layer.sink_v, layer.recent_v) if t is not None] + [value[:, others]]
         k, v = torch.cat(parts_k, 2), torch.cat(parts_v, 2)
@@ -209,6 +210,52 @@ def razor_attention(
     if layer is not None:
         layer.commit(key, value, valid)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _kept_index(layer: RazorLayer, total: int) -> list[int]:
+    """Logical positions a non-retrieval head still holds: sinks, the recent window, this step."""
+    kept = list(range(layer.sink_k.shape[2] if layer.sink_k is not None else 0))
+    if layer.recent_k is not None:
+        kept += list(range(layer.seen - layer.recent_k.shape[2], layer.seen))
+    return kept + list(range(layer.seen, total))
+
+
+def _decode_with_kernel(
+    layer: RazorLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, group: int,
+    scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """One decode step of every head in one launch (``razor_decode_triton``); ``[b, H, 1, d]``."""
+    batch, heads, _, dim = query.shape
+    total = layer.seen + 1
+    row_bias = bias[:, 0, -1, :].expand(batch, total).float()
+    empty = query.new_zeros(batch, 1, 1, dim)  # stands in for a kind of head this layer does not have
+    r, o = layer.retrieval, layer.others
+    full_k = torch.cat([t for t in (layer.full_k, key[:, r]) if t is not None], 2) if r else empty
+    full_v = torch.cat([t for t in (layer.full_v, value[:, r]) if t is not None], 2) if r else empty
+    if o:
+        index = torch.tensor(_kept_index(layer, total), device=query.device)
+        short_k = torch.cat([t for t in (layer.sink_k, layer.recent_k) if t is not None] + [key[:, o]], 2)
+        short_v = torch.cat([t for t in (layer.sink_v, layer.recent_v) if t is not None] + [value[:, o]], 2)
+        short_bias = row_bias.index_select(-1, index)
+        if layer.comp_count is None:
+            comp_k = comp_v = query.new_zeros(batch, len(o), dim)
+            count = torch.zeros(batch, device=query.device)
+        else:
+            denominator = layer.comp_count.clamp(min=1).view(-1, 1, 1)
+            comp_k, comp_v = layer.comp_k_sum[:, :, 0] / denominator, layer.comp_v_sum[:, :, 0] / denominator
+            count = layer.comp_count
+        comp_logit = torch.where(count > 0, count.clamp(min=1).log(), torch.finfo(torch.float32).min)
+    else:
+        short_k = short_v = empty
+        short_bias = row_bias[:, :1]
+        comp_k = comp_v = query.new_zeros(batch, 1, dim)
+        comp_logit = torch.zeros(batch, device=query.device)
+    kv_of = [h // group for h in range(heads)]
+    kind = torch.tensor([0 if g in r else 1 for g in kv_of], device=query.device)
+    slot = torch.tensor([r.index(g) if g in r else o.index(g) for g in kv_of], device=query.device)
+    out = razor_decode_triton(query[:, :, 0], full_k, full_v, row_bias if r else row_bias[:, :1], short_k, short_v,
+                              short_bias, comp_k, comp_v, comp_logit, kind, slot, scale)  # fmt: skip
+    return out.to(query.dtype)[:, :, None]
 
 
 AttentionInterface.register(IMPLEMENTATION, razor_attention)

@@ -25,6 +25,7 @@ from .kvconvert_common import (
     default_position_ids,
     softmax_rows,
 )
+from .kvconvert_kernels import HeadColumns, packed_decode_triton, use_kernels
 
 
 class ZackAttention(LatentAttention):
@@ -75,6 +76,19 @@ class ZackAttention(LatentAttention):
         keys = torch.cat([key[:, g] @ bases[g] for g in range(self.kv_heads)], dim=-1)
         return queries, keys
 
+    def _columns(self, device: torch.device) -> HeadColumns:
+        """Query head h (group g = h // G) reads key columns of head g and writes r_v,g output columns."""
+        cached = self.__dict__.get("_head_columns")
+        if cached is None or cached.wk.device != device:
+            heads = range(self.heads)
+            wk = [self.rank_k[h // self.group] for h in heads]
+            wv = [self.rank_v[h // self.group] for h in heads]
+            k_off = [sum(self.rank_k[: h // self.group]) for h in heads]
+            v_off = [sum(self.rank_v[: h // self.group]) for h in heads]
+            cached = HeadColumns.build([sum(wk[:h]) for h in heads], k_off, wk, v_off, wv, device)
+            self.__dict__["_head_columns"] = cached
+        return cached
+
     def attend(
         self,
         hidden_states: torch.Tensor,
@@ -100,6 +114,11 @@ class ZackAttention(LatentAttention):
         assert values is not None
         kv_len = keys.shape[1]
         bias = additive_mask(attention_mask, q_len, kv_len, hidden_states.dtype, hidden_states.device)
+        if q_len == 1 and use_kernels(hidden_states):
+            packed_query = torch.cat([q.reshape(batch, -1) for q in queries], dim=-1)  # [b, Σ_h r_k,g(h)]
+            row_bias = None if bias is None else bias[:, 0, -1, :].expand(batch, kv_len)
+            out = packed_decode_triton(packed_query, keys, values, row_bias, self._columns(keys.device), self.scaling)
+            return self.o_proj(out.to(hidden_states.dtype)[:, None])
         outputs = []
         per_head = zip(keys.split(self.rank_k, dim=-1), values.split(self.rank_v, dim=-1), strict=True)
         for g, (key_g, value_g) in enumerate(per_head):

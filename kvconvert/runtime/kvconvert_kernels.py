@@ -1,0 +1,277 @@
+"""Decode-attention kernels over compressed caches: a plain-torch reference and a Triton kernel for each.
+
+``packed_decode`` covers every cache whose heads read column ranges of shared token-major tensors:
+ZACK (per-KV-head widths, packed side by side), LoRC (one latent shared by all heads), slim (scores
+on RoPE'd keys, weighted sum of the full pre-RoPE key rows, then W_KV) and plain GQA. Query head h
+reads ``query[:, q_off[h] : q_off[h] + wk[h]]`` and the key columns ``k_off[h] : k_off[h] + wk[h]``,
+and writes the attention-weighted value columns ``v_off[h] : v_off[h] + wv[h]`` at ``o_off[h]``; the
+full keys or values are never rebuilt. ``razor_decode`` gives each head its own length: retrieval
+heads attend over their full cache, the others over sink + recent tokens plus the compensation token.
+
+The runtime calls the Triton kernels for CUDA tensors when Triton is installed and the references
+otherwise, so CPU users and CI run the same model code; tests run the kernels on CPU with
+``TRITON_INTERPRET=1``. Copied verbatim into every output directory; Triton is optional.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the references need only torch
+    triton = None
+
+
+@dataclass(frozen=True)
+class HeadColumns:
+    """Where each query head's query, key, value and output columns are (all ``[H]`` int32, on the
+    tensors' device), and ``order``: the heads by descending work (wk + wv), so that the widest heads
+    start first and narrow ones fill in behind them (ZACK §5.3's longest-task-first balancing)."""
+
+    q_off: torch.Tensor
+    k_off: torch.Tensor
+    wk: torch.Tensor
+    v_off: torch.Tensor
+    wv: torch.Tensor
+    o_off: torch.Tensor
+    order: torch.Tensor
+    max_wk: int
+    max_wv: int
+    out_width: int
+
+    @classmethod
+    def build(cls, q_off: list[int], k_off: list[int], wk: list[int], v_off: list[int], wv: list[int],
+              device: Any) -> HeadColumns:  # fmt: skip
+        o_off = [sum(wv[:h]) for h in range(len(wv))]
+        order = sorted(range(len(wk)), key=lambda h: -(wk[h] + wv[h]))
+
+        def table(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        return cls(table(q_off), table(k_off), table(wk), table(v_off), table(wv), table(o_off), table(order),
+                   max(wk), max(wv), sum(wv))  # fmt: skip
+
+
+def packed_decode_reference(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+    heads: HeadColumns, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """One decode query per row. ``query [b, Wq]``, ``keys [b, n, Wk]``, ``values [b, n, Wv]``,
+    ``bias [b, n]`` additive (float32) or None. Returns ``[b, Σ wv]`` float32: head after head,
+    softmax(q·kᵀ·scale + bias)·v over its own columns."""
+    out = torch.empty(query.shape[0], heads.out_width, dtype=torch.float32, device=query.device)
+    for h in range(heads.q_off.numel()):
+        q0, k0, wk = int(heads.q_off[h]), int(heads.k_off[h]), int(heads.wk[h])
+        v0, wv, o0 = int(heads.v_off[h]), int(heads.wv[h]), int(heads.o_off[h])
+        q = query[:, q0 : q0 + wk].float()
+        scores = torch.einsum("br,bnr->bn", q, keys[:, :, k0 : k0 + wk].float()) * scale
+        if bias is not None:
+            scores = scores + bias.float()
+        probs = torch.softmax(scores, dim=-1)
+        out[:, o0 : o0 + wv] = torch.einsum("bn,bnr->br", probs, values[:, :, v0 : v0 + wv].float())
+    return out
+
+
+def razor_decode_reference(
+    query: torch.Tensor, full_k: torch.Tensor, full_v: torch.Tensor, full_bias: torch.Tensor,
+    short_k: torch.Tensor, short_v: torch.Tensor, short_bias: torch.Tensor, comp_k: torch.Tensor,
+    comp_v: torch.Tensor, comp_logit: torch.Tensor, kind: torch.Tensor, slot: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """Head-wise lengths in one call. ``query [b, H, d]``; retrieval KV heads ``full_k/v [b, R, n, d]``
+    with ``full_bias [b, n]``; the others ``short_k/v [b, O, m, d]`` (sink + recent + new tokens) with
+    ``short_bias [b, m]``, compensation tokens ``comp_k/v [b, O, d]`` and their logit offsets
+    ``comp_logit [b]`` (ln N_d, or a large negative number when nothing was dropped). Query head h
+    reads ``full[:, slot[h]]`` when ``kind[h] == 0`` and ``short[:, slot[h]]`` + compensation when 1.
+    Returns ``[b, H, d]`` float32."""
+    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    for h in range(query.shape[1]):
+        q, s = query[:, h].float(), int(slot[h])
+        if int(kind[h]) == 0:
+            scores = torch.einsum("bd,bnd->bn", q, full_k[:, s].float()) * scale + full_bias.float()
+            out[:, h] = torch.einsum("bn,bnd->bd", torch.softmax(scores, -1), full_v[:, s].float())
+            continue
+        scores = torch.einsum("bd,bnd->bn", q, short_k[:, s].float()) * scale + short_bias.float()
+        comp = (q * comp_k[:, s].float()).sum(-1, keepdim=True) * scale + comp_logit.float()[:, None]
+        probs = torch.softmax(torch.cat([scores, comp], dim=-1), -1)
+        out[:, h] = (
+            torch.einsum("bn,bnd->bd", probs[:, :-1], short_v[:, s].float()) + probs[:, -1:] * comp_v[:, s].float()
+        )
+    return out
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def use_kernels(tensor: torch.Tensor) -> bool:
+    """Whether decode runs the Triton kernels: ``KVCONVERT_KERNELS=auto`` (default) for CUDA tensors when
+    Triton is installed, ``triton`` always (on CPU with ``TRITON_INTERPRET=1``: tests), ``torch`` never."""
+    choice = os.environ.get("KVCONVERT_KERNELS", "auto")
+    if choice == "torch" or triton is None:
+        return False
+    return choice == "triton" or tensor.is_cuda
+
+
+BLOCK_N = 32  # tokens per tile: a multiple of 16 for tensor-core dots, small enough for the interpreter
+
+
+if triton is not None:
+
+    @triton.jit
+    def _packed_decode_kernel(
+        query, keys, values, bias, out,
+        q_off, k_off, wk_tab, v_off, wv_tab, o_off, order,
+        n, scale,
+        sqb, skb, skn, svb, svn, sbb, sob,
+        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row b, task t, value chunk c): head h = order[t]; online softmax over n tokens,
+        accumulating BLOCK_V value columns (chunk c of the head's wv)."""
+        b = tl.program_id(0)
+        h = tl.load(order + tl.program_id(1))
+        chunk = tl.program_id(2)
+        wk = tl.load(wk_tab + h)
+        wv = tl.load(wv_tab + h)
+        cols_k = tl.arange(0, BLOCK_K)
+        cols_v = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+        if chunk * BLOCK_V < wv:
+            q = tl.load(query + b * sqb + tl.load(q_off + h) + cols_k, mask=cols_k < wk, other=0.0).to(tl.float32)
+            key_base = keys + b * skb + tl.load(k_off + h)
+            value_base = values + b * svb + tl.load(v_off + h)
+            m_i = tl.full((), float("-inf"), tl.float32)
+            l_i = tl.full((), 0.0, tl.float32)
+            acc = tl.zeros((BLOCK_V,), tl.float32)
+            for start in range(0, n, BLOCK_N):
+                rows = start + tl.arange(0, BLOCK_N)
+                valid = rows < n
+                k = tl.load(key_base + rows[:, None] * skn + cols_k[None, :],
+                            mask=valid[:, None] & (cols_k < wk)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                s = tl.sum(k * q[None, :], axis=1) * scale
+                if HAS_BIAS:
+                    s += tl.load(bias + b * sbb + rows, mask=valid, other=0.0).to(tl.float32)
+                s = tl.where(valid, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=0))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new)
+                v = tl.load(value_base + rows[:, None] * svn + cols_v[None, :],
+                            mask=valid[:, None] & (cols_v < wv)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+                l_i = l_i * alpha + tl.sum(p, axis=0)
+                m_i = m_new
+            tl.store(out + b * sob + tl.load(o_off + h) + cols_v, acc / l_i, mask=cols_v < wv)
+
+    @triton.jit
+    def _razor_decode_kernel(
+        query, full_k, full_v, full_bias, short_k, short_v, short_bias, comp_k, comp_v, comp_logit,
+        kind_tab, slot_tab, out, n_full, n_short, scale,
+        sqb, sqh, sfb, sfh, sfn, sfbb, ssb, ssh, ssn, ssbb, scb, sch, sob, soh,
+        D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row b, query head h): a retrieval head loops over n_full tokens, any other head
+        over n_short tokens and then one compensation token with its ln N_d logit offset."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        cols = tl.arange(0, BLOCK_D)
+        in_head = cols < D
+        q = tl.load(query + b * sqb + h * sqh + cols, mask=in_head, other=0.0).to(tl.float32)
+        s_slot = tl.load(slot_tab + h)
+        is_other = tl.load(kind_tab + h) == 1
+        if is_other:
+            base_k = short_k + b * ssb + s_slot * ssh
+            base_v = short_v + b * ssb + s_slot * ssh
+            bias_base = short_bias + b * ssbb
+            n = n_short
+            step = ssn
+        else:
+            base_k = full_k + b * sfb + s_slot * sfh
+            base_v = full_v + b * sfb + s_slot * sfh
+            bias_base = full_bias + b * sfbb
+            n = n_full
+            step = sfn
+        m_i = tl.full((), float("-inf"), tl.float32)
+        l_i = tl.full((), 0.0, tl.float32)
+        acc = tl.zeros((BLOCK_D,), tl.float32)
+        for start in range(0, n, BLOCK_N):
+            rows = start + tl.arange(0, BLOCK_N)
+            valid = rows < n
+            tile = valid[:, None] & in_head[None, :]
+            k = tl.load(base_k + rows[:, None] * step + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+            s = tl.sum(k * q[None, :], axis=1) * scale
+            s += tl.load(bias_base + rows, mask=valid, other=0.0).to(tl.float32)
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+            v = tl.load(base_v + rows[:, None] * step + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+        if is_other:
+            ck = tl.load(comp_k + b * scb + s_slot * sch + cols, mask=in_head, other=0.0).to(tl.float32)
+            cv = tl.load(comp_v + b * scb + s_slot * sch + cols, mask=in_head, other=0.0).to(tl.float32)
+            s_c = tl.sum(ck * q, axis=0) * scale + tl.load(comp_logit + b).to(tl.float32)
+            m_new = tl.maximum(m_i, s_c)
+            alpha = tl.exp(m_i - m_new)
+            p_c = tl.exp(s_c - m_new)
+            acc = acc * alpha + p_c * cv
+            l_i = l_i * alpha + p_c
+        tl.store(out + b * sob + h * soh + cols, acc / l_i, mask=in_head)
+
+
+def _pow2(width: int) -> int:
+    return max(16, 1 << max(0, math.ceil(math.log2(max(width, 1)))))
+
+
+def packed_decode_triton(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+    heads: HeadColumns, scale: float, value_block: int = 128,
+) -> torch.Tensor:  # fmt: skip
+    """``packed_decode_reference`` in one launch: grid (rows, heads by descending work, value chunks)."""
+    assert triton is not None, "Triton is not installed (pip install 'kvconvert[kernels]')"
+    query, keys, values = query.contiguous(), keys.contiguous(), values.contiguous()
+    batch, n = keys.shape[0], keys.shape[1]
+    out = torch.empty(batch, heads.out_width, dtype=torch.float32, device=query.device)
+    block_v = min(_pow2(heads.max_wv), value_block)
+    bias_t = bias.float().contiguous() if bias is not None else out  # any pointer when HAS_BIAS is off
+    grid = (batch, heads.order.numel(), triton.cdiv(heads.max_wv, block_v))
+    _packed_decode_kernel[grid](
+        query, keys, values, bias_t, out,
+        heads.q_off, heads.k_off, heads.wk, heads.v_off, heads.wv, heads.o_off, heads.order,
+        n, scale,
+        query.stride(0), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+        bias_t.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=_pow2(heads.max_wk), BLOCK_V=block_v,
+    )  # fmt: skip
+    return out
+
+
+def razor_decode_triton(
+    query: torch.Tensor, full_k: torch.Tensor, full_v: torch.Tensor, full_bias: torch.Tensor,
+    short_k: torch.Tensor, short_v: torch.Tensor, short_bias: torch.Tensor, comp_k: torch.Tensor,
+    comp_v: torch.Tensor, comp_logit: torch.Tensor, kind: torch.Tensor, slot: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """``razor_decode_reference`` in one launch: grid (rows, query heads)."""
+    assert triton is not None, "Triton is not installed (pip install 'kvconvert[kernels]')"
+    tensors = [t.contiguous() for t in (query, full_k, full_v, short_k, short_v, comp_k, comp_v)]
+    query, full_k, full_v, short_k, short_v, comp_k, comp_v = tensors
+    full_bias, short_bias = full_bias.float().contiguous(), short_bias.float().contiguous()
+    comp_logit = comp_logit.float().contiguous()
+    batch, heads, dim = query.shape
+    out = torch.empty(batch, heads, dim, dtype=torch.float32, device=query.device)
+    _razor_decode_kernel[(batch, heads)](
+        query, full_k, full_v, full_bias, short_k, short_v, short_bias, comp_k, comp_v, comp_logit,
+        kind.to(torch.int32).contiguous(), slot.to(torch.int32).contiguous(), out,
+        full_k.shape[2], short_k.shape[2], scale,
+        query.stride(0), query.stride(1), full_k.stride(0), full_k.stride(1), full_k.stride(2),
+        full_bias.stride(0), short_k.stride(0), short_k.stride(1), short_k.stride(2), short_bias.stride(0),
+        comp_k.stride(0), comp_k.stride(1), out.stride(0), out.stride(1),
+        D=dim, BLOCK_N=BLOCK_N, BLOCK_D=_pow2(dim),
+    )  # fmt: skip
+    return out

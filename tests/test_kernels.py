@@ -1,0 +1,210 @@
+"""Triton decode kernels against their plain-torch references (same signature), over a grid of
+shapes and dtypes; on CPU through TRITON_INTERPRET=1 (set in conftest), natively on a GPU."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from kvconvert.runtime.kvconvert_kernels import (
+    HeadColumns,
+    packed_decode_reference,
+    packed_decode_triton,
+    razor_decode_reference,
+    razor_decode_triton,
+    triton_available,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Both sides read the same half-precision inputs and compute in float32; they differ only in the
+# order of float32 sums (tiles of 32 tokens, online softmax rescaling), i.e. by a few ulps of the
+# result, so one float32 tolerance holds for every input dtype. Any indexing or masking mistake
+# moves results by O(1).
+TOL = dict(atol=2e-5, rtol=2e-5)
+NEG = torch.finfo(torch.float32).min
+
+
+def test_triton_is_installed_for_the_tests():
+    assert triton_available(), "pip install -e '.[kernels]' (make install does)"
+
+
+def layout(name: str) -> tuple[HeadColumns, int, int, int]:
+    """(columns, query width, key width, value width) of the cache layouts the runtimes use."""
+    if name == "zack":  # 2 KV groups of 2 query heads, odd per-group widths, packed side by side
+        wk_g, wv_g, group = [5, 13], [7, 1], 2
+        heads = 4
+        wk, wv = [wk_g[h // group] for h in range(heads)], [wv_g[h // group] for h in range(heads)]
+        cols = HeadColumns.build([sum(wk[:h]) for h in range(heads)], [sum(wk_g[: h // group]) for h in range(heads)],
+                                 wk, [sum(wv_g[: h // group]) for h in range(heads)], wv, DEVICE)  # fmt: skip
+        return cols, sum(wk), sum(wk_g), sum(wv_g)
+    if name == "lorc":  # one latent (r_k = 9, r_v = 6) shared by 3 heads
+        cols = HeadColumns.build([0, 9, 18], [0, 0, 0], [9] * 3, [0, 0, 0], [6] * 3, DEVICE)
+        return cols, 27, 9, 6
+    if name == "slim":  # 2 heads of dk = 8 on RoPE'd keys; values = whole pre-RoPE key rows (e = 16)
+        cols = HeadColumns.build([0, 8], [0, 8], [8, 8], [0, 0], [16, 16], DEVICE)
+        return cols, 16, 16, 16
+    if name == "wide":  # values wider than one value block (chunked grid): 3 chunks of 64
+        cols = HeadColumns.build([0], [0], [3], [0], [150], DEVICE)
+        return cols, 3, 3, 150
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["zack", "lorc", "slim", "wide"])
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 33), (2, 70)])
+def test_packed_decode_matches_reference(name, batch, tokens, dtype):
+    torch.manual_seed(batch * 100 + tokens)
+    cols, wq, wk, wv = layout(name)
+    query = torch.randn(batch, wq, device=DEVICE).to(dtype)
+    keys = torch.randn(batch, tokens, wk, device=DEVICE).to(dtype)
+    values = torch.randn(batch, tokens, wv, device=DEVICE).to(dtype)
+    bias = torch.zeros(batch, tokens, device=DEVICE)
+    bias[-1, : tokens // 3] = NEG  # left padding in the last row
+    for b in (bias, None):
+        expected = packed_decode_reference(query, keys, values, b, cols, 0.37)
+        got = packed_decode_triton(query, keys, values, b, cols, 0.37, value_block=64)
+        torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_packed_decode_is_attention():
+    """The reference itself against SDPA on a plain GQA layout (4 query heads, 2 KV heads, dk 8)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    cols = HeadColumns.build([0, 8, 16, 24], [0, 0, 8, 8], [8] * 4, [0, 0, 8, 8], [8] * 4, "cpu")
+    got = packed_decode_reference(q.reshape(2, 32), k.transpose(1, 2).reshape(2, 11, 16),
+                                  v.transpose(1, 2).reshape(2, 11, 16), None, cols, 8**-0.5)  # fmt: skip
+    torch.testing.assert_close(got.view(2, 4, 8), expected[:, :, 0], **TOL)
+
+
+def test_longest_heads_are_scheduled_first():
+    cols = HeadColumns.build([0, 1, 2], [0, 0, 0], [1, 9, 4], [0, 0, 0], [1, 9, 2], "cpu")
+    assert cols.order.tolist() == [1, 2, 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kinds", [[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]], ids=["mixed", "none-kept", "all-kept"])
+@pytest.mark.parametrize("full_len,short_len", [(1, 1), (40, 9), (65, 33)])
+def test_razor_decode_matches_reference(kinds, full_len, short_len, dtype):
+    torch.manual_seed(full_len)
+    batch, dim, group = 2, 12, 2
+    query = torch.randn(batch, 4, dim, device=DEVICE).to(dtype)
+    kind = torch.tensor(kinds, device=DEVICE)
+    # KV head g = h // group is retrieval (kind 0) or not; slots count within each kind
+    kv_kinds = kinds[::group]
+    slot = torch.tensor([kv_kinds[: h // group].count(kinds[h]) for h in range(4)], device=DEVICE)
+    retrieval, others = max(1, kv_kinds.count(0)), max(1, kv_kinds.count(1))
+    full_k, full_v = (torch.randn(batch, retrieval, full_len, dim, device=DEVICE).to(dtype) for _ in range(2))
+    short_k, short_v = (torch.randn(batch, others, short_len, dim, device=DEVICE).to(dtype) for _ in range(2))
+    comp_k, comp_v = (torch.randn(batch, others, dim, device=DEVICE).to(dtype) for _ in range(2))
+    full_bias, short_bias = torch.zeros(batch, full_len, device=DEVICE), torch.zeros(batch, short_len, device=DEVICE)
+    full_bias[1, : full_len // 2] = NEG
+    comp_logit = torch.tensor([math.log(17.0), NEG], device=DEVICE)  # row 1: nothing dropped yet
+    args = (
+        query,
+        full_k,
+        full_v,
+        full_bias,
+        short_k,
+        short_v,
+        short_bias,
+        comp_k,
+        comp_v,
+        comp_logit,
+        kind,
+        slot,
+        0.29,
+    )
+    torch.testing.assert_close(razor_decode_triton(*args), razor_decode_reference(*args), **TOL)
+
+
+def test_razor_reference_is_eq5():
+    """One head by hand: softmax over kept tokens plus the compensation token weighted by N_d."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 1, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
+    ck, cv = torch.randn(1, 1, 4), torch.randn(1, 1, 4)
+    n_d, scale = 5.0, 0.5
+    w = [torch.exp(scale * (q[0, 0] @ k[0, 0, i])) for i in range(3)]
+    w_c = n_d * torch.exp(scale * (q[0, 0] @ ck[0, 0]))
+    expected = (w_c * cv[0, 0] + sum(w[i] * v[0, 0, i] for i in range(3))) / (w_c + sum(w))
+    no_bias, other, first = torch.zeros(1, 3), torch.tensor([1]), torch.tensor([0])
+    log_n = torch.tensor([math.log(n_d)])
+    got = razor_decode_reference(q, k, v, no_bias, k, v, no_bias, ck, cv, log_n, other, first, scale)
+    torch.testing.assert_close(got[0, 0], expected, **TOL)
+
+
+# -- the kernels inside converted models -----------------------------------------------------
+
+CONVERSIONS = {
+    "slim-llama": ("llama", ["slim"]),
+    "slim-gpt2": ("gpt2", ["slim"]),
+    "lorc-rope-gqa": ("llama_gqa", ["lorc", "--kv-budget", "0.6", "--schedule", "uniform"]),
+    "lorc-absorbed-gpt2": ("gpt2", ["lorc", "--kv-budget", "0.6", "--schedule", "uniform"]),
+    "lorc-k-only": ("llama_gqa", ["lorc", "--kv-budget", "0.8", "--schedule", "uniform", "--compress", "k"]),
+    "zack-rope-gqa": ("llama_gqa", ["zack", "--removal-rate", "0.1", "--calib-tokens", "2048"]),
+    "zack-folded-gpt2": ("gpt2", ["zack", "--removal-rate", "0.1", "--calib-tokens", "2048"]),
+    "razor-mixed": ("llama_gqa", ["razor", "--induction-frac", "0.3", "--echo-frac", "0", "--window", "6",
+                                  "--window-frac", "0.1", "--sink", "2", "--profile-tokens", "16"]),
+    "razor-none-kept": ("gpt_neox", ["razor", "--induction-frac", "0", "--echo-frac", "0", "--window", "6",
+                                     "--window-frac", "0.1", "--sink", "2", "--profile-tokens", "16"]),
+}  # fmt: skip
+
+
+def converted_layers(model) -> int:
+    """Layers running kvconvert attention (lorc leaves some stock); razor: all, through its function."""
+    spec = model.config.kvconvert
+    if spec["method"] == "lorc":
+        return sum(layer is not None for layer in spec["lorc_layers"])
+    return len(spec["attention_modules"])
+
+
+@pytest.mark.parametrize("name", list(CONVERSIONS))
+@torch.no_grad()
+def test_decode_with_kernels_matches_the_torch_runtime(name, tokenized_model_dir, tmp_path, monkeypatch):
+    """Greedy decoding of a left-padded batch, Triton kernels vs the method's torch code."""
+    import kvconvert
+    import kvconvert.runtime.kvconvert_kernels as kernels
+    from tests.helpers import assert_same_logits, run_cli
+
+    kind, args = CONVERSIONS[name]
+    result = run_cli(args[0], "--model", str(tokenized_model_dir(kind)), "--out", str(tmp_path / "m"), "--quiet",
+                     *args[1:])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    model = kvconvert.load(tmp_path / "m").eval()
+    ids = torch.randint(3, 90, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    runtime = importlib.import_module(f"kvconvert.runtime.kvconvert_{args[0]}")
+    launcher = "razor_decode_triton" if args[0] == "razor" else "packed_decode_triton"
+    launches = []
+
+    def counted(*a, **k):
+        launches.append(1)
+        return getattr(kernels, launcher)(*a, **k)
+
+    monkeypatch.setattr(runtime, launcher, counted)
+    outputs = {}
+    for choice in ("torch", "triton"):
+        monkeypatch.setenv("KVCONVERT_KERNELS", choice)
+        outputs[choice] = model.generate(ids, **kwargs)
+        # the torch runtime never launches; with kernels every decode step of every converted layer does
+        assert len(launches) == (0 if choice == "torch" else 11 * converted_layers(model))
+    for step, (a, b) in enumerate(zip(outputs["torch"].logits, outputs["triton"].logits, strict=True)):
+        assert_same_logits(a, b, f"{name} decode step {step}")
+    assert torch.equal(outputs["torch"].sequences, outputs["triton"].sequences)
+
+
+def test_without_triton_the_runtime_stays_on_torch(monkeypatch):
+    import kvconvert.runtime.kvconvert_kernels as kernels
+
+    monkeypatch.setattr(kernels, "triton", None)
+    monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
+    assert not kernels.use_kernels(torch.zeros(1))
+    monkeypatch.setenv("KVCONVERT_KERNELS", "auto")
+    assert not kernels.use_kernels(torch.zeros(1))
