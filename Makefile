@@ -4,7 +4,7 @@ SHARED ?= ../shared
 DEMO := demo-out
 AIDREAMS := $(SHARED)/models/aidreams260K
 
-.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache clean
+.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-kernels clean
 
 # torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
 install:
@@ -50,6 +50,10 @@ bench-zack: install
 # MiniCache on SmolLM2: merged layers, SLERP vs average, retention; decoded token by token (about 35 minutes)
 bench-minicache: install
 	$(PYTHON) bench/minicache_bench.py
+
+# Triton decode kernels vs SDPA and end-to-end decode tokens/s; needs a CUDA GPU (--smoke: script check on CPU)
+bench-kernels: install
+	$(PYTHON) bench/kernels_bench.py
 
 bench-quick: install
 	$(PYTHON) bench/run.py --quick
