@@ -150,3 +150,18 @@ def test_chunked_eval_sees_dropped_tokens(tiny_model_dir, tmp_path):
     assert single.kl_mean == pytest.approx(0.0, abs=1e-9)
     chunked = evaluate_quality(razor, ids, 96, reference=reference, chunk=8)
     assert chunked.kl_mean > 1e-4 and chunked.ppl != pytest.approx(single.ppl, rel=1e-4)
+
+
+def test_two_checkpoints_in_one_process_keep_their_own_behaviour(tiny_model_dir, tmp_path):
+    """Each directory loaded with remote code registers its own copy of razor's attention function
+    under one name; the first model must still run its own cache and code afterwards."""
+    src = tiny_model_dir("llama_gqa")
+    convert_razor(src, tmp_path / "exact", "--induction-frac", "1")
+    convert_razor(src, tmp_path / "lossy", "--induction-frac", "0", "--echo-frac", "0", "--window", "2",
+                  "--window-frac", "0", "--sink", "1")  # fmt: skip
+    exact = load_converted(tmp_path / "exact")
+    lossy = load_converted(tmp_path / "lossy")
+    assert_equivalent(load_reference(src), exact, *left_padded())
+    assert type(exact(torch.ones(1, 3, dtype=torch.long), use_cache=True).past_key_values.layers[0]).__module__ != (
+        type(lossy(torch.ones(1, 3, dtype=torch.long), use_cache=True).past_key_values.layers[0]).__module__
+    )

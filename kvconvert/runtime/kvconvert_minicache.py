@@ -186,6 +186,10 @@ class PairedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         return key_states, value_states
 
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+        return _paired_attention(self, module, query, key, value, attention_mask, **kwargs)
+
     def get_seq_length(self) -> int:
         return self.pair.seen
 
@@ -296,16 +300,24 @@ def minicache_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function. Unpaired layers: stock SDPA over what their (stock) cache
     returned. Paired layers: ``key/value [b, Hkv, q, d]`` are this step's states only; the past is
-    restored from the pair's merged state, and the new states are committed after attending."""
-    # Duck-typed, not isinstance: every checkpoint directory loaded with remote code brings its own
-    # copy of this module, and the last one imported owns the registered name for all of them.
+    restored from the pair's merged state, and the new states are committed after attending.
+
+    Every checkpoint directory loaded with remote code brings its own copy of this module and the
+    last one imported owns the registered name, so the cache layer is found by duck typing and the
+    work is done by the layer's own copy of the code (``PairedLayer.attend``)."""
     cache = module.__dict__.get("_kvconvert_cache")
     layers = getattr(cache, "layers", None) if getattr(cache, "is_kvconvert_cache", False) else None
     layer = layers[getattr(module, "layer_idx")] if layers is not None else None  # noqa: B009
-    pair = getattr(layer, "pair", None)
-    if layer is None or pair is None:
+    if getattr(layer, "pair", None) is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    member = layer.member
+    return layer.attend(module, query, key, value, attention_mask, **kwargs)  # type: ignore[union-attr]
+
+
+def _paired_attention(
+    layer: PairedLayer, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    pair, member = layer.pair, layer.member
     past = pair.restore(member)
     full_k = key if past is None else torch.cat([past[0], key], dim=2)
     full_v = value if past is None else torch.cat([past[1], value], dim=2)

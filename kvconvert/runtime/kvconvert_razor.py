@@ -81,6 +81,10 @@ class RazorLayer(DynamicLayer):
         """Called by the stock attention module; the attention function reads the cache itself."""
         return key_states, value_states
 
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+               scaling: float | None) -> tuple[torch.Tensor, None]:  # fmt: skip
+        return _attend(query, key, value, attention_mask, scaling, self)
+
     def recent_budget(self, total: int) -> int:
         return max(self.window, int(total * self.window_frac))
 
@@ -142,17 +146,28 @@ def razor_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [b, H, q, d]``, this step's ``key/value [b, Hkv, q, d]``
-    (after RoPE). Returns ``[b, q, H, d]`` like transformers' own implementations."""
+    (after RoPE). Returns ``[b, q, H, d]`` like transformers' own implementations.
+
+    Every checkpoint directory loaded with remote code brings its own copy of this module and the
+    last one imported owns the registered name, so the cache layer is found by duck typing and
+    the work is done by the layer's own copy of the code (``RazorLayer.attend``)."""
+    cache = module.__dict__.get("_kvconvert_cache")
+    layers = getattr(cache, "layers", None) if getattr(cache, "is_kvconvert_cache", False) else None
+    found = layers[getattr(module, "layer_idx")] if layers is not None else None  # noqa: B009
+    if hasattr(found, "retrieval"):
+        return found.attend(query, key, value, attention_mask, scaling)  # type: ignore[union-attr]
+    return _attend(query, key, value, attention_mask, scaling, None)  # no cache (use_cache=False)
+
+
+def _attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+    scaling: float | None, layer: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """``razor_attention`` for one layer's state (None: attend over this step's tokens only)."""
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
-    # Duck-typed, not isinstance: every checkpoint directory loaded with remote code brings its own
-    # copy of this module, and the last one imported owns the registered name for all of them.
-    cache = module.__dict__.get("_kvconvert_cache")
-    layers = getattr(cache, "layers", None) if getattr(cache, "is_kvconvert_cache", False) else None
-    found = layers[getattr(module, "layer_idx")] if layers is not None else None  # noqa: B009
-    layer: Any = found if hasattr(found, "retrieval") else None  # None: no cache (use_cache=False)
     seen = layer.seen if layer is not None else 0
     total = seen + q_len
     bias = additive_mask(attention_mask, q_len, total, query.dtype, query.device)
