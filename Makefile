@@ -47,7 +47,7 @@ bench-razor: install
 bench-zack: install
 	$(PYTHON) bench/zack_bench.py
 
-# MiniCache on SmolLM2: merged layers, SLERP vs average, retention; decoded token by token (about 35 minutes)
+# MiniCache on SmolLM2: merged layers, SLERP vs average, retention; decoded token by token (about 30 minutes)
 bench-minicache: install
 	$(PYTHON) bench/minicache_bench.py
 
