@@ -8,9 +8,11 @@ and writes the attention-weighted value columns ``v_off[h] : v_off[h] + wv[h]`` 
 full keys or values are never rebuilt. ``razor_decode`` gives each head its own length: retrieval
 heads attend over their full cache, the others over sink + recent tokens plus the compensation token.
 
-The runtime calls the Triton kernels for CUDA tensors when Triton is installed and the references
-otherwise, so CPU users and CI run the same model code; tests run the kernels on CPU with
-``TRITON_INTERPRET=1``. Copied verbatim into every output directory; Triton is optional.
+The runtimes call the Triton kernels for decode steps on CUDA tensors when Triton is installed
+(``use_kernels``) and keep their own vectorised torch code otherwise, so CPU users and CI run the
+same model code. The references here (per-head loops, float32) are the kernels' specification;
+tests compare each kernel with its reference on CPU with ``TRITON_INTERPRET=1``, and the kernel path
+of every runtime with its torch path. Copied verbatim into every output directory; Triton is optional.
 """
 
 from __future__ import annotations
