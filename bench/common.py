@@ -26,12 +26,15 @@ def machine() -> dict[str, Any]:
 
 
 def write_results(name: str, payload: dict[str, Any], table: str) -> tuple[Path, Path]:
-    """Write ``results/<name>-<date>.json`` and ``.md``; return both paths."""
+    """Write ``results/<name>-<date>.json`` and ``.md``, print the table and where it went; return both paths."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"{name}-{dt.date.today().isoformat()}"
     json_path, md_path = RESULTS / f"{stem}.json", RESULTS / f"{stem}.md"
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     md_path.write_text(table + "\n")
+    print(table)
+    took = f" in {payload['seconds']:.0f} s" if "seconds" in payload else ""
+    print(f"wrote {json_path} and {md_path}{took}")
     return json_path, md_path
 
 

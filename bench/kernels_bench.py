@@ -65,8 +65,7 @@ def kernel_cases(batch: int, n: int, device: str, dtype: torch.dtype, small: boo
     wv_g = list(reversed(wk_g))
     wk = [wk_g[h // group] for h in range(heads)]
     wv = [wv_g[h // group] for h in range(heads)]
-    zack_cols = kernels.HeadColumns.build([sum(wk[:h]) for h in range(heads)],
-                                          [sum(wk_g[: h // group]) for h in range(heads)], wk,
+    zack_cols = kernels.HeadColumns.build([sum(wk_g[: h // group]) for h in range(heads)], wk,
                                           [sum(wv_g[: h // group]) for h in range(heads)], wv, device)  # fmt: skip
     zq, zk, zv = rand(batch, sum(wk)), rand(batch, n, sum(wk_g)), rand(batch, n, sum(wv_g))
     cases.append({"kernel": "zack packed (budget 0.65)", "bytes": batch * n * (sum(wk_g) + sum(wv_g)) * size,
@@ -74,7 +73,7 @@ def kernel_cases(batch: int, n: int, device: str, dtype: torch.dtype, small: boo
 
     # LoRC: full RoPE'd keys per KV group, values as one latent of rank e/2 shared by all heads
     rank = kv_heads * dk // 2
-    lorc_cols = kernels.HeadColumns.build([h * dk for h in range(heads)], [(h // group) * dk for h in range(heads)],
+    lorc_cols = kernels.HeadColumns.build([(h // group) * dk for h in range(heads)],
                                           [dk] * heads, [0] * heads, [rank] * heads, device)  # fmt: skip
     lq, lk, lv = rand(batch, heads * dk), rand(batch, n, kv_heads * dk), rand(batch, n, rank)
     cases.append({"kernel": "lorc latent V (r_v = e/2)", "bytes": batch * n * (kv_heads * dk + rank) * size,
@@ -82,7 +81,7 @@ def kernel_cases(batch: int, n: int, device: str, dtype: torch.dtype, small: boo
 
     # slim (MHA): scores on RoPE'd keys, weights on whole pre-RoPE key rows; W_KV applied afterwards
     e = heads * dk
-    slim_cols = kernels.HeadColumns.build([h * dk for h in range(heads)], [h * dk for h in range(heads)],
+    slim_cols = kernels.HeadColumns.build([h * dk for h in range(heads)],
                                           [dk] * heads, [0] * heads, [e] * heads, device)  # fmt: skip
     sq, sk, sv = rand(batch, e), rand(batch, n, e), rand(batch, n, e)
     mq, mk, mv = rand(batch, heads, 1, dk), rand(batch, heads, n, dk), rand(batch, heads, n, dk)
@@ -217,9 +216,7 @@ def main() -> None:
     if args.smoke:
         print(table)
         return
-    json_path, md_path = write_results("kernels", payload, f"Decode kernels on {gpu} ({dtype}).\n\n" + table)
-    print(table)
-    print(f"wrote {json_path} and {md_path}")
+    write_results("kernels", payload, f"Decode kernels on {gpu} ({dtype}).\n\n" + table)
 
 
 if __name__ == "__main__":

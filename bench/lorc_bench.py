@@ -67,9 +67,7 @@ def main() -> None:
     )
     payload = {"benchmark": "lorc", "machine": machine(), "reference_ppl": base["ppl"], "rows": rows,
                "seconds": time.perf_counter() - started}  # fmt: skip
-    json_path, md_path = write_results("lorc", payload, table)
-    print(table)
-    print(f"wrote {json_path} and {md_path} in {payload['seconds']:.0f} s")
+    write_results("lorc", payload, table)
 
 
 if __name__ == "__main__":

@@ -124,9 +124,7 @@ def main() -> None:
         "cosine of the layer's K (V) vectors over all KV heads, and the share eq. 4 keeps unmerged at γ = "
         f"{similarity['gamma']}.\n\n" + markdown_table(["pair", "cos K", "cos V", "kept K", "kept V"], sim_rows)
     )
-    json_path, md_path = write_results("minicache", payload, table)
-    print(table)
-    print(f"wrote {json_path} and {md_path} in {payload['seconds']:.0f} s")
+    write_results("minicache", payload, table)
 
 
 if __name__ == "__main__":

@@ -87,9 +87,7 @@ def main() -> None:
     )
     payload = {"benchmark": "razor", "machine": machine(), "settings": spec, "retrieval_share": share, "rows": rows,
                "seconds": time.perf_counter() - started}  # fmt: skip
-    json_path, md_path = write_results("razor", payload, table)
-    print(table)
-    print(f"wrote {json_path} and {md_path} in {payload['seconds']:.0f} s")
+    write_results("razor", payload, table)
 
 
 if __name__ == "__main__":

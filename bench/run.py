@@ -93,9 +93,7 @@ def main() -> None:
                     rows.append(row)
 
     payload = {"benchmark": "quality", "machine": machine(), "seconds": time.perf_counter() - started, "rows": rows}
-    json_path, md_path = write_results("quality-quick" if args.quick else "quality", payload, render(rows))
-    print(render(rows))
-    print(f"wrote {json_path} and {md_path} in {payload['seconds']:.0f} s")
+    write_results("quality-quick" if args.quick else "quality", payload, render(rows))
 
 
 def _passkey(row: dict[str, Any]) -> str:

@@ -134,9 +134,7 @@ def main() -> None:
         rows,
     )  # fmt: skip
     table = f"{conv_table}\n\n{speed_table}\n\nMachine: {payload['machine']}"
-    json_path, md_path = write_results("slim", payload, table)
-    print(table)
-    print(f"wrote {json_path} and {md_path}")
+    write_results("slim", payload, table)
 
 
 if __name__ == "__main__":

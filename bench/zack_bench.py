@@ -107,9 +107,7 @@ def main() -> None:
     )
     payload = {"benchmark": "zack", "machine": machine(), "reference_ppl": base["ppl"], "conversion": cost,
                "rows": rows, "seconds": time.perf_counter() - started}  # fmt: skip
-    json_path, md_path = write_results("zack", payload, table)
-    print(table)
-    print(f"wrote {json_path} and {md_path} in {payload['seconds']:.0f} s")
+    write_results("zack", payload, table)
 
 
 if __name__ == "__main__":

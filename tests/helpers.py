@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -20,6 +21,21 @@ LOGIT_TOLERANCE = 1e-4
 
 def run_cli(*args: str) -> Result:
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def convert(command: str, src: Path, dst: Path, *extra: str) -> dict:
+    """Run ``kvconvert COMMAND --model SRC --out DST --quiet EXTRA…``; return its kvconvert.json."""
+    result = run_cli(command, "--model", str(src), "--out", str(dst), "--quiet", *extra)
+    assert result.exit_code == 0, result.output
+    return json.loads((Path(dst) / "kvconvert.json").read_text())
+
+
+def left_padded(length: int = 24, pad: int = 7, seed: int = 5, high: int = 90) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of random token ids ``[2, length]``; the second is left-padded by ``pad`` tokens."""
+    ids = torch.randint(3, high, (2, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids, mask
 
 
 def convert_slim(src: Path, dst: Path, *extra: str) -> None:

@@ -38,17 +38,17 @@ def layout(name: str) -> tuple[HeadColumns, int, int, int]:
         wk_g, wv_g, group = [5, 13], [7, 1], 2
         heads = 4
         wk, wv = [wk_g[h // group] for h in range(heads)], [wv_g[h // group] for h in range(heads)]
-        cols = HeadColumns.build([sum(wk[:h]) for h in range(heads)], [sum(wk_g[: h // group]) for h in range(heads)],
-                                 wk, [sum(wv_g[: h // group]) for h in range(heads)], wv, DEVICE)  # fmt: skip
+        cols = HeadColumns.build([sum(wk_g[: h // group]) for h in range(heads)], wk,
+                                 [sum(wv_g[: h // group]) for h in range(heads)], wv, DEVICE)  # fmt: skip
         return cols, sum(wk), sum(wk_g), sum(wv_g)
     if name == "lorc":  # one latent (r_k = 9, r_v = 6) shared by 3 heads
-        cols = HeadColumns.build([0, 9, 18], [0, 0, 0], [9] * 3, [0, 0, 0], [6] * 3, DEVICE)
+        cols = HeadColumns.build([0, 0, 0], [9] * 3, [0, 0, 0], [6] * 3, DEVICE)
         return cols, 27, 9, 6
     if name == "slim":  # 2 heads of dk = 8 on RoPE'd keys; values = whole pre-RoPE key rows (e = 16)
-        cols = HeadColumns.build([0, 8], [0, 8], [8, 8], [0, 0], [16, 16], DEVICE)
+        cols = HeadColumns.build([0, 8], [8, 8], [0, 0], [16, 16], DEVICE)
         return cols, 16, 16, 16
     if name == "wide":  # values wider than one value block (chunked grid): 3 chunks of 64
-        cols = HeadColumns.build([0], [0], [3], [0], [150], DEVICE)
+        cols = HeadColumns.build([0], [3], [0], [150], DEVICE)
         return cols, 3, 3, 150
     raise ValueError(name)
 
@@ -75,14 +75,14 @@ def test_packed_decode_is_attention():
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
-    cols = HeadColumns.build([0, 8, 16, 24], [0, 0, 8, 8], [8] * 4, [0, 0, 8, 8], [8] * 4, "cpu")
+    cols = HeadColumns.build([0, 0, 8, 8], [8] * 4, [0, 0, 8, 8], [8] * 4, "cpu")
     got = packed_decode_reference(q.reshape(2, 32), k.transpose(1, 2).reshape(2, 11, 16),
                                   v.transpose(1, 2).reshape(2, 11, 16), None, cols, 8**-0.5)  # fmt: skip
     torch.testing.assert_close(got.view(2, 4, 8), expected[:, :, 0], **TOL)
 
 
 def test_longest_heads_are_scheduled_first():
-    cols = HeadColumns.build([0, 1, 2], [0, 0, 0], [1, 9, 4], [0, 0, 0], [1, 9, 2], "cpu")
+    cols = HeadColumns.build([0, 0, 0], [1, 9, 4], [0, 0, 0], [1, 9, 2], "cpu")
     assert cols.order.tolist() == [1, 2, 0]
 
 
@@ -168,19 +168,18 @@ def test_decode_with_kernels_matches_the_torch_runtime(name, tokenized_model_dir
     """Greedy decoding of a left-padded batch, Triton kernels vs the method's torch code."""
     import kvconvert
     import kvconvert.runtime.kvconvert_kernels as kernels
-    from tests.helpers import assert_same_logits, run_cli
+    from tests.helpers import assert_same_logits, left_padded, run_cli
 
     kind, args = CONVERSIONS[name]
     result = run_cli(args[0], "--model", str(tokenized_model_dir(kind)), "--out", str(tmp_path / "m"), "--quiet",
                      *args[1:])  # fmt: skip
     assert result.exit_code == 0, result.output
     model = kvconvert.load(tmp_path / "m").eval()
-    ids = torch.randint(3, 90, (2, 20), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
+    ids, mask = left_padded(length=20, pad=5, seed=3)
     kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True, output_logits=True)  # fmt: skip
-    runtime = importlib.import_module(f"kvconvert.runtime.kvconvert_{args[0]}")
+    # slim, lorc and zack launch through LatentAttention (kvconvert_common), razor through its own module
+    runtime = importlib.import_module(f"kvconvert.runtime.kvconvert_{'razor' if args[0] == 'razor' else 'common'}")
     launcher = "razor_decode_triton" if args[0] == "razor" else "packed_decode_triton"
     launches = []
 

@@ -11,20 +11,19 @@ import torch
 from kvconvert import linalg
 from kvconvert.errors import KVConvertError
 from kvconvert.methods.lorc import LorcConfig, plan_ranks, progressive_ranks, uniform_ranks
-from tests.helpers import assert_equivalent, kv_budget, load_converted, load_reference, run_cli
+from tests.helpers import (
+    assert_equivalent,
+    convert,
+    kv_budget,
+    left_padded,
+    load_converted,
+    load_reference,
+    run_cli,
+)
 
 
 def convert_lorc(src, dst, *extra: str) -> dict:
-    result = run_cli("lorc", "--model", str(src), "--out", str(dst), "--quiet", *extra)
-    assert result.exit_code == 0, result.output
-    return json.loads((dst / "kvconvert.json").read_text())
-
-
-def left_padded(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, vocab, (2, 20), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :6] = 0
-    return ids, mask
+    return convert("lorc", src, dst, *extra)
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama_gqa", "qwen2_gqa", "gpt_neox", "gpt2"])
@@ -35,7 +34,7 @@ def test_full_rank_reproduces_transformers(kind, compress, tiny_model_dir, tmp_p
     report = convert_lorc(src, tmp_path / "lorc", "--kv-budget", "1.0", "--compress", compress)
     assert all(r["rank_k" if compress != "v" else "rank_v"] is not None for r in report["layers"])
     reference, converted = load_reference(src), load_converted(tmp_path / "lorc")
-    assert_equivalent(reference, converted, *left_padded(reference.config.vocab_size))
+    assert_equivalent(reference, converted, *left_padded(length=20, pad=6, seed=3, high=reference.config.vocab_size))
 
 
 def test_theorem1_error_bound_per_layer():
@@ -103,7 +102,7 @@ def test_threshold_mixes_stock_and_latent_layers_exactly(tiny_model_dir, tmp_pat
     converted = load_converted(tmp_path / "lorc")
     assert type(converted.model.layers[0].self_attn).__name__ == "LlamaAttention"
     assert type(converted.model.layers[1].self_attn).__name__ == "LorcAttention"
-    assert_equivalent(load_reference(src), converted, *left_padded(97))
+    assert_equivalent(load_reference(src), converted, *left_padded(length=20, pad=6, seed=3, high=97))
 
 
 def test_lorc_user_errors(tiny_model_dir, tmp_path):

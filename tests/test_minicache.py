@@ -15,20 +15,11 @@ from kvconvert.eval.quality import evaluate_quality
 from kvconvert.methods.minicache import MiniCacheConfig, kv_bytes_per_token, merge_pairs
 from kvconvert.runtime.kvconvert_minicache import PairState, merge_tokens, retained_tokens, slerp
 from tests.conftest import build_tiny_model
-from tests.helpers import assert_equivalent, load_converted, load_reference, run_cli
+from tests.helpers import assert_equivalent, convert, left_padded, load_converted, load_reference, run_cli
 
 
 def convert_minicache(src, dst, *extra: str) -> dict:
-    result = run_cli("minicache", "--model", str(src), "--out", str(dst), "--quiet", *extra)
-    assert result.exit_code == 0, result.output
-    return json.loads((dst / "kvconvert.json").read_text())
-
-
-def left_padded() -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones_like(ids)
-    mask[1, :7] = 0
-    return ids, mask
+    return convert("minicache", src, dst, *extra)
 
 
 def text_ids(n: int = 160) -> torch.Tensor:

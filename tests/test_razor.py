@@ -13,20 +13,11 @@ from kvconvert.eval.memory import cache_nbytes
 from kvconvert.methods.razor import retrieval_kv_heads, top_heads
 from kvconvert.runtime.kvconvert_razor import compensated_attention
 from tests.conftest import build_tiny_model
-from tests.helpers import assert_equivalent, load_converted, load_reference, run_cli
+from tests.helpers import assert_equivalent, convert, left_padded, load_converted, load_reference
 
 
 def convert_razor(src, dst, *extra: str) -> dict:
-    result = run_cli("razor", "--model", str(src), "--out", str(dst), "--quiet", "--profile-tokens", "16", *extra)
-    assert result.exit_code == 0, result.output
-    return json.loads((dst / "kvconvert.json").read_text())
-
-
-def left_padded() -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones_like(ids)
-    mask[1, :7] = 0
-    return ids, mask
+    return convert("razor", src, dst, "--profile-tokens", "16", *extra)
 
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "gpt_neox", "gpt2"])

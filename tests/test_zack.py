@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from conftest import SHARED
-from helpers import assert_equivalent, assert_same_logits, kv_budget, load_converted, load_reference, run_cli
+from helpers import assert_equivalent, assert_same_logits, convert, kv_budget, load_converted, load_reference, run_cli
 
 from kvconvert import linalg
 from kvconvert.errors import KVConvertError
@@ -17,9 +17,7 @@ CALIB = ("--calib-tokens", "2048")  # tiny models: 8 chunks of 256 tokens of cal
 
 
 def _zack(src, dst, *args: str):
-    result = run_cli("zack", "--model", str(src), "--out", str(dst), "--quiet", *CALIB, *args)
-    assert result.exit_code == 0, result.output
-    return json.loads((dst / "kvconvert.json").read_text())
+    return convert("zack", src, dst, *CALIB, *args)
 
 
 def test_eq6_on_a_hand_made_spectrum():

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .kvconvert_kernels import HeadColumns, packed_decode_triton
+
 
 class LatentLayer(DynamicLayer):
     """One layer's compressed state: ``keys [b, n, wk]`` and optional ``values [b, n, wv]``.
@@ -149,9 +151,32 @@ class CompressedCache(Cache):
             self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
 
 
+class LayerStateCache(Cache):
+    """A cache whose method-specific layers hold the state and do the attention (razor, minicache)."""
+
+    is_kvconvert_cache = True
+
+    def __init__(self, layers: Sequence[DynamicLayer]):
+        super().__init__(layers=list(layers))
+
+
+def cache_layer_of(module: nn.Module) -> Any:
+    """The kvconvert cache layer of ``module`` in the running forward call (None without a cache).
+
+    Registered attention functions find it by duck typing, not isinstance: every checkpoint directory
+    loaded with remote code brings its own copy of the runtime, and the last one imported owns the
+    registered name, so the work must be done by the layer's own copy of the code."""
+    cache = module.__dict__.get("_kvconvert_cache")
+    if not getattr(cache, "is_kvconvert_cache", False):
+        return None
+    return cache.layers[getattr(module, "layer_idx")]  # type: ignore[union-attr]  # noqa: B009
+
+
 class LatentAttention(nn.Module):
     """Base of kvconvert's attention modules: the model's rotary module by reference (it is owned,
     and moved between devices, by the model), and appending one step's compressed state to the cache."""
+
+    scaling: float
 
     def __init__(self, layer_idx: int, rotary: nn.Module | None):
         super().__init__()
@@ -186,6 +211,24 @@ class LatentAttention(nn.Module):
     ) -> torch.Tensor:
         """``hidden_states [b, q, d]`` -> attention output ``[b, q, d]`` (after the output projection)."""
         raise NotImplementedError
+
+    def head_columns(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(key offset, key width, value offset, value width) per query head, for ``decode_with_kernel``."""
+        raise NotImplementedError
+
+    def decode_with_kernel(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One decode step in one ``packed_decode_triton`` launch: ``query [b, Σ_h wk_h]`` packed head after
+        head, ``keys [b, n, ·]``, ``values [b, n, ·]``, ``bias [b|1, 1, 1, n]`` or None -> ``[b, Σ_h wv_h]``
+        float32. The column table is built once per device."""
+        columns = self.__dict__.get("_head_columns")
+        if columns is None or columns.wk.device != keys.device:
+            columns = HeadColumns.build(*self.head_columns(), device=keys.device)
+            self.__dict__["_head_columns"] = columns
+        batch, n = keys.shape[0], keys.shape[1]
+        row_bias = None if bias is None else bias[:, 0, -1, :].expand(batch, n)
+        return packed_decode_triton(query, keys, values, row_bias, columns, self.scaling)
 
     def append_step(
         self,

@@ -49,8 +49,9 @@ class HeadColumns:
     out_width: int
 
     @classmethod
-    def build(cls, q_off: list[int], k_off: list[int], wk: list[int], v_off: list[int], wv: list[int],
-              device: Any) -> HeadColumns:  # fmt: skip
+    def build(cls, k_off: list[int], wk: list[int], v_off: list[int], wv: list[int], device: Any) -> HeadColumns:
+        """Queries and outputs are packed head after head: head h's start is the sum of the widths before it."""
+        q_off = [sum(wk[:h]) for h in range(len(wk))]
         o_off = [sum(wv[:h]) for h in range(len(wv))]
         order = sorted(range(len(wk)), key=lambda h: -(wk[h] + wv[h]))
 

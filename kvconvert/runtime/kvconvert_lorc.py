@@ -26,7 +26,7 @@ from .kvconvert_common import (
     rotary_for_keys,
     softmax_rows,
 )
-from .kvconvert_kernels import HeadColumns, packed_decode_triton, use_kernels
+from .kvconvert_kernels import use_kernels
 
 
 class LorcAttention(LatentAttention):
@@ -70,19 +70,13 @@ class LorcAttention(LatentAttention):
         b, n, _ = x.shape
         return x.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
 
-    def _columns(self, device: torch.device) -> HeadColumns:
-        """Decode-kernel columns: a latent is shared by all heads (offset 0); full-width keys or values
-        are read per KV group g = h // G."""
-        cached = self.__dict__.get("_head_columns")
-        if cached is None or cached.wk.device != device:
-            heads, group, dk = range(self.heads), self.heads // self.kv_heads, self.head_dim
-            wk = [self.rank_k if self.absorbed_keys else dk for _ in heads]
-            k_off = [0 if self.absorbed_keys else (h // group) * dk for h in heads]
-            wv = [self.rank_v or dk for _ in heads]
-            v_off = [0 if self.rank_v else (h // group) * dk for h in heads]
-            cached = HeadColumns.build([sum(wk[:h]) for h in heads], k_off, wk, v_off, wv, device)
-            self.__dict__["_head_columns"] = cached
-        return cached
+    def head_columns(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """A latent is shared by all heads (offset 0); full-width keys or values are read per KV group."""
+        groups = [h // (self.heads // self.kv_heads) for h in range(self.heads)]
+        dk = self.head_dim
+        k_off = [0 if self.absorbed_keys else g * dk for g in groups]
+        v_off = [0 if self.rank_v else g * dk for g in groups]
+        return k_off, [self.rank_k if self.absorbed_keys else dk] * self.heads, v_off, [self.rank_v or dk] * self.heads
 
     def attend(
         self,
@@ -114,9 +108,7 @@ class LorcAttention(LatentAttention):
         if q_len == 1 and use_kernels(hidden_states):
             key_tokens = keys if self.absorbed_keys else key_heads.transpose(1, 2).reshape(batch, kv_len, -1)
             bias = additive_mask(attention_mask, 1, kv_len, torch.float32, keys.device)
-            row_bias = None if bias is None else bias[:, 0, -1, :].expand(batch, kv_len)
-            out = packed_decode_triton(query.reshape(batch, -1), key_tokens, values, row_bias,
-                                       self._columns(keys.device), self.scaling)  # fmt: skip
+            out = self.decode_with_kernel(query.reshape(batch, -1), key_tokens, values, bias)
             return self.o_proj(out.to(hidden_states.dtype)[:, None])
         if self.absorbed_keys:
             # scores against the shared latent: [b, h·q, r_k] @ [b, r_k, n]

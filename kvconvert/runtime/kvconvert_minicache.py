@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kvconvert_common import additive_mask
+from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of
 
 IMPLEMENTATION = "kvconvert_minicache"
 # Below this sin Ω, SLERP's weights sin((1-t)Ω)/sin Ω and sin(tΩ)/sin Ω are replaced by their
@@ -283,13 +283,6 @@ class PairFirst(PairedLayer):
         self.pair, self.member = pair, 0
 
 
-class MiniCache(Cache):
-    is_kvconvert_cache = True
-
-    def __init__(self, layers: list[DynamicLayer]):
-        super().__init__(layers=list(layers))
-
-
 def minicache_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -300,17 +293,12 @@ def minicache_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function. Unpaired layers: stock SDPA over what their (stock) cache
     returned. Paired layers: ``key/value [b, Hkv, q, d]`` are this step's states only; the past is
-    restored from the pair's merged state, and the new states are committed after attending.
-
-    Every checkpoint directory loaded with remote code brings its own copy of this module and the
-    last one imported owns the registered name, so the cache layer is found by duck typing and the
-    work is done by the layer's own copy of the code (``PairedLayer.attend``)."""
-    cache = module.__dict__.get("_kvconvert_cache")
-    layers = getattr(cache, "layers", None) if getattr(cache, "is_kvconvert_cache", False) else None
-    layer = layers[getattr(module, "layer_idx")] if layers is not None else None  # noqa: B009
+    restored from the pair's merged state, and the new states are committed after attending. The
+    layer's own copy of the code does the work (``PairedLayer.attend``, see ``cache_layer_of``)."""
+    layer = cache_layer_of(module)
     if getattr(layer, "pair", None) is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    return layer.attend(module, query, key, value, attention_mask, **kwargs)  # type: ignore[union-attr]
+    return layer.attend(module, query, key, value, attention_mask, **kwargs)
 
 
 def _paired_attention(
@@ -341,13 +329,13 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
     return None
 
 
-def make_cache(spec: dict[str, Any]) -> MiniCache:
+def make_cache(spec: dict[str, Any]) -> LayerStateCache:
     plan = spec["minicache"]
     layers: list[DynamicLayer] = [DynamicLayer() for _ in spec["attention_modules"]]
     for first, second in plan["pairs"]:
         state = PairState(float(plan["t"]), float(plan["gamma"]), plan["merge"])
         layers[first], layers[second] = PairFirst(state), state
-    return MiniCache(layers)
+    return LayerStateCache(layers)
 
 
 def configure(model: Any) -> None:

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kvconvert_common import additive_mask, softmax_rows
+from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
 
 IMPLEMENTATION = "kvconvert_razor"
@@ -128,13 +128,6 @@ class RazorLayer(DynamicLayer):
         self.seen += q_len
 
 
-class RazorCache(Cache):
-    is_kvconvert_cache = True
-
-    def __init__(self, layers: list[RazorLayer]):
-        super().__init__(layers=list(layers))
-
-
 def razor_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -146,16 +139,11 @@ def razor_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [b, H, q, d]``, this step's ``key/value [b, Hkv, q, d]``
-    (after RoPE). Returns ``[b, q, H, d]`` like transformers' own implementations.
-
-    Every checkpoint directory loaded with remote code brings its own copy of this module and the
-    last one imported owns the registered name, so the cache layer is found by duck typing and
-    the work is done by the layer's own copy of the code (``RazorLayer.attend``)."""
-    cache = module.__dict__.get("_kvconvert_cache")
-    layers = getattr(cache, "layers", None) if getattr(cache, "is_kvconvert_cache", False) else None
-    found = layers[getattr(module, "layer_idx")] if layers is not None else None  # noqa: B009
-    if hasattr(found, "retrieval"):
-        return found.attend(query, key, value, attention_mask, scaling)  # type: ignore[union-attr]
+    (after RoPE). Returns ``[b, q, H, d]`` like transformers' own implementations. The layer's own
+    copy of the code does the work (``RazorLayer.attend``, see ``cache_layer_of``)."""
+    layer = cache_layer_of(module)
+    if hasattr(layer, "retrieval"):
+        return layer.attend(query, key, value, attention_mask, scaling)
     return _attend(query, key, value, attention_mask, scaling, None)  # no cache (use_cache=False)
 
 
@@ -282,14 +270,14 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
     return None
 
 
-def make_cache(spec: dict[str, Any]) -> RazorCache:
+def make_cache(spec: dict[str, Any]) -> LayerStateCache:
     razor = spec["razor"]
     kv_heads = int(spec["num_kv_heads"])
     layers = []
     for retrieval in razor["retrieval_kv_heads"]:
         others = [g for g in range(kv_heads) if g not in retrieval]
         layers.append(RazorLayer(list(retrieval), others, razor["sink"], razor["window"], razor["window_frac"]))
-    return RazorCache(layers)
+    return LayerStateCache(layers)
 
 
 def configure(model: Any) -> None:

@@ -22,7 +22,7 @@ from .kvconvert_common import (
     rotary_for_keys,
     softmax_rows,
 )
-from .kvconvert_kernels import HeadColumns, packed_decode_triton, use_kernels
+from .kvconvert_kernels import use_kernels
 
 
 class SlimAttention(LatentAttention):
@@ -52,15 +52,10 @@ class SlimAttention(LatentAttention):
         option2 = h * q_len * kv_len * e + q_len * e * e
         return option2 < option1
 
-    def _columns(self, device: torch.device) -> HeadColumns:
-        """Decode-kernel columns: head h scores its own dk key columns and sums whole key rows (e wide)."""
-        cached = self.__dict__.get("_head_columns")
-        if cached is None or cached.wk.device != device:
-            h, dk = self.num_heads, self.head_dim
-            offsets = [i * dk for i in range(h)]
-            cached = HeadColumns.build(offsets, offsets, [dk] * h, [0] * h, [h * dk] * h, device)
-            self.__dict__["_head_columns"] = cached
-        return cached
+    def head_columns(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Head h scores its own dk key columns and sums whole key rows (e wide)."""
+        h, dk = self.num_heads, self.head_dim
+        return [i * dk for i in range(h)], [dk] * h, [0] * h, [h * dk] * h
 
     def attend(
         self,
@@ -91,9 +86,7 @@ class SlimAttention(LatentAttention):
         if q_len == 1 and use_kernels(hidden_states):
             # option 2 in one launch: scores on the RoPE'd keys, weights applied to the pre-RoPE rows
             rotated_rows = key_heads.transpose(1, 2).reshape(batch, kv_len, h * dk)
-            row_bias = None if bias is None else bias[:, 0, -1, :].expand(batch, kv_len).float()
-            mixed = packed_decode_triton(query.reshape(batch, h * dk), rotated_rows, keys, row_bias,
-                                         self._columns(keys.device), self.scaling)  # fmt: skip
+            mixed = self.decode_with_kernel(query.reshape(batch, h * dk), rotated_rows, keys, bias)
             kv_per_head = self.kv_proj.weight.view(h, dk, h * dk)
             out = torch.einsum("bhe,hde->bhd", mixed.view(batch, h, h * dk).to(keys.dtype), kv_per_head)
             return self.o_proj(out.reshape(batch, 1, h * dk))

@@ -25,7 +25,7 @@ from .kvconvert_common import (
     default_position_ids,
     softmax_rows,
 )
-from .kvconvert_kernels import HeadColumns, packed_decode_triton, use_kernels
+from .kvconvert_kernels import use_kernels
 
 
 class ZackAttention(LatentAttention):
@@ -76,18 +76,11 @@ class ZackAttention(LatentAttention):
         keys = torch.cat([key[:, g] @ bases[g] for g in range(self.kv_heads)], dim=-1)
         return queries, keys
 
-    def _columns(self, device: torch.device) -> HeadColumns:
-        """Query head h (group g = h // G) reads key columns of head g and writes r_v,g output columns."""
-        cached = self.__dict__.get("_head_columns")
-        if cached is None or cached.wk.device != device:
-            heads = range(self.heads)
-            wk = [self.rank_k[h // self.group] for h in heads]
-            wv = [self.rank_v[h // self.group] for h in heads]
-            k_off = [sum(self.rank_k[: h // self.group]) for h in heads]
-            v_off = [sum(self.rank_v[: h // self.group]) for h in heads]
-            cached = HeadColumns.build([sum(wk[:h]) for h in heads], k_off, wk, v_off, wv, device)
-            self.__dict__["_head_columns"] = cached
-        return cached
+    def head_columns(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Query head h (group g = h // G) reads the key columns of KV head g and its r_v,g value columns."""
+        groups = [h // self.group for h in range(self.heads)]
+        return ([sum(self.rank_k[:g]) for g in groups], [self.rank_k[g] for g in groups],
+                [sum(self.rank_v[:g]) for g in groups], [self.rank_v[g] for g in groups])  # fmt: skip
 
     def attend(
         self,
@@ -116,8 +109,7 @@ class ZackAttention(LatentAttention):
         bias = additive_mask(attention_mask, q_len, kv_len, hidden_states.dtype, hidden_states.device)
         if q_len == 1 and use_kernels(hidden_states):
             packed_query = torch.cat([q.reshape(batch, -1) for q in queries], dim=-1)  # [b, Σ_h r_k,g(h)]
-            row_bias = None if bias is None else bias[:, 0, -1, :].expand(batch, kv_len)
-            out = packed_decode_triton(packed_query, keys, values, row_bias, self._columns(keys.device), self.scaling)
+            out = self.decode_with_kernel(packed_query, keys, values, bias)
             return self.o_proj(out.to(hidden_states.dtype)[:, None])
         outputs = []
         per_head = zip(keys.split(self.rank_k, dim=-1), values.split(self.rank_v, dim=-1), strict=True)
