@@ -95,7 +95,7 @@ def test_pair_state_stores_one_direction_and_restores_both_layers():
     pair.commit(0, k, v, valid)
     pair.commit(1, k.clone(), v.clone(), valid)  # identical layers
     assert pair.pending is None and pair.seen == 5
-    assert pair.keys_merged.direction.shape == (2, 3, 5, 4)  # one tensor for the two layers
+    assert pair.keys_merged.direction.read().shape == (2, 3, 5, 4)  # one tensor for the two layers
     for member in (0, 1):
         restored_k, restored_v = pair.restore(member)
         torch.testing.assert_close(restored_k, k)
@@ -197,7 +197,7 @@ def test_decode_merges_each_new_token_pairwise(tiny_model_dir, tmp_path):
     cache = out.past_key_values
     first, state = cache.layers[1], cache.layers[2]
     assert state.pending is None and state.seen == 24 + 9
-    assert state.keys_merged.direction.shape == (2, 2, 33, 16)
+    assert state.keys_merged.direction.read().shape == (2, 2, 33, 16)
     assert not [v for v in vars(first).values() if torch.is_tensor(v)]  # layer l-1 owns no tensors
     # the padded row's 7 padding positions are never retained
     at = state.keys_merged.retained_at
@@ -322,8 +322,8 @@ def test_analyze_writes_layer_similarity(tokenized_model_dir, tmp_path):
 def test_recipe_round_trip(tiny_model_dir, tmp_path):
     from kvconvert.recipe import load_recipe
 
-    name, config = load_recipe(__import__("pathlib").Path(__file__).parents[1] / "recipes" / "minicache.yaml")
+    name, config, _ = load_recipe(__import__("pathlib").Path(__file__).parents[1] / "recipes" / "minicache.yaml")
     assert name == "minicache" and config == MiniCacheConfig()
     convert_minicache(tiny_model_dir("llama_gqa"), tmp_path / "mc")
     again = load_recipe(tmp_path / "mc" / "recipe.yaml")
-    assert again == ("minicache", MiniCacheConfig())
+    assert again[:2] == ("minicache", MiniCacheConfig()) and not again[2].quantized

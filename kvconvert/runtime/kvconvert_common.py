@@ -13,68 +13,62 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .kvconvert_kernels import HeadColumns, packed_decode_triton
+from .kvconvert_storage import KVLayer, QuantSpec, TokenStore, select_rows_fn
 
 
-class LatentLayer(DynamicLayer):
-    """One layer's compressed state: ``keys [b, n, wk]`` and optional ``values [b, n, wv]``.
+class LatentLayer(KVLayer):
+    """One layer's compressed state: keys ``[b, n, wk]`` and optional values ``[b, n, wv]``, each in a
+    ``TokenStore`` (quantized when the checkpoint asks for it: keys per channel, values per token).
 
     What the widths hold is the method's business (slim: pre-RoPE K and no V; lorc: rank-d_c
-    latents). ``keys`` also provides the sequence length that masks are built from.
+    latents; zack: packed per-head columns). The keys also give the sequence length masks are built from.
     """
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states[:, :0]
-        self.values = None if value_states is None else value_states[:, :0]
-        self.is_initialized = True
+    def __init__(self, quant: QuantSpec | None = None):
+        super().__init__()
+        self.quant = quant or QuantSpec()
+        self.key_store = TokenStore(self.quant, per_channel=True)  # keys feed scores: per channel
+        self.value_store: TokenStore | None = None
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append ``[b, q, w]`` states; return every token's (this step's exact)."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([self._keys(), key_states], dim=-2)
-        if value_states is not None:
-            self.values = value_states if self.values is None else torch.cat([self.values, value_states], dim=-2)
-        return self.keys, self.values
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.is_initialized = True
+        keys = self.key_store.extend(key_states)
+        if value_states is None:
+            return keys, None
+        if self.value_store is None:
+            self.value_store = TokenStore(self.quant, per_channel=False)
+        return keys, self.value_store.extend(value_states)
 
-    def _keys(self) -> torch.Tensor:
-        assert self.keys is not None, "cache layer used before its first update"
-        return self.keys
+    def _stores(self) -> list[TokenStore]:
+        return [self.key_store] + ([] if self.value_store is None else [self.value_store])
 
-    def _apply(self, fn: Any) -> None:
-        self.keys = fn(self._keys())
-        if self.values is not None:
-            self.values = fn(self.values)
+    def get_seq_length(self) -> int:
+        return len(self.key_store)
+
+    def rows(self) -> int:
+        return 0 if self.key_store.tail is None else self.key_store.tail.shape[0]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.apply(select_rows_fn(index))
+
+    def crop_to(self, length: int) -> None:
+        for store in self._stores():
+            store.crop(length)
+
+    def apply(self, fn: Any) -> None:
+        for store in self._stores():
+            store.apply(fn)
 
     def reset(self) -> None:
-        self.keys, self.values, self.is_initialized = None, None, False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop() takes a negative number of tokens to remove")
-        if tokens_to_remove and self.is_initialized:
-            self._apply(lambda t: t[:, :tokens_to_remove])
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.get_seq_length() > 0:
-            self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.get_seq_length() > 0:
-            self._apply(lambda t: t[indices])
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.get_seq_length() > 0:
-            self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def offload(self) -> None:
-        if self.is_initialized:
-            self._apply(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self) -> None:
-        if self.is_initialized and self._keys().device != self.device:
-            self._apply(lambda t: t.to(self.device, non_blocking=True))
+        self.key_store = TokenStore(self.quant, per_channel=True)  # keys feed scores: per channel
+        self.value_store = None
+        self.keys = self.values = None
+        self.is_initialized = False
 
 
 class CompressedCache(Cache):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from .kvconvert_common import (
     CompressedCache,
@@ -27,6 +27,7 @@ from .kvconvert_common import (
     softmax_rows,
 )
 from .kvconvert_kernels import use_kernels
+from .kvconvert_storage import QuantSpec, stock_layer
 
 
 class LorcAttention(LatentAttention):
@@ -139,6 +140,7 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | Non
 
 
 def make_cache(spec: dict[str, Any]) -> CompressedCache:
-    layers = [DynamicLayer() if layer is None else LatentLayer() for layer in spec["lorc_layers"]]
+    quant = QuantSpec.from_spec(spec)
+    layers = [stock_layer(quant) if layer is None else LatentLayer(quant) for layer in spec["lorc_layers"]]
     rope_needed = spec.get("rotary_module") is not None
     return CompressedCache(layers, track_positions=rope_needed)

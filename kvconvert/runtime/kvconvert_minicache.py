@@ -33,6 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of
+from .kvconvert_storage import KVLayer, QuantSpec, TokenStore, select_rows_fn, stock_layer
 
 IMPLEMENTATION = "kvconvert_minicache"
 # Below this sin Ω, SLERP's weights sin((1-t)Ω)/sin Ω and sin(tΩ)/sin Ω are replaced by their
@@ -109,13 +110,14 @@ def retained_tokens(
 class MergedStream:
     """The merged state of one side (keys or values) of one layer pair.
 
-    ``direction [b, H, n, d]``; ``norms [b, 2, n]`` float32 (per token, layer l-1 then l; None
+    ``direction``: a store of ``[b, H, n, d]`` (quantized when the checkpoint asks for it: per channel
+    for keys, per token for values); ``norms [b, 2, n]`` float32 (per token, layer l-1 then l; None
     for ``average``); ``retained [N, 2, H, d]`` exact states of the N retained tokens in both
     layers; ``retained_at [N, 2]`` int32 (batch row, position); ``distance_range [b, 2]``.
     """
 
-    def __init__(self) -> None:
-        self.direction: Any = None
+    def __init__(self, quant: QuantSpec, per_channel: bool) -> None:
+        self.direction = TokenStore(quant, per_channel)
         self.norms: Any = None
         self.retained: Any = None
         self.retained_at: Any = None
@@ -125,7 +127,7 @@ class MergedStream:
                gamma: float, merge: str) -> None:  # fmt: skip
         """Merge this step's ``[b, H, q, d]`` states of both layers; ``valid [b, q]``."""
         merged = merge_tokens(first, second, t, merge)
-        if self.direction is None:
+        if self.distance_range is None:
             b = first.shape[0]
             self.distance_range = torch.tensor([math.inf, -math.inf], device=first.device).repeat(b, 1)
             self.retained = first.new_empty((0, 2, first.shape[1], first.shape[3]))
@@ -137,26 +139,27 @@ class MergedStream:
             where = torch.stack([rows, cols + seen], dim=1).to(torch.int32)
             self.retained = torch.cat([self.retained, exact])
             self.retained_at = torch.cat([self.retained_at, where])
-        self.direction = _cat(self.direction, merged.direction, dim=2)
+        self.direction.append(merged.direction)
         self.norms = None if merged.norms is None else _cat(self.norms, merged.norms, dim=2)
 
     def restore(self, member: int) -> torch.Tensor:
         """Layer ``member``'s (0: l-1, 1: l) approximate states ``[b, H, n, d]``."""
-        states = self.direction
+        direction = states = self.direction.read()
         if self.norms is not None:
-            states = (self.direction * self.norms[:, member, None, :, None]).to(self.direction.dtype)
+            states = (direction * self.norms[:, member, None, :, None]).to(direction.dtype)
         if self.retained.shape[0]:
-            states = states.clone() if states is self.direction else states
+            states = states.clone() if states is direction else states
             rows, positions = self.retained_at[:, 0].long(), self.retained_at[:, 1].long()
             states[rows, :, positions] = self.retained[:, member]
         return states
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep / repeat / reorder batch rows: new row i is old row ``index[i]``."""
-        if self.direction is None:
+        if self.distance_range is None:
             return
-        index = index.to(self.direction.device)
-        self.direction, self.distance_range = self.direction[index], self.distance_range[index]
+        index = index.to(self.distance_range.device)
+        self.direction.apply(select_rows_fn(index))
+        self.distance_range = self.distance_range[index]
         self.norms = None if self.norms is None else self.norms[index]
         entry, new_row = (self.retained_at[:, 0, None].long() == index[None, :]).nonzero(as_tuple=True)
         self.retained = self.retained[entry]
@@ -164,9 +167,9 @@ class MergedStream:
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens (the distance range keeps what it has seen)."""
-        if self.direction is None:
+        if self.distance_range is None:
             return
-        self.direction = self.direction[:, :, :length].clone()
+        self.direction.crop(length)
         self.norms = None if self.norms is None else self.norms[:, :, :length].clone()
         kept = self.retained_at[:, 1] < length
         self.retained, self.retained_at = self.retained[kept], self.retained_at[kept]
@@ -176,14 +179,17 @@ def _cat(old: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
     return new if old is None else torch.cat([old, new], dim=dim)
 
 
-class PairedLayer(DynamicLayer):
+class PairedLayer(KVLayer):
     """Base of both members of a pair. The stock attention module calls ``update`` (a no-op
-    here); ``minicache_attention`` restores the past and commits the new states."""
+    here); ``minicache_attention`` restores the past and commits the new states. The pair's state
+    lives in its second layer, which alone answers the cache protocol (the first holds no rows)."""
 
     pair: PairState
     member: int  # 0: layer l-1, 1: layer l
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
         return key_states, value_states
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -199,64 +205,56 @@ class PairedLayer(DynamicLayer):
     def reset(self) -> None:
         self.pair.reset()
 
-    # Batch and length edits act on the shared state once: PairState does them, PairFirst not.
+    def rows(self) -> int:
+        return 0
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop() takes a negative number of tokens to remove")
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Done by the pair's second layer."""
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Done by the pair's second layer."""
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Done by the pair's second layer."""
-
-    def offload(self) -> None:
-        """Not supported: the merged state stays where it was computed."""
-
-    def prefetch(self) -> None:
-        """Not supported: the merged state stays where it was computed."""
+    def apply(self, fn: Any) -> None:
+        """The first layer of a pair holds nothing."""
 
 
 class PairState(PairedLayer):
     """Layer l (second of the pair): owns the pair's merged keys and values, ``seen`` tokens long,
     and, between the two layers of one forward call, layer l-1's new states (``pending``)."""
 
-    def __init__(self, t: float, gamma: float, merge: str):
+    def __init__(self, t: float, gamma: float, merge: str, quant: QuantSpec | None = None):
         super().__init__()
         self.t, self.gamma, self.merge = t, gamma, merge
+        self.quant = quant or QuantSpec()
         self.pair, self.member = self, 1
-        self.seen = 0
-        self.keys_merged = MergedStream()
-        self.values_merged = MergedStream()
-        self.pending: Any = None  # (keys, values) [b, H, q, d] of layer l-1, this forward call only
+        self.reset()
 
     def reset(self) -> None:
-        self.seen, self.pending = 0, None
-        self.keys_merged, self.values_merged = MergedStream(), MergedStream()
+        self.seen = 0
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # layer l-1's states, this call only
+        self.keys_merged = MergedStream(self.quant, per_channel=True)
+        self.values_merged = MergedStream(self.quant, per_channel=False)
+
+    def rows(self) -> int:
+        rows = self.keys_merged.distance_range
+        return 0 if rows is None else rows.shape[0]
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.keys_merged.select_rows(index)
         self.values_merged.select_rows(index)
 
     def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        self.seen = max(0, self.seen + tokens_to_remove)
+        KVLayer.crop(self, tokens_to_remove)
+
+    def crop_to(self, length: int) -> None:
+        self.seen = max(0, length)
         self.keys_merged.crop(self.seen)
         self.values_merged.crop(self.seen)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.select_rows(torch.as_tensor(indices).reshape(-1))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.keys_merged.direction is not None:
-            rows = self.keys_merged.direction.shape[0]
-            self.select_rows(torch.arange(rows).repeat_interleave(repeats))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.select_rows(beam_idx)
+    def apply(self, fn: Any) -> None:
+        for stream in (self.keys_merged, self.values_merged):
+            stream.direction.apply(fn)
+            for name in ("norms", "retained", "retained_at", "distance_range"):
+                if getattr(stream, name) is not None:
+                    setattr(stream, name, fn(getattr(stream, name)))
 
     def restore(self, member: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.seen == 0:
@@ -331,9 +329,10 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
 
 def make_cache(spec: dict[str, Any]) -> LayerStateCache:
     plan = spec["minicache"]
-    layers: list[DynamicLayer] = [DynamicLayer() for _ in spec["attention_modules"]]
+    quant = QuantSpec.from_spec(spec)
+    layers: list[DynamicLayer] = [stock_layer(quant) for _ in spec["attention_modules"]]
     for first, second in plan["pairs"]:
-        state = PairState(float(plan["t"]), float(plan["gamma"]), plan["merge"])
+        state = PairState(float(plan["t"]), float(plan["gamma"]), plan["merge"], quant)
         layers[first], layers[second] = PairFirst(state), state
     return LayerStateCache(layers)
 

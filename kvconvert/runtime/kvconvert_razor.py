@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
+from .kvconvert_storage import KVLayer, QuantSpec, TokenStore, select_rows_fn
 
 IMPLEMENTATION = "kvconvert_razor"
 
@@ -49,27 +49,32 @@ def compensated_attention(
     return probs[..., :-1] @ values + probs[..., -1:] * comp_value
 
 
-class RazorLayer(DynamicLayer):
-    """One layer's head-wise state. Retrieval KV heads: ``full_k/full_v [b, R, n, d]``. Other KV
-    heads: ``sink_k/v [b, N, ≤sink, d]``, ``recent_k/v [b, N, ≤L, d]``, ``comp_k/v_sum [b, N, 1, d]``
-    (float32 running sums of dropped tokens) and ``comp_count [b]`` (dropped non-padding tokens).
-    ``seen`` is the logical sequence length the masks are built for."""
+class RazorLayer(KVLayer):
+    """One layer's head-wise state. Retrieval KV heads: ``full_k/full_v`` stores of ``[b, R, n, d]``.
+    Other KV heads: ``sink_k/v [b, N, ≤sink, d]`` (float), ``recent_k/v`` stores of ``[b, N, ≤L, d]``,
+    ``comp_k/v_sum [b, N, 1, d]`` (float32 running sums of dropped tokens) and ``comp_count [b]``
+    (dropped non-padding tokens). Stores are quantized when the checkpoint asks for it (keys per
+    channel, values per token). ``seen`` is the logical sequence length the masks are built for."""
 
-    def __init__(self, retrieval: list[int], others: list[int], sink: int, window: int, window_frac: float):
+    def __init__(self, retrieval: list[int], others: list[int], sink: int, window: int, window_frac: float,
+                 quant: QuantSpec | None = None):  # fmt: skip
         super().__init__()
         self.retrieval, self.others = retrieval, others
         self.sink, self.window, self.window_frac = sink, window, window_frac
+        self.quant = quant or QuantSpec()
+        self.reset()
+
+    def reset(self) -> None:
         self.seen = 0
+        self.full_k, self.full_v = TokenStore(self.quant, True), TokenStore(self.quant, False)
+        self.recent_k, self.recent_v = TokenStore(self.quant, True), TokenStore(self.quant, False)
         # tensors once the layer has seen its first tokens (None before); Any keeps the state terse
-        self.full_k: Any = None
-        self.full_v: Any = None
         self.sink_k: Any = None
         self.sink_v: Any = None
-        self.recent_k: Any = None
-        self.recent_v: Any = None
         self.comp_k_sum: Any = None
         self.comp_v_sum: Any = None
         self.comp_count: Any = None
+        self.is_initialized = False
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -79,6 +84,8 @@ class RazorLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         """Called by the stock attention module; the attention function reads the cache itself."""
+        if not self.is_initialized:
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
         return key_states, value_states
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
@@ -88,44 +95,73 @@ class RazorLayer(DynamicLayer):
     def recent_budget(self, total: int) -> int:
         return max(self.window, int(total * self.window_frac))
 
+    def past_full(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Retrieval heads' stored keys and values ``[b, R, n, d]`` (None before the first commit)."""
+        return (self.full_k.read(), self.full_v.read()) if len(self.full_k) else None
+
+    def past_short(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Other heads' stored sink and recent keys / values, in order (empty lists before the first commit)."""
+        if self.sink_k is None:
+            return [], []
+        keys, values = [self.sink_k], [self.sink_v]
+        if len(self.recent_k):
+            keys.append(self.recent_k.read())
+            values.append(self.recent_v.read())
+        return keys, values
+
     def commit(self, new_k: torch.Tensor, new_v: torch.Tensor, valid: torch.Tensor) -> None:
         """Append this step's keys/values ``[b, Hkv, q, d]``; move what falls out of the window into the
         compensation sums. ``valid [b, seen + q]``: False for padding tokens (never compensated)."""
         q_len = new_k.shape[2]
         r, o = self.retrieval, self.others
         if r:
-            parts = [t for t in (self.full_k, new_k[:, r]) if t is not None]
-            self.full_k = torch.cat(parts, dim=2)
-            parts = [t for t in (self.full_v, new_v[:, r]) if t is not None]
-            self.full_v = torch.cat(parts, dim=2)
+            self.full_k.append(new_k[:, r])
+            self.full_v.append(new_v[:, r])
         if o:
             k, v = new_k[:, o], new_v[:, o]
-            start = self.seen
             if self.sink_k is None:
                 self.sink_k, self.sink_v = k[:, :, :0], v[:, :, :0]
-                self.recent_k, self.recent_v = k[:, :, :0], v[:, :, :0]
                 self.comp_k_sum = torch.zeros_like(k[:, :, :1], dtype=torch.float32)
                 self.comp_v_sum = torch.zeros_like(v[:, :, :1], dtype=torch.float32)
                 self.comp_count = torch.zeros(k.shape[0], dtype=torch.float32, device=k.device)
             take = max(0, min(self.sink - self.sink_k.shape[2], q_len))
             self.sink_k = torch.cat([self.sink_k, k[:, :, :take]], dim=2)
             self.sink_v = torch.cat([self.sink_v, v[:, :, :take]], dim=2)
-            recent_k = torch.cat([self.recent_k, k[:, :, take:]], dim=2)
-            recent_v = torch.cat([self.recent_v, v[:, :, take:]], dim=2)
-            total = start + q_len
-            keep = self.recent_budget(total)
-            drop = max(0, recent_k.shape[2] - keep)
+            if take < q_len:
+                self.recent_k.append(k[:, :, take:])
+                self.recent_v.append(v[:, :, take:])
+            total = self.seen + q_len
+            drop = max(0, len(self.recent_k) - self.recent_budget(total))
             if drop:
-                first = total - recent_k.shape[2]  # logical index of the oldest recent token
-                weight = valid[:, first : first + drop].to(torch.float32)  # [b, drop]
-                w = weight[:, None, :, None]
-                self.comp_k_sum = self.comp_k_sum + (recent_k[:, :, :drop].float() * w).sum(2, keepdim=True)
-                self.comp_v_sum = self.comp_v_sum + (recent_v[:, :, :drop].float() * w).sum(2, keepdim=True)
-                self.comp_count = self.comp_count + weight.sum(1)
-            if drop:  # copy: a slice would keep the dropped tokens' storage alive
-                recent_k, recent_v = recent_k[:, :, drop:].clone(), recent_v[:, :, drop:].clone()
-            self.recent_k, self.recent_v = recent_k, recent_v
+                first = total - len(self.recent_k)  # logical index of the oldest recent token
+                weight = valid[:, first : first + drop].to(torch.float32)[:, None, :, None]  # [b, 1, drop, 1]
+                dropped_k, dropped_v = self.recent_k.take_front(drop), self.recent_v.take_front(drop)
+                self.comp_k_sum = self.comp_k_sum + (dropped_k.float() * weight).sum(2, keepdim=True)
+                self.comp_v_sum = self.comp_v_sum + (dropped_v.float() * weight).sum(2, keepdim=True)
+                self.comp_count = self.comp_count + weight.sum((1, 2, 3))
         self.seen += q_len
+
+    # --- cache protocol
+    def rows(self) -> int:
+        for tensor in (self.sink_k, self.full_k.tail):
+            if tensor is not None:
+                return tensor.shape[0]
+        return 0
+
+    def apply(self, fn: Any) -> None:
+        for store in (self.full_k, self.full_v, self.recent_k, self.recent_v):
+            store.apply(fn)
+        if self.sink_k is not None:
+            self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
+            self.comp_k_sum, self.comp_v_sum = fn(self.comp_k_sum), fn(self.comp_v_sum)
+            self.comp_count = fn(self.comp_count)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.apply(select_rows_fn(index))
+
+    def crop_to(self, length: int) -> None:
+        if length < self.seen:
+            raise ValueError("a razor cache cannot be cropped: the tokens it dropped are gone")
 
 
 def razor_attention(
@@ -178,25 +214,17 @@ def _attend(
         layer.commit(key, value, valid)
         return out.transpose(1, 2).contiguous(), None
     if retrieval:
-        k = (
-            key[:, retrieval]
-            if layer is None or layer.full_k is None
-            else torch.cat([layer.full_k, key[:, retrieval]], 2)
-        )
-        v = (
-            value[:, retrieval]
-            if layer is None or layer.full_v is None
-            else torch.cat([layer.full_v, value[:, retrieval]], 2)
-        )
+        past = None if layer is None else layer.past_full()
+        k = key[:, retrieval] if past is None else torch.cat([past[0], key[:, retrieval]], 2)
+        v = value[:, retrieval] if past is None else torch.cat([past[1], value[:, retrieval]], 2)
         q = query[:, heads_of(retrieval)]
         scores = (q @ grouped(k).transpose(-1, -2)) * scale + bias
         out[:, heads_of(retrieval)] = softmax_rows(scores, value.dtype) @ grouped(v)
     if others:
         assert layer is not None
         index = torch.tensor(_kept_index(layer, total), device=query.device)
-        parts_k = [t for t in (layer.sink_k, layer.recent_k) if t is not None] + [key[:, others]]
-        parts_v = [t for t in (layer.sink_v, layer.recent_v) if t is not None] + [value[:, others]]
-        k, v = torch.cat(parts_k, 2), torch.cat(parts_v, 2)
+        past_k, past_v = layer.past_short()
+        k, v = torch.cat(past_k + [key[:, others]], 2), torch.cat(past_v + [value[:, others]], 2)
         if layer.comp_count is None:
             comp_k = torch.zeros_like(k[:, :, :1])
             comp_v, count = comp_k, torch.zeros(batch, device=query.device)
@@ -218,8 +246,7 @@ def _attend(
 def _kept_index(layer: RazorLayer, total: int) -> list[int]:
     """Logical positions a non-retrieval head still holds: sinks, the recent window, this step."""
     kept = list(range(layer.sink_k.shape[2] if layer.sink_k is not None else 0))
-    if layer.recent_k is not None:
-        kept += list(range(layer.seen - layer.recent_k.shape[2], layer.seen))
+    kept += list(range(layer.seen - len(layer.recent_k), layer.seen))
     return kept + list(range(layer.seen, total))
 
 
@@ -233,12 +260,13 @@ def _decode_with_kernel(
     row_bias = bias[:, 0, -1, :].expand(batch, total).float()
     empty = query.new_zeros(batch, 1, 1, dim)  # stands in for a kind of head this layer does not have
     r, o = layer.retrieval, layer.others
-    full_k = torch.cat([t for t in (layer.full_k, key[:, r]) if t is not None], 2) if r else empty
-    full_v = torch.cat([t for t in (layer.full_v, value[:, r]) if t is not None], 2) if r else empty
+    past = layer.past_full()
+    full_k = (key[:, r] if past is None else torch.cat([past[0], key[:, r]], 2)) if r else empty
+    full_v = (value[:, r] if past is None else torch.cat([past[1], value[:, r]], 2)) if r else empty
     if o:
         index = torch.tensor(_kept_index(layer, total), device=query.device)
-        short_k = torch.cat([t for t in (layer.sink_k, layer.recent_k) if t is not None] + [key[:, o]], 2)
-        short_v = torch.cat([t for t in (layer.sink_v, layer.recent_v) if t is not None] + [value[:, o]], 2)
+        past_k, past_v = layer.past_short()
+        short_k, short_v = torch.cat(past_k + [key[:, o]], 2), torch.cat(past_v + [value[:, o]], 2)
         short_bias = row_bias.index_select(-1, index)
         if layer.comp_count is None:
             comp_k = comp_v = query.new_zeros(batch, len(o), dim)
@@ -273,10 +301,11 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
 def make_cache(spec: dict[str, Any]) -> LayerStateCache:
     razor = spec["razor"]
     kv_heads = int(spec["num_kv_heads"])
+    quant = QuantSpec.from_spec(spec)
     layers = []
     for retrieval in razor["retrieval_kv_heads"]:
         others = [g for g in range(kv_heads) if g not in retrieval]
-        layers.append(RazorLayer(list(retrieval), others, razor["sink"], razor["window"], razor["window_frac"]))
+        layers.append(RazorLayer(list(retrieval), others, razor["sink"], razor["window"], razor["window_frac"], quant))
     return LayerStateCache(layers)
 
 

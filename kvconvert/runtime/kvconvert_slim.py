@@ -23,6 +23,7 @@ from .kvconvert_common import (
     softmax_rows,
 )
 from .kvconvert_kernels import use_kernels
+from .kvconvert_storage import QuantSpec
 
 
 class SlimAttention(LatentAttention):
@@ -111,5 +112,6 @@ class SlimAttention(LatentAttention):
 
 def make_cache(spec: dict[str, Any]) -> CompressedCache:
     """Per layer only the pre-RoPE keys (``LatentLayer`` with no values)."""
-    layers = [LatentLayer() for _ in spec["attention_modules"]]
+    quant = QuantSpec.from_spec(spec)
+    layers = [LatentLayer(quant) for _ in spec["attention_modules"]]
     return CompressedCache(layers, track_positions=spec.get("rotary_module") is not None)

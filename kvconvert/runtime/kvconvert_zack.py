@@ -26,6 +26,7 @@ from .kvconvert_common import (
     softmax_rows,
 )
 from .kvconvert_kernels import use_kernels
+from .kvconvert_storage import QuantSpec
 
 
 class ZackAttention(LatentAttention):
@@ -129,4 +130,5 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | Non
 
 def make_cache(spec: dict[str, Any]) -> CompressedCache:
     # keys are cached after RoPE and rotation: no positions to remember
-    return CompressedCache([LatentLayer() for _ in spec["zack_layers"]], track_positions=False)
+    quant = QuantSpec.from_spec(spec)
+    return CompressedCache([LatentLayer(quant) for _ in spec["zack_layers"]], track_positions=False)

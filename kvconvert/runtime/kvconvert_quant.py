@@ -1,0 +1,21 @@
+"""Quantized-cache runtime (``kvconvert quant``): stock attention, every layer's K/V in quantized
+storage (``kvconvert_storage.QuantizedLayer``: keys per channel, values per token, recent tokens exact).
+Copied verbatim into every output directory; imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .kvconvert_common import LayerStateCache
+from .kvconvert_storage import QuantizedLayer, QuantSpec
+
+
+def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
+    """Attention modules and weights stay stock."""
+    return None
+
+
+def make_cache(spec: dict[str, Any]) -> LayerStateCache:
+    quant = QuantSpec.from_spec(spec)
+    return LayerStateCache([QuantizedLayer(quant) for _ in spec["attention_modules"]])
