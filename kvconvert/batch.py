@@ -20,8 +20,10 @@ import yaml
 
 import kvconvert
 from kvconvert.errors import KVConvertError
-from kvconvert.methods import build_method
+from kvconvert.methods import Method, build_method
+from kvconvert.pipeline import storage_report
 from kvconvert.recipe import load_recipe, parse_recipe
+from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class Job:
     out: Path
     method: str
     config: Any
+    storage: QuantSpec = QuantSpec()
     revision: str | None = None
     dtype: str = "auto"
     allow_pickle: bool = False
@@ -38,7 +41,7 @@ class Job:
     push_revision: str | None = None
 
 
-_JOB_KEYS = {f.name for f in dataclasses.fields(Job)} - {"config"} | {"recipe", "options"}
+_JOB_KEYS = {f.name for f in dataclasses.fields(Job)} - {"config", "storage"} | {"recipe", "options"}
 
 
 def parse_jobs(path: Path) -> list[Job]:
@@ -68,10 +71,10 @@ def parse_jobs(path: Path) -> list[Job]:
         if "recipe" in entry:
             if "options" in entry:
                 raise KVConvertError(f"{where}: 'options' go with 'method', not with 'recipe'")
-            method, config = load_recipe(base / entry["recipe"])
+            method, config, storage = load_recipe(base / entry["recipe"])
         else:
             options = entry.get("options") or {}
-            method, config = parse_recipe({"method": entry["method"], **options}, where)
+            method, config, storage = parse_recipe({"method": entry["method"], **options}, where)
         for key in ("private", "allow_pickle"):
             if not isinstance(entry.get(key, False), bool):
                 raise KVConvertError(f"{where}: {key!r} must be true or false")
@@ -83,6 +86,7 @@ def parse_jobs(path: Path) -> list[Job]:
                 out=base / entry["out"],
                 method=method,
                 config=config,
+                storage=storage,
                 revision=entry.get("revision"),
                 dtype=entry.get("dtype", "auto"),
                 allow_pickle=entry.get("allow_pickle", False),
@@ -94,14 +98,15 @@ def parse_jobs(path: Path) -> list[Job]:
     return jobs
 
 
-def _is_up_to_date(out: Path, method_name: str, params: dict[str, Any], source_sha256: dict[str, str]) -> bool:
+def _is_up_to_date(out: Path, method: Method, source_sha256: dict[str, str]) -> bool:
     report_file = out / "kvconvert.json"
     if not report_file.exists():
         return False
     report = json.loads(report_file.read_text())
     return (
-        report.get("method") == method_name
-        and report.get("params") == params
+        report.get("method") == method.name
+        and report.get("params") == method.params()
+        and report.get("kv_storage") == storage_report(method.storage)
         and report.get("tool_version") == kvconvert.__version__
         and report.get("source", {}).get("sha256") == source_sha256
     )
@@ -131,11 +136,11 @@ def run_job(job: Job, measure: bool) -> dict[str, Any]:
     from kvconvert.io.source import open_source
     from kvconvert.pipeline import convert
 
-    method = build_method(job.method, job.config)
+    method = build_method(job.method, job.config, job.storage)
     source = open_source(job.model, revision=job.revision, allow_pickle=job.allow_pickle)
     source_sha256 = source.sha256()
     result: dict[str, Any] = {"model": job.model, "out": str(job.out), "method": job.method}
-    if _is_up_to_date(job.out, method.name, method.params(), source_sha256):
+    if _is_up_to_date(job.out, method, source_sha256):
         result["status"] = "skipped"
     else:
         if job.out.exists() and not (job.out / "kvconvert.json").exists():

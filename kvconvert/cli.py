@@ -14,6 +14,7 @@ import click
 
 from kvconvert import __version__
 from kvconvert.errors import KVConvertError
+from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 
 def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -35,6 +36,16 @@ def _output_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         show_default=True,
         help="Output dtype; auto keeps the source's.",
     )(fn)
+    fn = click.option("--kv-residual", type=int, default=None, help="Newest tokens kept unquantized (default 128).")(fn)
+    fn = click.option(
+        "--kv-group", type=int, default=None, help="Values per quantization group / tokens per key block (default 64)."
+    )(fn)
+    fn = click.option(
+        "--kv-bits",
+        type=click.Choice(["16", "8", "4", "2"]),
+        default=None,
+        help="Storage of what the cache holds: 16 = the model's dtype (default), 8/4/2-bit integers.",
+    )(fn)
     fn = click.option("--force", is_flag=True, help="Replace an existing --out (and accept refused checks).")(fn)
     fn = click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Output directory.")(fn)
     return fn
@@ -52,6 +63,17 @@ class ConversionOptions:
     dtype: str
     max_shard_size: str
     quiet: bool
+    kv_bits: str | None
+    kv_group: int | None
+    kv_residual: int | None
+
+    def storage(self, base: QuantSpec | None = None) -> QuantSpec:
+        """The cache storage these options ask for; options not given keep ``base``'s (a recipe's)."""
+        from kvconvert.recipe import storage_spec
+
+        given = {"kv_bits": None if self.kv_bits is None else int(self.kv_bits), "kv_group": self.kv_group,
+                 "kv_residual": self.kv_residual}  # fmt: skip
+        return storage_spec(given, "options", base)
 
 
 def _conversion_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -299,6 +321,19 @@ def minicache(
 
 
 @main.command()
+@_conversion_options
+@_user_errors
+def quant(options: ConversionOptions) -> None:
+    """Quantized KV cache alone (KIVI layout: keys per channel, values per token): the baseline to beat."""
+    from kvconvert.methods.quant import QuantMethod
+
+    report = _convert(QuantMethod(), options)
+    storage = report["kv_storage"]
+    click.echo(f"wrote {options.out} (quant {storage['bits']}-bit, groups of {storage['group']}, "
+               f"{storage['residual']} recent tokens unquantized)")  # fmt: skip
+
+
+@main.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @_conversion_options
 @_user_errors
@@ -310,8 +345,8 @@ def run(
     from kvconvert.methods import build_method
     from kvconvert.recipe import load_recipe
 
-    name, config = load_recipe(recipe)
-    report = _convert(build_method(name, config), options)
+    name, config, storage = load_recipe(recipe)
+    report = _convert(build_method(name, config, storage), options)
     click.echo(f"wrote {options.out} ({name}, KV budget {report['kv_budget_expected']:.3f})")
 
 
@@ -366,6 +401,8 @@ def push(directory: Path, repo_id: str, private: bool, revision: str | None, dry
 def _convert(method: Any, options: ConversionOptions) -> dict[str, Any]:
     from kvconvert.io.source import open_source
     from kvconvert.pipeline import convert, parse_size
+
+    method.storage = options.storage(method.storage)  # options given on the command line win over a recipe's
 
     source = open_source(options.model, revision=options.revision, allow_pickle=options.allow_pickle)
     result = convert(
@@ -506,6 +543,8 @@ def _print_rotations(result: dict[str, Any]) -> None:
 @click.option("--ctx", type=int, default=1024, show_default=True, help="Window length (capped at the model's).")
 @click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of --data.")
 @click.option("--chunk", type=int, default=None, help="Feed each window through the cache N tokens at a time.")
+@click.option("--context", type=int, default=None, help="Context protocol: N tokens into the cache in one forward…")
+@click.option("--continuation", type=int, default=None, help="…then the next M scored in one forward through it.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Also write results here.")
 @click.option("--retrieval-lengths", default=None, help="Comma-separated prompt lengths for passkey/copy.")
 @click.option("--no-retrieval", is_flag=True, help="Skip passkey and copy tests.")
@@ -519,6 +558,8 @@ def eval_command(
     ctx: int,
     max_tokens: int | None,
     chunk: int | None,
+    context: int | None,
+    continuation: int | None,
     json_out: Path | None,
     retrieval_lengths: str | None,
     no_retrieval: bool,
@@ -540,8 +581,13 @@ def eval_command(
         raise KVConvertError(f"--ctx must be at least 2, got {ctx}")
     if chunk is not None and chunk < 1:
         raise KVConvertError(f"--chunk must be at least 1, got {chunk}")
+    if (context is not None and context < 1) or (continuation is not None and continuation < 2):
+        raise KVConvertError("--context must be at least 1 and --continuation at least 2")
+    if context is not None and chunk is not None:
+        raise KVConvertError("--chunk and --context are two protocols; give one")
     config = EvalConfig(
-        data=data, ctx=ctx, max_tokens=max_tokens, chunk=chunk, retrieval_lengths=lengths, retrieval=not no_retrieval,
+        data=data, ctx=ctx, max_tokens=max_tokens, chunk=chunk, context=context, continuation=continuation,
+        retrieval_lengths=lengths, retrieval=not no_retrieval,
         speed=not no_speed, progress=not quiet,
     )  # fmt: skip
     result = run_eval(model, reference, config)

@@ -20,6 +20,7 @@ from kvconvert.io.source import TOKENIZER_FILES, SourceCheckpoint
 from kvconvert.io.writer import ShardedSafetensorsWriter, atomic_output_dir
 from kvconvert.methods.base import Method
 from kvconvert.recipe import recipe_text
+from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 RUNTIME_DIR = Path(__file__).parent / "runtime"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -37,6 +38,12 @@ def _source_dtype(source: SourceCheckpoint, names: list[str]) -> torch.dtype:
         if tensor.is_floating_point():
             return tensor.dtype
     return torch.float32
+
+
+def storage_report(storage: QuantSpec) -> dict[str, int] | None:
+    """``kv_quant`` of the runtime spec and ``kv_storage`` of kvconvert.json; None (nothing written)
+    at 16 bits, so an unquantized conversion is byte-identical to one made before quantized storage."""
+    return storage.to_spec() if storage.quantized else None
 
 
 def parse_size(text: str) -> int:
@@ -135,6 +142,9 @@ def convert(
             "scaling": list(layout.scaling),
             **method.runtime_spec(layout, tensor_names),
         }
+        storage = storage_report(method.storage)
+        if storage is not None:
+            spec["kv_quant"] = storage
         config = source.config.to_dict()
         config.update(
             model_type="kvconvert",
@@ -173,6 +183,8 @@ def convert(
         }
         if method.summary():
             report["plan"] = method.summary()
+        if storage is not None:
+            report["kv_storage"] = storage
         (tmp / "kvconvert.json").write_text(json.dumps(report, indent=2) + "\n")
         (tmp / "recipe.yaml").write_text(recipe_text(method))  # `kvconvert run` repeats the conversion
         write_model_card(tmp, report, name=out.name)

@@ -1,4 +1,5 @@
-"""Typed recipes: YAML presets that map onto a method's config dataclass.
+"""Typed recipes: YAML presets that map onto a method's config dataclass, plus the cache storage
+every method shares (``kv_bits``, ``kv_group``, ``kv_residual``).
 
 Unknown keys, wrong types and out-of-range values are one-line errors naming the key and the file.
 """
@@ -15,6 +16,25 @@ import yaml
 
 from kvconvert.errors import KVConvertError
 from kvconvert.methods import METHODS, Method
+from kvconvert.runtime.kvconvert_storage import QuantSpec
+
+# recipe key -> QuantSpec field: the storage options of every conversion command
+STORAGE_KEYS = {"kv_bits": "bits", "kv_group": "group", "kv_residual": "residual"}
+
+
+def storage_spec(values: dict[str, Any], source: str, base: QuantSpec | None = None) -> QuantSpec:
+    """``QuantSpec`` from recipe-style keys (missing ones from ``base``); bad values are one line."""
+    fields = dataclasses.asdict(base or QuantSpec())
+    for key, value in values.items():
+        if value is None:
+            continue
+        if not _matches(value, int):
+            raise KVConvertError(f"{source}: {key!r} must be int, got {value!r}")
+        fields[STORAGE_KEYS[key]] = value
+    try:
+        return QuantSpec(**fields)
+    except ValueError as exc:
+        raise KVConvertError(f"{source}: {exc}") from None
 
 
 def _matches(value: Any, expected: Any) -> bool:
@@ -42,11 +62,12 @@ def _describe(expected: Any) -> str:
     return "null" if expected is type(None) else getattr(expected, "__name__", str(expected))
 
 
-def parse_recipe(data: Any, source: str = "<recipe>") -> tuple[str, Any]:
-    """(method name, config instance) from a mapping ``{method: NAME, <option>: value, ...}``."""
+def parse_recipe(data: Any, source: str = "<recipe>") -> tuple[str, Any, QuantSpec]:
+    """(method name, config instance, cache storage) from ``{method: NAME, <option>: value, ...}``."""
     if not isinstance(data, dict) or "method" not in data:
         raise KVConvertError(f"{source}: a recipe is a mapping with a 'method' key")
-    options = {k: v for k, v in data.items() if k != "method"}
+    storage = storage_spec({k: v for k, v in data.items() if k in STORAGE_KEYS}, source)
+    options = {k: v for k, v in data.items() if k != "method" and k not in STORAGE_KEYS}
     method = data["method"]
     if method not in METHODS:
         raise KVConvertError(f"{source}: unknown method {method!r}; known: {', '.join(sorted(METHODS))}")
@@ -55,7 +76,8 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> tuple[str, Any]:
     fields = {f.name for f in dataclasses.fields(config_class)}
     for key, value in options.items():
         if key not in fields:
-            raise KVConvertError(f"{source}: unknown key {key!r} for {method}; allowed: {', '.join(sorted(fields))}")
+            allowed = ", ".join(sorted(fields | set(STORAGE_KEYS)))
+            raise KVConvertError(f"{source}: unknown key {key!r} for {method}; allowed: {allowed}")
         if not _matches(value, hints[key]):
             raise KVConvertError(f"{source}: {key!r} must be {_describe(hints[key])}, got {value!r}")
     required = [
@@ -67,12 +89,12 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> tuple[str, Any]:
     if missing:
         raise KVConvertError(f"{source}: {method} needs {', '.join(repr(m) for m in missing)}")
     try:
-        return method, config_class(**options)
+        return method, config_class(**options), storage
     except KVConvertError as exc:
         raise KVConvertError(f"{source}: {exc}") from None
 
 
-def load_recipe(path: Path) -> tuple[str, Any]:
+def load_recipe(path: Path) -> tuple[str, Any, QuantSpec]:
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -81,5 +103,10 @@ def load_recipe(path: Path) -> tuple[str, Any]:
 
 
 def recipe_text(method: Method) -> str:
-    """The recipe that reproduces ``method``: every option spelled out, defaults included."""
-    return yaml.safe_dump({"method": method.name, **method.params()}, sort_keys=False)
+    """The recipe that reproduces ``method``: every option spelled out, defaults included; the storage
+    keys only when the cache is quantized (so 16-bit recipes read as they always did)."""
+    storage = method.storage
+    quantized = {"kv_bits": storage.bits, "kv_group": storage.group, "kv_residual": storage.residual}
+    return yaml.safe_dump(
+        {"method": method.name, **method.params(), **(quantized if storage.quantized else {})}, sort_keys=False
+    )

@@ -46,7 +46,8 @@ def test_run_bad_recipe_is_one_line(tiny_model_dir, tmp_path):
     result = run_cli("run", str(recipe), "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "o"))
     assert result.exit_code == 2
     assert result.stderr.strip() == (
-        f"kvconvert: error: {recipe}: unknown key 'ranks' for lorc; allowed: compress, kv_budget, schedule, threshold"
+        f"kvconvert: error: {recipe}: unknown key 'ranks' for lorc; allowed: compress, kv_bits, "
+        "kv_budget, kv_group, kv_residual, schedule, threshold"
     )
 
 

@@ -10,24 +10,29 @@ from kvconvert.errors import KVConvertError
 from kvconvert.methods.lorc import LorcConfig
 from kvconvert.methods.slim import SlimConfig
 from kvconvert.recipe import load_recipe, parse_recipe
+from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def test_shipped_slim_recipe_parses():
-    method, config = load_recipe(RECIPES / "slim.yaml")
-    assert method == "slim" and config == SlimConfig(max_v_error=0.01)
+    method, config, storage = load_recipe(RECIPES / "slim.yaml")
+    assert method == "slim" and config == SlimConfig(max_v_error=0.01) and storage == QuantSpec()
 
 
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_recipe_parses(path):
-    method, config = load_recipe(path)
+    method, config, storage = load_recipe(path)
     assert type(config).__name__.lower().startswith(method)
+    assert storage.quantized == ("kv_bits" in path.read_text())
 
 
 def test_lorc_recipe_types():
-    method, config = parse_recipe({"method": "lorc", "kv_budget": 1, "threshold": None, "compress": "k"})
+    method, config, storage = parse_recipe(
+        {"method": "lorc", "kv_budget": 1, "threshold": None, "compress": "k", "kv_bits": 4, "kv_residual": 0}
+    )
     assert method == "lorc" and config == LorcConfig(kv_budget=1.0, compress="k")
+    assert storage == QuantSpec(bits=4, group=64, residual=0)
 
 
 @pytest.mark.parametrize(
@@ -42,6 +47,8 @@ def test_lorc_recipe_types():
         ({"method": "lorc", "kv_budget": 0.5, "threshold": "high"}, "'threshold' must be float or null"),
         ({"method": "lorc"}, "kv_budget"),
         (["slim"], "a recipe is a mapping"),
+        ({"method": "slim", "kv_bits": 3}, "kv bits must be one of"),
+        ({"method": "slim", "kv_group": "big"}, "'kv_group' must be int"),
     ],
 )
 def test_recipe_errors_name_key_and_file(data, message):

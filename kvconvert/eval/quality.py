@@ -39,6 +39,25 @@ def window_logits(model: Any, window: torch.Tensor, chunk: int | None) -> torch.
     return torch.cat(parts, dim=1)
 
 
+def scored_logits(
+    model: Any, window: torch.Tensor, chunk: int | None, context: int | None, through_cache: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits ``[1, m, V]``, targets ``[1, m]``) of the tokens a window scores.
+
+    Without ``context``: every token after the first (``window_logits``). With ``context`` (the
+    context-compression protocol): the first ``context`` tokens go into the cache in one forward, the
+    rest are scored in one forward through that cache; ``through_cache=False`` (a stock reference,
+    for which the cache changes nothing) takes the same logits from one forward."""
+    if context is None:
+        return window_logits(model, window, chunk)[:, :-1], window[:, 1:]
+    targets = window[:, context:]
+    if not through_cache:
+        return model(window[:, :-1], use_cache=False).logits[:, context - 1 :], targets
+    prefix = model(window[:, :context], use_cache=True)
+    rest = model(window[:, context:-1], past_key_values=prefix.past_key_values, use_cache=True)
+    return torch.cat([prefix.logits[:, -1:], rest.logits], dim=1), targets
+
+
 @torch.no_grad()
 def evaluate_quality(
     model: Any,
@@ -47,23 +66,28 @@ def evaluate_quality(
     reference: Any | None = None,
     progress: bool = False,
     chunk: int | None = None,
+    context: int | None = None,
 ) -> QualityResult:
     """Score ``token_ids [n]`` window by window (only one window's logits are ever held).
 
     For every window ``w``: log-probs of ``w[1:]`` given ``w[:-1]`` from the model (fed ``chunk``
-    tokens at a time when given) and from the reference (a stock model, always one forward: feeding
-    a full cache in chunks changes nothing but the time); NLL, KL and argmax agreement are summed
-    in float64.
+    tokens at a time when given; with ``context``, only the tokens after the first ``context``, read
+    through the cache, see ``scored_logits``) and from the reference (a stock model, always one
+    forward: feeding a full cache in chunks changes nothing but the time); NLL, KL and argmax
+    agreement are summed in float64.
     """
     nll = ref_nll = kl = 0.0
     agree = count = 0
     for window in tqdm(windows(token_ids, ctx), desc="eval", unit="window", disable=not progress):
-        targets = window[:, 1:]
-        logp = torch.log_softmax(window_logits(model, window, chunk)[:, :-1].double(), dim=-1)
+        if context is not None and window.shape[1] <= context + 1:
+            continue  # a trailing window without a continuation
+        logits, targets = scored_logits(model, window, chunk, context)
+        logp = torch.log_softmax(logits.double(), dim=-1)
         nll -= logp.gather(-1, targets[..., None]).sum().item()
         count += targets.numel()
         if reference is not None:
-            ref_logp = torch.log_softmax(window_logits(reference, window, None)[:, :-1].double(), dim=-1)
+            ref_logits = scored_logits(reference, window, None, context, through_cache=False)[0]
+            ref_logp = torch.log_softmax(ref_logits.double(), dim=-1)
             ref_nll -= ref_logp.gather(-1, targets[..., None]).sum().item()
             kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
             agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())

@@ -12,7 +12,7 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.data import load_text
-from kvconvert.eval.memory import kv_bytes_per_token
+from kvconvert.eval.memory import cache_nbytes, kv_bytes_per_token
 from kvconvert.eval.quality import evaluate_quality
 from kvconvert.eval.retrieval import copy_accuracy, passkey_accuracy
 from kvconvert.eval.speed import measure_speed
@@ -24,6 +24,10 @@ class EvalConfig:
     ctx: int = 1024
     max_tokens: int | None = None
     chunk: int | None = None  # feed each window through the cache this many tokens at a time
+    # context-compression protocol: ``context`` tokens into the cache in one forward, the next
+    # ``continuation`` scored in one forward through it (windows of context + continuation tokens)
+    context: int | None = None
+    continuation: int | None = None
     speed_context: int = 512
     new_tokens: int = 32
     retrieval_lengths: tuple[int, ...] | None = None  # None: 256, 512, … up to min(context, 2048)
@@ -80,26 +84,55 @@ def default_retrieval_lengths(context: int) -> tuple[int, ...]:
     return tuple(lengths) or (context,)
 
 
+def cache_dtype_bytes(model: Any) -> int:
+    """Bytes per element of a stock cache of ``model`` (its floating-point parameters' dtype)."""
+    return next(p for p in model.parameters() if p.is_floating_point()).element_size()
+
+
+@torch.no_grad()
+def bytes_after_context(model: Any, ids: torch.Tensor) -> int:
+    """Bytes the cache holds after ``ids [1, n]`` went in in one forward."""
+    return cache_nbytes(model(ids, use_cache=True).past_key_values)
+
+
 def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) -> dict[str, Any]:
     start = time.perf_counter()
+    protocol = config.context is not None
+    if protocol != (config.continuation is not None):
+        raise KVConvertError("--context and --continuation go together")
+    text = load_text(config.data)  # checked before any model is loaded
     model, tokenizer = load_for_eval(model_path)
     reference = load_for_eval(reference_path)[0] if reference_path else None
     context = model_context(model)
     ctx = min(config.ctx, context)
-    text = load_text(config.data)
+    if protocol:
+        assert config.context is not None and config.continuation is not None
+        ctx = config.context + config.continuation
+        if ctx > context:
+            raise KVConvertError(f"--context + --continuation = {ctx} exceeds the model's context of {context}")
     ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
     if config.max_tokens:
         ids = ids[: config.max_tokens]
     if ids.numel() < 2:
         raise KVConvertError(f"--data {config.data!r} has fewer than 2 tokens")
+    if protocol and ids.numel() < ctx:
+        raise KVConvertError(f"--data {config.data!r} has {ids.numel()} tokens, fewer than one window of {ctx}")
 
-    quality = evaluate_quality(model, ids, ctx, reference, progress=config.progress, chunk=config.chunk)
+    quality = evaluate_quality(
+        model, ids, ctx, reference, progress=config.progress, chunk=config.chunk, context=config.context
+    )
     result: dict[str, Any] = {
         "model": model_path,
         "reference": reference_path,
         "data": config.data,
         "ctx": ctx,
-        "window": "non-overlapping" if config.chunk is None else f"non-overlapping, fed in chunks of {config.chunk}",
+        "window": (
+            f"{config.context} context tokens in the cache, {config.continuation} scored through it"
+            if protocol
+            else "non-overlapping"
+            if config.chunk is None
+            else f"non-overlapping, fed in chunks of {config.chunk}"
+        ),
         "tokens": quality.tokens,
         "ppl": quality.ppl,
     }
@@ -108,15 +141,27 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
             reference_ppl=quality.reference_ppl, kl_mean=quality.kl_mean, top1_agreement=quality.top1_agreement
         )
 
-    # KV bytes: cache growth between two prompt lengths, on the evaluation text itself.
-    long = min(ctx, ids.numel(), 512)
-    short = max(1, long // 4)
-    sample = ids[None, :long]
-    result["kv_bytes_per_token"] = kv_bytes_per_token(model, sample, short, long)
-    result["kv_measured_between"] = [short, long]
+    if protocol:
+        # KV bytes held after the context (what a long-context user pays), per context token
+        sample = ids[None, : config.context]
+        result["kv_bytes_per_token"] = bytes_after_context(model, sample) / sample.shape[1]
+        result["kv_measured_after"] = sample.shape[1]
+        if reference is not None:
+            result["reference_kv_bytes_per_token"] = bytes_after_context(reference, sample) / sample.shape[1]
+    else:
+        # KV bytes: cache growth between two prompt lengths, on the evaluation text itself.
+        long = min(ctx, ids.numel(), 512)
+        short = max(1, long // 4)
+        sample = ids[None, :long]
+        result["kv_bytes_per_token"] = kv_bytes_per_token(model, sample, short, long)
+        result["kv_measured_between"] = [short, long]
+        if reference is not None:
+            result["reference_kv_bytes_per_token"] = kv_bytes_per_token(reference, sample, short, long)
     if reference is not None:
-        result["reference_kv_bytes_per_token"] = kv_bytes_per_token(reference, sample, short, long)
         result["kv_budget_measured"] = result["kv_bytes_per_token"] / result["reference_kv_bytes_per_token"]
+        # against a 16-bit cache of the reference: an fp32 evaluation would flatter quantization 2x
+        bytes_16bit = result["reference_kv_bytes_per_token"] * 2 / cache_dtype_bytes(reference)
+        result["kv_budget_vs_16bit"] = result["kv_bytes_per_token"] / bytes_16bit
 
     if config.speed:
         speed_context = min(config.speed_context, context - config.new_tokens - 1)
@@ -171,9 +216,9 @@ def format_table(result: dict[str, Any]) -> str:
     if has_ref:
         lines.append(
             f"KL(ref‖model) {result['kl_mean']:.3g} nats/token · top-1 agreement {result['top1_agreement']:.4f} · "
-            f"measured KV budget {result['kv_budget_measured']:.3f}"
+            f"measured KV budget {result['kv_budget_measured']:.3f} "
+            f"({result['kv_budget_vs_16bit']:.3f} of a 16-bit cache)"
         )
-    lines.append(
-        f"{result['tokens']} tokens scored in {result['window']} windows of {result['ctx']} · {result['seconds']:.1f} s"
-    )
+    lines.append(f"{result['tokens']} tokens scored; windows of {result['ctx']}: {result['window']} · "
+                 f"{result['seconds']:.1f} s")  # fmt: skip
     return "\n".join(lines)

@@ -7,9 +7,11 @@ from typing import Any
 from kvconvert.methods.base import LayerOutput, Method
 from kvconvert.methods.lorc import LorcConfig, LorcMethod
 from kvconvert.methods.minicache import MiniCacheConfig, MiniCacheMethod
+from kvconvert.methods.quant import QuantConfig, QuantMethod
 from kvconvert.methods.razor import RazorConfig, RazorMethod
 from kvconvert.methods.slim import SlimConfig, SlimMethod
 from kvconvert.methods.zack import ZackConfig, ZackMethod
+from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 # method name -> (config dataclass, method class); recipes and batch jobs are resolved through it
 METHODS: dict[str, tuple[type, type[Method]]] = {
@@ -18,15 +20,21 @@ METHODS: dict[str, tuple[type, type[Method]]] = {
     "razor": (RazorConfig, RazorMethod),
     "zack": (ZackConfig, ZackMethod),
     "minicache": (MiniCacheConfig, MiniCacheMethod),
+    "quant": (QuantConfig, QuantMethod),
 }
 
 
-def build_method(name: str, config: Any) -> Method:
-    return METHODS[name][1](config)  # type: ignore[call-arg]
+def build_method(name: str, config: Any, storage: QuantSpec | None = None) -> Method:
+    """The method ``name`` with ``config``, storing its cache as ``storage`` (default 16 bits)."""
+    method = METHODS[name][1](config)  # type: ignore[call-arg]
+    if storage is not None:
+        method.storage = storage
+    return method
 
 
 __all__ = [
     "METHODS", "LayerOutput", "LorcConfig", "LorcMethod", "Method", "MiniCacheConfig", "MiniCacheMethod",
+    "QuantConfig", "QuantMethod",
     "RazorConfig", "RazorMethod", "SlimConfig",
     "SlimMethod", "ZackConfig", "ZackMethod", "build_method",
 ]  # fmt: skip

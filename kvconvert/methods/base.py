@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvconvert.arch import AttentionLayout, AttentionWeights
+from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 
 @dataclass
@@ -21,9 +22,11 @@ class LayerOutput:
 
 
 class Method:
-    """One KV-cache compression method. Subclasses are stateless apart from their config."""
+    """One KV-cache compression method. Subclasses are stateless apart from their config and the
+    storage of what their cache holds (``storage``, shared by every method: 16 bits or quantized)."""
 
     name: ClassVar[str]
+    storage: QuantSpec = QuantSpec()
 
     def check(self, layout: AttentionLayout) -> None:
         """Raise ``KVConvertError`` if the model cannot be converted by this method."""

@@ -1,0 +1,302 @@
+"""Quantized cache storage (``--kv-bits``) and ``kvconvert quant``, against plain-torch references."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from helpers import convert, left_padded, load_converted, load_reference, run_cli
+
+import kvconvert
+from kvconvert.eval.memory import kv_bytes_per_token
+from kvconvert.runtime import kvconvert_common, kvconvert_minicache, kvconvert_razor, kvconvert_storage
+from kvconvert.runtime.kvconvert_storage import (
+    QuantSpec,
+    TokenStore,
+    channel_groups,
+    dequantize_tokens,
+    pack,
+    quantize_tokens,
+    unpack,
+)
+
+# ----------------------------------------------------------------- plain-torch reference quantizer
+
+
+def _fp16_down(x: torch.Tensor) -> torch.Tensor:
+    h = x.half().float()
+    return torch.where(h > x, torch.nextafter(x.half(), torch.tensor(-math.inf).half()).float(), h)
+
+
+def _fp16_up(x: torch.Tensor) -> torch.Tensor:
+    h = x.half().float()
+    h = torch.where(h < x, torch.nextafter(x.half(), torch.tensor(math.inf).half()).float(), h)
+    return torch.where(h > 0, h, torch.ones_like(h))
+
+
+def _fake(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor, bits: int) -> torch.Tensor:
+    levels = 2**bits - 1
+    zero = _fp16_down(low)
+    scale = _fp16_up((high - zero) / levels)
+    return zero + ((x - zero) / scale).round().clamp(0, levels) * scale
+
+
+def reference_fake_quant(x: torch.Tensor, bits: int, group: int, per_channel: bool) -> torch.Tensor:
+    """Group by group with explicit slices: keys per channel over ``group``-token blocks, values per
+    token over equal channel groups of at most ``group``. ``x [..., n, w]`` float32."""
+    out = x.clone()
+    if per_channel:
+        for start in range(0, x.shape[-2], group):
+            block = x[..., start : start + group, :]
+            low, high = block.amin(-2, keepdim=True), block.amax(-2, keepdim=True)
+            out[..., start : start + group, :] = _fake(block, low, high, bits)
+        return out
+    groups, size = channel_groups(x.shape[-1], group)
+    for j in range(groups):
+        cols = x[..., j * size : (j + 1) * size]
+        out[..., j * size : (j + 1) * size] = _fake(
+            cols, cols.amin(-1, keepdim=True), cols.amax(-1, keepdim=True), bits
+        )
+    return out
+
+
+class ReferenceStore:
+    """Drop-in for ``TokenStore`` with the same ageing rule, in plain float: once the float tail holds
+    ``residual + group`` tokens its oldest whole blocks are fake-quantized by the reference above."""
+
+    def __init__(self, quant: QuantSpec, per_channel: bool):
+        self.quant, self.per_channel = quant, per_channel
+        self.aged: torch.Tensor | None = None  # fake-quantized tokens, oldest first
+        self.tail: torch.Tensor | None = None
+
+    def _parts(self) -> list[torch.Tensor]:
+        return [t for t in (self.aged, self.tail) if t is not None]
+
+    def __len__(self) -> int:
+        return sum(t.shape[-2] for t in self._parts())
+
+    def read(self) -> torch.Tensor:
+        return torch.cat(self._parts(), dim=-2)
+
+    def append(self, new: torch.Tensor) -> None:
+        self.tail = new if self.tail is None else torch.cat([self.tail, new], dim=-2)
+        if not self.quant.quantized:
+            return
+        ready = (self.tail.shape[-2] - self.quant.residual) // self.quant.group * self.quant.group
+        if ready > 0:
+            spec = self.quant
+            aged = reference_fake_quant(self.tail[..., :ready, :].float(), spec.bits, spec.group, self.per_channel)
+            aged = aged.to(self.tail.dtype)
+            self.aged = aged if self.aged is None else torch.cat([self.aged, aged], dim=-2)
+            self.tail = self.tail[..., ready:, :]
+
+    def extend(self, new: torch.Tensor) -> torch.Tensor:
+        past = None if self.tail is None else self.read()
+        self.append(new)
+        return new if past is None else torch.cat([past, new], dim=-2)
+
+    def take_front(self, count: int) -> torch.Tensor:
+        front = self.read()[..., :count, :]
+        from_aged = 0 if self.aged is None else min(count, self.aged.shape[-2])
+        if self.aged is not None:
+            self.aged = self.aged[..., from_aged:, :]
+        assert self.tail is not None
+        self.tail = self.tail[..., count - from_aged :, :]
+        return front
+
+    def apply(self, fn):
+        self.aged = None if self.aged is None else fn(self.aged)
+        self.tail = None if self.tail is None else fn(self.tail)
+
+    def crop(self, length: int) -> None:
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------- the quantizer itself
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("width", [64, 37, 100])
+def test_dequantized_error_is_at_most_half_a_step(bits, per_channel, width):
+    torch.manual_seed(bits + width)
+    x = torch.randn(2, 3, 128, width) * torch.linspace(0.1, 8, width)  # outlier channels, as keys have
+    x[0, 0, :64] = 1.5  # a constant group: scale is arbitrary, error must be 0 up to fp16 rounding of the zero
+    block = quantize_tokens(x, bits, 64, per_channel)
+    assert block.codes.dtype == torch.uint8 and block.scale.dtype == torch.float16
+    y = dequantize_tokens(block, bits, 64, width, per_channel, torch.float32)
+    if per_channel:  # scale [2, 3, 2, w] -> per element
+        step = block.scale.float().repeat_interleave(64, dim=-2)
+    else:
+        _, size = channel_groups(width, 64)
+        step = block.scale.float().repeat_interleave(size, dim=-1)[..., :width]
+    assert ((y - x).abs() <= step / 2 * (1 + 1e-5) + 1e-6).all()
+    assert torch.equal(y, reference_fake_quant(x, bits, 64, per_channel))
+    # real packing: 4-bit two values per byte, 2-bit four
+    packed_width = block.codes.shape[-1]
+    groups, size = channel_groups(width, 64)
+    assert packed_width == math.ceil((64 if per_channel else groups * size) * bits / 8)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_pack_round_trip(bits):
+    codes = torch.randint(0, 2**bits, (3, 13), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.shape[-1] == math.ceil(13 * bits / 8)
+    assert torch.equal(unpack(packed, bits, 13), codes)
+
+
+def test_store_keeps_recent_tokens_exact_and_ages_them_block_by_block():
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 200, 16)
+    store = TokenStore(QuantSpec(4, group=32, residual=40), per_channel=True)
+    returned = store.extend(x[:, :, :50])
+    assert torch.equal(returned, x[:, :, :50])  # what this step attends to is exact
+    for i in range(50, 200):
+        store.append(x[:, :, i : i + 1])
+    assert len(store) == 200 and store.quantized_tokens == 160 and store.tail.shape[2] == 40
+    read = store.read()
+    assert torch.equal(read[:, :, 160:], x[:, :, 160:])
+    torch.testing.assert_close(read[:, :, :160], reference_fake_quant(x[:, :, :160], 4, 32, True), rtol=0, atol=0)
+    # dropping from the front (razor's window) frees whole blocks and returns what was stored
+    front = store.take_front(70)
+    torch.testing.assert_close(front, read[:, :, :70], rtol=0, atol=0)
+    assert len(store) == 130 and store.quantized_tokens == 96 and store.offset == 6
+    torch.testing.assert_close(store.read(), read[:, :, 70:], rtol=0, atol=0)
+
+
+def test_bits_16_store_is_a_plain_tensor():
+    store = TokenStore(QuantSpec(16), per_channel=True)
+    x = torch.randn(1, 5, 8)
+    store.extend(x[:, :3])
+    assert store.extend(x[:, 3:]) is store.tail and torch.equal(store.read(), x) and store.blocks is None
+
+
+# ----------------------------------------------------------------- every method's runtime
+
+QUANT = ("--kv-bits", "4", "--kv-group", "8", "--kv-residual", "8")
+METHOD_ARGS = {
+    "quant": ("llama_gqa", ()),
+    "slim": ("llama", ()),
+    "lorc": ("llama_gqa", ("--kv-budget", "0.75")),
+    "zack": ("llama_gqa", ("--removal-rate", "0.05", "--calib-tokens", "2048")),
+    "razor": (
+        "llama_gqa",
+        (
+            "--profile-tokens",
+            "16",
+            "--induction-frac",
+            "0.3",
+            "--echo-frac",
+            "0",
+            "--window",
+            "20",
+            "--window-frac",
+            "0",
+            "--sink",
+            "2",
+        ),
+    ),  # fmt: skip
+    "minicache": ("llama", ("--start-layer", "1", "--gamma", "0.1")),
+}
+
+
+def _patched_reference_store(monkeypatch):
+    for module in (kvconvert_common, kvconvert_razor, kvconvert_minicache, kvconvert_storage):
+        monkeypatch.setattr(module, "TokenStore", ReferenceStore)
+
+
+@torch.no_grad()
+def _prefill_and_decode(model, ids, mask):
+    prefill = model(input_ids=ids, attention_mask=mask).logits
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                         return_dict_in_generate=True, output_logits=True, pad_token_id=0)  # fmt: skip
+    return prefill, torch.stack(out.logits), out.sequences
+
+
+@pytest.mark.parametrize("method", sorted(METHOD_ARGS))
+def test_quantized_runtime_equals_fake_quant_reference(method, tokenized_model_dir, tmp_path, monkeypatch):
+    """Each method's quantized cache = the same method with a float cache whose aged tokens are
+    fake-quantized by the plain-torch reference: prefill and 32 decode steps of a left-padded batch."""
+    kind, extra = METHOD_ARGS[method]
+    src = tokenized_model_dir(kind)
+    convert(method, src, tmp_path / "q", *QUANT, *extra)
+    ids, mask = left_padded()
+    quantized = _prefill_and_decode(kvconvert.load(tmp_path / "q").eval(), ids, mask)
+    _patched_reference_store(monkeypatch)
+    expected = _prefill_and_decode(kvconvert.load(tmp_path / "q").eval(), ids, mask)
+    valid = mask.bool()
+    torch.testing.assert_close(quantized[0][valid], expected[0][valid], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(quantized[1], expected[1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(quantized[2], expected[2])
+    # and the quantization is really there: the 16-bit conversion (for quant: the source) decodes differently
+    if method == "quant":
+        unquantized = load_reference(src)
+    else:
+        convert(method, src, tmp_path / "f", *extra)
+        unquantized = kvconvert.load(tmp_path / "f").eval()
+    assert not torch.allclose(_prefill_and_decode(unquantized, ids, mask)[1], quantized[1], rtol=1e-3, atol=1e-3)
+
+
+def test_kv_bits_16_is_byte_identical(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama_gqa")
+    convert("lorc", src, tmp_path / "a", "--kv-budget", "0.75")
+    convert("lorc", src, tmp_path / "b", "--kv-budget", "0.75", "--kv-bits", "16")
+    for name in ("config.json", "model.safetensors", "recipe.yaml"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_measured_bytes_equal_the_accounting(bits, tiny_model_dir, tmp_path):
+    """Codes, fp16 scales and zeros per group: what the live cache holds per token is what QuantSpec accounts."""
+    src = tiny_model_dir("llama_gqa")  # 3 layers, 2 KV heads of 16 dims
+    report = convert("quant", src, tmp_path / "q", "--kv-bits", str(bits), "--kv-group", "16", "--kv-residual", "16")
+    assert report["kv_storage"] == {"bits": bits, "group": 16, "residual": 16}
+    model, reference = load_converted(tmp_path / "q"), load_reference(src)
+    ids = torch.randint(3, 90, (1, 144), generator=torch.Generator().manual_seed(0))
+    measured = kv_bytes_per_token(model, ids, 48, 144)  # both lengths: whole blocks + the same tail
+    spec = QuantSpec(bits, 16, 16)
+    values = 3 * 2 * 16  # layers × KV heads × head dim, for K and for V
+    accounted = values * (spec.bytes_per_value(16, per_channel=True) + spec.bytes_per_value(16, per_channel=False))
+    assert measured == pytest.approx(accounted)
+    assert measured < kv_bytes_per_token(reference, ids, 48, 144) * (bits / 32 + 0.2)
+
+
+@pytest.mark.parametrize("method", sorted(METHOD_ARGS))
+def test_generate_with_quantized_storage(method, tokenized_model_dir, tmp_path):
+    """Greedy, sampling, beams and several return sequences on a left-padded batch."""
+    kind, extra = METHOD_ARGS[method]
+    convert(method, tokenized_model_dir(kind), tmp_path / "q", *QUANT, *extra)
+    model = load_converted(tmp_path / "q")
+    ids, mask = left_padded()
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
+    for kwargs in ({"do_sample": False}, {"do_sample": True, "top_k": 20}, {"num_beams": 2, "do_sample": False},
+                   {"num_beams": 2, "num_return_sequences": 2, "do_sample": False}):  # fmt: skip
+        out = model.generate(**common, **kwargs)
+        assert out.shape == (2 * kwargs.get("num_return_sequences", 1), 24 + 12), kwargs
+
+
+def test_quant_refuses_16_bits_and_bad_storage(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama_gqa")
+    result = run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), "--quiet")
+    assert result.exit_code == 2 and "needs --kv-bits 8, 4 or 2" in result.output
+    result = run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), "--kv-bits", "4", "--kv-group", "0")
+    assert result.exit_code == 2 and "kv group must be >= 1" in result.output
+    assert not (tmp_path / "q").exists()
+
+
+def test_recipe_carries_storage(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama_gqa")
+    convert("lorc", src, tmp_path / "a", "--kv-budget", "0.75", "--kv-bits", "4", "--kv-residual", "32")
+    recipe = (tmp_path / "a" / "recipe.yaml").read_text()
+    assert "kv_bits: 4" in recipe and "kv_residual: 32" in recipe
+    assert run_cli("run", str(tmp_path / "a" / "recipe.yaml"), "--model", str(src), "--out", str(tmp_path / "b"),
+                   "--quiet").exit_code == 0  # fmt: skip
+    spec = json.loads((tmp_path / "b" / "config.json").read_text())["kvconvert"]["kv_quant"]
+    assert spec == {"bits": 4, "group": 64, "residual": 32}
+    # a command-line option wins over the recipe's
+    assert run_cli("run", str(tmp_path / "a" / "recipe.yaml"), "--model", str(src), "--out", str(tmp_path / "c"),
+                   "--quiet", "--kv-bits", "8").exit_code == 0  # fmt: skip
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["kvconvert"]["kv_quant"]["bits"] == 8
