@@ -46,7 +46,7 @@ def _output_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         default=None,
         help="Storage of what the cache holds: 16 = the model's dtype (default), 8/4/2-bit integers.",
     )(fn)
-    fn = click.option("--force", is_flag=True, help="Replace an existing --out (and accept refused checks).")(fn)
+    fn = click.option("--force", is_flag=True, help="Replace an existing --out.")(fn)
     fn = click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Output directory.")(fn)
     return fn
 
@@ -98,14 +98,29 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KVConvertError as exc:
             click.echo(f"kvconvert: error: {exc}", err=True)
             sys.exit(2)
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see ``main``): outputs were already cleaned up
+            click.echo("kvconvert: error: interrupted; no output was written", err=True)
+            sys.exit(130)
+        except OSError as exc:  # a full disk, a permission, a vanished file: the OS's words, one line
+            where = f" ({exc.filename})" if exc.filename else ""
+            click.echo(f"kvconvert: error: {exc.strerror or exc}{where}", err=True)
+            sys.exit(2)
 
     return wrapper
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    """SIGTERM (what CI runners send on cancel) unwinds like Ctrl-C, so partial outputs are removed."""
+    raise KeyboardInterrupt
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kvconvert")
 def main() -> None:
     """Convert Hugging Face causal LMs into checkpoints with a smaller KV cache."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminate)
 
 
 @main.command()
@@ -117,15 +132,17 @@ def main() -> None:
     show_default=True,
     help="Refuse if V rebuilt from the cached K deviates more than this (relative RMS) in the output dtype.",
 )
+@click.option("--accept-v-error", is_flag=True, help="Convert even when V's error exceeds --max-v-error.")
 @_user_errors
 def slim(
     options: ConversionOptions,
     max_v_error: float,
+    accept_v_error: bool,
 ) -> None:
     """Slim attention: cache only K, compute V = K·W_KV (exact; MHA models only)."""
     from kvconvert.methods.slim import SlimConfig, SlimMethod
 
-    method = SlimMethod(SlimConfig(max_v_error=max_v_error, force=options.force))
+    method = SlimMethod(SlimConfig(max_v_error=max_v_error, accept_v_error=accept_v_error))
     report = _convert(method, options)
     if not options.quiet:
         _print_layers(report, [("κ(W_K)", "kappa_k", ".3g"), ("V rel. error", "v_rel_error", ".2e"),
@@ -486,7 +503,7 @@ def analyze(
         from kvconvert.analysis.layer_similarity import measure_layer_similarity
 
         analysis["layer_similarity"] = measure_layer_similarity(source, calib, calib_tokens, seed=seed)
-    with atomic_output_dir(out, replace=force) as tmp:
+    with atomic_output_dir(out, replace=force, sources=[source.path]) as tmp:
         (tmp / "analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
         plot_spectra(analysis, tmp / "spectra.png")
         plot_condition(analysis, tmp / "condition.png")

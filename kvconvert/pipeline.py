@@ -101,7 +101,7 @@ def convert(
 
     method.plan(layout, (adapter.read_attention(read_layer(layer)) for layer in range(layout.num_layers)), source)
 
-    with atomic_output_dir(out, replace) as tmp:
+    with atomic_output_dir(out, replace, sources=[source.path]) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes)
         for name in passthrough:
             tensor = source.get(name)

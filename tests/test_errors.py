@@ -125,12 +125,15 @@ def test_malicious_pickle_is_never_executed(tiny_model_dir, tmp_path):
 def test_refused_condition_number_leaves_nothing(tiny_model_dir, tmp_path):
     out = tmp_path / "slim"
     result = run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--max-v-error", "1e-12")
-    assert_user_error(result, "κ(W_K)", "--force")
+    assert_user_error(result, "κ(W_K)", "--accept-v-error")
     assert_nothing_written(out)
-    forced = run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--max-v-error", "1e-12",
-                 "--force", "--quiet")  # fmt: skip
-    assert forced.exit_code == 0
-    assert json.loads((out / "kvconvert.json").read_text())["params"]["force"] is True
+    # --force only replaces outputs; it no longer also waves refused checks through
+    assert_user_error(run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--max-v-error",
+                          "1e-12", "--force"), "κ(W_K)")  # fmt: skip
+    accepted = run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--max-v-error", "1e-12",
+                   "--accept-v-error", "--quiet")  # fmt: skip
+    assert accepted.exit_code == 0
+    assert json.loads((out / "kvconvert.json").read_text())["params"]["accept_v_error"] is True
 
 
 def test_model_path_is_a_file(tmp_path):
@@ -167,3 +170,99 @@ def test_hub_id_resolves_from_the_hf_cache_offline(tiny_model_dir, tmp_path, mon
     source = json.loads((out / "kvconvert.json").read_text())["source"]
     assert source["model"] == "some-org/tiny-llama" and source["revision"] == commit
     assert "base_model: some-org/tiny-llama" in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "contains"])
+def test_out_overlapping_the_model_is_refused_even_with_force(where, tiny_model_dir, tmp_path):
+    import shutil
+
+    src = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), src)
+    before = sorted(p.name for p in src.iterdir())
+    out = {"same": src, "inside": src / "converted", "contains": tmp_path}[where]
+    result = run("slim", "--model", str(src), "--out", str(out), "--force")
+    assert_user_error(result, "the input", "choose a directory outside it")
+    assert sorted(p.name for p in src.iterdir()) == before
+
+
+def test_a_locked_output_is_refused(tiny_model_dir, tmp_path):
+    """A second conversion to an --out another live process is writing fails instead of racing it."""
+    out = tmp_path / "slim"
+    (tmp_path / ".slim.lock").write_text(str(os.getppid()))  # a live process that is not us
+    assert_user_error(run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out)), "is writing")
+    assert not out.exists()
+    (tmp_path / ".slim.lock").write_text("999999999")  # a dead process: its lock is stale and taken over
+    assert run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--quiet").exit_code == 0
+    assert not (tmp_path / ".slim.lock").exists()
+
+
+def test_concurrent_conversions_to_one_out_cannot_both_succeed(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "o"
+    jobs = (("slim", []), ("lorc", ["--kv-budget", "0.75", "--schedule", "uniform"]))
+    src = str(tiny_model_dir("llama"))
+    commands = [[sys.executable, "-m", "kvconvert.cli", m, "--model", src, "--out", str(out), "--quiet", *extra]
+                for m, extra in jobs]  # fmt: skip
+    procs = [subprocess.Popen(c, stderr=subprocess.PIPE, text=True) for c in commands]
+    results = [(p.wait(timeout=300), p.stderr.read() if p.stderr else "") for p in procs]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    failed = next(err for code, err in results if code == 2)
+    assert "already exists" in failed or "is writing" in failed
+    assert json.loads((out / "kvconvert.json").read_text())["method"] in ("slim", "lorc")
+
+
+@pytest.mark.parametrize(
+    ("damage", "fragment"),
+    [
+        (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:5000]), "cannot read"),
+        (lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64), "cannot read"),
+        (lambda d: (d / "config.json").write_text("{not json"), "cannot read model config"),
+    ],
+    ids=["truncated", "garbage-header", "bad-config"],
+)
+def test_damaged_inputs_are_one_line(damage, fragment, tiny_model_dir, tmp_path):
+    import shutil
+
+    src = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), src)
+    damage(src)
+    out = tmp_path / "out"
+    assert_user_error(run("slim", "--model", str(src), "--out", str(out)), fragment)
+    assert_nothing_written(out)
+
+
+def test_os_errors_while_writing_are_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    """A full disk (ENOSPC) mid-write: one line, nothing left behind."""
+    import errno
+
+    from kvconvert.io import writer
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "model.safetensors")
+
+    monkeypatch.setattr(writer.ShardedSafetensorsWriter, "add", full)
+    out = tmp_path / "out"
+    assert_user_error(run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out)), "No space left")
+    assert_nothing_written(out)
+
+
+def test_sigterm_cleans_up_like_ctrl_c(tiny_model_dir, tmp_path, monkeypatch):
+    import signal
+
+    from kvconvert.methods.slim import SlimMethod
+
+    def killed(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # what a CI runner sends on cancel, mid-conversion
+        raise AssertionError("SIGTERM did not interrupt the conversion")
+
+    monkeypatch.setattr(SlimMethod, "convert_layer", killed)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        out = tmp_path / "out"
+        result = run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out))
+        assert result.exit_code == 130 and "interrupted" in result.stderr
+        assert_nothing_written(out)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -34,6 +34,18 @@ _PICKLE_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 _HUB_ID = re.compile(r"^[\w.\-]+(/[\w.\-]+)?$")
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A JSON input file, or one ``KVConvertError`` line naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KVConvertError(f"cannot read {what} {path}: {_first_line(exc)}") from None
+
+
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, streamed in 16 MiB blocks (never the whole file in memory)."""
     digest = hashlib.sha256()
@@ -67,9 +79,13 @@ class SourceCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         if not self._index:
             self._build_index()
-        return (
-            self._handle(self._index[name])[name] if self.pickled else self._handle(self._index[name]).get_tensor(name)
-        )
+        handle = self._handle(self._index[name])
+        if self.pickled:
+            return handle[name]
+        try:
+            return handle.get_tensor(name)
+        except Exception as exc:  # SafetensorError or a short read: the file is damaged
+            raise KVConvertError(f"cannot read tensor {name!r} from {self._index[name]}: {_first_line(exc)}") from None
 
     def release(self) -> None:
         """Close the open shard handles. safetensors maps files into memory, and every page read stays
@@ -93,9 +109,14 @@ class SourceCheckpoint:
                         "only weights_only pickles are read"
                     ) from None
             else:
-                from safetensors import safe_open
+                from safetensors import SafetensorError, safe_open
 
-                self._handles[path] = safe_open(str(path), framework="pt")
+                try:
+                    self._handles[path] = safe_open(str(path), framework="pt")
+                except (SafetensorError, OSError) as exc:
+                    raise KVConvertError(
+                        f"cannot read {path}: {_first_line(exc)} (truncated or not safetensors?)"
+                    ) from None
         return self._handles[path]
 
     def _build_index(self) -> None:
@@ -144,7 +165,13 @@ def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], bool]:
     if safetensors:
         index = path / "model.safetensors.index.json"
         if index.exists():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            weight_map = read_json(index, "shard index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise KVConvertError(f"{index} has no 'weight_map'; is the checkpoint complete?")
+            names = sorted(set(weight_map.values()))
+            missing = [n for n in names if not (path / n).exists()]
+            if missing:
+                raise KVConvertError(f"{index} names shards that are missing: {', '.join(missing)}")
             return [path / n for n in names], False
         return safetensors, False
     pickled = sorted(path.glob("pytorch_model*.bin"))
@@ -175,7 +202,8 @@ def open_source(model: str, revision: str | None = None, allow_pickle: bool = Fa
     config_file = path / "config.json"
     if not config_file.exists():
         raise KVConvertError(f"{path} has no config.json; is it a Hugging Face model directory?")
-    model_type = json.loads(config_file.read_text()).get("model_type")
+    config_data = read_json(config_file, "model config")
+    model_type = config_data.get("model_type") if isinstance(config_data, dict) else None
     if model_type not in supported_model_types():
         raise KVConvertError(
             f"unsupported architecture {model_type!r}; supported model types: {', '.join(supported_model_types())}"
@@ -183,7 +211,10 @@ def open_source(model: str, revision: str | None = None, allow_pickle: bool = Fa
     from transformers import AutoConfig
 
     # trust_remote_code stays False: configs of supported types are transformers' own classes.
-    config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise KVConvertError(f"cannot read {config_file}: {_first_line(exc)}") from None
     files, pickled = _weight_files(path, allow_pickle)
     return SourceCheckpoint(
         model_id=model if not local.exists() else str(path),

@@ -22,9 +22,9 @@ class SlimConfig:
     """Options of ``kvconvert slim``."""
 
     # Largest accepted relative RMS error of V = K·W_KV when K is stored in the checkpoint dtype,
-    # measured on random inputs; above it the conversion is refused unless ``force``.
+    # measured on random inputs; above it the conversion is refused unless ``accept_v_error``.
     max_v_error: float = 1e-2
-    force: bool = False
+    accept_v_error: bool = False
     error_samples: int = 512
     seed: int = 0
 
@@ -101,11 +101,11 @@ class SlimMethod(Method):
 
     def finish(self, reports: list[dict[str, Any]]) -> None:
         worst = max(reports, key=lambda r: r["v_rel_error"])
-        if worst["v_rel_error"] > self.config.max_v_error and not self.config.force:
+        if worst["v_rel_error"] > self.config.max_v_error and not self.config.accept_v_error:
             raise KVConvertError(
                 f"layer {worst['layer']}: κ(W_K) = {worst['kappa_k']:.3g} makes V = K·W_KV deviate by "
                 f"{worst['v_rel_error']:.3g} relative RMS (limit {self.config.max_v_error:.3g}) in this dtype; "
-                "convert with --dtype float32, raise --max-v-error, or pass --force"
+                "convert with --dtype float32, raise --max-v-error, or pass --accept-v-error"
             )
 
     def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
