@@ -20,6 +20,7 @@ from kvconvert.io.source import TOKENIZER_FILES, SourceCheckpoint
 from kvconvert.io.writer import ShardedSafetensorsWriter, atomic_output_dir
 from kvconvert.methods.base import Method
 from kvconvert.recipe import recipe_text
+from kvconvert.runtime.kvconvert_spec import RuntimeSpec
 from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 RUNTIME_DIR = Path(__file__).parent / "runtime"
@@ -128,23 +129,22 @@ def convert(
         method.finish(reports)
         weight_files = writer.close()
 
-        spec = {
-            "method": method.name,
-            "version": kvconvert.__version__,
-            "base_model_type": source.config.model_type,
-            "base_architecture": adapter.causal_lm_class_name(),
-            "attention_modules": adapter.attention_module_paths(),
-            "rotary_module": layout.rotary_module if layout.rotary else None,
-            "num_heads": layout.num_heads,
-            "num_kv_heads": layout.num_kv_heads,
-            "head_dim": layout.head_dim,
-            "hidden_size": layout.hidden_size,
-            "scaling": list(layout.scaling),
-            **method.runtime_spec(layout, tensor_names),
-        }
         storage = storage_report(method.storage)
-        if storage is not None:
-            spec["kv_quant"] = storage
+        spec = RuntimeSpec(
+            method=method.name,
+            version=kvconvert.__version__,
+            base_model_type=source.config.model_type,
+            base_architecture=adapter.causal_lm_class_name(),
+            attention_modules=adapter.attention_module_paths(),
+            rotary_module=layout.rotary_module if layout.rotary else None,
+            num_heads=layout.num_heads,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            hidden_size=layout.hidden_size,
+            scaling=list(layout.scaling),
+            kv_quant=storage,
+            extra=method.runtime_spec(layout, tensor_names),
+        ).to_dict()
         config = source.config.to_dict()
         config.update(
             model_type="kvconvert",

@@ -266,3 +266,47 @@ def test_sigterm_cleans_up_like_ctrl_c(tiny_model_dir, tmp_path, monkeypatch):
         assert_nothing_written(out)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        (lambda spec: None, "no 'kvconvert' section"),
+        (lambda spec: {**spec, "method": "frobnicate"}, "cannot run method 'frobnicate'"),
+        (lambda spec: {**spec, "spec_version": 99, "version": "9.9.9"}, "written by kvconvert 9.9.9) is newer"),
+        (lambda spec: {k: v for k, v in spec.items() if k != "num_heads"}, "lacks num_heads"),
+    ],
+    ids=["no-section", "unknown-method", "newer-spec", "missing-field"],
+)
+def test_a_spec_the_runtime_cannot_run_is_one_line(edit, fragment, tiny_model_dir, tmp_path):
+    import kvconvert
+    from kvconvert.runtime.kvconvert_spec import SpecError
+
+    out = tmp_path / "slim"
+    assert run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--quiet").exit_code == 0
+    config = json.loads((out / "config.json").read_text())
+    edited = edit(config["kvconvert"])
+    if edited is None:
+        del config["kvconvert"]
+    else:
+        config["kvconvert"] = edited
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecError, match=fragment.replace("(", r"\(").replace(")", r"\)")) as info:
+        kvconvert.load(out)
+    assert "\n" not in str(info.value)
+    data = tmp_path / "text.txt"
+    data.write_text("one two three four five six seven eight nine ten " * 20)
+    assert_user_error(run("eval", "--model", str(out), "--data", str(data), "--no-speed", "--no-retrieval"), fragment)
+
+
+def test_written_spec_round_trips_through_the_typed_spec(tiny_model_dir, tmp_path):
+    from kvconvert.runtime.kvconvert_spec import SPEC_VERSION, RuntimeSpec
+    from kvconvert.runtime.modeling_kvconvert import METHOD_RUNTIMES
+
+    out = tmp_path / "lorc"
+    assert run("lorc", "--model", str(tiny_model_dir("llama_gqa")), "--out", str(out), "--kv-budget", "0.75",
+               "--kv-bits", "4", "--quiet").exit_code == 0  # fmt: skip
+    section = json.loads((out / "config.json").read_text())["kvconvert"]
+    spec = RuntimeSpec.from_dict(section, METHOD_RUNTIMES)
+    assert spec.spec_version == SPEC_VERSION and spec.kv_quant == {"bits": 4, "group": 64, "residual": 128}
+    assert "lorc_layers" in spec.extra and spec.to_dict() == section

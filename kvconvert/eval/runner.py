@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from kvconvert.eval.memory import cache_nbytes, kv_bytes_per_token
 from kvconvert.eval.quality import evaluate_quality
 from kvconvert.eval.retrieval import copy_accuracy, passkey_accuracy
 from kvconvert.eval.speed import measure_speed
+from kvconvert.io.source import read_json
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,14 @@ def load_model(path: str) -> Any:
     config_file = directory / "config.json"
     if not config_file.exists():
         raise KVConvertError(f"{path} has no config.json; eval takes a local model directory")
-    if json.loads(config_file.read_text()).get("model_type") == "kvconvert":
+    if read_json(config_file, "model config").get("model_type") == "kvconvert":
         import kvconvert
+        from kvconvert.runtime.kvconvert_spec import SpecError
 
-        return kvconvert.load(directory).eval()
+        try:
+            return kvconvert.load(directory).eval()
+        except SpecError as exc:
+            raise KVConvertError(f"{path}: {exc}") from None
     return transformers.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=False).eval()
 
 

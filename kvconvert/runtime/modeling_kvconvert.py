@@ -33,6 +33,7 @@ from .kvconvert_razor import make_attention as make_razor_attention
 from .kvconvert_razor import make_cache as make_razor_cache
 from .kvconvert_slim import SlimAttention
 from .kvconvert_slim import make_cache as make_slim_cache
+from .kvconvert_spec import RuntimeSpec
 from .kvconvert_zack import make_attention as make_zack_attention
 from .kvconvert_zack import make_cache as make_zack_cache
 
@@ -63,7 +64,7 @@ class KVConvertConfig:
     def from_pretrained(cls, pretrained_model_name_or_path: Any, **kwargs: Any) -> PretrainedConfig:
         kwargs.pop("trust_remote_code", None)
         config_dict, unused = PretrainedConfig.get_config_dict(pretrained_model_name_or_path, **kwargs)
-        base_type = config_dict["kvconvert"]["base_model_type"]
+        base_type = RuntimeSpec.from_dict(config_dict.get("kvconvert"), METHOD_RUNTIMES).base_model_type
         config_dict["model_type"] = base_type
         return CONFIG_MAPPING[base_type].from_dict(config_dict, **unused)
 
@@ -80,6 +81,7 @@ class KVConvertMixin:
     def __init__(self, config: Any, *args: Any, **kwargs: Any):
         super().__init__(config, *args, **kwargs)  # type: ignore[call-arg]
         spec = config.kvconvert
+        RuntimeSpec.from_dict(spec, METHOD_RUNTIMES)  # one clear line for a spec this runtime cannot run
         attention_class, _, configure = METHOD_RUNTIMES[spec["method"]]
         rotary = self.get_submodule(spec["rotary_module"]) if spec.get("rotary_module") else None  # type: ignore[attr-defined]
         for layer_idx, path in enumerate(spec["attention_modules"]):

@@ -1,0 +1,83 @@
+"""The typed, versioned contract between the writer (``kvconvert.pipeline``) and this runtime:
+``config.json["kvconvert"]``. Copied verbatim into every output directory; imports nothing but the
+standard library, so the writer and every copy of the runtime read the same definition.
+
+``spec_version`` changes when a runtime could misread a newer writer's spec; a runtime refuses a
+spec it does not understand with one line naming the kvconvert version that wrote it, instead of
+failing later with a ``KeyError`` or silently building the wrong model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+SPEC_VERSION = 1  # checkpoints written before the field existed are version 1 too
+
+
+class SpecError(ValueError):
+    """A ``config.json`` this runtime cannot load; the message is one actionable line."""
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """Fields every method's runtime reads; method-specific entries (``lorc_layers``, ``razor``…)
+    travel in ``extra`` and are written at the same level of the JSON object."""
+
+    method: str
+    version: str  # the kvconvert version that wrote it
+    base_model_type: str
+    base_architecture: str
+    attention_modules: list[str]
+    rotary_module: str | None
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    scaling: list[float]
+    kv_quant: dict[str, int] | None = None  # storage (kvconvert_storage.QuantSpec); absent: 16 bits
+    spec_version: int = SPEC_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        if out["kv_quant"] is None:
+            del out["kv_quant"]  # unquantized checkpoints read exactly as they did before storage existed
+        clash = set(out) & set(self.extra)
+        if clash:
+            raise SpecError(f"method entries {sorted(clash)} clash with the runtime spec's own fields")
+        return {**out, **self.extra}
+
+    @classmethod
+    def from_dict(cls, section: Any, methods: Collection[str]) -> RuntimeSpec:
+        """Validate ``config.json["kvconvert"]`` for a runtime that builds ``methods``; ``SpecError``
+        (one line) when it cannot load it."""
+        if not isinstance(section, dict):
+            raise SpecError(
+                "config.json has no 'kvconvert' section: this is not a kvconvert checkpoint "
+                "(load it with transformers directly)"
+            )
+        writer = section.get("version", "an unknown version")
+        spec_version = section.get("spec_version", 1)
+        if not isinstance(spec_version, int) or spec_version > SPEC_VERSION:
+            raise SpecError(
+                f"this checkpoint's kvconvert spec (version {spec_version}, written by kvconvert {writer}) is newer "
+                f"than this runtime understands (version {SPEC_VERSION}); upgrade kvconvert"
+            )
+        method = section.get("method")
+        if method not in methods:
+            raise SpecError(
+                f"this runtime cannot run method {method!r} (written by kvconvert {writer}); it knows "
+                f"{', '.join(methods)}: upgrade kvconvert"
+            )
+        own = {f.name for f in fields(cls)} - {"extra"}
+        required = own - {"kv_quant", "spec_version"}
+        missing = sorted(required - set(section))
+        if missing:
+            raise SpecError(
+                f"config.json's kvconvert section (written by kvconvert {writer}) lacks {', '.join(missing)}; "
+                "was it edited by hand? Convert the model again"
+            )
+        values = {k: section[k] for k in own if k in section}
+        return cls(**values, extra={k: v for k, v in section.items() if k not in own})
