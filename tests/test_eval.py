@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from kvconvert.eval.quality import evaluate_quality, windows
 from kvconvert.eval.retrieval import copy_accuracy
 from tests.conftest import build_tiny_model
 from tests.helpers import convert_slim, run_cli
+
+CALIB_TEXT = Path(__file__).resolve().parents[1] / "calib_data" / "01_lighthouses.txt"
 
 DESIGN_KEYS = {
     "ppl", "reference_ppl", "kl_mean", "top1_agreement", "kv_bytes_per_token", "reference_kv_bytes_per_token",
@@ -70,24 +73,73 @@ def test_kv_bytes_per_token_of_a_stock_model():
     assert per_token == 3 * 2 * 4 * 16 * 4
 
 
-def test_copy_accuracy_of_a_perfect_copier():
-    class Copier(torch.nn.Module):
-        """Predicts the token that followed the previous occurrence of the current token."""
+class Copier(torch.nn.Module):
+    """Predicts the token that followed the previous occurrence of the current token; its "cache" is
+    the list of ids seen, of which a forgetful copier keeps only the last ``keep``."""
 
-        config = type("C", (), {"vocab_size": 50})()
+    config = type("C", (), {"vocab_size": 50})()
 
-        def forward(self, ids, use_cache=False):
-            seq = ids[0].tolist()
-            logits = torch.zeros(1, len(seq), 50)
-            for i, tok in enumerate(seq):
-                earlier = [j for j in range(i) if seq[j] == tok]
-                if earlier and earlier[-1] + 1 < len(seq):
-                    logits[0, i, seq[earlier[-1] + 1]] = 1.0
-            return type("O", (), {"logits": logits})()
+    def __init__(self, keep: int | None = None):
+        super().__init__()
+        self.keep = keep
 
+    def forward(self, ids, use_cache=False, past_key_values=None):
+        past = list(past_key_values or [])
+        seq = past + ids[0].tolist()
+        logits = torch.zeros(1, ids.shape[1], 50)
+        for i in range(len(past), len(seq)):
+            earlier = [j for j in range(i) if seq[j] == seq[i]]
+            if earlier and earlier[-1] + 1 < len(seq):
+                logits[0, i - len(past), seq[earlier[-1] + 1]] = 1.0
+        kept = seq if self.keep is None else seq[-self.keep :]
+        return type("O", (), {"logits": logits, "past_key_values": kept if use_cache else None})()
+
+
+def test_copy_accuracy_of_a_perfect_copier_through_its_cache():
+    vocab = torch.arange(3, 50)
     # random tokens may repeat inside the first copy, so a perfect induction copier can still miss a few
-    assert copy_accuracy(Copier(), 20) >= 0.8
-    assert copy_accuracy(Copier(), 20) > copy_accuracy(build_tiny_model("llama"), 20)
+    assert copy_accuracy(Copier(), 20, vocab) >= 0.8
+    assert copy_accuracy(Copier(), 20, vocab) > copy_accuracy(build_tiny_model("llama"), 20, vocab)
+    # the second copy is read through the cache: a cache that dropped the first copy cannot copy
+    assert copy_accuracy(Copier(keep=2), 20, vocab) < 0.2
+
+
+def test_random_tokens_come_from_the_ordinary_vocabulary(tmp_path):
+    from transformers import AutoTokenizer
+
+    from kvconvert.eval.retrieval import ordinary_token_ids
+
+    _save_word_tokenizer(tmp_path, vocab_size=97)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    ids = ordinary_token_ids(tokenizer, vocab_size=128)  # rows 97..127: untrained padding rows
+    assert ids.min() == 3 and ids.max() == 96 and ids.numel() == 94
+    # GPT-2's layout: the last id is special; the old range (max special, vocab) was empty
+    assert ordinary_token_ids(tokenizer, vocab_size=97).max() == 96
+
+
+def test_log_probs_in_row_chunks_equal_the_whole(monkeypatch):
+    from kvconvert.eval import quality
+
+    model, reference = build_tiny_model("llama"), build_tiny_model("llama", seed=1)
+    ids = torch.randint(3, 90, (150,), generator=torch.Generator().manual_seed(4))
+    whole = evaluate_quality(model, ids, 64, reference)
+    monkeypatch.setattr(quality, "ROWS", 7)
+    rows = evaluate_quality(model, ids, 64, reference)
+    assert rows.ppl == pytest.approx(whole.ppl, rel=1e-12) and rows.kl_mean == pytest.approx(whole.kl_mean, rel=1e-9)
+    assert rows.top1_agreement == whole.top1_agreement
+
+
+def test_context_protocol_scores_the_continuation_through_the_cache():
+    """A stock model: the continuation read through the cache equals one forward (nothing is lost);
+    only the continuation's tokens are scored."""
+    model = build_tiny_model("llama_gqa")
+    ids = torch.randint(3, 90, (2 * 48,), generator=torch.Generator().manual_seed(3))
+    result = evaluate_quality(model, ids, 48, model, context=32)
+    assert result.tokens == 2 * 16 and result.kl_mean == pytest.approx(0, abs=1e-9)
+    whole = model(ids[None, :47]).logits[0, 31:]
+    logp = torch.log_softmax(whole.double(), -1).gather(-1, ids[32:48, None])
+    first = torch.log_softmax(model(ids[None, 48:95]).logits[0, 31:].double(), -1).gather(-1, ids[80:96, None])
+    assert result.ppl == pytest.approx(torch.exp(-(logp.sum() + first.sum()) / 32).item(), rel=1e-6)
 
 
 def _save_word_tokenizer(directory, vocab_size: int = 97) -> None:
@@ -121,6 +173,42 @@ def test_eval_cli_json_has_design_keys(tmp_path):
     assert data["ppl"] == pytest.approx(data["reference_ppl"], rel=1e-4)  # slim is exact
     assert data["kv_budget_measured"] == pytest.approx(0.5, abs=0.01)
     assert "perplexity" in result.output and "KL(ref‖model)" in result.output
+
+
+def test_eval_context_protocol_and_16bit_budget(tmp_path):
+    src = tmp_path / "src"
+    build_tiny_model("llama_gqa").save_pretrained(src)
+    _save_word_tokenizer(src)
+    assert run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), "--kv-bits", "4", "--kv-residual",
+                   "0", "--kv-group", "16", "--quiet").exit_code == 0  # fmt: skip
+    text = tmp_path / "text.txt"
+    gen = torch.Generator().manual_seed(0)
+    text.write_text(" ".join(f"w{i}" for i in torch.randint(3, 97, (400,), generator=gen).tolist()))
+    out = tmp_path / "eval.json"
+    result = run_cli("eval", "--model", str(tmp_path / "q"), "--reference", str(src), "--data", str(text),
+                     "--context", "64", "--continuation", "32", "--no-retrieval", "--no-speed", "--json", str(out),
+                     "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["tokens"] == 4 * 32 and data["ctx"] == 96 and data["kv_measured_after"] == 64
+    # 4-bit codes + fp16 scale/zero per 16 values, against a 16-bit cache (the reference runs in fp32)
+    assert data["kv_budget_vs_16bit"] == pytest.approx((0.5 + 4 / 16) / 2, rel=1e-6)
+    assert data["kv_budget_measured"] == pytest.approx(data["kv_budget_vs_16bit"] / 2, rel=1e-6)
+    assert data["ppl"] != data["reference_ppl"]
+    bad = run_cli("eval", "--model", str(tmp_path / "q"), "--data", str(text), "--context", "64")
+    assert bad.exit_code == 2 and "--context and --continuation go together" in bad.stderr
+
+
+def test_eval_warns_when_the_cache_kept_everything(tokenized_model_dir, tmp_path):
+    src = tokenized_model_dir("llama_gqa")
+    assert run_cli("razor", "--model", str(src), "--out", str(tmp_path / "r"), "--profile-tokens", "16",
+                   "--window", "200", "--quiet").exit_code == 0  # fmt: skip
+    text = tmp_path / "text.txt"
+    text.write_text((CALIB_TEXT.read_text() + " ") * 2)
+    result = run_cli("eval", "--model", str(tmp_path / "r"), "--reference", str(src), "--data", str(text),
+                     "--ctx", "128", "--max-tokens", "256", "--no-retrieval", "--no-speed", "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "warning: the cache kept every token" in result.output and "newest 200 tokens" in result.output
 
 
 def test_eval_cli_bad_data_is_a_user_error(tmp_path):

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+ROWS = 128  # positions whose full-vocabulary log-probs are held in float64 at once
+
 
 @dataclass
 class QualityResult:
@@ -82,15 +84,19 @@ def evaluate_quality(
         if context is not None and window.shape[1] <= context + 1:
             continue  # a trailing window without a continuation
         logits, targets = scored_logits(model, window, chunk, context)
-        logp = torch.log_softmax(logits.double(), dim=-1)
-        nll -= logp.gather(-1, targets[..., None]).sum().item()
+        ref_logits = None if reference is None else scored_logits(reference, window, None, context, False)[0]
         count += targets.numel()
-        if reference is not None:
-            ref_logits = scored_logits(reference, window, None, context, through_cache=False)[0]
-            ref_logp = torch.log_softmax(ref_logits.double(), dim=-1)
-            ref_nll -= ref_logp.gather(-1, targets[..., None]).sum().item()
-            kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
-            agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+        # float64 log-probs ROWS positions at a time: peak memory stays one window of logits in the model's dtype
+        for start in range(0, targets.shape[1], ROWS):
+            rows = slice(start, start + ROWS)
+            target = targets[:, rows, None]
+            logp = torch.log_softmax(logits[:, rows].double(), dim=-1)
+            nll -= logp.gather(-1, target).sum().item()
+            if ref_logits is not None:
+                ref_logp = torch.log_softmax(ref_logits[:, rows].double(), dim=-1)
+                ref_nll -= ref_logp.gather(-1, target).sum().item()
+                kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+                agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
     if count == 0:
         raise ValueError("need at least 2 tokens to evaluate")
     result = QualityResult(tokens=count, ppl=math.exp(nll / count))

@@ -52,16 +52,30 @@ def passkey_accuracy(
     return correct / len(depths)
 
 
+def ordinary_token_ids(tokenizer: Any, vocab_size: int) -> torch.Tensor:
+    """Ids of the tokenizer's ordinary vocabulary that the model has embeddings for: no special or
+    added tokens, and no padding rows (embedding rows past the tokenizer's vocabulary are untrained,
+    e.g. Qwen2's)."""
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    ids = sorted(i for i in tokenizer.get_vocab().values() if i < vocab_size and i not in special)
+    if len(ids) < 2:
+        raise ValueError("the tokenizer has fewer than 2 ordinary tokens")
+    return torch.tensor(ids)
+
+
 @torch.no_grad()
-def copy_accuracy(model: Any, length: int, vocab_low: int = 3, seed: int = 0) -> float:
+def copy_accuracy(model: Any, length: int, vocab: torch.Tensor, seed: int = 0) -> float:
     """Argmax accuracy on the second half of a ``length``-token sequence that repeats its first half.
 
-    Token ids are drawn from ``[vocab_low, vocab)`` (callers put special tokens below it). The first
-    token of the second copy is not scored: nothing announces that the sequence restarts there.
+    Tokens are drawn from ``vocab`` (``ordinary_token_ids``). The first copy goes into the cache in one
+    forward and the second is read through it, as in generation: a method that drops or merges cached
+    tokens loses here what it loses in use. The first token of the second copy is not scored: nothing
+    announces that the sequence restarts there.
     """
     half = length // 2
     gen = torch.Generator().manual_seed(seed + length)
-    first = torch.randint(vocab_low, model.config.vocab_size, (half,), generator=gen)
-    ids = torch.cat([first, first])[None]
-    predictions = model(ids, use_cache=False).logits[0, half:-1].argmax(-1)  # predict first[1:]
+    first = vocab[torch.randint(0, vocab.numel(), (half,), generator=gen)]
+    prefix = model(first[None], use_cache=True)
+    second = model(first[None, :-1], past_key_values=prefix.past_key_values, use_cache=True)
+    predictions = second.logits[0].argmax(-1)  # second copy token i predicts first[i + 1]
     return (predictions == first[1:]).float().mean().item()

@@ -13,7 +13,7 @@ from kvconvert.errors import KVConvertError
 from kvconvert.eval.data import load_text
 from kvconvert.eval.memory import cache_nbytes, kv_bytes_per_token
 from kvconvert.eval.quality import evaluate_quality
-from kvconvert.eval.retrieval import copy_accuracy, passkey_accuracy
+from kvconvert.eval.retrieval import copy_accuracy, ordinary_token_ids, passkey_accuracy
 from kvconvert.eval.speed import measure_speed
 from kvconvert.io.source import read_json
 
@@ -178,14 +178,36 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
 
     if config.retrieval:
         lengths = config.retrieval_lengths or default_retrieval_lengths(context)
-        vocab_low = max(tokenizer.all_special_ids, default=2) + 1
+        vocab = ordinary_token_ids(tokenizer, model.config.vocab_size)
         for name, m in (("", model), ("reference_", reference if config.reference_extras else None)):
             if m is None:
                 continue
             result[f"{name}passkey"] = {str(n): passkey_accuracy(m, tokenizer, n) for n in lengths}
-            result[f"{name}copy"] = {str(n): copy_accuracy(m, n, vocab_low=vocab_low) for n in lengths}
+            result[f"{name}copy"] = {str(n): copy_accuracy(m, n, vocab) for n in lengths}
+    warning = _meaningless_context_warning(model_path, result)
+    if warning:
+        result["warning"] = warning
     result["seconds"] = time.perf_counter() - start
     return result
+
+
+def _meaningless_context_warning(model_path: str, result: dict[str, Any]) -> str | None:
+    """A warning when the cache held everything although the method compresses: the evaluation
+    context is too short for what it measures (e.g. razor's window is wider than --ctx)."""
+    report_file = Path(model_path) / "kvconvert.json"
+    measured = result.get("kv_budget_measured")
+    if measured is None or not report_file.exists():
+        return None
+    report = read_json(report_file, "conversion report")
+    expected = report.get("kv_budget_expected")
+    if not isinstance(expected, (int, float)) or expected > 0.95 or measured < 0.99:
+        return None
+    window = (report.get("plan") or {}).get("window") or report.get("params", {}).get("window")
+    hint = f" ({report['method']} keeps the newest {window} tokens)" if window else ""
+    return (
+        f"the cache kept every token at this context (measured budget {measured:.3f}, the method expects "
+        f"{expected:.3f} at long context){hint}: evaluate with a longer --ctx or --context"
+    )
 
 
 def _fmt(value: float | None) -> str:
@@ -223,6 +245,8 @@ def format_table(result: dict[str, Any]) -> str:
             f"measured KV budget {result['kv_budget_measured']:.3f} "
             f"({result['kv_budget_vs_16bit']:.3f} of a 16-bit cache)"
         )
+    if result.get("warning"):
+        lines.append(f"warning: {result['warning']}")
     lines.append(f"{result['tokens']} tokens scored; windows of {result['ctx']}: {result['window']} · "
                  f"{result['seconds']:.1f} s")  # fmt: skip
     return "\n".join(lines)
