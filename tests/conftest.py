@@ -106,7 +106,7 @@ def aidreams_dir(tmp_path_factory):
     return out
 
 
-CALIB_DATA = Path(__file__).resolve().parents[1] / "calib_data"
+CALIB_DATA = Path(__file__).resolve().parents[1] / "kvconvert" / "calib_data"
 
 
 def save_tiny_tokenizer(path: Path, vocab_size: int = 97) -> None:

@@ -16,7 +16,7 @@ from kvconvert.eval.retrieval import copy_accuracy
 from tests.conftest import build_tiny_model
 from tests.helpers import convert_slim, run_cli
 
-CALIB_TEXT = Path(__file__).resolve().parents[1] / "calib_data" / "01_lighthouses.txt"
+CALIB_TEXT = Path(__file__).resolve().parents[1] / "kvconvert" / "calib_data" / "01_lighthouses.txt"
 
 DESIGN_KEYS = {
     "ppl", "reference_ppl", "kl_mean", "top1_agreement", "kv_bytes_per_token", "reference_kv_bytes_per_token",

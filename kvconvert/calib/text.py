@@ -8,6 +8,7 @@ chunks for ``tokens``; the chunks left over are the held-out set that searches s
 
 from __future__ import annotations
 
+import importlib.resources
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ import torch
 
 from kvconvert.errors import KVConvertError
 
-CALIB_DATA = Path(__file__).resolve().parents[2] / "calib_data"  # shipped with the source tree
+# package data (pyproject's package-data), so an installed wheel has it too; a wheel installs as plain files
+CALIB_DATA = Path(str(importlib.resources.files("kvconvert") / "calib_data"))
 
 
 @dataclass(frozen=True)
