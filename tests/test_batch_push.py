@@ -101,7 +101,7 @@ def test_batch_killed_mid_job_resumes(tiny_model_dir, tmp_path):
 
     torch.manual_seed(0)
     big = tmp_path / "big"
-    LlamaForCausalLM(LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=8,
+    LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,
                                  num_key_value_heads=8, vocab_size=2000)).save_pretrained(big)  # fmt: skip
     jobs = write_jobs(tmp_path / "jobs.yaml", [
         {"model": str(tiny_model_dir("llama")), "method": "slim", "out": "out/first"},
@@ -109,10 +109,12 @@ def test_batch_killed_mid_job_resumes(tiny_model_dir, tmp_path):
     ])  # fmt: skip
     cmd = [sys.executable, "-m", "kvconvert.cli", "batch", str(jobs), "--no-measure"]
     process = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # kill once job 2 is observably mid-write (its temporary directory holds part of a shard), not after a sleep
     deadline = time.time() + 120
-    while not (tmp_path / "out/first/kvconvert.json").exists() and time.time() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.3)  # well into job 2's conversion
+    while time.time() < deadline and not any(
+        part.stat().st_size > 0 for part in (tmp_path / "out").glob(".second.tmp-*/.shard-*.payload")
+    ):
+        time.sleep(0.005)
     process.send_signal(signal.SIGKILL)
     process.wait()
     summary = json.loads((tmp_path / "jobs.summary.json").read_text())
