@@ -172,6 +172,8 @@ def test_eval_cli_json_has_design_keys(tmp_path):
     assert data["tokens"] == 600 - 5  # 5 windows of ≤128, each first token is context only
     assert data["ppl"] == pytest.approx(data["reference_ppl"], rel=1e-4)  # slim is exact
     assert data["kv_budget_measured"] == pytest.approx(0.5, abs=0.01)
+    # slim's cache in a 16-bit deployment is also half a 16-bit stock cache (measured on bf16 copies)
+    assert data["kv_budget_vs_16bit"] == pytest.approx(0.5, abs=0.01)
     assert "perplexity" in result.output and "KL(ref‖model)" in result.output
 
 

@@ -38,9 +38,9 @@ class EvalConfig:
     reference_extras: bool = True
 
 
-def load_model(path: str) -> Any:
+def load_model(path: str, dtype: torch.dtype | None = None) -> Any:
     """kvconvert checkpoints load through the installed runtime, so no code from the directory is
-    executed; plain checkpoints load as stock transformers models."""
+    executed; plain checkpoints load as stock transformers models. ``dtype``: override the checkpoint's."""
     import transformers
 
     directory = Path(path)
@@ -52,10 +52,12 @@ def load_model(path: str) -> Any:
         from kvconvert.runtime.kvconvert_spec import SpecError
 
         try:
-            return kvconvert.load(directory).eval()
+            return kvconvert.load(directory, **({} if dtype is None else {"dtype": dtype})).eval()
         except SpecError as exc:
             raise KVConvertError(f"{path}: {exc}") from None
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=False).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        directory, trust_remote_code=False, **({} if dtype is None else {"dtype": dtype})
+    ).eval()
 
 
 def load_for_eval(path: str) -> tuple[Any, Any]:
@@ -97,6 +99,39 @@ def cache_dtype_bytes(model: Any) -> int:
 def bytes_after_context(model: Any, ids: torch.Tensor) -> int:
     """Bytes the cache holds after ``ids [1, n]`` went in in one forward."""
     return cache_nbytes(model(ids, use_cache=True).past_key_values)
+
+
+def measure_kv(model: Any, ids: torch.Tensor, config: EvalConfig, ctx: int) -> tuple[float, dict[str, Any]]:
+    """(KV bytes per token, how it was measured) on the evaluation text ``ids [n]``: with the context
+    protocol, bytes held after the context ÷ its tokens; otherwise the cache's growth per token between
+    two prompt lengths (fixed overheads cancel)."""
+    if config.context is not None:
+        sample = ids[None, : config.context]
+        return bytes_after_context(model, sample) / sample.shape[1], {"kv_measured_after": sample.shape[1]}
+    long = min(ctx, ids.numel(), 512)
+    short = max(1, long // 4)
+    return kv_bytes_per_token(model, ids[None, :long], short, long), {"kv_measured_between": [short, long]}
+
+
+def budget_vs_16bit(
+    model_path: str, reference_path: Any, model: Any, reference: Any, ids: torch.Tensor, config: EvalConfig, ctx: int
+) -> float:
+    """Bytes of the model's cache ÷ those of the reference's stock cache, both as deployed in 16 bits.
+
+    Quantized storage is quoted against a 16-bit cache (an fp32 reference would flatter it 2×). In an
+    fp32 evaluation, both models are loaded again in bfloat16 and measured on the same text, so that
+    every float part of either cache (a method's 16-bit storage, a quantized cache's exact recent
+    tokens, its fp16 scales, deliberate float32 norms) counts at what it would really cost. A stock
+    reference's cache holds only its dtype's K and V, so its 16-bit bytes follow without a second run."""
+
+    def bytes_16bit(path: str, loaded: Any) -> float:
+        if cache_dtype_bytes(loaded) == 2:
+            return measure_kv(loaded, ids, config, ctx)[0]
+        if getattr(loaded.config, "kvconvert", None) is None:
+            return measure_kv(loaded, ids, config, ctx)[0] * 2 / cache_dtype_bytes(loaded)
+        return measure_kv(load_model(path, dtype=torch.bfloat16), ids, config, ctx)[0]
+
+    return bytes_16bit(model_path, model) / bytes_16bit(reference_path, reference)
 
 
 def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) -> dict[str, Any]:
@@ -145,27 +180,12 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
             reference_ppl=quality.reference_ppl, kl_mean=quality.kl_mean, top1_agreement=quality.top1_agreement
         )
 
-    if protocol:
-        # KV bytes held after the context (what a long-context user pays), per context token
-        sample = ids[None, : config.context]
-        result["kv_bytes_per_token"] = bytes_after_context(model, sample) / sample.shape[1]
-        result["kv_measured_after"] = sample.shape[1]
-        if reference is not None:
-            result["reference_kv_bytes_per_token"] = bytes_after_context(reference, sample) / sample.shape[1]
-    else:
-        # KV bytes: cache growth between two prompt lengths, on the evaluation text itself.
-        long = min(ctx, ids.numel(), 512)
-        short = max(1, long // 4)
-        sample = ids[None, :long]
-        result["kv_bytes_per_token"] = kv_bytes_per_token(model, sample, short, long)
-        result["kv_measured_between"] = [short, long]
-        if reference is not None:
-            result["reference_kv_bytes_per_token"] = kv_bytes_per_token(reference, sample, short, long)
+    result["kv_bytes_per_token"], how = measure_kv(model, ids, config, ctx)
+    result.update(how)
     if reference is not None:
+        result["reference_kv_bytes_per_token"] = measure_kv(reference, ids, config, ctx)[0]
         result["kv_budget_measured"] = result["kv_bytes_per_token"] / result["reference_kv_bytes_per_token"]
-        # against a 16-bit cache of the reference: an fp32 evaluation would flatter quantization 2x
-        bytes_16bit = result["reference_kv_bytes_per_token"] * 2 / cache_dtype_bytes(reference)
-        result["kv_budget_vs_16bit"] = result["kv_bytes_per_token"] / bytes_16bit
+        result["kv_budget_vs_16bit"] = budget_vs_16bit(model_path, reference_path, model, reference, ids, config, ctx)
 
     if config.speed:
         speed_context = min(config.speed_context, context - config.new_tokens - 1)
