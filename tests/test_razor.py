@@ -160,3 +160,19 @@ def test_two_checkpoints_in_one_process_keep_their_own_behaviour(tiny_model_dir,
     assert type(exact(torch.ones(1, 3, dtype=torch.long), use_cache=True).past_key_values.layers[0]).__module__ != (
         type(lossy(torch.ones(1, 3, dtype=torch.long), use_cache=True).past_key_values.layers[0]).__module__
     )
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "gpt_neox", "gpt2"])
+def test_layer_by_layer_profile_equals_the_loaded_model(kind, tiny_model_dir):
+    """Razor profiles one decoder layer at a time (conversion memory: one layer); the scores are
+    those of the whole model loaded at once."""
+    from kvconvert.arch import adapter_for
+    from kvconvert.calib.heads import profile_heads, profile_heads_layer_by_layer
+    from kvconvert.io.source import open_source
+
+    source = open_source(str(tiny_model_dir(kind)))
+    whole = profile_heads(load_reference(tiny_model_dir(kind)), 16, {0}, seed=3, progress=False)
+    layered = profile_heads_layer_by_layer(source, adapter_for(source.config), 16, {0}, seed=3, progress=False)
+    torch.testing.assert_close(layered.induction, whole.induction, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layered.echo, whole.echo, rtol=1e-5, atol=1e-6)
+    assert whole.induction.abs().sum() > 0

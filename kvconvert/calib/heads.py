@@ -78,15 +78,39 @@ def scoring_heads(model: Any, period: int, chunk: int = 256) -> Iterator[HeadSco
         yield scores
 
 
-@torch.no_grad()
-def profile_heads(model: Any, tokens: int, exclude: set[int], seed: int = 0, progress: bool = True) -> HeadScores:
-    """Echo/induction scores from ``tokens`` random ids (special ids excluded) repeated 4 times."""
-    vocab = model.config.vocab_size
+def profiling_ids(vocab: int, tokens: int, exclude: set[int], seed: int = 0) -> torch.Tensor:
+    """``[1, 4·tokens]``: ``tokens`` random ids (special ids excluded) repeated 4 times."""
     allowed = torch.tensor([t for t in range(vocab) if t not in exclude])
     generator = torch.Generator().manual_seed(seed)
     block = allowed[torch.randint(0, allowed.numel(), (tokens,), generator=generator)]
-    ids = block.repeat(4)[None]
+    return block.repeat(4)[None]
+
+
+@torch.no_grad()
+def profile_heads(model: Any, tokens: int, exclude: set[int], seed: int = 0, progress: bool = True) -> HeadScores:
+    """Echo/induction scores of a loaded ``model`` (``profiling_ids``' sequence, one forward)."""
+    ids = profiling_ids(model.config.vocab_size, tokens, exclude, seed)
     with scoring_heads(model, period=tokens) as scores:
         for _ in tqdm(range(1), desc="profiling heads", disable=not progress):
             model(ids, use_cache=False)
     return scores
+
+
+def profile_heads_layer_by_layer(
+    source: Any, adapter: Any, tokens: int, exclude: set[int], seed: int = 0, progress: bool = True
+) -> HeadScores:
+    """``profile_heads`` of a checkpoint on disk, one decoder layer in memory at a time
+    (``run_layer_by_layer``): the same scores, with conversion memory bounded by one layer."""
+    from kvconvert.calib.sequential import run_layer_by_layer
+
+    ids = profiling_ids(source.config.vocab_size, tokens, exclude, seed)
+    found: list[HeadScores] = []
+
+    @contextlib.contextmanager
+    def observe(model: Any) -> Iterator[None]:
+        with scoring_heads(model, period=tokens) as scores:
+            found.append(scores)
+            yield
+
+    run_layer_by_layer(source, adapter, ids, observe, progress=progress)
+    return found[0]

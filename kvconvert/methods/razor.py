@@ -74,22 +74,19 @@ class RazorMethod(Method):
         return asdict(self.config)
 
     def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
-        """Profile echo/induction scores on the source model and choose the retrieval heads."""
-        import transformers
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        """Profile echo/induction scores on the source model (one layer in memory at a time) and choose
+        the retrieval heads."""
+        from kvconvert.arch import adapter_for
+        from kvconvert.calib.heads import profile_heads_layer_by_layer
 
-        from kvconvert.calib.heads import profile_heads
-
-        cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[source.config.model_type])
-        model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval()
-        config = model.config
+        config = source.config
         context = layout.context
         tokens = self.config.profile_tokens or max(2, min(2500, context // 4))
         if 4 * tokens > context:
             raise KVConvertError(f"profile_tokens {tokens} × 4 exceeds the model's context ({context})")
         special = {t for t in (config.bos_token_id, config.eos_token_id, config.pad_token_id) if isinstance(t, int)}
-        scores = profile_heads(model, tokens, special, seed=self.config.seed, progress=self.progress)
-        del model
+        scores = profile_heads_layer_by_layer(source, adapter_for(config), tokens, special, seed=self.config.seed,
+                                              progress=self.progress)  # fmt: skip
         chosen = top_heads(scores.induction, self.config.induction_frac) | top_heads(scores.echo, self.config.echo_frac)
         group = layout.num_heads // layout.num_kv_heads
         kept = retrieval_kv_heads(chosen, layout.num_layers, group)
