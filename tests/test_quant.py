@@ -292,6 +292,8 @@ def test_recipe_carries_storage(tiny_model_dir, tmp_path):
     convert("lorc", src, tmp_path / "a", "--kv-budget", "0.75", "--kv-bits", "4", "--kv-residual", "32")
     recipe = (tmp_path / "a" / "recipe.yaml").read_text()
     assert "kv_bits: 4" in recipe and "kv_residual: 32" in recipe
+    card = (tmp_path / "a" / "README.md").read_text()
+    assert "LoRC caches rank-d_c latents" in card and "stored as 4-bit integers" in card and "newest 32" in card
     assert run_cli("run", str(tmp_path / "a" / "recipe.yaml"), "--model", str(src), "--out", str(tmp_path / "b"),
                    "--quiet").exit_code == 0  # fmt: skip
     spec = json.loads((tmp_path / "b" / "config.json").read_text())["kvconvert"]["kv_quant"]

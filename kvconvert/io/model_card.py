@@ -38,42 +38,18 @@ Conversion details (per-layer decisions and errors, source sha256) are in `kvcon
 
 
 def _details(report: dict[str, Any]) -> str:
-    if report["method"] == "lorc":
-        ranks = [r["rank_k"] for r in report["layers"]]
-        return (
-            "LoRC caches rank-d_c latents of K and V (low-rank W_K, W_V by SVD; U_V folded into W_O). "
-            f"Schedule {report['params']['schedule']}, factored {report['params']['compress']}; "
-            f"K ranks per layer: {ranks}."
+    """The method's own paragraph (``Method.describe``), then the cache storage when quantized."""
+    from kvconvert.methods import METHODS
+
+    text = METHODS[report["method"]][1].describe(report)
+    storage = report.get("kv_storage")
+    if storage:
+        text += (
+            f"\n\nThe cache is stored as {storage['bits']}-bit integers (keys per channel over blocks of "
+            f"{storage['group']} tokens, values per token in groups of up to {storage['group']} channels, fp16 "
+            f"scale and zero per group); the newest {storage['residual']} tokens stay unquantized."
         )
-    if report["method"] == "slim":
-        worst = max(report["layers"], key=lambda r: r["v_rel_error"])
-        return (
-            "Slim attention caches only K and computes V = K·W_KV (exact up to rounding). "
-            f"Largest κ(W_K): {max(r['kappa_k'] for r in report['layers']):.3g}; largest relative V error "
-            f"on random inputs in {report['dtype']}: {worst['v_rel_error']:.2e} (layer {worst['layer']})."
-        )
-    if report["method"] == "razor":
-        kept = sum(len(r["retrieval_kv_heads"]) for r in report["layers"])
-        return (
-            f"RazorAttention keeps the full cache for {kept} retrieval KV heads; the others keep "
-            f"{report['params']['sink']} sink tokens, a recent window and one compensation token."
-        )
-    if report["method"] == "zack":
-        widths = [sum(r["rank_k"]) + sum(r["rank_v"]) for r in report["layers"]]
-        return (
-            "ZACK caches K and V in calibrated per-head rotated bases, truncated to adaptive widths; attention "
-            f"runs in the compressed space. Cached K+V width per layer: {widths}."
-        )
-    if report["method"] == "minicache":
-        plan = report["plan"]
-        pairs = ", ".join(f"{a}-{b}" for a, b in plan["pairs"]) or "none"
-        return (
-            f"MiniCache: adjacent layer pairs ({pairs}) share one K and one V direction tensor "
-            f"(SLERP, t = {plan['t']}) plus per-token norms of each layer; tokens at the far end of the "
-            f"distance range (γ = {plan['gamma']}) are kept unmerged. Only cached states are merged, so quality "
-            "shows when text is decoded through the cache (`kvconvert eval --chunk 1`), not in a single forward."
-        )
-    return ""
+    return text
 
 
 def _measured(evaluation: dict[str, Any] | None) -> str:

@@ -58,3 +58,8 @@ class Method:
 
     def params(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    @classmethod
+    def describe(cls, report: dict[str, Any]) -> str:
+        """The model card's paragraph on what this method did, from its ``kvconvert.json`` report."""
+        return ""

@@ -147,6 +147,15 @@ class LorcMethod(Method):
         self.plan_: LorcPlan | None = None
         self.layout: AttentionLayout | None = None
 
+    @classmethod
+    def describe(cls, report: dict[str, Any]) -> str:
+        ranks = [r["rank_k"] for r in report["layers"]]
+        return (
+            "LoRC caches rank-d_c latents of K and V (low-rank W_K, W_V by SVD; U_V folded into W_O). "
+            f"Schedule {report['params']['schedule']}, factored {report['params']['compress']}; "
+            f"K ranks per layer: {ranks}."
+        )
+
     def params(self) -> dict[str, Any]:
         return asdict(self.config)
 

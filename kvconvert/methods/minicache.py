@@ -101,6 +101,17 @@ class MiniCacheMethod(Method):
         self.retained = (self.config.gamma, self.config.gamma)  # appendix E's assumption until measured
         self.element_bytes = 2
 
+    @classmethod
+    def describe(cls, report: dict[str, Any]) -> str:
+        plan = report["plan"]
+        pairs = ", ".join(f"{a}-{b}" for a, b in plan["pairs"]) or "none"
+        return (
+            f"MiniCache: adjacent layer pairs ({pairs}) share one K and one V direction tensor "
+            f"(SLERP, t = {plan['t']}) plus per-token norms of each layer; tokens at the far end of the "
+            f"distance range (γ = {plan['gamma']}) are kept unmerged. Only cached states are merged, so quality "
+            "shows when text is decoded through the cache (`kvconvert eval --chunk 1`), not in a single forward."
+        )
+
     def params(self) -> dict[str, Any]:
         return asdict(self.config)
 

@@ -28,6 +28,10 @@ class QuantMethod(Method):
     def __init__(self, config: QuantConfig | None = None):
         self.config = config or QuantConfig()
 
+    @classmethod
+    def describe(cls, report: dict[str, Any]) -> str:
+        return "Weights and attention are unchanged; only the cache's storage is quantized (below)."
+
     def params(self) -> dict[str, Any]:
         return asdict(self.config)
 

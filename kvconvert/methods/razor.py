@@ -70,6 +70,14 @@ class RazorMethod(Method):
         self.progress = progress
         self.report: dict[str, Any] = {}
 
+    @classmethod
+    def describe(cls, report: dict[str, Any]) -> str:
+        kept = sum(len(r["retrieval_kv_heads"]) for r in report["layers"])
+        return (
+            f"RazorAttention keeps the full cache for {kept} retrieval KV heads; the others keep "
+            f"{report['params']['sink']} sink tokens, a recent window and one compensation token."
+        )
+
     def params(self) -> dict[str, Any]:
         return asdict(self.config)
 

@@ -169,6 +169,14 @@ class ZackMethod(Method):
         self.plan_: ZackPlan | None = None
         self.calibration: dict[str, Any] = {}
 
+    @classmethod
+    def describe(cls, report: dict[str, Any]) -> str:
+        widths = [sum(r["rank_k"]) + sum(r["rank_v"]) for r in report["layers"]]
+        return (
+            "ZACK caches K and V in calibrated per-head rotated bases, truncated to adaptive widths; attention "
+            f"runs in the compressed space. Cached K+V width per layer: {widths}."
+        )
+
     def params(self) -> dict[str, Any]:
         return asdict(self.config)
 
