@@ -4,7 +4,7 @@ SHARED ?= ../shared
 DEMO := demo-out
 AIDREAMS := $(SHARED)/models/aidreams260K
 
-.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-kernels clean
+.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-quant bench-kernels clean
 
 # torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
 install:
@@ -50,6 +50,11 @@ bench-zack: install
 # MiniCache on SmolLM2: merged layers, SLERP vs average, retention; decoded token by token (about 30 minutes)
 bench-minicache: install
 	$(PYTHON) bench/minicache_bench.py
+
+# Quantized KV storage on SmolLM2: quant 8/4/2 alone and composed with razor, lorc, minicache; context protocol
+# (1536 tokens into the cache, 512 scored through it) on wikitext-2 and TinyStories (about 30 minutes)
+bench-quant: install
+	$(PYTHON) bench/quant_bench.py
 
 # Triton decode kernels vs SDPA and end-to-end decode tokens/s; needs a CUDA GPU (--smoke: script check on CPU)
 bench-kernels: install

@@ -339,14 +339,43 @@ def minicache(
 
 @main.command()
 @_conversion_options
+@click.option(
+    "--kv-budget", type=float, default=None, help="Bytes ÷ a 16-bit cache; widths per layer chosen by measured loss."
+)
+@click.option(
+    "--min-bits", type=click.Choice(["2", "4", "8"]), default="2", show_default=True, help="With --kv-budget."
+)
+@click.option(
+    "--max-bits", type=click.Choice(["2", "4", "8"]), default="4", show_default=True, help="With --kv-budget."
+)
+@click.option("--calib", default=None, help="With --kv-budget: calibration text (default: the shipped calib_data/).")
+@click.option(
+    "--calib-tokens", type=int, default=2048, show_default=True, help="Calibration tokens (512-token chunks)."
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chunk shuffle.")
 @_user_errors
-def quant(options: ConversionOptions) -> None:
+def quant(
+    options: ConversionOptions,
+    kv_budget: float | None,
+    min_bits: str,
+    max_bits: str,
+    calib: str | None,
+    calib_tokens: int,
+    seed: int,
+) -> None:
     """Quantized KV cache alone (KIVI layout: keys per channel, values per token): the baseline to beat."""
-    from kvconvert.methods.quant import QuantMethod
+    from kvconvert.methods.quant import QuantConfig, QuantMethod
 
-    report = _convert(QuantMethod(), options)
+    config = QuantConfig(kv_budget=kv_budget, min_bits=int(min_bits), max_bits=int(max_bits), calib=calib,
+                         calib_tokens=calib_tokens, seed=seed)  # fmt: skip
+    report = _convert(QuantMethod(config, progress=not options.quiet), options)
     storage = report["kv_storage"]
-    click.echo(f"wrote {options.out} (quant {storage['bits']}-bit, groups of {storage['group']}, "
+    widths = (
+        f"{storage['bits']}-bit"
+        if "layers" not in storage
+        else f"mixed widths ({report['plan']['kv_budget']:.3f} of 16-bit)"
+    )
+    click.echo(f"wrote {options.out} (quant {widths}, groups of {storage['group']}, "
                f"{storage['residual']} recent tokens unquantized)")  # fmt: skip
 
 

@@ -106,7 +106,9 @@ def recipe_text(method: Method) -> str:
     """The recipe that reproduces ``method``: every option spelled out, defaults included; the storage
     keys only when the cache is quantized (so 16-bit recipes read as they always did)."""
     storage = method.storage
-    quantized = {"kv_bits": storage.bits, "kv_group": storage.group, "kv_residual": storage.residual}
-    return yaml.safe_dump(
-        {"method": method.name, **method.params(), **(quantized if storage.quantized else {})}, sort_keys=False
-    )
+    keys: dict[str, int] = {}
+    if storage.quantized:
+        if storage.layers is None:  # widths a plan allocated are the plan's result, not an option
+            keys["kv_bits"] = storage.bits
+        keys.update(kv_group=storage.group, kv_residual=storage.residual)
+    return yaml.safe_dump({"method": method.name, **method.params(), **keys}, sort_keys=False)

@@ -177,8 +177,11 @@ def test_bits_16_store_is_a_plain_tensor():
 # ----------------------------------------------------------------- every method's runtime
 
 QUANT = ("--kv-bits", "4", "--kv-group", "8", "--kv-residual", "8")
+MIXED = ("--kv-budget", "0.45", "--min-bits", "2", "--max-bits", "8", "--calib-tokens", "512", "--kv-group", "8",
+         "--kv-residual", "8")  # fmt: skip
 METHOD_ARGS = {
     "quant": ("llama_gqa", ()),
+    "quant-mixed": ("llama_gqa", ()),
     "slim": ("llama", ()),
     "lorc": ("llama_gqa", ("--kv-budget", "0.75")),
     "zack": ("llama_gqa", ("--removal-rate", "0.05", "--calib-tokens", "2048")),
@@ -203,6 +206,11 @@ METHOD_ARGS = {
 }
 
 
+def _command(method: str) -> tuple[str, ...]:
+    """The conversion command and its storage options: uniform 4-bit, or widths allocated per layer."""
+    return ("quant", *MIXED) if method == "quant-mixed" else (method, *QUANT)
+
+
 def _patched_reference_store(monkeypatch):
     for module in (kvconvert_common, kvconvert_razor, kvconvert_minicache, kvconvert_storage):
         monkeypatch.setattr(module, "TokenStore", ReferenceStore)
@@ -222,7 +230,8 @@ def test_quantized_runtime_equals_fake_quant_reference(method, tokenized_model_d
     fake-quantized by the plain-torch reference: prefill and 32 decode steps of a left-padded batch."""
     kind, extra = METHOD_ARGS[method]
     src = tokenized_model_dir(kind)
-    convert(method, src, tmp_path / "q", *QUANT, *extra)
+    command, *storage = _command(method)
+    convert(command, src, tmp_path / "q", *storage, *extra)
     ids, mask = left_padded()
     quantized = _prefill_and_decode(kvconvert.load(tmp_path / "q").eval(), ids, mask)
     _patched_reference_store(monkeypatch)
@@ -232,7 +241,7 @@ def test_quantized_runtime_equals_fake_quant_reference(method, tokenized_model_d
     torch.testing.assert_close(quantized[1], expected[1], rtol=1e-4, atol=1e-4)
     assert torch.equal(quantized[2], expected[2])
     # and the quantization is really there: the 16-bit conversion (for quant: the source) decodes differently
-    if method == "quant":
+    if method.startswith("quant"):
         unquantized = load_reference(src)
     else:
         convert(method, src, tmp_path / "f", *extra)
@@ -268,7 +277,8 @@ def test_measured_bytes_equal_the_accounting(bits, tiny_model_dir, tmp_path):
 def test_generate_with_quantized_storage(method, tokenized_model_dir, tmp_path):
     """Greedy, sampling, beams and several return sequences on a left-padded batch."""
     kind, extra = METHOD_ARGS[method]
-    convert(method, tokenized_model_dir(kind), tmp_path / "q", *QUANT, *extra)
+    command, *storage = _command(method)
+    convert(command, tokenized_model_dir(kind), tmp_path / "q", *storage, *extra)
     model = load_converted(tmp_path / "q")
     ids, mask = left_padded()
     common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
@@ -302,3 +312,57 @@ def test_recipe_carries_storage(tiny_model_dir, tmp_path):
     assert run_cli("run", str(tmp_path / "a" / "recipe.yaml"), "--model", str(src), "--out", str(tmp_path / "c"),
                    "--quiet", "--kv-bits", "8").exit_code == 0  # fmt: skip
     assert json.loads((tmp_path / "c" / "config.json").read_text())["kvconvert"]["kv_quant"]["bits"] == 8
+
+
+# ----------------------------------------------------------------- widths allocated by measured loss
+
+
+def test_allocation_lowers_the_cheapest_store_per_byte_first():
+    from kvconvert.calib.bits import allocate
+
+    # two layers of 64 values per side; layer 0's values barely care about 2 bits, layer 1's keys a lot
+    sensitivity = [[{4: 0.0, 2: 0.5}, {4: 0.0, 2: 0.01}], [{4: 0.0, 2: 2.0}, {4: 0.0, 2: 0.2}]]
+    layers, used = allocate(sensitivity, [64, 64], [2, 4], budget=0.22, group=64)
+    four, two = (0.5 + 4 / 64) / 2, (0.25 + 4 / 64) / 2  # budget of one store at 4 and 2 bits
+    assert layers == ((4, 2), (4, 2)) and used == pytest.approx((2 * four + 2 * two) / 4)
+    layers, _ = allocate(sensitivity, [64, 64], [2, 4], budget=0.2, group=64)
+    assert layers == ((2, 2), (4, 2))
+    with pytest.raises(Exception, match="below what 2-bit storage"):
+        allocate(sensitivity, [64, 64], [2, 4], budget=0.1, group=64)
+
+
+def test_simulated_storage_is_what_the_store_holds_after_a_prefill():
+    from kvconvert.calib.bits import stored_after_prefill
+
+    x = torch.randn(1, 2, 150, 16)
+    for per_channel in (True, False):
+        spec = QuantSpec(2, group=32, residual=20)
+        store = TokenStore(spec, per_channel)
+        store.append(x)
+        assert torch.equal(stored_after_prefill(x, spec, per_channel), store.read())
+
+
+def test_quant_with_a_budget_allocates_widths_and_the_cache_holds_them(tokenized_model_dir, tmp_path):
+    src = tokenized_model_dir("llama_gqa")
+    report = convert("quant", src, tmp_path / "q", *MIXED)
+    plan, storage = report["plan"], report["kv_storage"]
+    assert plan["kv_budget"] <= 0.45 and len(storage["layers"]) == 3 and storage["layers"] == plan["layers"]
+    widths = {b for pair in storage["layers"] for b in pair}
+    assert len(widths) > 1, "a budget between uniform widths needs mixed widths"
+    # the measured KL of the allocation is what adding the single-store sensitivities predicted, roughly
+    assert plan["calibration_kl_measured"] == pytest.approx(plan["calibration_kl_predicted"], rel=0.5)
+    # live cache bytes per token = the per-layer accounting
+    model = load_converted(tmp_path / "q")
+    ids = torch.randint(3, 90, (1, 8 + 8 * 16), generator=torch.Generator().manual_seed(0))
+    measured = kv_bytes_per_token(model, ids, 8 + 8 * 4, 8 + 8 * 16)
+    spec = QuantSpec(4, 8, 8)
+    accounted = sum(32 * QuantSpec(k, 8).bytes_per_value(16, True) + 32 * QuantSpec(v, 8).bytes_per_value(16, False)
+                    for k, v in storage["layers"])  # fmt: skip
+    assert spec.group == 8 and measured == pytest.approx(accounted)
+    # the recipe repeats the plan, not its result
+    again = run_cli("run", str(tmp_path / "q" / "recipe.yaml"), "--model", str(src), "--out", str(tmp_path / "r"),
+                    "--quiet")  # fmt: skip
+    assert again.exit_code == 0, again.output
+    assert json.loads((tmp_path / "r" / "kvconvert.json").read_text())["kv_storage"] == storage
+    both = run_cli("quant", "--model", str(src), "--out", str(tmp_path / "x"), "--kv-bits", "4", "--kv-budget", "0.3")
+    assert both.exit_code == 2 and "not both" in both.output

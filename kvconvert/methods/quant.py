@@ -2,10 +2,14 @@
 
 The baseline every other method is compared with at equal bytes: keys per channel over blocks of
 tokens, values per token, the newest tokens unquantized (``kvconvert/runtime/kvconvert_storage.py``).
+With ``--kv-budget`` (a kvconvert extension, not in KIVI) the width of every layer's keys and values
+is chosen between ``min_bits`` and ``max_bits`` by measured loss on calibration text
+(``kvconvert.calib.bits``), so the budget lands where it costs the least.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -14,30 +18,97 @@ import torch
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
 from kvconvert.methods.base import LayerOutput, Method
+from kvconvert.runtime.kvconvert_storage import BITS, QuantSpec
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """``kvconvert quant`` has no options of its own: ``--kv-bits/--kv-group/--kv-residual`` are the
-    storage options every conversion command takes."""
+    """Options of ``kvconvert quant`` besides the storage options every command takes
+    (``--kv-bits/--kv-group/--kv-residual``)."""
+
+    kv_budget: float | None = None  # bytes ÷ a 16-bit cache's: mixed widths allocated by measured loss
+    min_bits: int = 2
+    max_bits: int = 4
+    calib: str | None = None  # calibration source; None: the shipped calib_data/
+    calib_tokens: int = 2048  # 512-token chunks the sensitivities are measured on
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
+            raise KVConvertError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
+        if self.min_bits not in BITS[1:] or self.max_bits not in BITS[1:] or self.min_bits > self.max_bits:
+            raise KVConvertError(f"min_bits and max_bits must be 8, 4 or 2 with min ≤ max, got {self.min_bits}, "
+                                 f"{self.max_bits}")  # fmt: skip
+
+    @property
+    def choices(self) -> list[int]:
+        return [b for b in BITS[1:] if self.min_bits <= b <= self.max_bits]
 
 
 class QuantMethod(Method):
     name = "quant"
 
-    def __init__(self, config: QuantConfig | None = None):
+    def __init__(self, config: QuantConfig | None = None, progress: bool = True):
         self.config = config or QuantConfig()
-
-    @classmethod
-    def describe(cls, report: dict[str, Any]) -> str:
-        return "Weights and attention are unchanged; only the cache's storage is quantized (below)."
+        self.progress = progress
+        self.plan_report: dict[str, Any] = {}
 
     def params(self) -> dict[str, Any]:
         return asdict(self.config)
 
+    @classmethod
+    def describe(cls, report: dict[str, Any]) -> str:
+        text = "Weights and attention are unchanged; only the cache's storage is quantized (below)."
+        plan = report.get("plan") or {}
+        if "layers" in plan:
+            text += (
+                f" Widths per layer (keys, values) were allocated by measured loss for a budget of "
+                f"{plan['kv_budget']:.3f} of a 16-bit cache: {plan['layers']}."
+            )
+        return text
+
     def check(self, layout: AttentionLayout) -> None:
+        if self.config.kv_budget is not None:
+            if self.storage.bits != 16:
+                raise KVConvertError("give --kv-bits (one width) or --kv-budget (widths chosen per layer), not both")
+            return
         if not self.storage.quantized:
-            raise KVConvertError("quant needs --kv-bits 8, 4 or 2 (16 would copy the model unchanged)")
+            raise KVConvertError("quant needs --kv-bits 8, 4 or 2 (16 would copy the model unchanged), or --kv-budget")
+
+    def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
+        """With ``kv_budget``: measure each layer's and side's sensitivity and allocate the widths."""
+        budget = self.config.kv_budget
+        if budget is None:
+            return
+        import transformers
+
+        from kvconvert.arch import adapter_for
+        from kvconvert.calib.bits import measure_allocation
+        from kvconvert.calib.text import calibration_set
+
+        config = self.config
+        chunks = calibration_set(source.path, config.calib, config.calib_tokens, min(512, layout.context),
+                                 config.seed)  # fmt: skip
+        cls = getattr(transformers, adapter_for(source.config).causal_lm_class_name())
+        model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval()
+        widths = [layout.num_kv_heads * layout.head_dim] * layout.num_layers
+        storage = self.storage
+        allocation, measured = measure_allocation(model, chunks.chunks, widths, config.choices, budget,
+                                                  storage.group, storage.residual, self.progress)  # fmt: skip
+        del model
+        top = max(b for pair in allocation.layers for b in pair)
+        self.storage = QuantSpec(top, storage.group, storage.residual, allocation.layers)
+        self.plan_report = {
+            "kv_budget": allocation.budget,
+            "layers": [list(pair) for pair in allocation.layers],
+            "calibration_kl_predicted": allocation.predicted_kl,
+            "calibration_kl_measured": measured,
+            "calibration": {"source": chunks.source, "tokens": chunks.tokens},
+            "sensitivity": allocation.sensitivity,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return self.plan_report
 
     def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         return LayerOutput(tensors={}, report={"layer": layer}, passthrough=True)

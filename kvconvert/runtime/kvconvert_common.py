@@ -24,10 +24,10 @@ class LatentLayer(KVLayer):
     latents; zack: packed per-head columns). The keys also give the sequence length masks are built from.
     """
 
-    def __init__(self, quant: QuantSpec | None = None):
+    def __init__(self, quant: QuantSpec | None = None, layer: int = 0):
         super().__init__()
-        self.quant = quant or QuantSpec()
-        self.key_store = TokenStore(self.quant, per_channel=True)  # keys feed scores: per channel
+        self.quant, self.layer = quant or QuantSpec(), layer
+        self.key_store = TokenStore(self.quant.side(layer, keys=True), per_channel=True)  # scores: per channel
         self.value_store: TokenStore | None = None
 
     def update(  # type: ignore[override]
@@ -41,7 +41,7 @@ class LatentLayer(KVLayer):
         if value_states is None:
             return keys, None
         if self.value_store is None:
-            self.value_store = TokenStore(self.quant, per_channel=False)
+            self.value_store = TokenStore(self.quant.side(self.layer, keys=False), per_channel=False)
         return keys, self.value_store.extend(value_states)
 
     def _stores(self) -> list[TokenStore]:
@@ -65,7 +65,7 @@ class LatentLayer(KVLayer):
             store.apply(fn)
 
     def reset(self) -> None:
-        self.key_store = TokenStore(self.quant, per_channel=True)  # keys feed scores: per channel
+        self.key_store = TokenStore(self.quant.side(self.layer, keys=True), per_channel=True)
         self.value_store = None
         self.keys = self.values = None
         self.is_initialized = False

@@ -141,6 +141,7 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | Non
 
 def make_cache(spec: dict[str, Any]) -> CompressedCache:
     quant = QuantSpec.from_spec(spec)
-    layers = [stock_layer(quant) if layer is None else LatentLayer(quant) for layer in spec["lorc_layers"]]
+    layers = [stock_layer(quant, i) if layer is None else LatentLayer(quant, i)
+              for i, layer in enumerate(spec["lorc_layers"])]  # fmt: skip
     rope_needed = spec.get("rotary_module") is not None
     return CompressedCache(layers, track_positions=rope_needed)

@@ -220,18 +220,18 @@ class PairState(PairedLayer):
     """Layer l (second of the pair): owns the pair's merged keys and values, ``seen`` tokens long,
     and, between the two layers of one forward call, layer l-1's new states (``pending``)."""
 
-    def __init__(self, t: float, gamma: float, merge: str, quant: QuantSpec | None = None):
+    def __init__(self, t: float, gamma: float, merge: str, quant: QuantSpec | None = None, layer: int = 0):
         super().__init__()
         self.t, self.gamma, self.merge = t, gamma, merge
-        self.quant = quant or QuantSpec()
+        self.quant, self.layer = quant or QuantSpec(), layer  # the pair's second layer: its storage serves both
         self.pair, self.member = self, 1
         self.reset()
 
     def reset(self) -> None:
         self.seen = 0
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # layer l-1's states, this call only
-        self.keys_merged = MergedStream(self.quant, per_channel=True)
-        self.values_merged = MergedStream(self.quant, per_channel=False)
+        self.keys_merged = MergedStream(self.quant.side(self.layer, keys=True), per_channel=True)
+        self.values_merged = MergedStream(self.quant.side(self.layer, keys=False), per_channel=False)
 
     def rows(self) -> int:
         rows = self.keys_merged.distance_range
@@ -330,9 +330,9 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
 def make_cache(spec: dict[str, Any]) -> LayerStateCache:
     plan = spec["minicache"]
     quant = QuantSpec.from_spec(spec)
-    layers: list[DynamicLayer] = [stock_layer(quant) for _ in spec["attention_modules"]]
+    layers: list[DynamicLayer] = [stock_layer(quant, i) for i in range(len(spec["attention_modules"]))]
     for first, second in plan["pairs"]:
-        state = PairState(float(plan["t"]), float(plan["gamma"]), plan["merge"], quant)
+        state = PairState(float(plan["t"]), float(plan["gamma"]), plan["merge"], quant, second)
         layers[first], layers[second] = PairFirst(state), state
     return LayerStateCache(layers)
 

@@ -18,4 +18,4 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
 
 def make_cache(spec: dict[str, Any]) -> LayerStateCache:
     quant = QuantSpec.from_spec(spec)
-    return LayerStateCache([QuantizedLayer(quant) for _ in spec["attention_modules"]])
+    return LayerStateCache([QuantizedLayer(quant, i) for i in range(len(spec["attention_modules"]))])

@@ -57,17 +57,18 @@ class RazorLayer(KVLayer):
     channel, values per token). ``seen`` is the logical sequence length the masks are built for."""
 
     def __init__(self, retrieval: list[int], others: list[int], sink: int, window: int, window_frac: float,
-                 quant: QuantSpec | None = None):  # fmt: skip
+                 quant: QuantSpec | None = None, layer: int = 0):  # fmt: skip
         super().__init__()
         self.retrieval, self.others = retrieval, others
         self.sink, self.window, self.window_frac = sink, window, window_frac
-        self.quant = quant or QuantSpec()
+        self.quant, self.layer = quant or QuantSpec(), layer
         self.reset()
 
     def reset(self) -> None:
         self.seen = 0
-        self.full_k, self.full_v = TokenStore(self.quant, True), TokenStore(self.quant, False)
-        self.recent_k, self.recent_v = TokenStore(self.quant, True), TokenStore(self.quant, False)
+        keys, values = self.quant.side(self.layer, keys=True), self.quant.side(self.layer, keys=False)
+        self.full_k, self.full_v = TokenStore(keys, True), TokenStore(values, False)
+        self.recent_k, self.recent_v = TokenStore(keys, True), TokenStore(values, False)
         # tensors once the layer has seen its first tokens (None before); Any keeps the state terse
         self.sink_k: Any = None
         self.sink_v: Any = None
@@ -303,9 +304,11 @@ def make_cache(spec: dict[str, Any]) -> LayerStateCache:
     kv_heads = int(spec["num_kv_heads"])
     quant = QuantSpec.from_spec(spec)
     layers = []
-    for retrieval in razor["retrieval_kv_heads"]:
+    for layer, retrieval in enumerate(razor["retrieval_kv_heads"]):
         others = [g for g in range(kv_heads) if g not in retrieval]
-        layers.append(RazorLayer(list(retrieval), others, razor["sink"], razor["window"], razor["window_frac"], quant))
+        layers.append(
+            RazorLayer(list(retrieval), others, razor["sink"], razor["window"], razor["window_frac"], quant, layer)
+        )
     return LayerStateCache(layers)
 
 

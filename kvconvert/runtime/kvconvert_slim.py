@@ -113,5 +113,5 @@ class SlimAttention(LatentAttention):
 def make_cache(spec: dict[str, Any]) -> CompressedCache:
     """Per layer only the pre-RoPE keys (``LatentLayer`` with no values)."""
     quant = QuantSpec.from_spec(spec)
-    layers = [LatentLayer(quant) for _ in spec["attention_modules"]]
+    layers = [LatentLayer(quant, i) for i in range(len(spec["attention_modules"]))]
     return CompressedCache(layers, track_positions=spec.get("rotary_module") is not None)

@@ -30,30 +30,45 @@ BITS = (16, 8, 4, 2)
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """``config.kvconvert["kv_quant"]``: bits per stored value, group size, unquantized recent tokens."""
+    """``config.kvconvert["kv_quant"]``: bits per stored value, group size, unquantized recent tokens,
+    and optionally per layer (key bits, value bits) — mixed precision allocated by measured loss —
+    which then overrides ``bits``."""
 
     bits: int = 16
     group: int = 64
     residual: int = 128
+    layers: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.bits not in BITS:
-            raise ValueError(f"kv bits must be one of {BITS}, got {self.bits}")
+        for bits in (self.bits, *(b for pair in self.layers or () for b in pair)):
+            if bits not in BITS:
+                raise ValueError(f"kv bits must be one of {BITS}, got {bits}")
         if self.group < 1 or self.residual < 0:
             raise ValueError(f"kv group must be >= 1 and residual >= 0, got {self.group}, {self.residual}")
 
     @property
     def quantized(self) -> bool:
-        return self.bits < 16
+        return self.bits < 16 or any(b < 16 for pair in self.layers or () for b in pair)
+
+    def side(self, layer: int, keys: bool) -> QuantSpec:
+        """The uniform storage of one layer's keys (or values)."""
+        if self.layers is None:
+            return self
+        return QuantSpec(self.layers[layer][0 if keys else 1], self.group, self.residual)
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> QuantSpec:
         """The storage a checkpoint's runtime spec asks for (none written: 16 bits)."""
         entry = spec.get("kv_quant") or {}
-        return cls(int(entry.get("bits", 16)), int(entry.get("group", 64)), int(entry.get("residual", 128)))
+        layers = entry.get("layers")
+        return cls(int(entry.get("bits", 16)), int(entry.get("group", 64)), int(entry.get("residual", 128)),
+                   None if layers is None else tuple((int(k), int(v)) for k, v in layers))  # fmt: skip
 
-    def to_spec(self) -> dict[str, int]:
-        return {"bits": self.bits, "group": self.group, "residual": self.residual}
+    def to_spec(self) -> dict[str, Any]:
+        spec: dict[str, Any] = {"bits": self.bits, "group": self.group, "residual": self.residual}
+        if self.layers is not None:
+            spec["layers"] = [list(pair) for pair in self.layers]
+        return spec
 
     def bytes_per_value(self, width: int, per_channel: bool) -> float:
         """Accounted bytes per stored value of a ``width``-wide state (codes + fp16 scale and zero)."""
@@ -348,10 +363,10 @@ class QuantizedLayer(KVLayer):
     """A stock attention layer's ``[b, Hkv, n, d]`` keys and values in quantized storage: keys per
     channel, values per token. ``update`` returns the past (dequantized) with this step's exact states."""
 
-    def __init__(self, quant: QuantSpec):
+    def __init__(self, quant: QuantSpec, layer: int = 0):
         super().__init__()
-        self.key_store, self.value_store = TokenStore(quant, per_channel=True), TokenStore(quant, per_channel=False)
-        self.keys = self.values = None
+        self.quant, self.layer = quant, layer
+        self.reset()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
@@ -378,11 +393,13 @@ class QuantizedLayer(KVLayer):
         self.value_store.apply(fn)
 
     def reset(self) -> None:
-        quant = self.key_store.quant
-        self.key_store, self.value_store = TokenStore(quant, per_channel=True), TokenStore(quant, per_channel=False)
+        self.key_store = TokenStore(self.quant.side(self.layer, keys=True), per_channel=True)
+        self.value_store = TokenStore(self.quant.side(self.layer, keys=False), per_channel=False)
+        self.keys = self.values = None
         self.is_initialized = False
 
 
-def stock_layer(quant: QuantSpec) -> DynamicLayer:
+def stock_layer(quant: QuantSpec, layer: int) -> DynamicLayer:
     """The cache layer of a layer a method leaves untouched: transformers' own, or quantized."""
-    return QuantizedLayer(quant) if quant.quantized else DynamicLayer()
+    quantized = quant.side(layer, keys=True).quantized or quant.side(layer, keys=False).quantized
+    return QuantizedLayer(quant, layer) if quantized else DynamicLayer()

@@ -131,4 +131,4 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | Non
 def make_cache(spec: dict[str, Any]) -> CompressedCache:
     # keys are cached after RoPE and rotation: no positions to remember
     quant = QuantSpec.from_spec(spec)
-    return CompressedCache([LatentLayer(quant) for _ in spec["zack_layers"]], track_positions=False)
+    return CompressedCache([LatentLayer(quant, i) for i in range(len(spec["zack_layers"]))], track_positions=False)

@@ -1,0 +1,151 @@
+"""Mixed-precision KV storage allocated by measured loss (a kvconvert extension; KIVI uses one width).
+
+Layers and sides (K, V) differ in how much quantization hurts. For every layer and side and every
+lower width, the source model is run on calibration text with that one store quantized (the others
+at the widest choice) inside attention, exactly as the runtime's store would hold the tokens after a
+prefill (``kvconvert_storage.quantize_tokens``), and KL(source ‖ simulated) is measured. A greedy
+pass then lowers, one step at a time, the store whose next step costs the least KL per byte saved,
+until the cache fits the budget — the additive sensitivity model that mixed-precision searches
+(HAQ, Palu's rank search) use. The chosen allocation is measured once more as a whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvconvert.calib.hooks import observed_attention
+from kvconvert.errors import KVConvertError
+from kvconvert.runtime.kvconvert_storage import QuantSpec, dequantize_tokens, quantize_tokens
+
+
+def stored_after_prefill(x: torch.Tensor, spec: QuantSpec, per_channel: bool) -> torch.Tensor:
+    """``x [..., n, w]`` as a ``TokenStore`` holds it after one prefill: whole blocks of aged tokens
+    quantized, the newest ``residual`` (and the partial block behind them) exact."""
+    if not spec.quantized:
+        return x
+    ready = max(0, x.shape[-2] - spec.residual) // spec.group * spec.group
+    if ready == 0:
+        return x
+    block = quantize_tokens(x[..., :ready, :], spec.bits, spec.group, per_channel)
+    aged = dequantize_tokens(block, spec.bits, spec.group, x.shape[-1], per_channel, x.dtype)
+    return torch.cat([aged, x[..., ready:, :]], dim=-2)
+
+
+@contextlib.contextmanager
+def simulated_storage(model: Any, quant: QuantSpec) -> Iterator[None]:
+    """Inside the block every layer of ``model`` attends to keys and values as ``quant`` stores them."""
+
+    def store(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
+        layer = module.layer_idx
+        return (query, stored_after_prefill(key, quant.side(layer, keys=True), per_channel=True),
+                stored_after_prefill(value, quant.side(layer, keys=False), per_channel=False))  # fmt: skip
+
+    with observed_attention(model, store):
+        yield
+
+
+@torch.no_grad()
+def mean_kl(model: Any, chunks: torch.Tensor, reference_logp: list[torch.Tensor]) -> float:
+    """Mean per-token KL(reference ‖ model) over ``chunks [n, T]``."""
+    total = 0.0
+    for row, ref in zip(chunks, reference_logp, strict=True):
+        logp = torch.log_softmax(model(row[None], use_cache=False).logits[0].float(), dim=-1)
+        total += (ref.exp() * (ref - logp)).sum().item()
+    return total / chunks.numel()
+
+
+def stored_bytes(bits: int, width: int, per_channel: bool, group: int) -> float:
+    """Accounted bytes per token of one ``width``-wide store (codes + fp16 scale and zero per group)."""
+    return width * QuantSpec(bits, group).bytes_per_value(width, per_channel)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Per layer (key bits, value bits), the accounted budget vs a 16-bit cache, the KL predicted by
+    adding single-store sensitivities, and each store's measured ΔKL per width."""
+
+    layers: tuple[tuple[int, int], ...]
+    budget: float
+    predicted_kl: float
+    sensitivity: list[list[dict[str, float]]]  # [layer][side] -> {bits: ΔKL}
+
+
+def allocate(
+    sensitivity: Sequence[Sequence[dict[int, float]]],
+    widths: Sequence[int],
+    choices: Sequence[int],
+    budget: float,
+    group: int,
+) -> tuple[tuple[tuple[int, int], ...], float]:
+    """Greedy allocation: ``sensitivity[layer][side][bits]`` = ΔKL of that store alone at ``bits``
+    (0 at ``max(choices)``), ``widths[layer]`` values per token and side. Lowers the store whose next
+    step costs the least ΔKL per byte saved until Σ bytes ≤ ``budget`` × a 16-bit cache's.
+    Returns (per layer (key bits, value bits), accounted budget)."""
+    ordered = sorted(choices, reverse=True)
+    bits = [[ordered[0], ordered[0]] for _ in widths]
+    full = sum(2 * 2 * w for w in widths)  # 16-bit K and V
+
+    def used() -> float:
+        return sum(stored_bytes(bits[i][s], w, s == 0, group) for i, w in enumerate(widths) for s in (0, 1)) / full
+
+    while used() > budget + 1e-12:
+        best: tuple[float, int, int, int] | None = None
+        for i, w in enumerate(widths):
+            for s in (0, 1):
+                step = ordered.index(bits[i][s]) + 1
+                if step == len(ordered):
+                    continue
+                lower = ordered[step]
+                saved = stored_bytes(bits[i][s], w, s == 0, group) - stored_bytes(lower, w, s == 0, group)
+                cost = sensitivity[i][s][lower] - sensitivity[i][s][bits[i][s]]
+                if best is None or cost / saved < best[0]:
+                    best = (cost / saved, i, s, lower)
+        if best is None:
+            raise KVConvertError(
+                f"--kv-budget {budget} is below what {min(choices)}-bit storage of every layer reaches "
+                f"({used():.3f} of a 16-bit cache); raise the budget or lower --min-bits"
+            )
+        _, i, s, lower = best
+        bits[i][s] = lower
+    return tuple((k, v) for k, v in bits), used()
+
+
+@torch.no_grad()
+def measure_allocation(
+    model: Any,
+    chunks: torch.Tensor,
+    widths: Sequence[int],
+    choices: Sequence[int],
+    budget: float,
+    group: int,
+    residual: int,
+    progress: bool = True,
+) -> tuple[Allocation, float]:
+    """Measure every store's sensitivity on ``chunks``, allocate, and measure the allocation.
+    Returns (allocation, measured KL of the allocation)."""
+    top = max(choices)
+    layers = len(widths)
+    allocate([[dict.fromkeys(choices, 0.0)] * 2] * layers, widths, choices, budget, group)  # reachable at all?
+    reference = [torch.log_softmax(model(row[None], use_cache=False).logits[0].float(), dim=-1) for row in chunks]
+
+    def kl_of(per_layer: list[tuple[int, int]]) -> float:
+        with simulated_storage(model, QuantSpec(top, group, residual, tuple(per_layer))):
+            return mean_kl(model, chunks, reference)
+
+    baseline = kl_of([(top, top)] * layers)
+    sensitivity: list[list[dict[int, float]]] = [[{top: 0.0}, {top: 0.0}] for _ in range(layers)]
+    probes = [(i, s, b) for i in range(layers) for s in (0, 1) for b in choices if b != top]
+    for i, s, b in tqdm(probes, desc="measuring KV sensitivity", disable=not progress):
+        per_layer = [(top, top)] * layers
+        per_layer[i] = (b, top) if s == 0 else (top, b)
+        sensitivity[i][s][b] = kl_of(per_layer) - baseline
+    chosen, used = allocate(sensitivity, widths, choices, budget, group)
+    predicted = baseline + sum(sensitivity[i][s][chosen[i][s]] for i in range(layers) for s in (0, 1))
+    report = [[{str(b): round(v, 6) for b, v in side.items()} for side in layer] for layer in sensitivity]
+    return Allocation(chosen, used, predicted, report), kl_of(list(chosen))
