@@ -6,11 +6,14 @@ cache; 4 windows of wikitext-2 test and 4 of TinyStories validation. Budgets are
 holds after the context ÷ those of a 16-bit stock cache (the model runs in fp32, which would
 otherwise flatter every compression 2×). Writes bench/results/quant-<date>.{json,md}.
 
-``--quick``: wikitext-2 only, fewer candidates (a smoke run of the script).
+``--quick``: wikitext-2 only, fewer candidates (a smoke run of the script). ``--only TEXT``: run the
+candidates whose label contains TEXT and merge their rows into today's results file.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import sys
 import tempfile
 import time
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine, markdown_table, write_results  # noqa: E402
+from bench.common import RESULTS, machine, markdown_table, write_results  # noqa: E402
 from bench.models import eval_texts, prepare_models  # noqa: E402
 from kvconvert.eval.runner import EvalConfig, run_eval  # noqa: E402
 from kvconvert.io.source import open_source  # noqa: E402
@@ -45,6 +48,8 @@ CANDIDATES: list[tuple[str, dict[str, Any], str]] = [
         "both",
     ),  # fmt: skip
     ("razor 0.25 (window 64) + 4-bit, residual 32", {**RAZOR_SMALL, "kv_bits": 4, "kv_residual": 32}, "both"),
+    ("quant mixed 2/4-bit, budget 0.2 (ext.)", {"method": "quant", "kv_budget": 0.2}, "both"),
+    ("quant mixed 2/4-bit, budget 0.17 (ext.)", {"method": "quant", "kv_budget": 0.17}, "both"),
     (
         "lorc k 0.75 + 4-bit",
         {"method": "lorc", "kv_budget": 0.75, "compress": "k", "schedule": "uniform", "kv_bits": 4},
@@ -57,6 +62,7 @@ QUICK = {"quant 8-bit", "quant 4-bit", "quant 2-bit, residual 0"}
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     started = time.perf_counter()
     src = prepare_models()["smollm2-135m"]
     rows: list[dict[str, Any]] = []
@@ -77,7 +83,7 @@ def main() -> None:
             for name, path in texts.items()
         }
         for label, recipe, which in CANDIDATES:
-            if quick and label not in QUICK:
+            if (quick and label not in QUICK) or (only is not None and only not in label):
                 continue
             name, config, storage = parse_recipe(recipe, label)
             dst = Path(tmp) / "candidate"
@@ -98,6 +104,11 @@ def main() -> None:
                 print(f"{label:<34} {data:<12} budget vs 16-bit {row['kv_budget_vs_16bit']:.3f}  "
                       f"Δppl {row['dppl_pct']:+.2f} %  KL {row['kl_mean']:.4f}", flush=True)  # fmt: skip
                 rows.append(row)
+    if only is not None:  # merge into today's file: earlier rows of other candidates stay
+        previous = RESULTS / f"quant-{dt.date.today().isoformat()}.json"
+        if previous.exists():
+            labels = {r["candidate"] for r in rows}
+            rows = [r for r in json.loads(previous.read_text())["rows"] if r["candidate"] not in labels] + rows
     table_rows = [
         [r["candidate"], r["data"], f"{r['kv_budget_vs_16bit']:.3f}", f"{r['kv_budget_measured']:.3f}",
          f"{r['ppl']:.3f}", f"{r['reference_ppl']:.3f}", f"{r['dppl_pct']:+.2f} %", f"{r['kl_mean']:.4f}",

@@ -255,10 +255,26 @@ class TokenStore:
             )
         self.quantized_tokens += ready
 
+    def _dequantize_first(self, blocks: int) -> torch.Tensor:
+        """The first ``blocks`` quantized blocks, dequantized: ``[..., blocks·group, w]`` (dropped tokens included)."""
+        assert self.blocks is not None and self.tail is not None
+        b, tokens = self.blocks, blocks * self.quant.group
+        if self.per_channel:  # codes [..., n/B, w, ·], scale/zero [..., n/B, w]
+            part = QuantizedBlock(b.codes[..., :blocks, :, :], b.scale[..., :blocks, :], b.zero[..., :blocks, :])
+        else:  # codes, scale, zero [..., n, ·]
+            part = QuantizedBlock(b.codes[..., :tokens, :], b.scale[..., :tokens, :], b.zero[..., :tokens, :])
+        spec = self.quant
+        return dequantize_tokens(part, spec.bits, spec.group, self.width, self.per_channel, self.tail.dtype)
+
     def take_front(self, count: int) -> torch.Tensor:
-        """Remove and return the oldest ``count`` tokens ``[..., count, w]`` (as stored: dequantized)."""
-        front = self.read()[..., :count, :]
+        """Remove and return the oldest ``count`` tokens ``[..., count, w]`` (as stored: dequantized).
+        Only the blocks they lie in are dequantized (razor drops a token or two per decode step)."""
         quantized_left = self.quantized_tokens - self.offset
+        if self.blocks is not None and count <= quantized_left:
+            blocks = -(-(self.offset + count) // self.quant.group)
+            front = self._dequantize_first(blocks)[..., self.offset : self.offset + count, :]
+        else:
+            front = self.read()[..., :count, :]
         from_blocks = min(count, quantized_left)
         self.offset += from_blocks
         if count > from_blocks:
