@@ -48,8 +48,12 @@ CANDIDATES: list[tuple[str, dict[str, Any], str]] = [
         "both",
     ),  # fmt: skip
     ("razor 0.25 (window 64) + 4-bit, residual 32", {**RAZOR_SMALL, "kv_bits": 4, "kv_residual": 32}, "both"),
-    ("quant mixed 2/4-bit, budget 0.2 (ext.)", {"method": "quant", "kv_budget": 0.2}, "both"),
-    ("quant mixed 2/4-bit, budget 0.17 (ext.)", {"method": "quant", "kv_budget": 0.17}, "both"),
+    ("quant mixed 2/4-bit, budget 0.2 (ext.)", {"method": "quant", "kv_budget": 0.2}, "wiki"),
+    (
+        "quant mixed 2/4-bit, budget 0.22, residual 0 (ext.)",
+        {"method": "quant", "kv_budget": 0.22, "kv_residual": 0},
+        "wiki",
+    ),  # fmt: skip
     (
         "lorc k 0.75 + 4-bit",
         {"method": "lorc", "kv_budget": 0.75, "compress": "k", "schedule": "uniform", "kv_bits": 4},
