@@ -13,7 +13,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .kvconvert_kernels import HeadColumns, packed_decode_triton
-from .kvconvert_storage import KVLayer, QuantSpec, TokenStore, select_rows_fn
+from .kvconvert_storage import KVLayer, QuantSpec, TokenStore
 
 
 class LatentLayer(KVLayer):
@@ -52,9 +52,6 @@ class LatentLayer(KVLayer):
 
     def rows(self) -> int:
         return 0 if self.key_store.tail is None else self.key_store.tail.shape[0]
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.apply(select_rows_fn(index))
 
     def crop_to(self, length: int) -> None:
         for store in self._stores():

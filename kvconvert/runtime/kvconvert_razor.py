@@ -18,7 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
-from .kvconvert_storage import KVLayer, QuantSpec, TokenStore, select_rows_fn
+from .kvconvert_storage import KVLayer, QuantSpec, TokenStore
 
 IMPLEMENTATION = "kvconvert_razor"
 
@@ -156,9 +156,6 @@ class RazorLayer(KVLayer):
             self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
             self.comp_k_sum, self.comp_v_sum = fn(self.comp_k_sum), fn(self.comp_v_sum)
             self.comp_count = fn(self.comp_count)
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.apply(select_rows_fn(index))
 
     def crop_to(self, length: int) -> None:
         if length < self.seen:

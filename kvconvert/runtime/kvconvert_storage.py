@@ -255,16 +255,24 @@ class TokenStore:
             )
         self.quantized_tokens += ready
 
+    def _blocks(self, start: int, stop: int | None) -> QuantizedBlock:
+        """Quantized blocks ``start:stop`` (block indices): codes [..., n/B, w, ·] and scale/zero
+        [..., n/B, w] per channel; codes, scale, zero [..., n, ·] per token (a block is ``group`` rows)."""
+        assert self.blocks is not None
+        b, group = self.blocks, self.quant.group
+        if self.per_channel:
+            return QuantizedBlock(
+                b.codes[..., start:stop, :, :], b.scale[..., start:stop, :], b.zero[..., start:stop, :]
+            )
+        rows = slice(start * group, None if stop is None else stop * group)
+        return QuantizedBlock(b.codes[..., rows, :], b.scale[..., rows, :], b.zero[..., rows, :])
+
     def _dequantize_first(self, blocks: int) -> torch.Tensor:
         """The first ``blocks`` quantized blocks, dequantized: ``[..., blocks·group, w]`` (dropped tokens included)."""
-        assert self.blocks is not None and self.tail is not None
-        b, tokens = self.blocks, blocks * self.quant.group
-        if self.per_channel:  # codes [..., n/B, w, ·], scale/zero [..., n/B, w]
-            part = QuantizedBlock(b.codes[..., :blocks, :, :], b.scale[..., :blocks, :], b.zero[..., :blocks, :])
-        else:  # codes, scale, zero [..., n, ·]
-            part = QuantizedBlock(b.codes[..., :tokens, :], b.scale[..., :tokens, :], b.zero[..., :tokens, :])
+        assert self.tail is not None
         spec = self.quant
-        return dequantize_tokens(part, spec.bits, spec.group, self.width, self.per_channel, self.tail.dtype)
+        return dequantize_tokens(self._blocks(0, blocks), spec.bits, spec.group, self.width, self.per_channel,
+                                 self.tail.dtype)  # fmt: skip
 
     def take_front(self, count: int) -> torch.Tensor:
         """Remove and return the oldest ``count`` tokens ``[..., count, w]`` (as stored: dequantized).
@@ -294,13 +302,8 @@ class TokenStore:
             self.blocks, self.quantized_tokens, self.offset = None, 0, 0
             return
         tokens = whole * group
-        b = self.blocks
-        if self.per_channel:  # codes [..., n/B, w, ·], scale/zero [..., n/B, w]
-            self.blocks = QuantizedBlock(b.codes[..., whole:, :, :].clone(), b.scale[..., whole:, :].clone(),
-                                         b.zero[..., whole:, :].clone())  # fmt: skip
-        else:  # codes, scale, zero [..., n, ·]
-            self.blocks = QuantizedBlock(b.codes[..., tokens:, :].clone(), b.scale[..., tokens:, :].clone(),
-                                         b.zero[..., tokens:, :].clone())  # fmt: skip
+        kept = self._blocks(whole, None)  # copies: slices would keep the dropped blocks' storage alive
+        self.blocks = QuantizedBlock(kept.codes.clone(), kept.scale.clone(), kept.zero.clone())
         self.quantized_tokens -= tokens
         self.offset -= tokens
 
@@ -333,8 +336,9 @@ class KVLayer(DynamicLayer):
     ``get_seq_length`` complete the protocol. Subclasses hold their state however they like."""
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep / repeat / reorder batch rows: new row i is old row ``index[i]``."""
-        raise NotImplementedError
+        """Keep / repeat / reorder batch rows: new row i is old row ``index[i]``. By default every state
+        tensor has the batch on dim 0; a layer whose state is indexed otherwise overrides this."""
+        self.apply(select_rows_fn(index))
 
     def rows(self) -> int:
         """Batch rows held (0 before the first update)."""
@@ -395,10 +399,6 @@ class QuantizedLayer(KVLayer):
 
     def rows(self) -> int:
         return 0 if self.key_store.tail is None else self.key_store.tail.shape[0]
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        for store in (self.key_store, self.value_store):
-            store.apply(select_rows_fn(index))
 
     def crop_to(self, length: int) -> None:
         self.key_store.crop(length)
