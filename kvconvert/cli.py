@@ -36,15 +36,28 @@ def _output_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         show_default=True,
         help="Output dtype; auto keeps the source's.",
     )(fn)
+    fn = click.option(
+        "--kv-include-local/--no-kv-include-local", default=None,
+        help="Also quantize sliding-window layers' caches (Gemma 2/3); by default they stay stock, bounded by "
+             "the window.",
+    )(fn)  # fmt: skip
+    fn = click.option(
+        "--kv-rotate/--no-kv-rotate", default=None,
+        help="Rotate values (randomized Hadamard per group) before quantizing them (kvconvert extension; default off).",
+    )(fn)  # fmt: skip
+    fn = click.option(
+        "--kv-sink", type=int, default=None,
+        help="First tokens of every sequence kept unquantized: attention sinks (kvconvert extension; default 0).",
+    )(fn)  # fmt: skip
     fn = click.option("--kv-residual", type=int, default=None, help="Newest tokens kept unquantized (default 128).")(fn)
     fn = click.option(
         "--kv-group", type=int, default=None, help="Values per quantization group / tokens per key block (default 64)."
     )(fn)
     fn = click.option(
         "--kv-bits",
-        type=click.Choice(["16", "8", "4", "2"]),
+        type=click.Choice(["16", "8", "4", "3", "2"]),
         default=None,
-        help="Storage of what the cache holds: 16 = the model's dtype (default), 8/4/2-bit integers.",
+        help="Storage of what the cache holds: 16 = the model's dtype (default), 8/4/3/2-bit integers.",
     )(fn)
     fn = click.option("--force", is_flag=True, help="Replace an existing --out.")(fn)
     fn = click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Output directory.")(fn)
@@ -66,13 +79,17 @@ class ConversionOptions:
     kv_bits: str | None
     kv_group: int | None
     kv_residual: int | None
+    kv_sink: int | None
+    kv_rotate: bool | None
+    kv_include_local: bool | None
 
     def storage(self, base: QuantSpec | None = None) -> QuantSpec:
         """The cache storage these options ask for; options not given keep ``base``'s (a recipe's)."""
         from kvconvert.recipe import storage_spec
 
         given = {"kv_bits": None if self.kv_bits is None else int(self.kv_bits), "kv_group": self.kv_group,
-                 "kv_residual": self.kv_residual}  # fmt: skip
+                 "kv_residual": self.kv_residual, "kv_sink": self.kv_sink, "kv_rotate": self.kv_rotate,
+                 "kv_include_local": self.kv_include_local}  # fmt: skip
         return storage_spec(given, "options", base)
 
 
@@ -343,10 +360,10 @@ def minicache(
     "--kv-budget", type=float, default=None, help="Bytes ÷ a 16-bit cache; widths per layer chosen by measured loss."
 )
 @click.option(
-    "--min-bits", type=click.Choice(["2", "4", "8"]), default="2", show_default=True, help="With --kv-budget."
+    "--min-bits", type=click.Choice(["2", "3", "4", "8"]), default="2", show_default=True, help="With --kv-budget."
 )
 @click.option(
-    "--max-bits", type=click.Choice(["2", "4", "8"]), default="4", show_default=True, help="With --kv-budget."
+    "--max-bits", type=click.Choice(["2", "3", "4", "8"]), default="4", show_default=True, help="With --kv-budget."
 )
 @click.option("--calib", default=None, help="With --kv-budget: calibration text (default: the shipped calib_data/).")
 @click.option(

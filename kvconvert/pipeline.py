@@ -73,6 +73,7 @@ def convert(
     """
     adapter = adapter_for(source.config)
     layout = adapter.layout()
+    method.check_features(layout)
     method.check(layout)
     if dtype != "auto" and dtype not in DTYPES:
         raise KVConvertError(f"--dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
@@ -143,6 +144,8 @@ def convert(
             hidden_size=layout.hidden_size,
             scaling=list(layout.scaling),
             kv_quant=storage,
+            local_layers=list(layout.local_layers) or None,
+            sliding_window=layout.sliding_window if layout.local_layers else None,
             extra=method.runtime_spec(layout, tensor_names),
         ).to_dict()
         config = source.config.to_dict()

@@ -1,5 +1,5 @@
 """Typed recipes: YAML presets that map onto a method's config dataclass, plus the cache storage
-every method shares (``kv_bits``, ``kv_group``, ``kv_residual``).
+every method shares (``kv_bits``, ``kv_group``, ``kv_residual``, ``kv_sink``, ``kv_rotate``, ``kv_include_local``).
 
 Unknown keys, wrong types and out-of-range values are one-line errors naming the key and the file.
 """
@@ -19,7 +19,9 @@ from kvconvert.methods import METHODS, Method
 from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 # recipe key -> QuantSpec field: the storage options of every conversion command
-STORAGE_KEYS = {"kv_bits": "bits", "kv_group": "group", "kv_residual": "residual"}
+STORAGE_KEYS = {"kv_bits": "bits", "kv_group": "group", "kv_residual": "residual", "kv_sink": "sink",
+                "kv_rotate": "rotate", "kv_include_local": "include_local"}  # fmt: skip
+FLAGS = {"kv_rotate", "kv_include_local"}  # the storage keys that take true/false
 
 
 def storage_spec(values: dict[str, Any], source: str, base: QuantSpec | None = None) -> QuantSpec:
@@ -28,8 +30,9 @@ def storage_spec(values: dict[str, Any], source: str, base: QuantSpec | None = N
     for key, value in values.items():
         if value is None:
             continue
-        if not _matches(value, int):
-            raise KVConvertError(f"{source}: {key!r} must be int, got {value!r}")
+        expected = bool if key in FLAGS else int
+        if not _matches(value, expected):
+            raise KVConvertError(f"{source}: {key!r} must be {expected.__name__}, got {value!r}")
         fields[STORAGE_KEYS[key]] = value
     try:
         return QuantSpec(**fields)
@@ -106,9 +109,15 @@ def recipe_text(method: Method) -> str:
     """The recipe that reproduces ``method``: every option spelled out, defaults included; the storage
     keys only when the cache is quantized (so 16-bit recipes read as they always did)."""
     storage = method.storage
-    keys: dict[str, int] = {}
+    keys: dict[str, int | bool] = {}
     if storage.quantized:
         if storage.layers is None:  # widths a plan allocated are the plan's result, not an option
             keys["kv_bits"] = storage.bits
         keys.update(kv_group=storage.group, kv_residual=storage.residual)
+        if storage.sink:
+            keys["kv_sink"] = storage.sink
+        if storage.rotate:
+            keys["kv_rotate"] = True
+        if storage.include_local:
+            keys["kv_include_local"] = True
     return yaml.safe_dump({"method": method.name, **method.params(), **keys}, sort_keys=False)

@@ -52,6 +52,34 @@ def tiny_config(kind: str):
         return GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, **common)
     if kind == "gpt2":
         return GPT2Config(n_embd=64, n_head=4, n_layer=3, n_positions=256, vocab_size=97)
+    return _family_config(kind, common)
+
+
+def _family_config(kind: str, common: dict):
+    """The families added since 2024: QK-norm, interleaved sliding-window layers, soft-capping, fused QKV."""
+    from transformers import Gemma2Config, Gemma3TextConfig, Olmo2Config, Phi3Config, Qwen3Config
+
+    heads = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16)
+    # windows of 8 tokens: the 24-token prompts and 32 decode steps of the tests slide past them
+    interleaved = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "qwen3":  # QK-norm per head, GQA
+        return Qwen3Config(num_key_value_heads=2, **heads, **common, **special)
+    if kind == "qwen3_sliding":  # QK-norm and sliding layers above max_window_layers
+        return Qwen3Config(num_key_value_heads=2, use_sliding_window=True, max_window_layers=1, sliding_window=8,
+                           **heads, **common, **special)  # fmt: skip
+    if kind == "olmo2":  # QK-norm over all heads at once
+        return Olmo2Config(num_key_value_heads=4, **{k: v for k, v in heads.items() if k != "head_dim"}, **common,
+                           **special)  # fmt: skip
+    if kind == "gemma3":  # QK-norm, local/global layers with their own RoPE tables, MQA, scaled queries
+        return Gemma3TextConfig(num_key_value_heads=1, query_pre_attn_scalar=24, **heads, **interleaved, **common,
+                                **special)  # fmt: skip
+    if kind == "gemma2":  # soft-capped logits, local/global layers
+        return Gemma2Config(num_key_value_heads=2, query_pre_attn_scalar=24, attn_logit_softcapping=20.0, **heads,
+                            **interleaved, **common, **special)  # fmt: skip
+    if kind == "phi3":  # one fused qkv_proj, MHA
+        return Phi3Config(num_key_value_heads=4, **{k: v for k, v in heads.items() if k != "head_dim"}, **common,
+                          **special)  # fmt: skip
     raise ValueError(kind)
 
 

@@ -19,6 +19,7 @@ from kvconvert.runtime.kvconvert_storage import (
     dequantize_tokens,
     pack,
     quantize_tokens,
+    rotation,
     unpack,
 )
 
@@ -43,9 +44,13 @@ def _fake(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor, bits: int) -> 
     return zero + ((x - zero) / scale).round().clamp(0, levels) * scale
 
 
-def reference_fake_quant(x: torch.Tensor, bits: int, group: int, per_channel: bool) -> torch.Tensor:
+def reference_fake_quant(
+    x: torch.Tensor, bits: int, group: int, per_channel: bool, rotate: bool = False
+) -> torch.Tensor:
     """Group by group with explicit slices: keys per channel over ``group``-token blocks, values per
-    token over equal channel groups of at most ``group``. ``x [..., n, w]`` float32."""
+    token over equal channel groups of at most ``group`` (``rotate``: each group, padded to full size
+    with its last channel, times the orthogonal ``rotation`` before and its transpose after).
+    ``x [..., n, w]`` float32."""
     out = x.clone()
     if per_channel:
         for start in range(0, x.shape[-2], group):
@@ -56,9 +61,14 @@ def reference_fake_quant(x: torch.Tensor, bits: int, group: int, per_channel: bo
     groups, size = channel_groups(x.shape[-1], group)
     for j in range(groups):
         cols = x[..., j * size : (j + 1) * size]
-        out[..., j * size : (j + 1) * size] = _fake(
-            cols, cols.amin(-1, keepdim=True), cols.amax(-1, keepdim=True), bits
-        )
+        width = cols.shape[-1]
+        if rotate:
+            cols = torch.cat([cols, cols[..., -1:].expand(*cols.shape[:-1], size - width)], dim=-1)
+            cols = cols @ rotation(size)
+        fake = _fake(cols, cols.amin(-1, keepdim=True), cols.amax(-1, keepdim=True), bits)
+        if rotate:
+            fake = (fake @ rotation(size).T)[..., :width]
+        out[..., j * size : (j + 1) * size] = fake
     return out
 
 
@@ -68,7 +78,8 @@ class ReferenceStore:
 
     def __init__(self, quant: QuantSpec, per_channel: bool):
         self.quant, self.per_channel = quant, per_channel
-        self.aged: torch.Tensor | None = None  # fake-quantized tokens, oldest first
+        self.dropped = False  # take_front removed the first tokens: no later token is a sink
+        self.aged: torch.Tensor | None = None  # fake-quantized tokens, oldest first (a sink exact)
         self.tail: torch.Tensor | None = None
 
     def _parts(self) -> list[torch.Tensor]:
@@ -87,7 +98,15 @@ class ReferenceStore:
         ready = (self.tail.shape[-2] - self.quant.residual) // self.quant.group * self.quant.group
         if ready > 0:
             spec = self.quant
-            aged = reference_fake_quant(self.tail[..., :ready, :].float(), spec.bits, spec.group, self.per_channel)
+            exact = self.tail[..., :ready, :].float()
+            first = self.aged is None and not self.dropped and spec.sink > 0
+            if first:  # the sink is quantized as a copy of its successor, and kept exact
+                exact = torch.cat([exact[..., spec.sink : spec.sink + 1, :].expand_as(exact[..., : spec.sink, :]),
+                                   exact[..., spec.sink :, :]], dim=-2)  # fmt: skip
+            aged = reference_fake_quant(exact, spec.bits, spec.group, self.per_channel,
+                                        spec.rotate and not self.per_channel)  # fmt: skip
+            if first:
+                aged[..., : spec.sink, :] = self.tail[..., : spec.sink, :].float()
             aged = aged.to(self.tail.dtype)
             self.aged = aged if self.aged is None else torch.cat([self.aged, aged], dim=-2)
             self.tail = self.tail[..., ready:, :]
@@ -99,6 +118,7 @@ class ReferenceStore:
 
     def take_front(self, count: int) -> torch.Tensor:
         front = self.read()[..., :count, :]
+        self.dropped = True
         from_aged = 0 if self.aged is None else min(count, self.aged.shape[-2])
         if self.aged is not None:
             self.aged = self.aged[..., from_aged:, :]
@@ -117,7 +137,7 @@ class ReferenceStore:
 # ----------------------------------------------------------------- the quantizer itself
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
 @pytest.mark.parametrize("per_channel", [True, False])
 @pytest.mark.parametrize("width", [64, 37, 100])
 def test_dequantized_error_is_at_most_half_a_step(bits, per_channel, width):
@@ -134,18 +154,66 @@ def test_dequantized_error_is_at_most_half_a_step(bits, per_channel, width):
         step = block.scale.float().repeat_interleave(size, dim=-1)[..., :width]
     assert ((y - x).abs() <= step / 2 * (1 + 1e-5) + 1e-6).all()
     assert torch.equal(y, reference_fake_quant(x, bits, 64, per_channel))
-    # real packing: 4-bit two values per byte, 2-bit four
+    # real packing: 4-bit two values per byte, 2-bit four, 3-bit eight per three bytes
     packed_width = block.codes.shape[-1]
     groups, size = channel_groups(width, 64)
-    assert packed_width == math.ceil((64 if per_channel else groups * size) * bits / 8)
+    codes = 64 if per_channel else groups * size
+    assert packed_width == (3 * math.ceil(codes / 8) if bits == 3 else math.ceil(codes * bits / 8))
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
-def test_pack_round_trip(bits):
-    codes = torch.randint(0, 2**bits, (3, 13), dtype=torch.uint8)
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+@pytest.mark.parametrize("width", [13, 64])
+def test_pack_round_trip(bits, width):
+    codes = torch.randint(0, 2**bits, (3, width), dtype=torch.uint8)
     packed = pack(codes, bits)
-    assert packed.shape[-1] == math.ceil(13 * bits / 8)
-    assert torch.equal(unpack(packed, bits, 13), codes)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == (3 * math.ceil(width / 8) if bits == 3 else
+                                                                math.ceil(width * bits / 8))  # fmt: skip
+    assert torch.equal(unpack(packed, bits, width), codes)
+
+
+@pytest.mark.parametrize("size", [64, 58])
+def test_rotation_is_orthogonal_and_spreads_an_outlier_channel(size):
+    r = rotation(size)
+    torch.testing.assert_close(r @ r.T, torch.eye(size), atol=1e-5, rtol=0)
+    spike = torch.zeros(size)
+    spike[3] = 1.0
+    assert (spike @ r).abs().max() < 0.5  # one outlier channel becomes many small ones
+
+
+@pytest.mark.parametrize("width", [64, 100])
+def test_rotated_values_quantize_with_less_error_when_a_channel_is_an_outlier(width):
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 128, width)
+    x[..., 5] *= 40  # one outlier channel, as values and keys of real models have
+    plain = dequantize_tokens(quantize_tokens(x, 4, 64, False), 4, 64, width, False, torch.float32)
+    rotated = dequantize_tokens(quantize_tokens(x, 4, 64, False, True), 4, 64, width, False, torch.float32, True)
+    assert torch.equal(rotated, reference_fake_quant(x, 4, 64, False, rotate=True))
+    assert (rotated - x).pow(2).mean() < 0.5 * (plain - x).pow(2).mean()
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_sink_tokens_stay_exact_until_dropped(per_channel):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 300, 16)
+    x[..., 0, :] *= 50  # the sink: an outlier token
+    spec = QuantSpec(3, group=32, residual=16, sink=2, rotate=True)
+    store = TokenStore(spec, per_channel)
+    store.append(x[..., :1, :])  # the sink arrives over two appends
+    store.append(x[..., 1:200, :])
+    store.append(x[..., 200:, :])
+    held = store.read()
+    assert len(store) == 300 and torch.equal(held[..., :2, :], x[..., :2, :])
+    assert store.blocks is not None and store.quantized_tokens == 8 * 32  # blocks stay aligned with positions
+    plain = TokenStore(QuantSpec(3, group=32, residual=16, rotate=True), per_channel)
+    plain.append(x)
+    assert (held - x).pow(2).mean() < 0.5 * (plain.read() - x).pow(2).mean()
+    # razor's window drops the oldest tokens: the sink goes first, and no later token takes its place
+    front = store.take_front(40)
+    torch.testing.assert_close(torch.cat([front, store.read()], dim=-2), held)
+    store.append(x[..., :5, :])
+    assert len(store) == 265 and store.head is None
+    store.crop(100)
+    assert len(store) == 100 and store.head is None
 
 
 def test_store_keeps_recent_tokens_exact_and_ages_them_block_by_block():
@@ -204,11 +272,19 @@ METHOD_ARGS = {
     ),  # fmt: skip
     "minicache": ("llama", ("--start-layer", "1", "--gamma", "0.1")),
 }
+EXT = ("--kv-sink", "3", "--kv-rotate")  # the extensions: first tokens exact, values rotated
+METHOD_ARGS["quant-ext"] = METHOD_ARGS["quant"]
+METHOD_ARGS["razor-ext"] = METHOD_ARGS["razor"]
+METHOD_ARGS["lorc-ext"] = METHOD_ARGS["lorc"]
 
 
 def _command(method: str) -> tuple[str, ...]:
     """The conversion command and its storage options: uniform 4-bit, or widths allocated per layer."""
-    return ("quant", *MIXED) if method == "quant-mixed" else (method, *QUANT)
+    if method == "quant-mixed":
+        return ("quant", *MIXED)
+    if method.endswith("-ext"):
+        return (method.removesuffix("-ext"), *QUANT, *EXT)
+    return (method, *QUANT)
 
 
 def _patched_reference_store(monkeypatch):
@@ -244,7 +320,7 @@ def test_quantized_runtime_equals_fake_quant_reference(method, tokenized_model_d
     if method.startswith("quant"):
         unquantized = load_reference(src)
     else:
-        convert(method, src, tmp_path / "f", *extra)
+        convert(command, src, tmp_path / "f", *extra)
         unquantized = kvconvert.load(tmp_path / "f").eval()
     assert not torch.allclose(_prefill_and_decode(unquantized, ids, mask)[1], quantized[1], rtol=1e-3, atol=1e-3)
 
@@ -257,12 +333,17 @@ def test_kv_bits_16_is_byte_identical(tiny_model_dir, tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
-def test_measured_bytes_equal_the_accounting(bits, tiny_model_dir, tmp_path):
-    """Codes, fp16 scales and zeros per group: what the live cache holds per token is what QuantSpec accounts."""
+@pytest.mark.parametrize("extension", [(), ("--kv-sink", "4", "--kv-rotate")])
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+def test_measured_bytes_equal_the_accounting(bits, extension, tiny_model_dir, tmp_path):
+    """Codes, fp16 scales and zeros per group: what the live cache holds per token is what QuantSpec
+    accounts (the exact sink is a constant, so it leaves the per-token slope alone — unless it keeps
+    the whole prefill alive)."""
     src = tiny_model_dir("llama_gqa")  # 3 layers, 2 KV heads of 16 dims
-    report = convert("quant", src, tmp_path / "q", "--kv-bits", str(bits), "--kv-group", "16", "--kv-residual", "16")
-    assert report["kv_storage"] == {"bits": bits, "group": 16, "residual": 16}
+    report = convert("quant", src, tmp_path / "q", "--kv-bits", str(bits), "--kv-group", "16", "--kv-residual", "16",
+                     *extension)  # fmt: skip
+    assert report["kv_storage"] == {"bits": bits, "group": 16, "residual": 16,
+                                    **({"sink": 4, "rotate": True} if extension else {})}  # fmt: skip
     model, reference = load_converted(tmp_path / "q"), load_reference(src)
     ids = torch.randint(3, 90, (1, 144), generator=torch.Generator().manual_seed(0))
     measured = kv_bytes_per_token(model, ids, 48, 144)  # both lengths: whole blocks + the same tail
@@ -291,7 +372,7 @@ def test_generate_with_quantized_storage(method, tokenized_model_dir, tmp_path):
 def test_quant_refuses_16_bits_and_bad_storage(tiny_model_dir, tmp_path):
     src = tiny_model_dir("llama_gqa")
     result = run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), "--quiet")
-    assert result.exit_code == 2 and "needs --kv-bits 8, 4 or 2" in result.output
+    assert result.exit_code == 2 and "needs --kv-bits 8, 4, 3 or 2" in result.output
     result = run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), "--kv-bits", "4", "--kv-group", "0")
     assert result.exit_code == 2 and "kv group must be >= 1" in result.output
     assert not (tmp_path / "q").exists()

@@ -48,7 +48,7 @@ def test_lorc_recipe_types():
         ({"method": "lorc", "kv_budget": 0.5, "threshold": "high"}, "'threshold' must be float or null"),
         ({"method": "lorc"}, "kv_budget"),
         (["slim"], "a recipe is a mapping"),
-        ({"method": "slim", "kv_bits": 3}, "kv bits must be one of"),
+        ({"method": "slim", "kv_bits": 5}, "kv bits must be one of"),
         ({"method": "slim", "kv_group": "big"}, "'kv_group' must be int"),
     ],
 )

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvconvert.arch.base import ArchAdapter, AttentionLayout, AttentionTensorName, AttentionWeights
+from kvconvert.arch.base import FEATURES, ArchAdapter, AttentionLayout, AttentionTensorName, AttentionWeights
 from kvconvert.arch.gpt2 import GPT2Adapter
 from kvconvert.arch.gpt_neox import GPTNeoXAdapter
-from kvconvert.arch.llama import LlamaAdapter
+from kvconvert.arch.llama import GemmaAdapter, LlamaAdapter, Phi3Adapter, QKNormAdapter
 from kvconvert.errors import KVConvertError
 
-ADAPTERS: tuple[type[ArchAdapter], ...] = (LlamaAdapter, GPTNeoXAdapter, GPT2Adapter)
+ADAPTERS: tuple[type[ArchAdapter], ...] = (LlamaAdapter, QKNormAdapter, GemmaAdapter, Phi3Adapter, GPTNeoXAdapter,
+                                           GPT2Adapter)  # fmt: skip
 
 
 def supported_model_types() -> list[str]:
@@ -30,6 +31,7 @@ def adapter_for(config: Any) -> ArchAdapter:
 
 __all__ = [
     "ADAPTERS",
+    "FEATURES",
     "ArchAdapter",
     "AttentionLayout",
     "AttentionTensorName",

@@ -27,11 +27,38 @@ class AttentionLayout:
     rotary: bool  # RoPE applied to q and k after projection
     rotary_module: str | None  # attribute path of the model's rotary-embedding module
     context: int  # longest sequence the model was trained for
+    # attention features of post-2024 families (each method says which it supports: FEATURES)
+    qk_norm: bool = False  # an RMSNorm on queries and keys between projection and RoPE
+    local_layers: tuple[int, ...] = ()  # sliding-window layers interleaved with global ones
+    sliding_window: int | None = None  # their window (tokens)
+    softcap: float | None = None  # attention-logit soft-capping: scores = c·tanh(scores / c)
+    layer_rope: bool = False  # RoPE tables differ between local and global layers
 
     @property
     def kv_width(self) -> int:
         """e: width of K (and V) per token per layer."""
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The names (keys of ``FEATURES``) of the features this model's attention has."""
+        present = {"qk_norm": self.qk_norm, "local_layers": bool(self.local_layers),
+                   "softcap": self.softcap is not None, "layer_rope": self.layer_rope}  # fmt: skip
+        return tuple(name for name in FEATURES if present[name])
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """The layers whose cache grows with the sequence: the ones worth compressing."""
+        return tuple(i for i in range(self.num_layers) if i not in self.local_layers)
+
+
+# feature -> what it is (the capability matrix's rows; methods name the ones they cannot handle)
+FEATURES = {
+    "qk_norm": "QK-norm: an RMSNorm on each query/key head before RoPE (Qwen3, Gemma 3, OLMo 2)",
+    "local_layers": "sliding-window layers interleaved with global ones (Gemma 2/3, Qwen3 with max_window_layers)",
+    "softcap": "attention-logit soft-capping (Gemma 2)",
+    "layer_rope": "RoPE tables that differ between local and global layers (Gemma 3)",
+}
 
 
 @dataclass
@@ -107,6 +134,20 @@ class ArchAdapter:
             if match is not None:
                 by_layer.setdefault(match.layer, {})[match.local] = name
         return by_layer
+
+    def local_layers(self) -> tuple[tuple[int, ...], int | None]:
+        """(sliding-window layers, their window) when the model interleaves them with global layers.
+
+        A model whose every layer slides (Mistral 7B v0.1, Phi-3 mini: windows of half the context
+        or more) has no global layer to prefer: all its layers count as global, and transformers'
+        sliding masks still bound what each query sees."""
+        c = self.config
+        types = getattr(c, "layer_types", None)
+        window = getattr(c, "sliding_window", None)
+        if not types or window is None:
+            return (), None
+        local = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+        return (local, window) if len(local) < len(types) else ((), None)
 
     def read_attention(self, tensors: dict[str, torch.Tensor]) -> AttentionWeights:
         """Build ``AttentionWeights`` from one layer's attention tensors keyed by local name.

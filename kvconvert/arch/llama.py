@@ -1,8 +1,11 @@
-"""Llama family: Llama, Mistral, Qwen2 (separate q/k/v/o projections, rotate-half RoPE)."""
+"""Llama family: Llama, Mistral, Mixtral, Qwen2 (separate q/k/v/o projections, rotate-half RoPE), and the
+families built on it since 2024: Qwen3 and OLMo 2 (QK-norm), Gemma 2/3 (local layers, soft-capping, scaled
+queries) and Phi-3 (one fused QKV projection)."""
 
 from __future__ import annotations
 
 import re
+from typing import ClassVar
 
 import torch
 
@@ -11,24 +14,41 @@ from kvconvert.arch.base import ArchAdapter, AttentionLayout, AttentionWeights
 
 class LlamaAdapter(ArchAdapter):
     family = "llama"
-    model_types = ("llama", "mistral", "qwen2")
+    model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe")
     attention_name_pattern = re.compile(r"^(?P<prefix>(?:model\.)?layers\.(?P<layer>\d+)\.self_attn\.)(?P<local>.+)$")
     attention_module_template = "model.layers.{i}.self_attn"
 
+    qk_norm: ClassVar[bool] = False
+
+    def head_dim(self) -> int:
+        c = self.config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    def softmax_scale(self) -> float:
+        return float(self.head_dim() ** -0.5)
+
     def layout(self) -> AttentionLayout:
         c = self.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        local, window = self.local_layers()
         return AttentionLayout(
             num_layers=c.num_hidden_layers,
             hidden_size=c.hidden_size,
             num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
-            head_dim=head_dim,
-            scaling=(head_dim**-0.5,) * c.num_hidden_layers,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            head_dim=self.head_dim(),
+            scaling=(self.softmax_scale(),) * c.num_hidden_layers,
             rotary=True,
             rotary_module="model.rotary_emb",
             context=c.max_position_embeddings,
+            qk_norm=self.qk_norm,
+            local_layers=local,
+            sliding_window=window,
+            softcap=getattr(c, "attn_logit_softcapping", None),
+            layer_rope=self.layer_rope(),
         )
+
+    def layer_rope(self) -> bool:
+        return False
 
     def read_attention(self, tensors: dict[str, torch.Tensor]) -> AttentionWeights:
         return AttentionWeights(
@@ -41,3 +61,46 @@ class LlamaAdapter(ArchAdapter):
             v_bias=tensors.get("v_proj.bias"),
             o_bias=tensors.get("o_proj.bias"),
         )
+
+
+class QKNormAdapter(LlamaAdapter):
+    """Qwen3 (an RMSNorm per head) and OLMo 2 (one RMSNorm over all heads): same tensors as Llama,
+    plus q_norm/k_norm weights that methods keeping stock attention carry through unchanged."""
+
+    family = "qk_norm"
+    model_types = ("qwen3", "qwen3_moe", "olmo2")
+    qk_norm = True
+
+
+class GemmaAdapter(LlamaAdapter):
+    """Gemma 2 and Gemma 3 text models: queries scaled by query_pre_attn_scalar^-1/2, local
+    (sliding-window) layers between global ones; Gemma 2 soft-caps attention logits, Gemma 3 has
+    QK-norm and separate RoPE tables for local layers."""
+
+    family = "gemma"
+    model_types = ("gemma2", "gemma3_text")
+
+    def layout(self) -> AttentionLayout:
+        import dataclasses
+
+        return dataclasses.replace(super().layout(), qk_norm=self.config.model_type == "gemma3_text")
+
+    def softmax_scale(self) -> float:
+        return float(self.config.query_pre_attn_scalar**-0.5)
+
+    def layer_rope(self) -> bool:
+        return self.config.model_type == "gemma3_text"
+
+
+class Phi3Adapter(LlamaAdapter):
+    """Phi-3: one fused ``qkv_proj`` whose rows are [q (H·dk) | k (Hkv·dk) | v (Hkv·dk)], and partial
+    rotary (``partial_rotary_factor``) on some checkpoints."""
+
+    family = "phi3"
+    model_types = ("phi3",)
+
+    def read_attention(self, tensors: dict[str, torch.Tensor]) -> AttentionWeights:
+        layout = self.layout()
+        q_rows, kv_rows = layout.num_heads * layout.head_dim, layout.kv_width
+        q, k, v = tensors["qkv_proj.weight"].split([q_rows, kv_rows, kv_rows], dim=0)
+        return AttentionWeights(q_weight=q, k_weight=k, v_weight=v, o_weight=tensors["o_proj.weight"])

@@ -3,7 +3,7 @@
 Layers and sides (K, V) differ in how much quantization hurts. For every layer and side and every
 lower width, the source model is run on calibration text with that one store quantized (the others
 at the widest choice) inside attention, exactly as the runtime's store would hold the tokens after a
-prefill (``kvconvert_storage.quantize_tokens``), and KL(source ‖ simulated) is measured. A greedy
+prefill (``kvconvert_storage.TokenStore``), and KL(source ‖ simulated) is measured. A greedy
 pass then lowers, one step at a time, the store whose next step costs the least KL per byte saved,
 until the cache fits the budget — the additive sensitivity model that mixed-precision searches
 (HAQ, Palu's rank search) use. The chosen allocation is measured once more as a whole.
@@ -12,6 +12,7 @@ until the cache fits the budget — the additive sensitivity model that mixed-pr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,20 +22,18 @@ from tqdm import tqdm
 
 from kvconvert.calib.hooks import observed_attention
 from kvconvert.errors import KVConvertError
-from kvconvert.runtime.kvconvert_storage import QuantSpec, dequantize_tokens, quantize_tokens
+from kvconvert.runtime.kvconvert_storage import QuantSpec, TokenStore
 
 
 def stored_after_prefill(x: torch.Tensor, spec: QuantSpec, per_channel: bool) -> torch.Tensor:
-    """``x [..., n, w]`` as a ``TokenStore`` holds it after one prefill: whole blocks of aged tokens
-    quantized, the newest ``residual`` (and the partial block behind them) exact."""
+    """``x [..., n, w]`` as the runtime's ``TokenStore`` holds it after one prefill: the sink exact,
+    whole blocks of aged tokens quantized, the newest ``residual`` (and the partial block behind them)
+    exact."""
     if not spec.quantized:
         return x
-    ready = max(0, x.shape[-2] - spec.residual) // spec.group * spec.group
-    if ready == 0:
-        return x
-    block = quantize_tokens(x[..., :ready, :], spec.bits, spec.group, per_channel)
-    aged = dequantize_tokens(block, spec.bits, spec.group, x.shape[-1], per_channel, x.dtype)
-    return torch.cat([aged, x[..., ready:, :]], dim=-2)
+    store = TokenStore(spec, per_channel)
+    store.append(x)
+    return store.read()
 
 
 @contextlib.contextmanager
@@ -123,19 +122,19 @@ def measure_allocation(
     widths: Sequence[int],
     choices: Sequence[int],
     budget: float,
-    group: int,
-    residual: int,
+    storage: QuantSpec,
     progress: bool = True,
 ) -> tuple[Allocation, float]:
-    """Measure every store's sensitivity on ``chunks``, allocate, and measure the allocation.
+    """Measure every store's sensitivity on ``chunks``, allocate, and measure the allocation;
+    ``storage`` gives everything but the widths (group, residual, sink, rotation).
     Returns (allocation, measured KL of the allocation)."""
     top = max(choices)
     layers = len(widths)
-    allocate([[dict.fromkeys(choices, 0.0)] * 2] * layers, widths, choices, budget, group)  # reachable at all?
+    allocate([[dict.fromkeys(choices, 0.0)] * 2] * layers, widths, choices, budget, storage.group)  # reachable at all?
     reference = [torch.log_softmax(model(row[None], use_cache=False).logits[0].float(), dim=-1) for row in chunks]
 
     def kl_of(per_layer: list[tuple[int, int]]) -> float:
-        with simulated_storage(model, QuantSpec(top, group, residual, tuple(per_layer))):
+        with simulated_storage(model, dataclasses.replace(storage, bits=top, layers=tuple(per_layer))):
             return mean_kl(model, chunks, reference)
 
     baseline = kl_of([(top, top)] * layers)
@@ -145,7 +144,7 @@ def measure_allocation(
         per_layer = [(top, top)] * layers
         per_layer[i] = (b, top) if s == 0 else (top, b)
         sensitivity[i][s][b] = kl_of(per_layer) - baseline
-    chosen, used = allocate(sensitivity, widths, choices, budget, group)
+    chosen, used = allocate(sensitivity, widths, choices, budget, storage.group)
     predicted = baseline + sum(sensitivity[i][s][chosen[i][s]] for i in range(layers) for s in (0, 1))
     report = [[{str(b): round(v, 6) for b, v in side.items()} for side in layer] for layer in sensitivity]
     return Allocation(chosen, used, predicted, report), kl_of(list(chosen))

@@ -44,11 +44,24 @@ def _checkpoint_name(name: str, available: set[str], base_prefix: str) -> str:
     raise KVConvertError(f"calibration: the checkpoint has no tensor for {name!r} (not a standard layout?)")
 
 
-def _materialize(module: nn.Module, prefix: str, source: SourceCheckpoint, base_prefix: str) -> None:
-    """Replace ``module``'s meta parameters and persistent buffers by float32 checkpoint tensors."""
+def _materialize(
+    module: nn.Module, prefix: str, source: SourceCheckpoint, base_prefix: str, init: Callable[[nn.Module], Any]
+) -> None:
+    """Replace ``module``'s meta parameters and persistent buffers by float32 checkpoint tensors.
+
+    Non-persistent buffers (values computed from the config, e.g. Gemma's embedding scale) are not in
+    a checkpoint: they are allocated and filled by the model's own ``_init_weights`` (``init``)
+    before the parameters are loaded, so that initialiser's random draws on them never survive."""
     available = set(source.tensor_names())
     for path, owner in module.named_modules():
         full = f"{prefix}{path}." if path else prefix
+        computed = [n for n in owner._non_persistent_buffers_set if getattr(owner._buffers.get(n), "is_meta", False)]
+        if computed:
+            for name in computed:
+                meta = owner._buffers[name]
+                assert meta is not None
+                owner._buffers[name] = torch.zeros(meta.shape, dtype=meta.dtype)
+            init(owner)
         slots = [(n, owner._parameters) for n in owner._parameters if owner._parameters[n] is not None]
         slots += [(n, owner._buffers) for n in owner._buffers if n not in owner._non_persistent_buffers_set]
         for leaf, store in slots:
@@ -97,7 +110,7 @@ def run_layer_by_layer(
             fresh = type(child)(config=config)  # its tables are non-persistent buffers computed at init
             setattr(model.get_submodule(parent) if parent else model, leaf, fresh.float())
             continue
-        _materialize(child, name + ".", source, base_prefix)
+        _materialize(child, name + ".", source, base_prefix, model._init_weights)
     inbox: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
     first = layers[0]
     layers[0] = _Catcher(inbox)
@@ -111,7 +124,7 @@ def run_layer_by_layer(
         bar = tqdm(range(len(layers)), desc="calibrating", unit="layer", disable=not progress)
         for index in bar:
             layer = layers[index]
-            _materialize(layer, f"{layers_prefix}{index}.", source, base_prefix)
+            _materialize(layer, f"{layers_prefix}{index}.", source, base_prefix, model._init_weights)
             for c, (args, kwargs) in enumerate(extra):
                 out = layer(hidden[c], *args, **kwargs)
                 hidden[c] = out[0] if isinstance(out, tuple) else out

@@ -24,6 +24,21 @@ METHODS: dict[str, tuple[type, type[Method]]] = {
 }
 
 
+def capability_matrix() -> str:
+    """Markdown: which method converts which attention feature (README's table is this text, tested)."""
+    from kvconvert.arch import FEATURES
+
+    names = list(METHODS)
+    lines = ["| attention feature | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for feature, what in FEATURES.items():
+        cells = ["✗" if feature in METHODS[name][1].unsupported else "✓" for name in names]
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"- {name} × {feature}: {METHODS[name][1].unsupported[feature]}" for name in names
+              for feature in FEATURES if feature in METHODS[name][1].unsupported]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def build_method(name: str, config: Any, storage: QuantSpec | None = None) -> Method:
     """The method ``name`` with ``config``, storing its cache as ``storage`` (default 16 bits)."""
     method = METHODS[name][1](config)  # type: ignore[call-arg]
@@ -36,5 +51,5 @@ __all__ = [
     "METHODS", "LayerOutput", "LorcConfig", "LorcMethod", "Method", "MiniCacheConfig", "MiniCacheMethod",
     "QuantConfig", "QuantMethod",
     "RazorConfig", "RazorMethod", "SlimConfig",
-    "SlimMethod", "ZackConfig", "ZackMethod", "build_method",
+    "SlimMethod", "ZackConfig", "ZackMethod", "build_method", "capability_matrix",
 ]  # fmt: skip

@@ -27,6 +27,16 @@ class Method:
 
     name: ClassVar[str]
     storage: QuantSpec = QuantSpec()
+    # attention features (``kvconvert.arch.FEATURES``) this method cannot convert -> the exact reason
+    unsupported: ClassVar[dict[str, str]] = {}
+
+    def check_features(self, layout: AttentionLayout) -> None:
+        """Refuse, with the reason, a model whose attention has a feature this method cannot handle."""
+        from kvconvert.errors import KVConvertError
+
+        for feature in layout.features:
+            if feature in self.unsupported:
+                raise KVConvertError(f"{self.name} cannot convert this model: {self.unsupported[feature]}")
 
     def check(self, layout: AttentionLayout) -> None:
         """Raise ``KVConvertError`` if the model cannot be converted by this method."""

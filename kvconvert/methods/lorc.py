@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -141,6 +141,14 @@ def plan_ranks(config: LorcConfig, kappa_k: list[float], kappa_v: list[float], w
 
 class LorcMethod(Method):
     name = "lorc"
+    unsupported: ClassVar[dict[str, str]] = {
+        "qk_norm": "its keys are RMS-normalised per head before RoPE (QK-norm): keys rebuilt from a low-rank latent "
+                   "would need the norm applied after the up-projection (not implemented); use quant or razor",
+        "local_layers": "its sliding-window layers need a cache that forgets beyond the window (not implemented for "
+                        "lorc); use quant or razor",
+        "softcap": "lorc's attention does not apply attention-logit soft-capping; use quant",
+        "layer_rope": "lorc re-rotates rebuilt keys with one RoPE table, and this model has one per layer type",
+    }  # fmt: skip
 
     def __init__(self, config: LorcConfig):
         self.config = config

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -91,6 +91,11 @@ def kv_bytes_per_token(
 
 class MiniCacheMethod(Method):
     name = "minicache"
+    unsupported: ClassVar[dict[str, str]] = {
+        "local_layers": "merging needs two adjacent layers that cache the same tokens, and a sliding-window layer "
+        "caches only its window (not implemented); use quant or razor",
+        "softcap": "minicache's attention does not apply attention-logit soft-capping; use quant",
+    }
 
     def __init__(self, config: MiniCacheConfig | None = None, progress: bool = True):
         self.config = config or MiniCacheConfig()

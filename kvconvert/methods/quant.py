@@ -9,6 +9,7 @@ is chosen between ``min_bits`` and ``max_bits`` by measured loss on calibration 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
 from kvconvert.methods.base import LayerOutput, Method
-from kvconvert.runtime.kvconvert_storage import BITS, QuantSpec
+from kvconvert.runtime.kvconvert_storage import BITS
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class QuantConfig:
         if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
             raise KVConvertError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
         if self.min_bits not in BITS[1:] or self.max_bits not in BITS[1:] or self.min_bits > self.max_bits:
-            raise KVConvertError(f"min_bits and max_bits must be 8, 4 or 2 with min ≤ max, got {self.min_bits}, "
+            raise KVConvertError(f"min_bits and max_bits must be 8, 4, 3 or 2 with min ≤ max, got {self.min_bits}, "
                                  f"{self.max_bits}")  # fmt: skip
 
     @property
@@ -73,7 +74,9 @@ class QuantMethod(Method):
                 raise KVConvertError("give --kv-bits (one width) or --kv-budget (widths chosen per layer), not both")
             return
         if not self.storage.quantized:
-            raise KVConvertError("quant needs --kv-bits 8, 4 or 2 (16 would copy the model unchanged), or --kv-budget")
+            raise KVConvertError(
+                "quant needs --kv-bits 8, 4, 3 or 2 (16 would copy the model unchanged), or --kv-budget"
+            )
 
     def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
         """With ``kv_budget``: measure each layer's and side's sensitivity and allocate the widths."""
@@ -93,11 +96,11 @@ class QuantMethod(Method):
         model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval()
         widths = [layout.num_kv_heads * layout.head_dim] * layout.num_layers
         storage = self.storage
-        allocation, measured = measure_allocation(model, chunks.chunks, widths, config.choices, budget,
-                                                  storage.group, storage.residual, self.progress)  # fmt: skip
+        allocation, measured = measure_allocation(model, chunks.chunks, widths, config.choices, budget, storage,
+                                                  self.progress)  # fmt: skip
         del model
         top = max(b for pair in allocation.layers for b in pair)
-        self.storage = QuantSpec(top, storage.group, storage.residual, allocation.layers)
+        self.storage = dataclasses.replace(storage, bits=top, layers=allocation.layers)
         self.plan_report = {
             "kv_budget": allocation.budget,
             "layers": [list(pair) for pair in allocation.layers],

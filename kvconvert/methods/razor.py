@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -64,6 +64,10 @@ def retrieval_kv_heads(chosen: set[tuple[int, int]], num_layers: int, group: int
 
 class RazorMethod(Method):
     name = "razor"
+    unsupported: ClassVar[dict[str, str]] = {
+        "softcap": "razor's attention computes the softmax itself and does not apply attention-logit soft-capping "
+        "(not implemented); use quant",
+    }
 
     def __init__(self, config: RazorConfig | None = None, progress: bool = True):
         self.config = config or RazorConfig()
@@ -98,7 +102,10 @@ class RazorMethod(Method):
         chosen = top_heads(scores.induction, self.config.induction_frac) | top_heads(scores.echo, self.config.echo_frac)
         group = layout.num_heads // layout.num_kv_heads
         kept = retrieval_kv_heads(chosen, layout.num_layers, group)
-        share = sum(len(k) for k in kept) / (layout.num_layers * layout.num_kv_heads)
+        # sliding-window layers keep transformers' own windowed cache (runtime ``sliding_layer``): the budget
+        # is spent on the global layers, whose cache grows with the sequence
+        compressed = layout.global_layers
+        share = sum(len(kept[i]) for i in compressed) / (len(compressed) * layout.num_kv_heads)
         window_frac = self.config.window_frac
         if self.config.kv_budget is not None:
             if self.config.kv_budget <= share:
@@ -118,7 +125,8 @@ class RazorMethod(Method):
         }
 
     def expected_kv_budget(self, layout: AttentionLayout) -> float:
-        """Long-context limit: retrieval heads in full, the others at window_frac of the tokens."""
+        """Long-context limit: retrieval heads in full, the others at window_frac of the tokens (global
+        layers; local ones hold a bounded window in the stock model and here alike)."""
         share, frac = self.report["retrieval_share"], self.report["window_frac"]
         return share + (1 - share) * frac
 

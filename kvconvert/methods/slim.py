@@ -7,7 +7,7 @@ folding into the output bias (paper §4, extended to RoPE models by caching the 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,6 +37,15 @@ class SlimConfig:
 
 class SlimMethod(Method):
     name = "slim"
+    unsupported: ClassVar[dict[str, str]] = {
+        "qk_norm": "its keys are RMS-normalised per head before RoPE (QK-norm), so K is not linear in the input "
+                   "and V = K·W_K⁻¹W_V does not hold (restoring it needs each token's norm scale, not implemented); "
+                   "use quant, razor or minicache",
+        "local_layers": "its sliding-window layers need a cache that forgets beyond the window; slim's keeps every "
+                        "token (not implemented); use quant or razor",
+        "softcap": "slim's attention does not apply attention-logit soft-capping; use quant",
+        "layer_rope": "slim re-rotates cached keys with one RoPE table, and this model has one per layer type",
+    }  # fmt: skip
 
     def __init__(self, config: SlimConfig | None = None):
         self.config = config or SlimConfig()

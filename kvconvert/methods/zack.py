@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -160,6 +160,14 @@ def calibrate_bases(
 
 class ZackMethod(Method):
     name = "zack"
+    unsupported: ClassVar[dict[str, str]] = {
+        "qk_norm": "its queries and keys are RMS-normalised per head before RoPE (QK-norm), and zack's attention "
+                   "module projects and rotates them itself without that norm (not implemented); use quant or razor",
+        "local_layers": "its sliding-window layers need a cache that forgets beyond the window (not implemented for "
+                        "zack); use quant or razor",
+        "softcap": "zack's attention does not apply attention-logit soft-capping; use quant",
+        "layer_rope": "zack rotates keys with one RoPE table, and this model has one per layer type",
+    }  # fmt: skip
 
     def __init__(self, config: ZackConfig, progress: bool = True):
         self.config = config

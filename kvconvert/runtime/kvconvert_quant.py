@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .kvconvert_common import LayerStateCache
-from .kvconvert_storage import QuantizedLayer, QuantSpec
+from .kvconvert_storage import QuantizedLayer, QuantSpec, sliding_layer
 
 
 def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
@@ -18,4 +18,5 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
 
 def make_cache(spec: dict[str, Any]) -> LayerStateCache:
     quant = QuantSpec.from_spec(spec)
-    return LayerStateCache([QuantizedLayer(quant, i) for i in range(len(spec["attention_modules"]))])
+    layers = range(len(spec["attention_modules"]))
+    return LayerStateCache([sliding_layer(spec, i) or QuantizedLayer(quant, i) for i in layers])

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
-from .kvconvert_storage import KVLayer, QuantSpec, TokenStore
+from .kvconvert_storage import KVLayer, QuantSpec, TokenStore, sliding_layer
 
 IMPLEMENTATION = "kvconvert_razor"
 
@@ -178,6 +179,9 @@ def razor_attention(
     layer = cache_layer_of(module)
     if hasattr(layer, "retrieval"):
         return layer.attend(query, key, value, attention_mask, scaling)
+    if layer is not None:  # a sliding-window layer left stock: its own cache returned the window
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)  # fmt: skip
     return _attend(query, key, value, attention_mask, scaling, None)  # no cache (use_cache=False)
 
 
@@ -304,7 +308,8 @@ def make_cache(spec: dict[str, Any]) -> LayerStateCache:
     for layer, retrieval in enumerate(razor["retrieval_kv_heads"]):
         others = [g for g in range(kv_heads) if g not in retrieval]
         layers.append(
-            RazorLayer(list(retrieval), others, razor["sink"], razor["window"], razor["window_frac"], quant, layer)
+            sliding_layer(spec, layer)
+            or RazorLayer(list(retrieval), others, razor["sink"], razor["window"], razor["window_frac"], quant, layer)
         )
     return LayerStateCache(layers)
 

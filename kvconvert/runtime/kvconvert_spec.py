@@ -37,13 +37,17 @@ class RuntimeSpec:
     hidden_size: int
     scaling: list[float]
     kv_quant: dict[str, int] | None = None  # storage (kvconvert_storage.QuantSpec); absent: 16 bits
+    # sliding-window layers interleaved with global ones (Gemma 2/3): kept stock, cache bounded by the window
+    local_layers: list[int] | None = None
+    sliding_window: int | None = None
     spec_version: int = SPEC_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        if out["kv_quant"] is None:
-            del out["kv_quant"]  # unquantized checkpoints read exactly as they did before storage existed
+        for optional in ("kv_quant", "local_layers", "sliding_window"):
+            if out[optional] is None:
+                del out[optional]  # checkpoints without them read exactly as they did before these fields existed
         clash = set(out) & set(self.extra)
         if clash:
             raise SpecError(f"method entries {sorted(clash)} clash with the runtime spec's own fields")
@@ -72,7 +76,7 @@ class RuntimeSpec:
                 f"{', '.join(methods)}: upgrade kvconvert"
             )
         own = {f.name for f in fields(cls)} - {"extra"}
-        required = own - {"kv_quant", "spec_version"}
+        required = own - {"kv_quant", "local_layers", "sliding_window", "spec_version"}
         missing = sorted(required - set(section))
         if missing:
             raise SpecError(

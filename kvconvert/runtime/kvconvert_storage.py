@@ -8,9 +8,22 @@ razor's kept tokens, MiniCache's shared directions — is a sequence of token st
   of ``group`` tokens (key outlier channels get their own scale); values **per token** over groups of
   at most ``group`` channels;
 - asymmetric integers: ``x ≈ zero + code·scale`` with ``code ∈ [0, 2^bits − 1]``, fp16 scale and zero
-  per group; 4-bit codes packed two per byte and 2-bit four per byte into real ``uint8`` tensors;
+  per group; 4-bit codes packed two per byte, 2-bit four per byte and 3-bit eight per three bytes into
+  real ``uint8`` tensors;
 - the newest ``residual`` tokens (and the partial block behind them) stay in the cache dtype and are
   quantized one block at a time as they age, so recent tokens are exact.
+
+Two kvconvert extensions (not in KIVI), off unless asked for, each measured on SmolLM2 to lower the
+KL of 4-bit storage by about a third (README, "Quantized storage"):
+
+- ``sink``: the first tokens of every sequence stay exact. The first token is an attention sink
+  whose keys and values are outliers (Xiao et al. 2023; Sun et al. 2024, "massive activations");
+  quantized with the block it starts, it widens every channel's range there;
+- ``rotate``: values are quantized after an orthogonal rotation of each channel group (a randomized
+  Hadamard matrix where the group size is a power of two, QuaRot's trick), which spreads outlier
+  channels over the group; the rotation is undone on reading, so attention sees the same values up
+  to rounding. Keys are not rotated: per-channel quantization already gives outlier channels their
+  own scale, and rotating them measured no better.
 
 ``bits == 16`` means no quantization: the store is a plain growing tensor (today's behaviour).
 Copied verbatim into every output directory; imports only torch and transformers.
@@ -18,33 +31,43 @@ Copied verbatim into every output directory; imports only torch and transformers
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-BITS = (16, 8, 4, 2)
+BITS = (16, 8, 4, 3, 2)
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     """``config.kvconvert["kv_quant"]``: bits per stored value, group size, unquantized recent tokens,
     and optionally per layer (key bits, value bits) — mixed precision allocated by measured loss —
-    which then overrides ``bits``."""
+    which then overrides ``bits``; ``sink`` first tokens kept exact and ``rotate`` (values rotated
+    before quantization) are the extensions described above."""
 
     bits: int = 16
     group: int = 64
     residual: int = 128
     layers: tuple[tuple[int, int], ...] | None = None
+    sink: int = 0
+    rotate: bool = False
+    include_local: bool = False  # also quantize sliding-window layers (kept stock, at 16 bits, otherwise)
 
     def __post_init__(self) -> None:
         for bits in (self.bits, *(b for pair in self.layers or () for b in pair)):
             if bits not in BITS:
                 raise ValueError(f"kv bits must be one of {BITS}, got {bits}")
-        if self.group < 1 or self.residual < 0:
-            raise ValueError(f"kv group must be >= 1 and residual >= 0, got {self.group}, {self.residual}")
+        if self.group < 1 or self.residual < 0 or self.sink < 0:
+            raise ValueError(f"kv group must be >= 1, residual and sink >= 0, got {self.group}, {self.residual}, "
+                             f"{self.sink}")  # fmt: skip
+        if self.sink >= self.group:
+            raise ValueError(f"kv sink ({self.sink}) must be smaller than the kv group ({self.group})")
+        if self.bits == 3 and self.group % 8 and self.layers is None:
+            raise ValueError(f"3-bit keys pack 8 tokens in 3 bytes: kv group must be a multiple of 8, got {self.group}")
 
     @property
     def quantized(self) -> bool:
@@ -54,7 +77,8 @@ class QuantSpec:
         """The uniform storage of one layer's keys (or values)."""
         if self.layers is None:
             return self
-        return QuantSpec(self.layers[layer][0 if keys else 1], self.group, self.residual)
+        return QuantSpec(self.layers[layer][0 if keys else 1], self.group, self.residual, None, self.sink,
+                         self.rotate, self.include_local)  # fmt: skip
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> QuantSpec:
@@ -62,12 +86,20 @@ class QuantSpec:
         entry = spec.get("kv_quant") or {}
         layers = entry.get("layers")
         return cls(int(entry.get("bits", 16)), int(entry.get("group", 64)), int(entry.get("residual", 128)),
-                   None if layers is None else tuple((int(k), int(v)) for k, v in layers))  # fmt: skip
+                   None if layers is None else tuple((int(k), int(v)) for k, v in layers),
+                   int(entry.get("sink", 0)), bool(entry.get("rotate", False)),
+                   bool(entry.get("include_local", False)))  # fmt: skip
 
     def to_spec(self) -> dict[str, Any]:
         spec: dict[str, Any] = {"bits": self.bits, "group": self.group, "residual": self.residual}
         if self.layers is not None:
             spec["layers"] = [list(pair) for pair in self.layers]
+        if self.sink:
+            spec["sink"] = self.sink
+        if self.rotate:
+            spec["rotate"] = True
+        if self.include_local:
+            spec["include_local"] = True
         return spec
 
     def bytes_per_value(self, width: int, per_channel: bool) -> float:
@@ -75,11 +107,9 @@ class QuantSpec:
         if not self.quantized:
             return 2.0
         if per_channel:
-            return self.bits / 8 + 4 / self.group
-        groups = math.ceil(width / self.group)
-        padded = groups * math.ceil(width / groups)
-        per_byte = 8 // self.bits
-        return (math.ceil(padded / per_byte) + 4 * groups) / width
+            return (packed_width(self.group, self.bits) + 4) / self.group
+        groups, size = channel_groups(width, self.group)
+        return (packed_width(groups * size, self.bits) + 4 * groups) / width
 
 
 # --------------------------------------------------------------------------- pure functions
@@ -115,8 +145,53 @@ def quantize_groups(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Ten
     return codes.to(torch.uint8), scale, zero
 
 
+def packed_width(width: int, bits: int) -> int:
+    """Bytes that ``pack`` makes of ``width`` codes."""
+    return 3 * math.ceil(width / 8) if bits == 3 else math.ceil(width / (8 // bits))
+
+
+@functools.cache
+def rotation(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An orthogonal ``[size, size]`` float32 matrix that spreads every channel over the group: a
+    Hadamard matrix with random column signs (fixed seed) where ``size`` is a power of two, else the
+    Q of a seeded Gaussian's QR. Only ever applied and undone inside one runtime, so nothing about
+    it is stored."""
+    generator = torch.Generator().manual_seed(0)
+    if size & (size - 1) == 0:
+        h = torch.ones(1, 1)
+        while h.shape[0] < size:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        signs = torch.randint(0, 2, (size,), generator=generator) * 2.0 - 1.0
+        matrix = h * signs / math.sqrt(size)
+    else:
+        matrix, _ = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64))
+    return matrix.float().to(device)
+
+
+def _pack3(codes: torch.Tensor) -> torch.Tensor:
+    """3-bit codes ``[..., w]`` -> ``[..., 3·ceil(w/8)]``: each 8 codes as one 24-bit little-endian word."""
+    width = codes.shape[-1]
+    padded = math.ceil(width / 8) * 8
+    if padded != width:
+        codes = torch.nn.functional.pad(codes, (0, padded - width))
+    codes = codes.view(*codes.shape[:-1], padded // 8, 8).to(torch.int32)
+    word = (codes << torch.arange(0, 24, 3, dtype=torch.int32, device=codes.device)).sum(-1, keepdim=True)
+    octets = (word >> torch.tensor([0, 8, 16], dtype=torch.int32, device=codes.device)) & 255
+    return octets.to(torch.uint8).flatten(-2)
+
+
+def _unpack3(packed: torch.Tensor, width: int) -> torch.Tensor:
+    octets = packed.view(*packed.shape[:-1], -1, 3).to(torch.int32)
+    word = (octets << torch.tensor([0, 8, 16], dtype=torch.int32, device=packed.device)).sum(-1, keepdim=True)
+    codes = (word >> torch.arange(0, 24, 3, dtype=torch.int32, device=packed.device)) & 7
+    return codes.to(torch.uint8).flatten(-2)[..., :width]
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``codes [..., w]`` uint8 < 2^bits -> ``[..., ceil(w·bits/8)]`` uint8, element i in bits i·b… of its byte."""
+    """``codes [..., w]`` uint8 < 2^bits -> ``[..., ceil(w·bits/8)]`` uint8, element i in bits i·b… of its byte
+    (3-bit: of its 3-byte word)."""
+    if bits == 3:
+        return _pack3(codes)
     per_byte = 8 // bits
     if per_byte == 1:
         return codes
@@ -131,6 +206,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
     """Inverse of ``pack``: ``[..., ceil(w·bits/8)]`` -> ``[..., w]`` uint8."""
+    if bits == 3:
+        return _unpack3(packed, width)
     per_byte = 8 // bits
     if per_byte == 1:
         return packed
@@ -157,8 +234,9 @@ class QuantizedBlock:
     zero: torch.Tensor
 
 
-def quantize_tokens(x: torch.Tensor, bits: int, group: int, per_channel: bool) -> QuantizedBlock:
-    """``x [..., n, w]`` -> ``QuantizedBlock``; per channel needs n to be a multiple of ``group``."""
+def quantize_tokens(x: torch.Tensor, bits: int, group: int, per_channel: bool, rotate: bool = False) -> QuantizedBlock:
+    """``x [..., n, w]`` -> ``QuantizedBlock``; per channel needs n to be a multiple of ``group``.
+    ``rotate`` (per token only): each channel group is multiplied by ``rotation(size)`` first."""
     *lead, n, width = x.shape
     if per_channel:
         blocks = x.reshape(*lead, n // group, group, width).transpose(-1, -2)  # [..., n/B, w, B]
@@ -167,13 +245,17 @@ def quantize_tokens(x: torch.Tensor, bits: int, group: int, per_channel: bool) -
     groups, size = channel_groups(width, group)
     if groups * size != width:  # replicate the last channel: the padding changes no group's range
         x = torch.cat([x, x[..., -1:].expand(*lead, n, groups * size - width)], dim=-1)
-    codes, scale, zero = quantize_groups(x.reshape(*lead, n, groups, size), bits)
+    x = x.reshape(*lead, n, groups, size)
+    if rotate:
+        x = x.float() @ rotation(size, x.device)
+    codes, scale, zero = quantize_groups(x, bits)
     return QuantizedBlock(pack(codes.reshape(*lead, n, groups * size), bits), scale, zero)
 
 
 def dequantize_tokens(
-    block: QuantizedBlock, bits: int, group: int, width: int, per_channel: bool, dtype: torch.dtype
-) -> torch.Tensor:
+    block: QuantizedBlock, bits: int, group: int, width: int, per_channel: bool, dtype: torch.dtype,
+    rotate: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """Inverse of ``quantize_tokens`` up to rounding: ``[..., n, w]`` in ``dtype``."""
     if per_channel:
         codes = unpack(block.codes, bits, group).float()  # [..., n/B, w, B]
@@ -184,6 +266,8 @@ def dequantize_tokens(
     codes = unpack(block.codes, bits, groups * size).float()
     codes = codes.view(*codes.shape[:-1], groups, size)
     x = codes * block.scale.float()[..., None] + block.zero.float()[..., None]
+    if rotate:
+        x = x @ rotation(size, x.device).T  # the rotation is orthogonal: its transpose undoes it
     return x.flatten(-2)[..., :width].to(dtype)
 
 
@@ -193,14 +277,24 @@ def dequantize_tokens(
 class TokenStore:
     """A growing sequence of token states ``[..., n, w]``: quantized whole blocks, then a float tail.
 
-    The tail holds the newest tokens: between ``residual`` and ``residual + group − 1`` of them once
-    the sequence is long enough; whenever it holds ``residual + group``, its oldest ``group`` tokens
-    become one quantized block. ``offset`` counts tokens dropped from the front of the quantized part
-    (razor's sliding window); a block is freed once all its tokens are dropped.
+    With ``sink``, the sequence's first tokens are also kept exact in ``head`` and put back over their
+    dequantized copies on every read; inside the first block they are replaced by the token after them
+    before quantizing, so their outlier values widen no channel's range. Blocks stay aligned with
+    positions (a sink costs its own bytes, nothing more). The tail holds the newest tokens:
+    between ``residual`` and ``residual + group − 1`` of them once the sequence is long enough;
+    whenever it holds ``residual + group``, its oldest ``group`` tokens become one quantized block.
+    ``offset`` counts tokens dropped from the front of the quantized part (razor's sliding window); a
+    block is freed once all its tokens are dropped.
     """
 
     def __init__(self, quant: QuantSpec, per_channel: bool):
         self.quant, self.per_channel = quant, per_channel
+        self.rotate = quant.rotate and not per_channel  # keys keep per-channel scales instead
+        self._clear()
+
+    def _clear(self) -> None:
+        self.head: torch.Tensor | None = None  # exact copies of the first ``sink`` tokens still held
+        self.front_dropped = False  # take_front removed the sequence's first tokens: later ones are no sink
         self.blocks: QuantizedBlock | None = None
         self.quantized_tokens = 0  # tokens in ``blocks``, the dropped ``offset`` included
         self.offset = 0
@@ -211,14 +305,27 @@ class TokenStore:
     def __len__(self) -> int:
         return self.quantized_tokens - self.offset + (0 if self.tail is None else self.tail.shape[-2])
 
+    def _head_len(self) -> int:
+        return 0 if self.head is None else self.head.shape[-2]
+
+    def _dequantize(self, blocks: QuantizedBlock, dtype: torch.dtype) -> torch.Tensor:
+        spec = self.quant
+        return dequantize_tokens(blocks, spec.bits, spec.group, self.width, self.per_channel, dtype, self.rotate)
+
     def read(self) -> torch.Tensor:
         """All stored tokens ``[..., n, w]`` in the cache dtype (quantized ones dequantized)."""
         assert self.tail is not None, "TokenStore read before its first append"
         if self.blocks is None:
             return self.tail
-        spec = self.quant
-        past = dequantize_tokens(self.blocks, spec.bits, spec.group, self.width, self.per_channel, self.tail.dtype)
-        return torch.cat([past[..., self.offset :, :], self.tail], dim=-2)
+        past = self._dequantize(self.blocks, self.tail.dtype)[..., self.offset :, :]
+        return self._with_head(torch.cat([past, self.tail], dim=-2))
+
+    def _with_head(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` (a fresh tensor starting at the oldest held token) with the exact sink put back."""
+        if self.head is not None:
+            count = min(self.head.shape[-2], tokens.shape[-2])
+            tokens[..., :count, :] = self.head[..., :count, :]
+        return tokens
 
     # --- writing
     def extend(self, new: torch.Tensor) -> torch.Tensor:
@@ -233,6 +340,10 @@ class TokenStore:
 
     def append(self, new: torch.Tensor) -> None:
         self.width = new.shape[-1]
+        take = self.quant.sink - self._head_len() if self.quant.quantized and not self.front_dropped else 0
+        if take > 0:
+            front = new[..., :take, :].clone()  # a view would keep all of ``new`` alive
+            self.head = front if self.head is None else torch.cat([self.head, front], dim=-2)
         self.tail = new if self.tail is None else torch.cat([self.tail, new], dim=-2)
         if not self.quant.quantized:
             return
@@ -241,7 +352,11 @@ class TokenStore:
         if ready <= 0:
             return
         spec = self.quant
-        block = quantize_tokens(self.tail[..., :ready, :], spec.bits, group, self.per_channel)
+        aged = self.tail[..., :ready, :]
+        if self.head is not None and self.quantized_tokens == 0 and not self.front_dropped:
+            aged = aged.clone()  # the first block: the sink's stand-in is its successor (sink < group)
+            aged[..., : spec.sink, :] = aged[..., spec.sink : spec.sink + 1, :]
+        block = quantize_tokens(aged, spec.bits, group, self.per_channel, self.rotate)
         self.tail = self.tail[..., ready:, :].clone()  # a slice would keep the float tokens alive
         if self.blocks is None:
             self.blocks = block
@@ -267,29 +382,27 @@ class TokenStore:
         rows = slice(start * group, None if stop is None else stop * group)
         return QuantizedBlock(b.codes[..., rows, :], b.scale[..., rows, :], b.zero[..., rows, :])
 
-    def _dequantize_first(self, blocks: int) -> torch.Tensor:
-        """The first ``blocks`` quantized blocks, dequantized: ``[..., blocks·group, w]`` (dropped tokens included)."""
-        assert self.tail is not None
-        spec = self.quant
-        return dequantize_tokens(self._blocks(0, blocks), spec.bits, spec.group, self.width, self.per_channel,
-                                 self.tail.dtype)  # fmt: skip
-
     def take_front(self, count: int) -> torch.Tensor:
         """Remove and return the oldest ``count`` tokens ``[..., count, w]`` (as stored: dequantized).
         Only the blocks they lie in are dequantized (razor drops a token or two per decode step)."""
+        assert self.tail is not None
+        self.front_dropped = True
+        front = []
         quantized_left = self.quantized_tokens - self.offset
-        if self.blocks is not None and count <= quantized_left:
-            blocks = -(-(self.offset + count) // self.quant.group)
-            front = self._dequantize_first(blocks)[..., self.offset : self.offset + count, :]
-        else:
-            front = self.read()[..., :count, :]
         from_blocks = min(count, quantized_left)
-        self.offset += from_blocks
+        if from_blocks:
+            blocks = -(-(self.offset + from_blocks) // self.quant.group)
+            past = self._dequantize(self._blocks(0, blocks), self.tail.dtype)
+            front.append(past[..., self.offset : self.offset + from_blocks, :])
+            self.offset += from_blocks
         if count > from_blocks:
-            assert self.tail is not None
+            front.append(self.tail[..., : count - from_blocks, :])
             self.tail = self.tail[..., count - from_blocks :, :].clone()
         self._free_dropped_blocks()
-        return front
+        taken = self._with_head(torch.cat(front, dim=-2))  # cat copies: the patch touches no stored tensor
+        if self.head is not None:
+            self.head = self.head[..., count:, :].clone() if count < self.head.shape[-2] else None
+        return taken
 
     def _free_dropped_blocks(self) -> None:
         if self.blocks is None:
@@ -310,6 +423,8 @@ class TokenStore:
     # --- cache protocol
     def apply(self, fn: Any) -> None:
         """Apply ``fn`` (row selection, device move) to every tensor; dim 0 is the batch row."""
+        if self.head is not None:
+            self.head = fn(self.head)
         if self.tail is not None:
             self.tail = fn(self.tail)
         if self.blocks is not None:
@@ -321,7 +436,9 @@ class TokenStore:
         if len(self) <= length or self.tail is None:
             return
         kept = self.read()[..., :length, :]
-        self.blocks, self.quantized_tokens, self.offset, self.tail = None, 0, 0, None
+        front_dropped = self.front_dropped
+        self._clear()
+        self.front_dropped = front_dropped
         self.append(kept)
 
 
@@ -419,3 +536,53 @@ def stock_layer(quant: QuantSpec, layer: int) -> DynamicLayer:
     """The cache layer of a layer a method leaves untouched: transformers' own, or quantized."""
     quantized = quant.side(layer, keys=True).quantized or quant.side(layer, keys=False).quantized
     return QuantizedLayer(quant, layer) if quantized else DynamicLayer()
+
+
+class QuantizedSlidingLayer(QuantizedLayer):
+    """``QuantizedLayer`` for a sliding-window layer: like transformers' ``DynamicSlidingWindowLayer``
+    it keeps the newest ``window − 1`` tokens after each step (older blocks are freed as they leave)
+    and gives the masks the same sizes."""
+
+    is_sliding = True
+
+    def __init__(self, quant: QuantSpec, layer: int, window: int):
+        self.sliding_window = window
+        super().__init__(quant, layer)
+
+    def reset(self) -> None:
+        super().reset()
+        self.cumulative_length = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        keys, values = super().update(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        excess = len(self.key_store) - (self.sliding_window - 1)
+        if excess > 0:
+            self.key_store.take_front(excess)
+            self.value_store.take_front(excess)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv length, kv offset) of the attention mask, as ``DynamicSlidingWindowLayer`` gives them."""
+        offset = max(self.cumulative_length - self.sliding_window + 1, 0)
+        held = min(self.cumulative_length, self.sliding_window - 1)
+        return held + query_length, offset
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def crop_to(self, length: int) -> None:
+        if length < self.cumulative_length:
+            raise ValueError("a sliding-window cache cannot be cropped: the tokens it dropped are gone")
+
+
+def sliding_layer(spec: dict[str, Any], layer: int) -> DynamicLayer | None:
+    """The cache layer of a sliding-window layer between global ones (Gemma 2/3): transformers' own,
+    which already holds at most the window, or a quantized one when the storage includes local
+    layers. None for a global layer."""
+    if layer not in (spec.get("local_layers") or ()):
+        return None
+    quant, window = QuantSpec.from_spec(spec), int(spec["sliding_window"])
+    if quant.include_local and quant.quantized:
+        return QuantizedSlidingLayer(quant, layer, window)
+    return DynamicSlidingWindowLayer(window)

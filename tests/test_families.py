@@ -1,0 +1,102 @@
+"""The families people run today (issue 19): every method at its lossless settings reproduces
+transformers' own model — prefill, greedy and sampled decoding of a left-padded batch — or refuses
+with the exact reason its capability matrix gives, writing nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from helpers import assert_equivalent, left_padded, load_converted, load_reference, run_cli
+from test_cache_protocol import LOSSLESS
+
+from kvconvert.arch import FEATURES, adapter_for
+from kvconvert.methods import METHODS
+
+FAMILIES = ("qwen3", "qwen3_sliding", "olmo2", "gemma3", "gemma2", "phi3")
+EXPECTED_FEATURES = {
+    "qwen3": ("qk_norm",),
+    "qwen3_sliding": ("qk_norm", "local_layers"),
+    "olmo2": ("qk_norm",),
+    "gemma3": ("qk_norm", "local_layers", "layer_rope"),
+    "gemma2": ("local_layers", "softcap"),
+    "phi3": (),
+}
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_adapters_see_each_family_s_attention_features(kind, tiny_model_dir):
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir(kind))
+    layout = adapter_for(config).layout()
+    assert layout.features == EXPECTED_FEATURES[kind]
+    assert set(layout.features) <= set(FEATURES)
+    if "local_layers" in layout.features:
+        kinds = config.layer_types
+        assert layout.local_layers == tuple(i for i, t in enumerate(kinds) if t == "sliding_attention")
+        assert layout.global_layers and layout.sliding_window == 8
+
+
+@pytest.mark.parametrize("method", sorted(LOSSLESS))
+@pytest.mark.parametrize("kind", FAMILIES)
+@torch.no_grad()
+def test_every_method_reproduces_the_family_or_refuses_with_its_reason(kind, method, tokenized_model_dir, tmp_path):
+    src = tokenized_model_dir(kind)
+    layout = adapter_for(transformers.AutoConfig.from_pretrained(src)).layout()
+    blocked = [f for f in layout.features if f in METHODS[method][1].unsupported]
+    dst = tmp_path / "out"
+    result = run_cli(method, "--model", str(src), "--out", str(dst), "--quiet", *LOSSLESS[method][1])
+    if blocked:
+        reason = METHODS[method][1].unsupported[blocked[0]]
+        assert result.exit_code == 2 and reason in result.output.replace("\n", " "), result.output
+        assert not dst.exists()
+        return
+    if method == "slim" and layout.num_kv_heads != layout.num_heads:
+        assert result.exit_code == 2 and "multi-head attention" in result.output
+        return
+    assert result.exit_code == 0, result.output
+    ids, mask = left_padded()
+    assert_equivalent(load_reference(src), load_converted(dst), ids, mask)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_sliding"])
+@torch.no_grad()
+def test_quantized_sliding_layers_keep_the_window_exactly(kind, tokenized_model_dir, tmp_path):
+    """--kv-include-local: sliding-window layers get a quantized cache that forgets like transformers'
+    own; with nothing old enough to quantize (residual 256) the model is transformers' exactly, while
+    32 decode steps slide far past the 8-token window."""
+    src = tokenized_model_dir(kind)
+    dst = tmp_path / "out"
+    result = run_cli("quant", "--model", str(src), "--out", str(dst), "--quiet", "--kv-bits", "8", "--kv-residual",
+                     "256", "--kv-include-local")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    converted = load_converted(dst)
+    ids, mask = left_padded()
+    assert_equivalent(load_reference(src), converted, ids, mask)
+    cache = converted(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+    local = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
+    assert local and all(type(layer).__name__ == "QuantizedSlidingLayer" for layer in local)
+    assert all(len(layer.key_store) == 7 for layer in local)  # window − 1 tokens held after the prompt
+
+
+def test_quantized_local_layers_hold_a_bounded_cache(tokenized_model_dir, tmp_path):
+    """With --kv-include-local the cache grows per token by the quantized global layer only: the local
+    layers' quantized stores stay bounded by the window."""
+    from kvconvert.eval.memory import kv_bytes_per_token
+
+    src = tokenized_model_dir("gemma3")
+    storage = ("--kv-bits", "4", "--kv-group", "4", "--kv-residual", "4")
+    run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), "--quiet", *storage, "--kv-include-local")
+    converted = load_converted(tmp_path / "q")
+    ids = torch.randint(3, 90, (1, 96), generator=torch.Generator().manual_seed(0))
+    # one global layer of 16 K and 16 V values per token: 4-bit codes + fp16 scale and zero per group of 4
+    assert kv_bytes_per_token(converted, ids, 32, 96) == pytest.approx(16 * (0.5 + 4 / 4) * 2)
+
+
+def test_readme_capability_matrix_is_the_code_s():
+    from pathlib import Path
+
+    from kvconvert.methods import capability_matrix
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start, end = "<!-- capability-matrix:start -->\n", "<!-- capability-matrix:end -->"
+    assert readme[readme.index(start) + len(start) : readme.index(end)] == capability_matrix()
