@@ -59,7 +59,8 @@ def bytes_per_token_by_kind(model: Any, ids: torch.Tensor) -> dict[str, float]:
     the global and the sliding-window layers separately."""
     sizes: dict[str, list[int]] = {"global": [], "local": []}
     for length in (SHORT, LONG):
-        cache = model(ids[:, : length - 1], use_cache=True).past_key_values
+        # logits of the last position only: 262k-token vocabulary × 2048 positions would be 2 GB
+        cache = model(ids[:, : length - 1], use_cache=True, logits_to_keep=1).past_key_values
         # one decode step: transformers' sliding layer keeps a view of the whole prefill until the next update
         cache = model(ids[:, length - 1 : length], past_key_values=cache, use_cache=True).past_key_values
         for kind, sliding in (("global", False), ("local", True)):

@@ -77,6 +77,22 @@ def _family_config(kind: str, common: dict):
     if kind == "gemma2":  # soft-capped logits, local/global layers
         return Gemma2Config(num_key_value_heads=2, query_pre_attn_scalar=24, attn_logit_softcapping=20.0, **heads,
                             **interleaved, **common, **special)  # fmt: skip
+    if kind == "llama3_rope":  # Llama 3.1's RoPE frequency scaling (MHA, so that slim applies too)
+        from transformers import LlamaConfig
+
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+        return LlamaConfig(num_key_value_heads=4, rope_parameters=rope, **heads, **common, **special)
+    if kind == "mixtral":  # sparse MoE MLP, Mistral attention
+        from transformers import MixtralConfig
+
+        return MixtralConfig(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1, **heads, **common,
+                             **special)  # fmt: skip
+    if kind == "qwen2_moe":  # MoE with q/k/v biases
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig(num_key_value_heads=2, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32, **heads, **common, **special)  # fmt: skip
     if kind == "phi3":  # one fused qkv_proj, MHA
         return Phi3Config(num_key_value_heads=4, **{k: v for k, v in heads.items() if k != "head_dim"}, **common,
                           **special)  # fmt: skip

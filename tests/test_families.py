@@ -24,6 +24,22 @@ EXPECTED_FEATURES = {
 }
 
 
+# families that bring no new attention feature: the methods that depend on what they change
+# (RoPE scaling: the methods that re-rotate keys; MoE: the weight rewrites next to expert MLPs)
+PLAIN = [("llama3_rope", "slim"), ("llama3_rope", "lorc"), ("mixtral", "lorc"),
+         ("mixtral", "razor"), ("qwen2_moe", "lorc"), ("qwen2_moe", "quant")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "method"), PLAIN)
+@torch.no_grad()
+def test_rope_scaling_and_moe_models_convert_through_the_llama_adapter(kind, method, tokenized_model_dir, tmp_path):
+    src = tokenized_model_dir(kind)
+    result = run_cli(method, "--model", str(src), "--out", str(tmp_path / "out"), "--quiet", *LOSSLESS[method][1])
+    assert result.exit_code == 0, result.output
+    ids, mask = left_padded()
+    assert_equivalent(load_reference(src), load_converted(tmp_path / "out"), ids, mask)
+
+
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_adapters_see_each_family_s_attention_features(kind, tiny_model_dir):
     config = transformers.AutoConfig.from_pretrained(tiny_model_dir(kind))

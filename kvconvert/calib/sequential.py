@@ -10,6 +10,7 @@ the hidden states of all chunks — independent of depth, so models larger than 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
@@ -42,6 +43,20 @@ def _checkpoint_name(name: str, available: set[str], base_prefix: str) -> str:
         if candidate in available:
             return candidate
     raise KVConvertError(f"calibration: the checkpoint has no tensor for {name!r} (not a standard layout?)")
+
+
+def _stored_as_built(model: nn.Module, source: SourceCheckpoint, base_prefix: str) -> bool:
+    """Does every parameter of the first decoder layer and of everything around the layers have a
+    checkpoint tensor of its own name? (False for checkpoints that transformers converts on load.)"""
+    available = set(source.tensor_names())
+    for name, _ in model.named_parameters():
+        if ".layers." in name and ".layers.0." not in name:
+            continue  # layer 0 stands for every layer
+        if name.startswith("lm_head.") and name not in available:
+            continue  # tied to the embedding
+        if name not in available and name.removeprefix(base_prefix + ".") not in available:
+            return False
+    return True
 
 
 def _materialize(
@@ -98,6 +113,19 @@ def run_layer_by_layer(
     head = model.get_output_embeddings()
     base_prefix = model.base_model_prefix
     layout = adapter.layout()
+    if not _stored_as_built(model, source, base_prefix):
+        # transformers renames or fuses this checkpoint's tensors while loading (MoE experts stored one
+        # by one, fused into one tensor per layer): only its own loader knows how, so load it whole
+        warnings.warn(
+            f"{type(model).__name__} checkpoints are stored under names transformers converts while loading "
+            "(e.g. MoE experts): calibration loads the whole model in float32 instead of one layer at a time",
+            stacklevel=2,
+        )
+        model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval()
+        with observe(model):
+            for row in chunks:
+                model(input_ids=row[None], use_cache=False)
+        return
 
     # Everything but the decoder layers and the LM head: embeddings, final norm, rotary tables.
     for name, child in list(model.named_modules()):
