@@ -128,6 +128,11 @@ def main() -> None:
                 print(f"{label:<34} {data:<12} budget vs 16-bit {row['kv_budget_vs_16bit']:.3f}  "
                       f"Δppl {row['dppl_pct']:+.2f} %  KL {row['kl_mean']:.4f}", flush=True)  # fmt: skip
                 rows.append(row)
+                save(rows, quick, only, started)
+
+
+def save(rows: list[dict[str, Any]], quick: bool, only: list[str] | None, started: float) -> None:
+    """Write the results files (after every row, so that a stopped run keeps what it measured)."""
     if only is not None:  # merge into the newest results file: earlier rows of other candidates stay
         files = sorted(RESULTS.glob("quant-2*.json"))
         if files:

@@ -116,3 +116,16 @@ def test_readme_capability_matrix_is_the_code_s():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     start, end = "<!-- capability-matrix:start -->\n", "<!-- capability-matrix:end -->"
     assert readme[readme.index(start) + len(start) : readme.index(end)] == capability_matrix()
+
+
+def test_bytes_after_a_context_count_the_window_of_sliding_layers(tiny_model_dir):
+    """The context protocol's memory figure is the steady state: a sliding-window layer holds its
+    window, not the view of the whole prefill that transformers keeps until the next update."""
+    from kvconvert.eval.runner import bytes_after_context
+
+    model = load_reference(tiny_model_dir("gemma3"))  # layers: sliding (window 8), global, sliding
+    ids = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(0))
+    per_token = 2 * 1 * 16 * 4  # K and V, 1 KV head of 16 dims, fp32
+    # the global layer holds all 40 tokens; each local one its window (transformers keeps the 7 it needs
+    # as a view of the step's 8), plus a few scalars — not the 39-token prefill
+    assert (40 + 2 * 7) * per_token <= bytes_after_context(model, ids) <= (40 + 2 * 8) * per_token + 64

@@ -97,8 +97,13 @@ def cache_dtype_bytes(model: Any) -> int:
 
 @torch.no_grad()
 def bytes_after_context(model: Any, ids: torch.Tensor) -> int:
-    """Bytes the cache holds after ``ids [1, n]`` went in in one forward."""
-    return cache_nbytes(model(ids, use_cache=True).past_key_values)
+    """Bytes the cache holds once ``ids [1, n]`` went in: all but the last token in one forward, the last
+    as one decode step. (transformers' sliding-window layers keep a view of a whole prefill until their
+    next update; the decode step releases it, so every cache is measured in its steady state.)"""
+    if ids.shape[1] == 1:
+        return cache_nbytes(model(ids, use_cache=True).past_key_values)
+    cache = model(ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
+    return cache_nbytes(model(ids[:, -1:], past_key_values=cache, use_cache=True).past_key_values)
 
 
 def measure_kv(model: Any, ids: torch.Tensor, config: EvalConfig, ctx: int) -> tuple[float, dict[str, Any]]:
