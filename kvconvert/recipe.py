@@ -111,13 +111,8 @@ def recipe_text(method: Method) -> str:
     storage = method.storage
     keys: dict[str, int | bool] = {}
     if storage.quantized:
-        if storage.layers is None:  # widths a plan allocated are the plan's result, not an option
-            keys["kv_bits"] = storage.bits
-        keys.update(kv_group=storage.group, kv_residual=storage.residual)
-        if storage.sink:
-            keys["kv_sink"] = storage.sink
-        if storage.rotate:
-            keys["kv_rotate"] = True
-        if storage.include_local:
-            keys["kv_include_local"] = True
+        spec = storage.to_spec()  # the fields that differ from the defaults, as the runtime spec has them
+        if storage.layers is not None:
+            del spec["bits"]  # widths a plan allocated are the plan's result, not an option
+        keys = {key: spec[field] for key, field in STORAGE_KEYS.items() if field in spec}
     return yaml.safe_dump({"method": method.name, **method.params(), **keys}, sort_keys=False)
