@@ -4,6 +4,8 @@ with the exact reason its capability matrix gives, writing nothing."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import transformers
@@ -34,7 +36,10 @@ PLAIN = [("llama3_rope", "slim"), ("llama3_rope", "lorc"), ("mixtral", "lorc"),
 @torch.no_grad()
 def test_rope_scaling_and_moe_models_convert_through_the_llama_adapter(kind, method, tokenized_model_dir, tmp_path):
     src = tokenized_model_dir(kind)
-    result = run_cli(method, "--model", str(src), "--out", str(tmp_path / "out"), "--quiet", *LOSSLESS[method][1])
+    calibrates = method == "razor"  # its head profile runs the model: Mixtral's experts are stored renamed
+    with pytest.warns(UserWarning, match="converts while loading") if calibrates else contextlib.nullcontext():
+        result = run_cli(method, "--model", str(src), "--out", str(tmp_path / "out"), "--quiet",
+                         *LOSSLESS[method][1])  # fmt: skip
     assert result.exit_code == 0, result.output
     ids, mask = left_padded()
     assert_equivalent(load_reference(src), load_converted(tmp_path / "out"), ids, mask)
