@@ -68,6 +68,11 @@ def _family_config(kind: str, common: dict):
     if kind == "qwen3_sliding":  # QK-norm and sliding layers above max_window_layers
         return Qwen3Config(num_key_value_heads=2, use_sliding_window=True, max_window_layers=1, sliding_window=8,
                            **heads, **common, **special)  # fmt: skip
+    if kind == "qwen3_moe":  # QK-norm per head, MoE MLP
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(num_key_value_heads=2, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                              **heads, **common, **special)  # fmt: skip
     if kind == "olmo2":  # QK-norm over all heads at once
         return Olmo2Config(num_key_value_heads=4, **{k: v for k, v in heads.items() if k != "head_dim"}, **common,
                            **special)  # fmt: skip

@@ -26,10 +26,10 @@ EXPECTED_FEATURES = {
 }
 
 
-# families that bring no new attention feature: the methods that depend on what they change
-# (RoPE scaling: the methods that re-rotate keys; MoE: the weight rewrites next to expert MLPs)
+# families that bring no new attention feature (or Qwen3's, tested above): the methods that depend on
+# what they change (RoPE scaling: the methods that re-rotate keys; MoE: conversions next to expert MLPs)
 PLAIN = [("llama3_rope", "slim"), ("llama3_rope", "lorc"), ("mixtral", "lorc"),
-         ("mixtral", "razor"), ("qwen2_moe", "lorc"), ("qwen2_moe", "quant")]  # fmt: skip
+         ("mixtral", "razor"), ("qwen2_moe", "lorc"), ("qwen2_moe", "quant"), ("qwen3_moe", "quant")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("kind", "method"), PLAIN)
