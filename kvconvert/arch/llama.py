@@ -18,8 +18,6 @@ class LlamaAdapter(ArchAdapter):
     attention_name_pattern = re.compile(r"^(?P<prefix>(?:model\.)?layers\.(?P<layer>\d+)\.self_attn\.)(?P<local>.+)$")
     attention_module_template = "model.layers.{i}.self_attn"
 
-    qk_norm: ClassVar[bool] = False
-
     def head_dim(self) -> int:
         c = self.config
         return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -40,14 +38,19 @@ class LlamaAdapter(ArchAdapter):
             rotary=True,
             rotary_module="model.rotary_emb",
             context=c.max_position_embeddings,
-            qk_norm=self.qk_norm,
+            qk_norm=self.qk_norm(),
             local_layers=local,
             sliding_window=window,
             softcap=getattr(c, "attn_logit_softcapping", None),
             layer_rope=self.layer_rope(),
         )
 
+    def qk_norm(self) -> bool:
+        """An RMSNorm on queries and keys between projection and RoPE?"""
+        return False
+
     def layer_rope(self) -> bool:
+        """RoPE tables that differ between local and global layers?"""
         return False
 
     def read_attention(self, tensors: dict[str, torch.Tensor]) -> AttentionWeights:
@@ -69,7 +72,9 @@ class QKNormAdapter(LlamaAdapter):
 
     family = "qk_norm"
     model_types = ("qwen3", "qwen3_moe", "olmo2")
-    qk_norm = True
+
+    def qk_norm(self) -> bool:
+        return True
 
 
 class GemmaAdapter(LlamaAdapter):
@@ -80,13 +85,11 @@ class GemmaAdapter(LlamaAdapter):
     family = "gemma"
     model_types = ("gemma2", "gemma3_text")
 
-    def layout(self) -> AttentionLayout:
-        import dataclasses
-
-        return dataclasses.replace(super().layout(), qk_norm=self.config.model_type == "gemma3_text")
-
     def softmax_scale(self) -> float:
         return float(self.config.query_pre_attn_scalar**-0.5)
+
+    def qk_norm(self) -> bool:
+        return self.config.model_type == "gemma3_text"
 
     def layer_rope(self) -> bool:
         return self.config.model_type == "gemma3_text"

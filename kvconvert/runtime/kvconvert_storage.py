@@ -31,6 +31,7 @@ Copied verbatim into every output directory; imports only torch and transformers
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -77,8 +78,7 @@ class QuantSpec:
         """The uniform storage of one layer's keys (or values)."""
         if self.layers is None:
             return self
-        return QuantSpec(self.layers[layer][0 if keys else 1], self.group, self.residual, None, self.sink,
-                         self.rotate, self.include_local)  # fmt: skip
+        return dataclasses.replace(self, bits=self.layers[layer][0 if keys else 1], layers=None)
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> QuantSpec:
