@@ -62,6 +62,12 @@ CANDIDATES: list[tuple[str, dict[str, Any], str]] = [
     ("minicache (paper) + 4-bit", {"method": "minicache", "kv_bits": 4}, "wiki"),
     # the storage extensions: the first tokens exact (attention sinks), values rotated before quantizing
     ("quant 4-bit, residual 0, sink 4 + rotated values (ext.)", {"method": "quant", "kv_bits": 4, **EXT}, "both"),
+    # the token layout: key block means + rotated per-token codes that torch's int4 kernel reads (decode speed)
+    (
+        "quant 4-bit token layout, residual 0, sink 4 (ext.)",
+        {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"},
+        "both",
+    ),  # fmt: skip
     ("quant 3-bit, residual 0", {"method": "quant", "kv_bits": 3, "kv_residual": 0}, "wiki"),
     ("quant 3-bit, residual 0, sink 4 + rotated values (ext.)", {"method": "quant", "kv_bits": 3, **EXT}, "both"),
     ("quant 2-bit, residual 0, sink 4 + rotated values (ext.)", {"method": "quant", "kv_bits": 2, **EXT}, "wiki"),

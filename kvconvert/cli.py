@@ -42,6 +42,12 @@ def _output_options(fn: Callable[..., Any]) -> Callable[..., Any]:
              "the window.",
     )(fn)  # fmt: skip
     fn = click.option(
+        "--kv-layout", type=click.Choice(["kivi", "token"]), default=None,
+        help="kivi (default): keys per channel, values per token. token (kvconvert extension, quant only, 4-bit): "
+             "both per token after a Hadamard rotation, in the layout torch's int4 kernel reads, so CPU decoding "
+             "reads the codes without dequantizing the cache.",
+    )(fn)  # fmt: skip
+    fn = click.option(
         "--kv-rotate/--no-kv-rotate", default=None,
         help="Rotate values (randomized Hadamard per group) before quantizing them (kvconvert extension; default off).",
     )(fn)  # fmt: skip
@@ -82,6 +88,7 @@ class ConversionOptions:
     kv_sink: int | None
     kv_rotate: bool | None
     kv_include_local: bool | None
+    kv_layout: str | None
 
     def storage(self, base: QuantSpec | None = None) -> QuantSpec:
         """The cache storage these options ask for; options not given keep ``base``'s (a recipe's)."""
@@ -89,7 +96,7 @@ class ConversionOptions:
 
         given = {"kv_bits": None if self.kv_bits is None else int(self.kv_bits), "kv_group": self.kv_group,
                  "kv_residual": self.kv_residual, "kv_sink": self.kv_sink, "kv_rotate": self.kv_rotate,
-                 "kv_include_local": self.kv_include_local}  # fmt: skip
+                 "kv_include_local": self.kv_include_local, "kv_layout": self.kv_layout}  # fmt: skip
         return storage_spec(given, "options", base)
 
 

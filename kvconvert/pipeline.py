@@ -20,7 +20,7 @@ from kvconvert.io.source import TOKENIZER_FILES, SourceCheckpoint
 from kvconvert.io.writer import ShardedSafetensorsWriter, atomic_output_dir
 from kvconvert.methods.base import Method
 from kvconvert.recipe import recipe_text
-from kvconvert.runtime.kvconvert_spec import RuntimeSpec
+from kvconvert.runtime.kvconvert_spec import RuntimeSpec, minimum_spec_version
 from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 RUNTIME_DIR = Path(__file__).parent / "runtime"
@@ -74,6 +74,7 @@ def convert(
     adapter = adapter_for(source.config)
     layout = adapter.layout()
     method.check_features(layout)
+    method.check_storage(layout)
     method.check(layout)
     if dtype != "auto" and dtype not in DTYPES:
         raise KVConvertError(f"--dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
@@ -144,6 +145,7 @@ def convert(
             hidden_size=layout.hidden_size,
             scaling=list(layout.scaling),
             kv_quant=storage,
+            spec_version=minimum_spec_version(storage),
             local_layers=list(layout.local_layers) or None,
             sliding_window=layout.sliding_window if layout.local_layers else None,
             extra=method.runtime_spec(layout, tensor_names),

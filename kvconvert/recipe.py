@@ -20,8 +20,9 @@ from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 # recipe key -> QuantSpec field: the storage options of every conversion command
 STORAGE_KEYS = {"kv_bits": "bits", "kv_group": "group", "kv_residual": "residual", "kv_sink": "sink",
-                "kv_rotate": "rotate", "kv_include_local": "include_local"}  # fmt: skip
+                "kv_rotate": "rotate", "kv_include_local": "include_local", "kv_layout": "layout"}  # fmt: skip
 FLAGS = {"kv_rotate", "kv_include_local"}  # the storage keys that take true/false
+WORDS = {"kv_layout"}  # the storage keys that take a word
 
 
 def storage_spec(values: dict[str, Any], source: str, base: QuantSpec | None = None) -> QuantSpec:
@@ -30,7 +31,7 @@ def storage_spec(values: dict[str, Any], source: str, base: QuantSpec | None = N
     for key, value in values.items():
         if value is None:
             continue
-        expected = bool if key in FLAGS else int
+        expected = bool if key in FLAGS else str if key in WORDS else int
         if not _matches(value, expected):
             raise KVConvertError(f"{source}: {key!r} must be {expected.__name__}, got {value!r}")
         fields[STORAGE_KEYS[key]] = value

@@ -308,5 +308,6 @@ def test_written_spec_round_trips_through_the_typed_spec(tiny_model_dir, tmp_pat
                "--kv-bits", "4", "--quiet").exit_code == 0  # fmt: skip
     section = json.loads((out / "config.json").read_text())["kvconvert"]
     spec = RuntimeSpec.from_dict(section, METHOD_RUNTIMES)
-    assert spec.spec_version == SPEC_VERSION and spec.kv_quant == {"bits": 4, "group": 64, "residual": 128}
+    # version 1 is enough to describe it, so runtimes older than the token layout still load it
+    assert spec.spec_version == 1 < SPEC_VERSION and spec.kv_quant == {"bits": 4, "group": 64, "residual": 128}
     assert "lorc_layers" in spec.extra and spec.to_dict() == section

@@ -38,6 +38,20 @@ class Method:
             if feature in self.unsupported:
                 raise KVConvertError(f"{self.name} cannot convert this model: {self.unsupported[feature]}")
 
+    def check_storage(self, layout: AttentionLayout) -> None:
+        """Refuse a storage layout this method's runtime cannot hold. The token layout is read by the
+        quant runtime's decode path only, and needs head widths that are multiples of 32."""
+        from kvconvert.errors import KVConvertError
+        from kvconvert.runtime.kvconvert_storage import token_group_size
+
+        if self.storage.layout != "token":
+            return
+        if self.name != "quant":
+            raise KVConvertError(f"--kv-layout token is for quant only ({self.name} stores its cache in KIVI's layout)")
+        if token_group_size(layout.head_dim, self.storage.group) is None:
+            raise KVConvertError(f"--kv-layout token needs a head width that is a multiple of 32; this model's is "
+                                 f"{layout.head_dim}")  # fmt: skip
+
     def check(self, layout: AttentionLayout) -> None:
         """Raise ``KVConvertError`` if the model cannot be converted by this method."""
 

@@ -1,14 +1,186 @@
 """Quantized-cache runtime (``kvconvert quant``): stock attention, every layer's K/V in quantized
-storage (``kvconvert_storage.QuantizedLayer``: keys per channel, values per token, recent tokens exact).
+storage (``kvconvert_storage``).
+
+KIVI's layout (the default): ``QuantizedLayer`` — keys per channel, values per token, recent tokens
+exact; each step reads the whole cache dequantized, and stock attention runs on it.
+
+The token layout (``--kv-layout token``, a kvconvert extension): keys and values per token, rotated,
+stored as torch's int4 matrix layout (``TokenLayoutStore``). A registered attention function then
+computes a decode step's scores and outputs from the codes with ``aten._weight_int4pack_mm_for_cpu``
+(``token_decode``) instead of dequantizing the cache: on a CPU that reads 4-bit codes where stock
+attention reads 32-bit floats. Every other case (prefill, other devices, a torch without the kernel)
+takes the dequantize-then-SDPA path, which computes the same thing in float32.
+
 Copied verbatim into every output directory; imports only torch and transformers.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from .kvconvert_common import LayerStateCache
-from .kvconvert_storage import QuantizedLayer, QuantSpec, sliding_layer
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of
+from .kvconvert_storage import QuantizedLayer, QuantSpec, TokenLayoutStore, rotation, sliding_layer
+
+IMPLEMENTATION = "kvconvert_quant"
+
+
+def int4_kernel_available(device: torch.device) -> bool:
+    """torch's CPU int4 matrix-vector kernel is there (torch ≥ 2.6) and the tensors are on the CPU."""
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+_UNIT_SCALES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _unit_scales(tokens: int, channels: int, device: torch.device) -> torch.Tensor:
+    """Kernel scales ``[tokens/32, channels, 2]`` of (1, 8): the kernel's ``(code − 8)·1 + 8`` is the
+    code itself (value scales multiply the probabilities instead). Grown as the cache grows; a
+    prefix of a contiguous tensor along dim 0 is contiguous."""
+    table = _UNIT_SCALES.get((channels, device))
+    if table is None or table.shape[0] < tokens // 32:
+        rows = max(tokens // 32, 2 * (0 if table is None else table.shape[0]), 64)
+        table = torch.tensor([1.0, 8.0], dtype=torch.bfloat16, device=device).expand(rows, channels, 2).contiguous()
+        _UNIT_SCALES[(channels, device)] = table
+    return table[: tokens // 32]
+
+
+def token_decode(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
+    keys: TokenLayoutStore, values: TokenLayoutStore, scaling: float,
+) -> torch.Tensor:  # fmt: skip
+    """One decode step over a token-layout cache, from the codes.
+
+    ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]`` (exact), ``bias [b|1, 1, 1, n]``
+    additive or None; the stores hold the ``n − 1`` earlier tokens, at least one block quantized.
+    Scores of quantized tokens: ``(q·R)·((codes − 8)·s + z)`` per group in one kernel call per
+    (row, KV head), plus ``q·center`` of their block; outputs: ``(p·s)·codes + p·z`` per group,
+    rotated back by ``Rᵀ``. The sink, the float tail and this step's tokens are exact: the sink's
+    stand-ins in the first block are masked out and its exact copy attended instead. Returns
+    ``[b, H, 1, d]`` float32."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    size = keys.group_size()
+    groups = dim // size
+    rot = rotation(size, query.device)
+    kb, vb = keys.blocks, values.blocks
+    assert kb is not None and kb.center is not None and vb is not None
+    assert keys.tail is not None and values.tail is not None
+    n_q = keys.quantized_tokens
+    q = query.float().reshape(batch, kv_heads, group, dim)  # [b, Hkv, G, d]
+    q_rot = (q.reshape(batch, kv_heads, group, groups, size) @ rot).reshape(batch, kv_heads, group, dim)
+    q_rot = q_rot.to(torch.bfloat16)
+    key_scales = torch.stack([kb.scale, kb.zero], dim=-1)  # [b, Hkv, G', n_q, 2]: the kernel's pairs
+    int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    scores_q = torch.stack([
+        torch.stack([int4_mm(q_rot[row, h], kb.codes[row, h], size, key_scales[row, h]) for h in range(kv_heads)])
+        for row in range(batch)
+    ]).float()  # [b, Hkv, G, n_q]  # fmt: skip
+    block_offsets = q @ kb.center.float().transpose(-1, -2)  # [b, Hkv, G, n_q/B]
+    scores_q = (scores_q.reshape(*block_offsets.shape, -1) + block_offsets[..., None]).flatten(-2)
+    sink = 0 if keys.head is None else keys.head.shape[-2]
+    exact_k, exact_v = [keys.tail, key], [values.tail, value]
+    if sink:  # the first block holds stand-ins for the sink: mask them, attend to the exact copies
+        assert keys.head is not None and values.head is not None
+        scores_q[..., :sink] = -math.inf
+        exact_k.insert(0, keys.head)
+        exact_v.insert(0, values.head)
+    k_exact, v_exact = torch.cat(exact_k, dim=-2).float(), torch.cat(exact_v, dim=-2).float()  # [b, Hkv, t, d]
+    scores = torch.cat([scores_q, q @ k_exact.transpose(-1, -2)], dim=-1) * scaling  # [b, Hkv, G, n (+ sink)]
+    if bias is not None:  # bias [b|1, 1, 1, n]: the sink's exact copies take the mask of their positions
+        bias = bias.float().reshape(bias.shape[0], 1, 1, -1)
+        scores = scores + (torch.cat([bias[..., :n_q], bias[..., :sink], bias[..., n_q:]], dim=-1) if sink else bias)
+    probs = torch.softmax(scores, dim=-1)
+    p_q = probs[..., :n_q]
+    out = probs[..., n_q:] @ v_exact  # [b, Hkv, G, d]
+    # p·(code·s + z) = (p⊙s)·code + p·z, per channel group j
+    weighted = p_q[:, :, None] * vb.scale.float().transpose(-1, -2)[:, :, :, None]  # [b, Hkv, G', G, n_q]
+    weighted = weighted.to(torch.bfloat16).contiguous()  # the kernel reads rows of a contiguous matrix
+    unit = _unit_scales(n_q, size, query.device)
+    rows = size // 32  # int4 row blocks of 32 channels per group
+    out_rot = torch.stack([
+        torch.stack([
+            torch.cat([
+                int4_mm(weighted[row, h, j], vb.codes[row, h, j * rows : (j + 1) * rows].reshape(size, n_q // 2),
+                        32, unit)
+                for j in range(groups)
+            ], dim=-1)
+            for h in range(kv_heads)
+        ])
+        for row in range(batch)
+    ]).float()  # [b, Hkv, G, d] in rotated groups  # fmt: skip
+    out_rot = out_rot.reshape(batch, kv_heads, group, groups, size) + (p_q @ vb.zero.float())[..., None]
+    out = out + (out_rot @ rot.T).reshape(batch, kv_heads, group, dim)
+    return out.reshape(batch, heads, 1, dim)
+
+
+class TokenLayoutLayer(QuantizedLayer):
+    """A stock attention layer's keys and values in the token layout. ``update`` only records this
+    step's states; ``quant_attention`` reads the stores and commits the step (like razor's layers)."""
+
+    key_store: TokenLayoutStore
+    value_store: TokenLayoutStore
+
+    def reset(self) -> None:
+        super().reset()
+        self.key_store = TokenLayoutStore(self.quant, keys=True)
+        self.value_store = TokenLayoutStore(self.quant, keys=False)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.is_initialized = True
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+        keys, values = self.key_store, self.value_store
+        if query.shape[2] == 1 and keys.blocks is not None and int4_kernel_available(query.device):
+            total = len(keys) + 1
+            bias = additive_mask(attention_mask, 1, total, torch.float32, query.device)
+            out = token_decode(query, key, value, bias, keys, values, scaling).to(query.dtype)
+            result = out.transpose(1, 2).contiguous(), None
+        else:
+            past_k = keys.read() if len(keys) else key[..., :0, :]
+            past_v = values.read() if len(values) else value[..., :0, :]
+            k, v = torch.cat([past_k, key], dim=-2), torch.cat([past_v, value], dim=-2)
+            result = sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)
+        keys.append(key)
+        values.append(value)
+        return result
+
+
+def quant_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function. Token-layout layers do their own work (``TokenLayoutLayer.attend``,
+    found by duck typing: see ``cache_layer_of``); every other layer's cache already returned the keys
+    and values, so stock SDPA runs."""
+    layer = cache_layer_of(module)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if hasattr(layer, "attend"):
+        return layer.attend(module, query, key, value, attention_mask, scale, dropout=dropout, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scale, dropout=dropout, **kwargs)
+
+
+AttentionInterface.register(IMPLEMENTATION, quant_attention)
+AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
 
 
 def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
@@ -18,5 +190,12 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
 
 def make_cache(spec: dict[str, Any]) -> LayerStateCache:
     quant = QuantSpec.from_spec(spec)
+    layer_class = TokenLayoutLayer if quant.layout == "token" else QuantizedLayer
     layers = range(len(spec["attention_modules"]))
-    return LayerStateCache([sliding_layer(spec, i) or QuantizedLayer(quant, i) for i in layers])
+    return LayerStateCache([sliding_layer(spec, i) or layer_class(quant, i) for i in layers])
+
+
+def configure(model: Any) -> None:
+    """Token layout: route attention through ``quant_attention`` (KIVI's layout keeps the model's own)."""
+    if QuantSpec.from_spec(model.config.kvconvert).layout == "token":
+        model.set_attn_implementation(IMPLEMENTATION)

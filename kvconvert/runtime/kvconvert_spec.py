@@ -13,7 +13,14 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-SPEC_VERSION = 1  # checkpoints written before the field existed are version 1 too
+SPEC_VERSION = 2  # checkpoints written before the field existed are version 1 too
+# version 2: ``kv_quant`` may name a ``layout`` ("token") that a version-1 runtime would read as KIVI's
+
+
+def minimum_spec_version(kv_quant: dict[str, Any] | None) -> int:
+    """The oldest spec version that describes this checkpoint: older runtimes keep loading every
+    checkpoint they can read correctly, and refuse (one line) the ones they would misread."""
+    return 2 if (kv_quant or {}).get("layout", "kivi") != "kivi" else 1
 
 
 class SpecError(ValueError):

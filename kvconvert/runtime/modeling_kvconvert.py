@@ -26,6 +26,7 @@ from .kvconvert_lorc import make_cache as make_lorc_cache
 from .kvconvert_minicache import configure as configure_minicache
 from .kvconvert_minicache import make_attention as make_minicache_attention
 from .kvconvert_minicache import make_cache as make_minicache_cache
+from .kvconvert_quant import configure as configure_quant
 from .kvconvert_quant import make_attention as make_quant_attention
 from .kvconvert_quant import make_cache as make_quant_cache
 from .kvconvert_razor import configure as configure_razor
@@ -45,7 +46,7 @@ METHOD_RUNTIMES: dict[str, tuple[Any, Any, Any]] = {
     "razor": (make_razor_attention, make_razor_cache, configure_razor),
     "zack": (make_zack_attention, make_zack_cache, None),
     "minicache": (make_minicache_attention, make_minicache_cache, configure_minicache),
-    "quant": (make_quant_attention, make_quant_cache, None),
+    "quant": (make_quant_attention, make_quant_cache, configure_quant),
 }
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
