@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from kvconvert.arch import adapter_for
 from kvconvert.calib.hooks import observed_attention
+from kvconvert.calib.sequential import run_layer_by_layer
 from kvconvert.errors import KVConvertError
 from kvconvert.runtime.kvconvert_storage import QuantSpec, TokenStore
 
@@ -50,13 +52,29 @@ def simulated_storage(model: Any, quant: QuantSpec) -> Iterator[None]:
 
 
 @torch.no_grad()
-def mean_kl(model: Any, chunks: torch.Tensor, reference_logp: list[torch.Tensor]) -> float:
-    """Mean per-token KL(reference ‖ model) over ``chunks [n, T]``."""
+def mean_kl(source: Any, chunks: torch.Tensor, reference_logp: list[torch.Tensor], observe: Any) -> float:
+    """Mean per-token KL(reference ‖ source with ``observe(model)`` active) over ``chunks [n, T]``,
+    the source run layer by layer."""
     total = 0.0
-    for row, ref in zip(chunks, reference_logp, strict=True):
-        logp = torch.log_softmax(model(row[None], use_cache=False).logits[0].float(), dim=-1)
-        total += (ref.exp() * (ref - logp)).sum().item()
+
+    def add(c: int, logits: torch.Tensor) -> None:
+        nonlocal total
+        ref = reference_logp[c]
+        total += (ref.exp() * (ref - torch.log_softmax(logits.float(), dim=-1))).sum().item()
+
+    run_layer_by_layer(source, adapter_for(source.config), chunks, observe, progress=False, logits=add)
     return total / chunks.numel()
+
+
+def log_probs(source: Any, chunks: torch.Tensor) -> list[torch.Tensor]:
+    """The source's log-probabilities ``[T, vocab]`` for every chunk, run layer by layer."""
+    out: list[torch.Tensor] = [torch.empty(0)] * chunks.shape[0]
+
+    def keep(c: int, logits: torch.Tensor) -> None:
+        out[c] = torch.log_softmax(logits.float(), dim=-1)
+
+    run_layer_by_layer(source, adapter_for(source.config), chunks, contextlib.nullcontext, progress=False, logits=keep)
+    return out
 
 
 def stored_bytes(bits: int, width: int, per_channel: bool, group: int) -> float:
@@ -117,7 +135,7 @@ def allocate(
 
 @torch.no_grad()
 def measure_allocation(
-    model: Any,
+    source: Any,
     chunks: torch.Tensor,
     widths: Sequence[int],
     choices: Sequence[int],
@@ -126,16 +144,17 @@ def measure_allocation(
     progress: bool = True,
 ) -> tuple[Allocation, float]:
     """Measure every store's sensitivity on ``chunks``, allocate, and measure the allocation;
-    ``storage`` gives everything but the widths (group, residual, sink, rotation).
+    ``storage`` gives everything but the widths (group, residual, sink, rotation). Every probe runs
+    ``source`` (a ``SourceCheckpoint``) layer by layer: memory stays at about one layer.
     Returns (allocation, measured KL of the allocation)."""
     top = max(choices)
     layers = len(widths)
     allocate([[dict.fromkeys(choices, 0.0)] * 2] * layers, widths, choices, budget, storage.group)  # reachable at all?
-    reference = [torch.log_softmax(model(row[None], use_cache=False).logits[0].float(), dim=-1) for row in chunks]
+    reference = log_probs(source, chunks)
 
     def kl_of(per_layer: list[tuple[int, int]]) -> float:
-        with simulated_storage(model, dataclasses.replace(storage, bits=top, layers=tuple(per_layer))):
-            return mean_kl(model, chunks, reference)
+        spec = dataclasses.replace(storage, bits=top, layers=tuple(per_layer))
+        return mean_kl(source, chunks, reference, lambda model: simulated_storage(model, spec))
 
     baseline = kl_of([(top, top)] * layers)
     sensitivity: list[list[dict[int, float]]] = [[{top: 0.0}, {top: 0.0}] for _ in range(layers)]

@@ -3,7 +3,8 @@
 The converted model is simulated inside the source model: in every layer q and k (after RoPE)
 are projected onto each head's kept rotated dims, B Bᵀ, and v onto its kept V dims. Scores
 ``(qB)(kB)ᵀ`` and outputs ``P·v·B_v·B_vᵀ·W_O`` are exactly what the converted checkpoint computes,
-so one source model serves every candidate r without writing a checkpoint.
+so the source serves every candidate r without writing a checkpoint. Each probe runs the source
+layer by layer (``calib.sequential``): memory stays at about one layer.
 """
 
 from __future__ import annotations
@@ -52,13 +53,19 @@ def projectors_for(bases: Any, plan: Any) -> list[tuple[torch.Tensor, torch.Tens
     ]
 
 
-@torch.no_grad()
-def top1_agreement(model: Any, chunks: torch.Tensor, reference: torch.Tensor) -> float:
-    """Share of positions of ``chunks [n, T]`` whose argmax equals ``reference [n, T]``."""
-    hits = 0
-    for row, expected in zip(chunks, reference, strict=True):
-        hits += int((model(row[None], use_cache=False).logits[0].argmax(-1) == expected).sum())
-    return hits / reference.numel()
+def top1(source: Any, chunks: torch.Tensor, observe: Any = contextlib.nullcontext) -> torch.Tensor:
+    """Argmax token at every position of ``chunks [n, T]`` (``[n, T]``), the source run layer by
+    layer with ``observe(model)`` active."""
+    from kvconvert.arch import adapter_for
+    from kvconvert.calib.sequential import run_layer_by_layer
+
+    out = torch.empty_like(chunks)
+
+    def keep(c: int, logits: torch.Tensor) -> None:
+        out[c] = logits.argmax(-1)
+
+    run_layer_by_layer(source, adapter_for(source.config), chunks, observe, progress=False, logits=keep)
+    return out
 
 
 def search_removal_rate(
@@ -77,24 +84,19 @@ def search_removal_rate(
     Bisection over r in [0, 1): agreement falls as r grows (more of every head is removed).
     Returns the plan and the log of every probe (r, kv budget, agreement).
     """
-    import transformers
-
-    from kvconvert.arch import adapter_for
     from kvconvert.methods.zack import plan_for_rate
 
     if held_out.shape[0] == 0:
         raise KVConvertError("--target-agreement scores on held-out calibration text and none is left: "
                              "pass more text with --calib or lower --calib-tokens")  # fmt: skip
     chunks = held_out[:max_chunks]
-    cls = getattr(transformers, adapter_for(source.config).causal_lm_class_name())
-    model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval()
-    with torch.no_grad():
-        reference = torch.stack([model(row[None], use_cache=False).logits[0].argmax(-1) for row in chunks])
+    reference = top1(source, chunks)
 
     def probe(rate: float) -> tuple[Any, float]:
         plan = plan_for_rate(bases, rate, layout.head_dim, compress)
-        with truncated_attention(model, projectors_for(bases, plan)):
-            return plan, top1_agreement(model, chunks, reference)
+        projectors = projectors_for(bases, plan)
+        predicted = top1(source, chunks, lambda model: truncated_attention(model, projectors))
+        return plan, (predicted == reference).float().mean().item()
 
     log: list[dict[str, float]] = []
     best, _ = probe(0.0)

@@ -28,14 +28,32 @@ class _Captured(Exception):
     """Raised by the stand-in for layer 0 once it has recorded its inputs."""
 
 
-class _Catcher(nn.Module):
-    def __init__(self, inbox: list[tuple[tuple[Any, ...], dict[str, Any]]]):
+class _Feeder(nn.Module):
+    """Stands in for every decoder layer once all have run: returns the last layer's output for the
+    current chunk, so the model's own forward applies its final norm, head and soft-capping."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.inbox = inbox
+        self.value: torch.Tensor | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.inbox.append((args, kwargs))
-        raise _Captured
+        return self.value
+
+
+class _Catcher(nn.Module):
+    """Stands in for one decoder layer: records what the model passes it (each layer gets its own
+    mask and rotary tables where layer types differ, e.g. Gemma's sliding-window layers) and passes
+    the hidden states through; the last one stops the forward pass."""
+
+    def __init__(self, inbox: list[tuple[tuple[Any, ...], dict[str, Any]]], last: bool):
+        super().__init__()
+        self.inbox, self.last = inbox, last
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.inbox.append((args, dict(kwargs)))
+        if self.last:
+            raise _Captured
+        return args[0] if args else kwargs["hidden_states"]
 
 
 def _checkpoint_name(name: str, available: set[str], base_prefix: str) -> str:
@@ -96,11 +114,14 @@ def run_layer_by_layer(
     chunks: torch.Tensor,
     observe: Callable[[nn.Module], Any],
     progress: bool = True,
+    logits: Callable[[int, torch.Tensor], Any] | None = None,
 ) -> None:
     """Feed ``chunks [n, T]`` through the model layer by layer.
 
     ``observe(model)`` returns a context manager that is active while the layers run (it sees
-    the skeleton model, e.g. to route its attention through an observer).
+    the skeleton model, e.g. to route its attention through an observer). ``logits(c, [T, vocab])``,
+    when given, receives each chunk's output logits (the model's own norm and head run at the end;
+    memory: one chunk's logits at a time).
     """
     import transformers
 
@@ -123,8 +144,10 @@ def run_layer_by_layer(
         )
         model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval()
         with observe(model):
-            for row in chunks:
-                model(input_ids=row[None], use_cache=False)
+            for c, row in enumerate(chunks):
+                out = model(input_ids=row[None], use_cache=False)
+                if logits is not None:
+                    logits(c, out.logits[0])
         return
 
     # Everything but the decoder layers and the LM head: embeddings, final norm, rotary tables.
@@ -139,21 +162,42 @@ def run_layer_by_layer(
             setattr(model.get_submodule(parent) if parent else model, leaf, fresh.float())
             continue
         _materialize(child, name + ".", source, base_prefix, model._init_weights)
-    inbox: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-    first = layers[0]
-    layers[0] = _Catcher(inbox)
+    inboxes: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = [[] for _ in layers]
+    skeleton = list(layers)
+    for index in range(len(layers)):
+        layers[index] = _Catcher(inboxes[index], last=index == len(layers) - 1)
     with observe(model):
         for row in chunks:
             with contextlib.suppress(_Captured):
                 model(input_ids=row[None], use_cache=False)
-        layers[0] = first
-        hidden = [args[0] if args else kwargs.pop("hidden_states") for args, kwargs in inbox]
-        extra = [(args[1:], kwargs) for args, kwargs in inbox]
+        hidden = [args[0] if args else kwargs.pop("hidden_states") for args, kwargs in inboxes[0]]
+        for inbox in inboxes[1:]:
+            for args, kwargs in inbox:
+                kwargs.pop("hidden_states", None)
         bar = tqdm(range(len(layers)), desc="calibrating", unit="layer", disable=not progress)
         for index in bar:
-            layer = layers[index]
+            layer = layers[index] = skeleton[index]
             _materialize(layer, f"{layers_prefix}{index}.", source, base_prefix, model._init_weights)
-            for c, (args, kwargs) in enumerate(extra):
-                out = layer(hidden[c], *args, **kwargs)
+            for c, (args, kwargs) in enumerate(inboxes[index]):
+                out = layer(hidden[c], *args[1:], **kwargs)
                 hidden[c] = out[0] if isinstance(out, tuple) else out
             layers[index] = layer.to("meta")  # frees this layer's weights
+        if logits is None:
+            return
+        _materialize_head(model, head, source, base_prefix)
+        feeder = _Feeder()
+        for index in range(len(layers)):
+            layers[index] = feeder
+        for c, row in enumerate(chunks):
+            feeder.value = hidden[c]
+            logits(c, model(input_ids=row[None], use_cache=False).logits[0])
+
+
+def _materialize_head(model: Any, head: nn.Module, source: SourceCheckpoint, base_prefix: str) -> None:
+    """Load the output head: the input embedding's weight where the two are tied, else its own tensors."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "tie_word_embeddings", False):
+        head.weight = model.get_input_embeddings().weight
+        return
+    name = next(n for n, m in model.named_modules() if m is head)
+    _materialize(head, name + ".", source, base_prefix, model._init_weights)

@@ -83,22 +83,16 @@ class QuantMethod(Method):
         budget = self.config.kv_budget
         if budget is None:
             return
-        import transformers
-
-        from kvconvert.arch import adapter_for
         from kvconvert.calib.bits import measure_allocation
         from kvconvert.calib.text import calibration_set
 
         config = self.config
         chunks = calibration_set(source.path, config.calib, config.calib_tokens, min(512, layout.context),
                                  config.seed)  # fmt: skip
-        cls = getattr(transformers, adapter_for(source.config).causal_lm_class_name())
-        model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval()
         widths = [layout.num_kv_heads * layout.head_dim] * layout.num_layers
         storage = self.storage
-        allocation, measured = measure_allocation(model, chunks.chunks, widths, config.choices, budget, storage,
+        allocation, measured = measure_allocation(source, chunks.chunks, widths, config.choices, budget, storage,
                                                   self.progress)  # fmt: skip
-        del model
         top = max(b for pair in allocation.layers for b in pair)
         self.storage = dataclasses.replace(storage, bits=top, layers=allocation.layers)
         self.plan_report = {

@@ -74,14 +74,15 @@ def token_decode(
     assert keys.tail is not None and values.tail is not None
     n_q = keys.quantized_tokens
     q = query.float().reshape(batch, kv_heads, group, dim)  # [b, Hkv, G, d]
-    q_rot = (q.reshape(batch, kv_heads, group, groups, size) @ rot).reshape(batch, kv_heads, group, dim)
-    q_rot = q_rot.to(torch.bfloat16)
-    key_scales = torch.stack([kb.scale, kb.zero], dim=-1)  # [b, Hkv, G', n_q, 2]: the kernel's pairs
+    q_rot = (q.reshape(batch, kv_heads, group, groups, size) @ rot).reshape(batch * kv_heads, group, dim)
+    key_scales = torch.stack([kb.scale, kb.zero], dim=-1).flatten(0, 1)  # [b·Hkv, G', n_q, 2]: the kernel's pairs
     int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    # one kernel call per (row, KV head); unbind makes the per-head views in one op
     scores_q = torch.stack([
-        torch.stack([int4_mm(q_rot[row, h], kb.codes[row, h], size, key_scales[row, h]) for h in range(kv_heads)])
-        for row in range(batch)
-    ]).float()  # [b, Hkv, G, n_q]  # fmt: skip
+        int4_mm(x, codes, size, pairs)
+        for x, codes, pairs in zip(q_rot.to(torch.bfloat16).unbind(0), kb.codes.flatten(0, 1).unbind(0),
+                                   key_scales.unbind(0), strict=True)
+    ]).float().reshape(batch, kv_heads, group, n_q)  # fmt: skip
     block_offsets = q @ kb.center.float().transpose(-1, -2)  # [b, Hkv, G, n_q/B]
     scores_q = (scores_q.reshape(*block_offsets.shape, -1) + block_offsets[..., None]).flatten(-2)
     sink = 0 if keys.head is None else keys.head.shape[-2]
@@ -101,20 +102,14 @@ def token_decode(
     out = probs[..., n_q:] @ v_exact  # [b, Hkv, G, d]
     # p·(code·s + z) = (p⊙s)·code + p·z, per channel group j
     weighted = p_q[:, :, None] * vb.scale.float().transpose(-1, -2)[:, :, :, None]  # [b, Hkv, G', G, n_q]
-    weighted = weighted.to(torch.bfloat16).contiguous()  # the kernel reads rows of a contiguous matrix
+    weighted = weighted.to(torch.bfloat16).contiguous().reshape(batch * kv_heads * groups, group, n_q)
     unit = _unit_scales(n_q, size, query.device)
-    rows = size // 32  # int4 row blocks of 32 channels per group
+    # Vᵀ's int4 rows, one [size, n_q/2] matrix per (row, KV head, channel group)
+    value_codes = vb.codes.reshape(batch * kv_heads * groups, size, n_q // 2)
     out_rot = torch.stack([
-        torch.stack([
-            torch.cat([
-                int4_mm(weighted[row, h, j], vb.codes[row, h, j * rows : (j + 1) * rows].reshape(size, n_q // 2),
-                        32, unit)
-                for j in range(groups)
-            ], dim=-1)
-            for h in range(kv_heads)
-        ])
-        for row in range(batch)
-    ]).float()  # [b, Hkv, G, d] in rotated groups  # fmt: skip
+        int4_mm(x, codes, 32, unit) for x, codes in zip(weighted.unbind(0), value_codes.unbind(0), strict=True)
+    ]).float()  # [b·Hkv·G', G, size]  # fmt: skip
+    out_rot = out_rot.reshape(batch, kv_heads, groups, group, size).transpose(2, 3)  # [b, Hkv, G, G', size]
     out_rot = out_rot.reshape(batch, kv_heads, group, groups, size) + (p_q @ vb.zero.float())[..., None]
     out = out + (out_rot @ rot.T).reshape(batch, kv_heads, group, dim)
     return out.reshape(batch, heads, 1, dim)

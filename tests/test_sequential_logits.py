@@ -1,0 +1,50 @@
+"""The layer-by-layer runner's logits (``run_layer_by_layer(..., logits=)``) are the whole model's:
+the searches that score the source with simulated compression (ZACK's agreement search, quant's
+width allocation) run on it so that conversion memory stays at about one layer."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from helpers import load_reference
+
+from kvconvert.arch import adapter_for
+from kvconvert.calib.bits import log_probs, mean_kl, simulated_storage
+from kvconvert.calib.search import top1
+from kvconvert.calib.sequential import run_layer_by_layer
+from kvconvert.io.source import open_source
+from kvconvert.runtime.kvconvert_storage import QuantSpec
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "gpt2", "gemma3", "qwen2"])
+def test_layer_by_layer_logits_equal_the_whole_model(kind, tiny_model_dir):
+    src = tiny_model_dir(kind)
+    chunks = torch.randint(3, 90, (3, 40), generator=torch.Generator().manual_seed(1))
+    whole = load_reference(src)
+    source = open_source(str(src))
+    got: dict[int, torch.Tensor] = {}
+    run_layer_by_layer(source, adapter_for(source.config), chunks, contextlib.nullcontext, progress=False,
+                       logits=lambda c, logits: got.__setitem__(c, logits))  # fmt: skip
+    for c, row in enumerate(chunks):
+        torch.testing.assert_close(got[c], whole(row[None], use_cache=False).logits[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(top1(source, chunks), torch.stack([whole(r[None]).logits[0].argmax(-1) for r in chunks]))
+
+
+def test_simulated_storage_kl_is_measured_layer_by_layer(tiny_model_dir):
+    """KL of 2-bit storage through the layer-by-layer runner equals the whole model's with the same
+    simulation, and 16 bits is lossless."""
+    source = open_source(str(tiny_model_dir("llama_gqa")))
+    chunks = torch.randint(3, 90, (2, 64), generator=torch.Generator().manual_seed(2))
+    reference = log_probs(source, chunks)
+    spec = QuantSpec(2, group=16, residual=0)
+    kl = mean_kl(source, chunks, reference, lambda model: simulated_storage(model, spec))
+    whole = load_reference(tiny_model_dir("llama_gqa"))
+    with torch.no_grad(), simulated_storage(whole, spec):
+        expected = sum(
+            (ref.exp() * (ref - torch.log_softmax(whole(row[None], use_cache=False).logits[0], -1))).sum().item()
+            for row, ref in zip(chunks, reference, strict=True)
+        ) / chunks.numel()  # fmt: skip
+    assert kl > 1e-4 and kl == pytest.approx(expected, rel=1e-4)
+    assert mean_kl(source, chunks, reference, lambda model: simulated_storage(model, QuantSpec())) < 1e-9
