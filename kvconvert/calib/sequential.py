@@ -172,8 +172,8 @@ def run_layer_by_layer(
                 model(input_ids=row[None], use_cache=False)
         hidden = [args[0] if args else kwargs.pop("hidden_states") for args, kwargs in inboxes[0]]
         for inbox in inboxes[1:]:
-            for args, kwargs in inbox:
-                kwargs.pop("hidden_states", None)
+            for _, kwargs in inbox:
+                kwargs.pop("hidden_states", None)  # each layer gets the previous one's output instead
         bar = tqdm(range(len(layers)), desc="calibrating", unit="layer", disable=not progress)
         for index in bar:
             layer = layers[index] = skeleton[index]
