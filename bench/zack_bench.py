@@ -70,7 +70,7 @@ def main() -> None:
                 rows.append({"target": label, "compress": zack.compress, "refused": str(exc)})
                 print(rows[-1], flush=True)
                 continue
-            first = result.report["layers"][0]
+            first = result.report["plan"]  # removal rate and calibration: whole-model decisions
             evaluation = run_eval(str(dst), str(src), config)
             scores = {k: evaluation[k] for k in ("ppl", "kl_mean", "top1_agreement", "kv_budget_measured")}
             row = {"target": label, "compress": zack.compress, "removal_rate": first["removal_rate"], **scores}

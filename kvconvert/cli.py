@@ -305,7 +305,7 @@ def zack(
             click.echo(
                 f"{row['layer']:>5}  {','.join(map(str, row['rank_k'])):<24}  {','.join(map(str, row['rank_v'])):<24}"
             )
-    rate = report["layers"][0]["removal_rate"]
+    rate = report["plan"]["removal_rate"]
     click.echo(f"wrote {options.out} (zack r={rate:.4f}, KV budget {report['kv_budget_expected']:.3f})")
 
 

@@ -102,7 +102,8 @@ def convert(
     def read_layer(layer: int) -> dict[str, torch.Tensor]:
         return {k: source.get(v) for k, v in attention[layer].items()}
 
-    method.plan(layout, (adapter.read_attention(read_layer(layer)) for layer in range(layout.num_layers)), source)
+    method.plan(layout, (adapter.read_attention(read_layer(layer)) for layer in range(layout.num_layers)), source,
+                target)  # fmt: skip
 
     with atomic_output_dir(out, replace, sources=[source.path]) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes)

@@ -47,7 +47,7 @@ def test_run_bad_recipe_is_one_line(tiny_model_dir, tmp_path):
     assert result.exit_code == 2
     assert result.stderr.strip() == (
         f"kvconvert: error: {recipe}: unknown key 'ranks' for lorc; allowed: compress, kv_bits, "
-        "kv_budget, kv_group, kv_include_local, kv_residual, kv_rotate, kv_sink, schedule, threshold"
+        "kv_budget, kv_group, kv_include_local, kv_layout, kv_residual, kv_rotate, kv_sink, schedule, threshold"
     )
 
 

@@ -328,3 +328,24 @@ def test_recipe_round_trip(tiny_model_dir, tmp_path):
     convert_minicache(tiny_model_dir("llama_gqa"), tmp_path / "mc")
     again = load_recipe(tmp_path / "mc" / "recipe.yaml")
     assert again[:2] == ("minicache", MiniCacheConfig()) and not again[2].quantized
+
+
+def test_plan_decides_everything_and_layers_convert_in_any_order(tiny_model_dir):
+    """The cached element size comes from the converted dtype given to ``plan``; converting layers (in
+    any order, with any dtype argument) changes no decision of the plan."""
+    from kvconvert.arch import adapter_for
+    from kvconvert.io.source import open_source
+    from kvconvert.methods.minicache import MiniCacheMethod
+
+    source = open_source(str(tiny_model_dir("llama")))
+    layout = adapter_for(source.config).layout()
+    method = MiniCacheMethod(MiniCacheConfig(start_layer=1), progress=False)
+    method.plan(layout, [], source, torch.bfloat16)
+    budget = method.expected_kv_budget(layout)
+    pairs = method.pairs()
+    float32 = MiniCacheMethod(MiniCacheConfig(start_layer=1), progress=False)
+    float32.plan(layout, [], source, torch.float32)
+    assert float32.expected_kv_budget(layout) < budget  # float32 norms weigh less next to float32 states
+    for layer in reversed(range(layout.num_layers)):
+        method.convert_layer(layer, None, torch.float32)  # type: ignore[arg-type]
+    assert method.expected_kv_budget(layout) == budget and method.pairs() == pairs

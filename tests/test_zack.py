@@ -108,10 +108,12 @@ def test_truncated_attention_simulates_the_checkpoint(tokenized_model_dir, tmp_p
 
 def test_target_agreement_search_logs_probes(tokenized_model_dir, tmp_path):
     report = _zack(tokenized_model_dir("llama_gqa"), tmp_path / "zack", "--target-agreement", "0.8")
-    search = report["layers"][0]["calibration"]["search"]
-    chosen = report["layers"][0]["removal_rate"]
+    search = report["plan"]["calibration"]["search"]
+    chosen = report["plan"]["removal_rate"]
     passing = [p for p in search if p["agreement"] >= 0.8]
     assert chosen == (max(p["removal_rate"] for p in passing) if passing else 0.0)
+    # whole-model decisions live in the plan section, not on whichever layer converted first
+    assert all("removal_rate" not in layer and "calibration" not in layer for layer in report["layers"])
 
 
 @pytest.mark.parametrize(

@@ -55,10 +55,15 @@ class Method:
     def check(self, layout: AttentionLayout) -> None:
         """Raise ``KVConvertError`` if the model cannot be converted by this method."""
 
-    def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
+    def plan(
+        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         """Whole-model decisions before any layer is converted. ``layers`` reads each layer's
         attention weights lazily, one at a time; ``source`` (a ``SourceCheckpoint``) is there for
-        methods that must run the model (profiling). Methods that need nothing global ignore both."""
+        methods that must run the model (profiling); ``dtype`` is the converted attention tensors'.
+        Methods that need nothing global ignore them. Everything a method decides is decided here:
+        ``convert_layer`` reads it and never changes it, so layers convert in any order."""
 
     def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         raise NotImplementedError

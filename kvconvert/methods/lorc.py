@@ -171,7 +171,10 @@ class LorcMethod(Method):
         assert self.plan_ is not None
         return self.plan_.budget
 
-    def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
+    def plan(
+        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         """κ(W_K), κ(W_V) of every layer (full D × n_kv·d matrices, appendix D), then the ranks."""
         kappa_k, kappa_v = [], []
         for w in layers:

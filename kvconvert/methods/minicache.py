@@ -135,12 +135,18 @@ class MiniCacheMethod(Method):
         new, original = kv_bytes_per_token(layout, pairs, self.element_bytes, *self.retained, self.config.merge)
         return new / original
 
-    def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
+    def plan(
+        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         config = self.config
         self.layout = layout
-        first = next(iter(layers), None)
-        if first is not None:
-            self.element_bytes = first.k_weight.element_size()
+        if dtype is not None:  # the merged states are cached in the converted model's dtype
+            self.element_bytes = torch.empty((), dtype=dtype).element_size()
+        else:
+            first = next(iter(layers), None)
+            if first is not None:
+                self.element_bytes = first.k_weight.element_size()
         if config.measures:
             from kvconvert.analysis.layer_similarity import measure_layer_similarity
 
@@ -190,7 +196,6 @@ class MiniCacheMethod(Method):
         return self.budget(layout, len(self.pairs()))
 
     def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
-        self.element_bytes = torch.empty((), dtype=dtype).element_size()
         partner = next((b if layer == a else a for a, b in self.pairs() if layer in (a, b)), None)
         report: dict[str, Any] = {"layer": layer, "merged_with": partner}
         if self.similarity is not None and layer > 0:

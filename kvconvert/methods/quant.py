@@ -78,7 +78,10 @@ class QuantMethod(Method):
                 "quant needs --kv-bits 8, 4, 3 or 2 (16 would copy the model unchanged), or --kv-budget"
             )
 
-    def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
+    def plan(
+        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         """With ``kv_budget``: measure each layer's and side's sensitivity and allocate the widths."""
         budget = self.config.kv_budget
         if budget is None:

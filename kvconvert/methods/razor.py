@@ -85,7 +85,10 @@ class RazorMethod(Method):
     def params(self) -> dict[str, Any]:
         return asdict(self.config)
 
-    def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
+    def plan(
+        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         """Profile echo/induction scores on the source model (one layer in memory at a time) and choose
         the retrieval heads."""
         from kvconvert.arch import adapter_for

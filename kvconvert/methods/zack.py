@@ -192,7 +192,10 @@ class ZackMethod(Method):
         assert self.plan_ is not None
         return self.plan_.budget
 
-    def plan(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None) -> None:
+    def plan(
+        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
         """Calibrate (layer by layer), fit every head's rotations, then choose r and the ranks."""
         config = self.config
         self.bases, calib = calibrate_bases(source, layout, layers, config.calib, config.calib_tokens,
@@ -223,10 +226,12 @@ class ZackMethod(Method):
             "removed_k": [_removed(s, r) for s, r in zip(bases.qk_spectrum[layer], rank_k, strict=True)],
             "removed_v": [_removed(s, r) for s, r in zip(bases.vw_spectrum[layer], rank_v, strict=True)],
         }
-        if layer == 0:
-            report["calibration"] = self.calibration
-            report["removal_rate"] = plan.removal_rate
         return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
+
+    def summary(self) -> dict[str, Any]:
+        """The whole-model decisions (``kvconvert.json`` → ``plan``), not any one layer's."""
+        assert self.plan_ is not None
+        return {"removal_rate": self.plan_.removal_rate, "calibration": self.calibration}
 
     def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
         assert self.plan_ is not None
