@@ -30,6 +30,18 @@ def convert(command: str, src: Path, dst: Path, *extra: str) -> dict:
     return json.loads((Path(dst) / "kvconvert.json").read_text())
 
 
+def generate_in_every_mode(model, new_tokens: int = 12) -> None:
+    """Greedy, sampling, beams and several return sequences on a left-padded batch: each gives the
+    expected shape (the cache's batch edits — repeat, reorder, select — all ran)."""
+    ids, mask = left_padded()
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  pad_token_id=0)  # fmt: skip
+    for kwargs in ({"do_sample": False}, {"do_sample": True, "top_k": 20}, {"num_beams": 2, "do_sample": False},
+                   {"num_beams": 2, "num_return_sequences": 2, "do_sample": False}):  # fmt: skip
+        out = model.generate(**common, **kwargs)
+        assert out.shape == (2 * kwargs.get("num_return_sequences", 1), ids.shape[1] + new_tokens), kwargs
+
+
 def left_padded(length: int = 24, pad: int = 7, seed: int = 5, high: int = 90) -> tuple[torch.Tensor, torch.Tensor]:
     """Two rows of random token ids ``[2, length]``; the second is left-padded by ``pad`` tokens."""
     ids = torch.randint(3, high, (2, length), generator=torch.Generator().manual_seed(seed))

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import convert, left_padded, load_converted, load_reference, run_cli
+from helpers import convert, generate_in_every_mode, left_padded, load_converted, load_reference, run_cli
 
 import kvconvert
 from kvconvert.eval.memory import kv_bytes_per_token
@@ -360,13 +360,7 @@ def test_generate_with_quantized_storage(method, tokenized_model_dir, tmp_path):
     kind, extra = METHOD_ARGS[method]
     command, *storage = _command(method)
     convert(command, tokenized_model_dir(kind), tmp_path / "q", *storage, *extra)
-    model = load_converted(tmp_path / "q")
-    ids, mask = left_padded()
-    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
-    for kwargs in ({"do_sample": False}, {"do_sample": True, "top_k": 20}, {"num_beams": 2, "do_sample": False},
-                   {"num_beams": 2, "num_return_sequences": 2, "do_sample": False}):  # fmt: skip
-        out = model.generate(**common, **kwargs)
-        assert out.shape == (2 * kwargs.get("num_return_sequences", 1), 24 + 12), kwargs
+    generate_in_every_mode(load_converted(tmp_path / "q"))
 
 
 def test_quant_refuses_16_bits_and_bad_storage(tiny_model_dir, tmp_path):

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from helpers import convert, left_padded, load_converted, load_reference, run_cli
+from helpers import convert, generate_in_every_mode, left_padded, load_converted, load_reference, run_cli
 
 import kvconvert
 from kvconvert.eval.memory import kv_bytes_per_token
@@ -181,12 +181,7 @@ def test_generate_and_measured_bytes(tokenized_model_dir, tmp_path):
     src = tokenized_model_dir("llama_gqa64")
     convert("quant", src, tmp_path / "q", *TOKEN)
     model = load_converted(tmp_path / "q")  # through AutoModelForCausalLM with trust_remote_code
-    ids, mask = left_padded()
-    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
-    for kwargs in ({"do_sample": False}, {"do_sample": True, "top_k": 20}, {"num_beams": 2, "do_sample": False},
-                   {"num_beams": 2, "num_return_sequences": 2, "do_sample": False}):  # fmt: skip
-        out = model.generate(**common, **kwargs)
-        assert out.shape == (2 * kwargs.get("num_return_sequences", 1), 24 + 12), kwargs
+    generate_in_every_mode(model)
     tokens = torch.randint(3, 90, (1, 168), generator=torch.Generator().manual_seed(0))
     measured = kv_bytes_per_token(model, tokens, 72, 168)  # both lengths: whole blocks + the same tail
     spec = QuantSpec(4, 32, 8, layout="token")
