@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, markdown_table, write_results  # noqa: E402
 from bench.models import prepare_models  # noqa: E402
-from kvconvert.eval.memory import cache_nbytes  # noqa: E402
+from kvconvert.eval.speed import side_by_side  # noqa: E402
 from kvconvert.io.source import open_source  # noqa: E402
 from kvconvert.methods import build_method  # noqa: E402
 from kvconvert.pipeline import convert  # noqa: E402
@@ -38,27 +38,9 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
 ]  # fmt: skip
 
 
-@torch.no_grad()
-def decode(model: Any, state: dict[str, Any], steps: int) -> float:
-    """``steps`` greedy decode steps from ``state`` (cache and last token, updated); seconds taken."""
-    cache, token = state["cache"], state["token"]
-    start = time.perf_counter()
-    for _ in range(steps):
-        out = model(token, past_key_values=cache, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    state["cache"], state["token"] = cache, token
-    return time.perf_counter() - start
-
-
-@torch.no_grad()
-def prefill(model: Any, ids: torch.Tensor) -> dict[str, Any]:
-    out = model(ids, use_cache=True, logits_to_keep=1)
-    return {"cache": out.past_key_values, "token": out.logits[:, -1:].argmax(-1)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", default="4096,16384", help="comma-separated context lengths")
+    parser.add_argument("--contexts", default="1024,4096,16384", help="comma-separated context lengths")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", default=None, help="candidates whose label contains this text")
@@ -85,26 +67,17 @@ def main() -> None:
             recipes[label] = recipe
         rows: list[dict[str, Any]] = []
         for context in (int(c) for c in args.contexts.split(",")):
-            ids = torch.randint(3, source.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
-            states, best = {}, {}
-            for label, model in models.items():
-                states[label] = prefill(model, ids)
-                states[label]["bytes"] = cache_nbytes(states[label]["cache"])
-                decode(model, states[label], 1)  # warm-up step
-                best[label] = float("inf")
-            for _ in range(args.rounds):
-                for label, model in models.items():
-                    best[label] = min(best[label], decode(model, states[label], args.steps))
-            for label in models:
+            measured = side_by_side(models, context, args.steps, args.rounds)
+            source_speed, source_bytes = measured["source"]["decode_tokens_per_s"], measured["source"]["cache_bytes"]
+            for label, row in measured.items():
                 rows.append({
                     "context": context, "model": label, "recipe": recipes.get(label),
-                    "decode_tokens_per_s": args.steps / best[label],
-                    "ratio_to_source": best["source"] / best[label],
-                    "cache_bytes_after_prefill": states[label]["bytes"],
-                    "cache_ratio_to_source": states[label]["bytes"] / states["source"]["bytes"],
+                    "decode_tokens_per_s": row["decode_tokens_per_s"],
+                    "ratio_to_source": row["decode_tokens_per_s"] / source_speed,
+                    "cache_bytes_after_prefill": row["cache_bytes"],
+                    "cache_ratio_to_source": row["cache_bytes"] / source_bytes,
                 })  # fmt: skip
                 print(rows[-1], flush=True)
-            del states
     table = markdown_table(
         ["context", "model", "decode tok/s", "× source", "cache MiB", "cache ÷ source (fp32)"],
         [[r["context"], r["model"], f"{r['decode_tokens_per_s']:.2f}", f"{r['ratio_to_source']:.2f}",

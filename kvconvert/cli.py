@@ -619,6 +619,11 @@ def _print_rotations(result: dict[str, Any]) -> None:
 @click.option("--retrieval-lengths", default=None, help="Comma-separated prompt lengths for passkey/copy.")
 @click.option("--no-retrieval", is_flag=True, help="Skip passkey and copy tests.")
 @click.option("--no-speed", is_flag=True, help="Skip throughput measurement.")
+@click.option(
+    "--speed-contexts", default=None,
+    help="Comma-separated context lengths (e.g. 1024,4096,16384): decode speed side by side with --reference "
+         "after each, interleaved, best of 2.",
+)  # fmt: skip
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_user_errors
 def eval_command(
@@ -634,6 +639,7 @@ def eval_command(
     retrieval_lengths: str | None,
     no_retrieval: bool,
     no_speed: bool,
+    speed_contexts: str | None,
     quiet: bool,
 ) -> None:
     """Perplexity, KL/top-1 vs --reference, measured KV bytes/token, speed, passkey and copy tests."""
@@ -647,6 +653,12 @@ def eval_command(
         raise KVConvertError(
             f"--retrieval-lengths must be comma-separated integers, got {retrieval_lengths!r}"
         ) from None
+    try:
+        contexts = tuple(int(n) for n in speed_contexts.split(",")) if speed_contexts else None
+    except ValueError:
+        raise KVConvertError(f"--speed-contexts must be comma-separated integers, got {speed_contexts!r}") from None
+    if contexts is not None and (min(contexts) < 1 or no_speed):
+        raise KVConvertError("--speed-contexts takes positive lengths and measures speed: not with --no-speed")
     if ctx < 2:
         raise KVConvertError(f"--ctx must be at least 2, got {ctx}")
     if chunk is not None and chunk < 1:
@@ -658,7 +670,7 @@ def eval_command(
     config = EvalConfig(
         data=data, ctx=ctx, max_tokens=max_tokens, chunk=chunk, context=context, continuation=continuation,
         retrieval_lengths=lengths, retrieval=not no_retrieval,
-        speed=not no_speed, progress=not quiet,
+        speed=not no_speed, speed_contexts=contexts, progress=not quiet,
     )  # fmt: skip
     result = run_eval(model, reference, config)
     click.echo(format_table(result))

@@ -231,3 +231,31 @@ def test_chunked_scoring_equals_single_forward_for_full_caches(tiny_model_dir, t
     convert_slim(tiny_model_dir("llama"), tmp_path / "slim")
     slim = load_converted(tmp_path / "slim")
     assert evaluate_quality(slim, ids, 64, chunk=7).ppl == pytest.approx(evaluate_quality(slim, ids, 64).ppl, rel=1e-5)
+
+
+def test_eval_speed_contexts_side_by_side(tmp_path):
+    """``--speed-contexts``: decode tokens/s of model and reference after each context, measured in one
+    process, with the caches' bytes (the quantized cache holds fewer)."""
+    src = tmp_path / "src"
+    build_tiny_model("llama_gqa").save_pretrained(src)
+    _save_word_tokenizer(src)
+    assert run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), "--kv-bits", "4", "--kv-residual",
+                   "0", "--kv-group", "16", "--quiet").exit_code == 0  # fmt: skip
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i}" for i in range(3, 97)) * 3)
+    out = tmp_path / "eval.json"
+    result = run_cli("eval", "--model", str(tmp_path / "q"), "--reference", str(src), "--data", str(text),
+                     "--ctx", "64", "--no-retrieval", "--speed-contexts", "48,96", "--json", str(out),
+                     "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["speed_at"]
+    assert [r["context"] for r in rows] == [48, 96]
+    for row in rows:
+        assert row["decode_tokens_per_s"] > 0 and row["reference_decode_tokens_per_s"] > 0
+        assert row["decode_speed_ratio"] == pytest.approx(
+            row["decode_tokens_per_s"] / row["reference_decode_tokens_per_s"]
+        )
+        assert row["cache_bytes"] < row["reference_cache_bytes"]
+    assert "decode tok/s @96" in result.output
+    bad = run_cli("eval", "--model", str(src), "--data", str(text), "--speed-contexts", "4k")
+    assert bad.exit_code == 2 and "--speed-contexts must be comma-separated integers" in bad.stderr

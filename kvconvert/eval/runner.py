@@ -14,7 +14,7 @@ from kvconvert.eval.data import load_text
 from kvconvert.eval.memory import cache_nbytes, kv_bytes_per_token
 from kvconvert.eval.quality import evaluate_quality
 from kvconvert.eval.retrieval import copy_accuracy, ordinary_token_ids, passkey_accuracy
-from kvconvert.eval.speed import measure_speed
+from kvconvert.eval.speed import measure_speed, side_by_side
 from kvconvert.io.source import read_json
 
 
@@ -29,6 +29,8 @@ class EvalConfig:
     context: int | None = None
     continuation: int | None = None
     speed_context: int = 512
+    # decode speed side by side with the reference after each of these contexts (random tokens; any length)
+    speed_contexts: tuple[int, ...] | None = None
     new_tokens: int = 32
     retrieval_lengths: tuple[int, ...] | None = None  # None: 256, 512, … up to min(context, 2048)
     retrieval: bool = True
@@ -200,6 +202,17 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
             ref_speed = measure_speed(reference, speed_context, config.new_tokens)
             result.update({f"reference_{k}": v for k, v in ref_speed.items()})
             result["decode_speed_ratio"] = result["decode_tokens_per_s"] / ref_speed["decode_tokens_per_s"]
+    if config.speed_contexts:
+        models = {"model": model} if reference is None else {"model": model, "reference": reference}
+        result["speed_at"] = []
+        for length in config.speed_contexts:
+            measured = side_by_side(models, length, config.new_tokens)
+            row = {"context": length, **measured["model"]}
+            if reference is not None:
+                row["reference_decode_tokens_per_s"] = measured["reference"]["decode_tokens_per_s"]
+                row["reference_cache_bytes"] = measured["reference"]["cache_bytes"]
+                row["decode_speed_ratio"] = row["decode_tokens_per_s"] / row["reference_decode_tokens_per_s"]
+            result["speed_at"].append(row)
 
     if config.retrieval:
         lengths = config.retrieval_lengths or default_retrieval_lengths(context)
@@ -252,6 +265,9 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{result['reference_prefill_tokens_per_s']:.1f}" if has_ref else ""))  # fmt: skip
         rows.append(("decode tok/s", f"{result['decode_tokens_per_s']:.1f}",
                      f"{result['reference_decode_tokens_per_s']:.1f}" if has_ref else ""))  # fmt: skip
+    for row in result.get("speed_at", []):
+        rows.append((f"decode tok/s @{row['context']}", f"{row['decode_tokens_per_s']:.1f}",
+                     f"{row['reference_decode_tokens_per_s']:.1f}" if has_ref else ""))  # fmt: skip
     for key, label in (("passkey", "passkey"), ("copy", "copy acc.")):
         for length, value in result.get(key, {}).items():
             ref = result.get(f"reference_{key}", {}).get(length)

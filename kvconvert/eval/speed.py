@@ -28,3 +28,44 @@ def measure_speed(model: Any, context: int, new_tokens: int, seed: int = 0) -> d
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     decode = time.perf_counter() - start
     return {"prefill_tokens_per_s": context / prefill, "decode_tokens_per_s": new_tokens / decode}
+
+
+@torch.no_grad()
+def _prefill(model: Any, ids: torch.Tensor) -> dict[str, Any]:
+    out = model(ids, use_cache=True, logits_to_keep=1)
+    return {"cache": out.past_key_values, "token": out.logits[:, -1:].argmax(-1)}
+
+
+@torch.no_grad()
+def _decode(model: Any, state: dict[str, Any], steps: int) -> float:
+    """``steps`` greedy decode steps from ``state`` (cache and last token, updated); seconds taken."""
+    cache, token = state["cache"], state["token"]
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = model(token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    state["cache"], state["token"] = cache, token
+    return time.perf_counter() - start
+
+
+def side_by_side(
+    models: dict[str, Any], context: int, steps: int = 32, rounds: int = 2, seed: int = 0
+) -> dict[str, dict[str, float]]:
+    """Decode speed of several models after the same ``context`` random tokens, measured in one process:
+    each model prefills once (its own cache), then the models take turns decoding ``steps`` greedy
+    tokens, ``rounds`` times, so that a slow spell of the machine hits all of them; the best round
+    counts. Returns, per model, decode tokens/s and the bytes its cache held after the prefill."""
+    from kvconvert.eval.memory import cache_nbytes
+
+    vocab = next(iter(models.values())).config.vocab_size
+    ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(seed))
+    states, best = {}, {}
+    for name, model in models.items():
+        states[name] = _prefill(model, ids)
+        states[name]["bytes"] = cache_nbytes(states[name]["cache"])
+        _decode(model, states[name], 1)  # warm-up step
+        best[name] = float("inf")
+    for _ in range(rounds):
+        for name, model in models.items():
+            best[name] = min(best[name], _decode(model, states[name], steps))
+    return {name: {"decode_tokens_per_s": steps / best[name], "cache_bytes": states[name]["bytes"]} for name in models}
