@@ -399,7 +399,8 @@ def quant(
         if "layers" not in storage
         else f"mixed widths ({report['plan']['kv_budget']:.3f} of 16-bit)"
     )
-    click.echo(f"wrote {options.out} (quant {widths}, groups of {storage['group']}, "
+    layout = ", token layout" if storage.get("layout") == "token" else ""
+    click.echo(f"wrote {options.out} (quant {widths}{layout}, groups of {storage['group']}, "
                f"{storage['residual']} recent tokens unquantized)")  # fmt: skip
 
 

@@ -146,6 +146,7 @@ def test_converted_model_decodes_from_the_codes_like_its_dequantized_path(tokeni
     assert report["kv_storage"]["layout"] == "token"
     config = json.loads((tmp_path / "q" / "config.json").read_text())["kvconvert"]
     assert config["spec_version"] == 2  # a runtime that predates the layout refuses it instead of misreading it
+    assert "token layout" in (tmp_path / "q" / "README.md").read_text()  # the model card says how it is stored
     ids, mask = left_padded()
     calls = []
     original = kvconvert_quant.token_decode

@@ -43,7 +43,14 @@ def _details(report: dict[str, Any]) -> str:
 
     text = METHODS[report["method"]][1].describe(report)
     storage = report.get("kv_storage")
-    if storage:
+    if storage and storage.get("layout") == "token":
+        text += (
+            f"\n\nThe cache is stored as 4-bit integers in kvconvert's token layout: keys minus each "
+            f"{storage['group']}-token block's per-channel mean, and values, rotated (randomized Hadamard) and "
+            "quantized per token in torch's int4 matrix layout, so CPU decoding reads the codes without "
+            f"dequantizing; the newest {storage['residual']} tokens stay unquantized."
+        )
+    elif storage:
         text += (
             f"\n\nThe cache is stored as {storage['bits']}-bit integers (keys per channel over blocks of "
             f"{storage['group']} tokens, values per token in groups of up to {storage['group']} channels, fp16 "
