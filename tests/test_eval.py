@@ -177,12 +177,19 @@ def test_eval_cli_json_has_design_keys(tmp_path):
     assert "perplexity" in result.output and "KL(ref‖model)" in result.output
 
 
-def test_eval_context_protocol_and_16bit_budget(tmp_path):
+def _source_and_4bit(tmp_path):
+    """A tiny GQA Llama with a word tokenizer at ``tmp_path/src`` and its 4-bit quant conversion at
+    ``tmp_path/q`` (groups of 16, residual 0); returns the source directory."""
     src = tmp_path / "src"
     build_tiny_model("llama_gqa").save_pretrained(src)
     _save_word_tokenizer(src)
     assert run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), "--kv-bits", "4", "--kv-residual",
                    "0", "--kv-group", "16", "--quiet").exit_code == 0  # fmt: skip
+    return src
+
+
+def test_eval_context_protocol_and_16bit_budget(tmp_path):
+    src = _source_and_4bit(tmp_path)
     text = tmp_path / "text.txt"
     gen = torch.Generator().manual_seed(0)
     text.write_text(" ".join(f"w{i}" for i in torch.randint(3, 97, (400,), generator=gen).tolist()))
@@ -236,11 +243,7 @@ def test_chunked_scoring_equals_single_forward_for_full_caches(tiny_model_dir, t
 def test_eval_speed_contexts_side_by_side(tmp_path):
     """``--speed-contexts``: decode tokens/s of model and reference after each context, measured in one
     process, with the caches' bytes (the quantized cache holds fewer)."""
-    src = tmp_path / "src"
-    build_tiny_model("llama_gqa").save_pretrained(src)
-    _save_word_tokenizer(src)
-    assert run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), "--kv-bits", "4", "--kv-residual",
-                   "0", "--kv-group", "16", "--quiet").exit_code == 0  # fmt: skip
+    src = _source_and_4bit(tmp_path)
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"w{i}" for i in range(3, 97)) * 3)
     out = tmp_path / "eval.json"
