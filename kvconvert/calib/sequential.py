@@ -25,7 +25,7 @@ from kvconvert.io.source import SourceCheckpoint
 
 
 class _Captured(Exception):
-    """Raised by the stand-in for layer 0 once it has recorded its inputs."""
+    """Raised by the stand-in for the last layer once every layer's inputs are recorded."""
 
 
 class _Feeder(nn.Module):

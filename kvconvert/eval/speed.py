@@ -19,14 +19,9 @@ def measure_speed(model: Any, context: int, new_tokens: int, seed: int = 0) -> d
     start = time.perf_counter()
     out = model(ids, use_cache=True)
     prefill = time.perf_counter() - start
-    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    out = model(token, past_key_values=cache, use_cache=True)  # warm-up
-    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    start = time.perf_counter()
-    for _ in range(new_tokens):
-        out = model(token, past_key_values=cache, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    decode = time.perf_counter() - start
+    state = {"cache": out.past_key_values, "token": out.logits[:, -1:].argmax(-1)}
+    _decode(model, state, 1)  # warm-up
+    decode = _decode(model, state, new_tokens)
     return {"prefill_tokens_per_s": context / prefill, "decode_tokens_per_s": new_tokens / decode}
 
 
