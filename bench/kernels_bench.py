@@ -5,15 +5,19 @@ of converted models against the original at 1K / 8K / 32K context, batch 1 and 1
 Kernel shapes are Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128; slim: the MHA
 Llama-2-7B shape, 32 × 128); widths are what each method keeps at KV budget ≈ 0.5–0.75. The end-to-end
 model is a random-weight MHA Llama (12 layers, hidden 1024, 16 heads) converted by slim, LoRC (0.5,
-uniform), razor and minicache, so no download is needed. ``--smoke`` runs tiny sizes on the CPU
-through the torch references (checks the script, measures nothing meaningful). Writes
-bench/results/kernels-<date>.{json,md}.
+uniform), razor, minicache and quant (4-bit, both layouts), so no download is needed; each runs its
+torch path (the default), slim/LoRC/razor also with ``KVCONVERT_KERNELS=triton``, all with SDPA's
+cuDNN backend excluded (see ``sdpa_backends``). Every kernel's output is checked against its float32
+reference first. ``--smoke`` runs tiny sizes on the CPU through the torch references (checks the
+script, measures nothing meaningful). Writes bench/results/kernels-<date>.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -31,21 +35,30 @@ PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # HBM bytes/s (SXM datasheet
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> float:
-    """Median seconds of ``fn`` (CUDA-synchronised)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    """Median seconds of ``fn``: CUDA events through ``triton.testing.do_bench`` on a GPU (it warms up
+    and flushes the L2 between runs), the host clock on the CPU (``--smoke``)."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median")) / 1e3
     fn()
-    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ over float64 copies (NaN stays NaN, so it can never pass)."""
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm())
+
+
 def kernel_cases(batch: int, n: int, device: str, dtype: torch.dtype, small: bool) -> list[dict[str, Any]]:
-    """(name, callable, bytes that must be read) per kernel at one (batch, context)."""
+    """Per kernel at one (batch, context): its name, the bytes it must read, ``run`` (what is timed) and
+    ``ref`` (the float32 torch reference its output is checked against)."""
     heads, kv_heads, dk = (4, 2, 16) if small else (32, 8, 128)
     group = heads // kv_heads
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -58,7 +71,8 @@ def kernel_cases(batch: int, n: int, device: str, dtype: torch.dtype, small: boo
     q, k, v = rand(batch, heads, 1, dk), rand(batch, kv_heads, n, dk), rand(batch, kv_heads, n, dk)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     cases.append({"kernel": "sdpa (original GQA)", "bytes": 2 * batch * kv_heads * n * dk * size,
-                  "run": lambda: sdpa(q, k, v, enable_gqa=True)})  # fmt: skip
+                  "run": lambda: sdpa(q, k, v, enable_gqa=True),
+                  "ref": lambda: sdpa(q.float(), k.float(), v.float(), enable_gqa=True)})  # fmt: skip
 
     # ZACK: per-KV-head widths between 40 % and 90 % of dk (budget ≈ 0.65), packed side by side
     wk_g = [int(dk * (0.4 + 0.5 * i / max(1, kv_heads - 1))) for i in range(kv_heads)]
@@ -69,7 +83,8 @@ def kernel_cases(batch: int, n: int, device: str, dtype: torch.dtype, small: boo
                                           [sum(wv_g[: h // group]) for h in range(heads)], wv, device)  # fmt: skip
     zq, zk, zv = rand(batch, sum(wk)), rand(batch, n, sum(wk_g)), rand(batch, n, sum(wv_g))
     cases.append({"kernel": "zack packed (budget 0.65)", "bytes": batch * n * (sum(wk_g) + sum(wv_g)) * size,
-                  "run": lambda: launch(zq, zk, zv, zack_cols, dk**-0.5)})  # fmt: skip
+                  "run": lambda: launch(zq, zk, zv, zack_cols, dk**-0.5),
+                  "ref": lambda: kernels.packed_decode_reference(zq, zk, zv, None, zack_cols, dk**-0.5)})  # fmt: skip
 
     # LoRC: full RoPE'd keys per KV group, values as one latent of rank e/2 shared by all heads
     rank = kv_heads * dk // 2
@@ -77,7 +92,8 @@ def kernel_cases(batch: int, n: int, device: str, dtype: torch.dtype, small: boo
                                           [dk] * heads, [0] * heads, [rank] * heads, device)  # fmt: skip
     lq, lk, lv = rand(batch, heads * dk), rand(batch, n, kv_heads * dk), rand(batch, n, rank)
     cases.append({"kernel": "lorc latent V (r_v = e/2)", "bytes": batch * n * (kv_heads * dk + rank) * size,
-                  "run": lambda: launch(lq, lk, lv, lorc_cols, dk**-0.5)})  # fmt: skip
+                  "run": lambda: launch(lq, lk, lv, lorc_cols, dk**-0.5),
+                  "ref": lambda: kernels.packed_decode_reference(lq, lk, lv, None, lorc_cols, dk**-0.5)})  # fmt: skip
 
     # slim (MHA): scores on RoPE'd keys, weights on whole pre-RoPE key rows; W_KV applied afterwards
     e = heads * dk
@@ -86,9 +102,11 @@ def kernel_cases(batch: int, n: int, device: str, dtype: torch.dtype, small: boo
     sq, sk, sv = rand(batch, e), rand(batch, n, e), rand(batch, n, e)
     mq, mk, mv = rand(batch, heads, 1, dk), rand(batch, heads, n, dk), rand(batch, heads, n, dk)
     cases.append({"kernel": "sdpa (original MHA)", "bytes": 2 * batch * heads * n * dk * size,
-                  "run": lambda: sdpa(mq, mk, mv)})  # fmt: skip
+                  "run": lambda: sdpa(mq, mk, mv),
+                  "ref": lambda: sdpa(mq.float(), mk.float(), mv.float())})  # fmt: skip
     cases.append({"kernel": "slim decode (K only)", "bytes": batch * n * e * size,
-                  "run": lambda: launch(sq, sk, sv, slim_cols, dk**-0.5)})  # fmt: skip
+                  "run": lambda: launch(sq, sk, sv, slim_cols, dk**-0.5),
+                  "ref": lambda: kernels.packed_decode_reference(sq, sk, sv, None, slim_cols, dk**-0.5)})  # fmt: skip
 
     # razor: 2 of 8 KV heads retrieval (full), the rest sink 4 + window min(n, max(512, n/5))
     kept = min(n, 4 + max(512, n // 5))
@@ -102,15 +120,33 @@ def kernel_cases(batch: int, n: int, device: str, dtype: torch.dtype, small: boo
     rq = rand(batch, heads, dk)
     fb, sb = torch.zeros(batch, n, device=device), torch.zeros(batch, kept, device=device)
     cl = torch.full((batch,), math.log(max(1, n - kept)), device=device)
-    razor = kernels.razor_decode_triton if kernels.use_kernels(rq) else kernels.razor_decode_reference
+    razor = kernels.razor_decode_triton if rq.is_cuda else kernels.razor_decode_reference
     cases.append({"kernel": "razor head-wise", "bytes": 2 * batch * dk * (r_heads * n + o_heads * kept) * size,
-                  "run": lambda: razor(rq, fk, fv, fb, shk, shv, sb, ck, cv, cl, kind, slot, dk**-0.5)})  # fmt: skip
+                  "run": lambda: razor(rq, fk, fv, fb, shk, shv, sb, ck, cv, cl, kind, slot, dk**-0.5),
+                  "ref": lambda: kernels.razor_decode_reference(rq, fk, fv, fb, shk, shv, sb, ck, cv, cl, kind, slot,
+                                                                dk**-0.5)})  # fmt: skip
     return cases
 
 
 def launch(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cols: Any, scale: float) -> torch.Tensor:
-    impl = kernels.packed_decode_triton if kernels.use_kernels(query) else kernels.packed_decode_reference
+    """The Triton kernel on a GPU whatever KVCONVERT_KERNELS says (it is what is measured); on the CPU
+    (``--smoke``) the reference."""
+    impl = kernels.packed_decode_triton if query.is_cuda else kernels.packed_decode_reference
     return impl(query, keys, values, None, cols, scale)
+
+
+# (label, recipe) of the conversions decoded against the original end to end
+CONVERSIONS: list[tuple[str, dict[str, Any]]] = [
+    ("slim", {"method": "slim"}),
+    ("lorc 0.5", {"method": "lorc", "kv_budget": 0.5, "schedule": "uniform"}),
+    ("razor", {"method": "razor", "profile_tokens": 64}),
+    ("minicache", {"method": "minicache"}),
+    ("quant 4-bit KIVI", {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
+    ("quant 4-bit token", {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
+]  # fmt: skip
+
+
+KERNEL_USERS = {"slim", "lorc 0.5", "razor"}  # also timed with KVCONVERT_KERNELS=triton
 
 
 def end_to_end(contexts: list[int], batches: list[int], device: str, small: bool, new_tokens: int) -> list[dict]:
@@ -118,20 +154,13 @@ def end_to_end(contexts: list[int], batches: list[int], device: str, small: bool
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import kvconvert
+    from kvconvert.eval.memory import cache_nbytes
     from kvconvert.io.source import open_source
-    from kvconvert.methods import (
-        LorcConfig,
-        LorcMethod,
-        MiniCacheConfig,
-        MiniCacheMethod,
-        RazorConfig,
-        RazorMethod,
-        SlimConfig,
-        SlimMethod,
-    )
+    from kvconvert.methods import build_method
     from kvconvert.pipeline import convert
+    from kvconvert.recipe import parse_recipe
 
-    size = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4) if small else dict(
+    size = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=2) if small else dict(
         hidden_size=1024, num_hidden_layers=12, num_attention_heads=16)  # fmt: skip
     context = max(512, max(contexts) + new_tokens + 8)  # razor profiles 4 × 64 tokens
     config = LlamaConfig(vocab_size=32000, intermediate_size=4 * size["hidden_size"], max_position_embeddings=context,
@@ -141,53 +170,84 @@ def end_to_end(contexts: list[int], batches: list[int], device: str, small: bool
         torch.manual_seed(0)
         src = Path(tmp) / "src"
         LlamaForCausalLM(config).save_pretrained(src)
-        methods = {"slim": SlimMethod(SlimConfig()),
-                   "lorc 0.5": LorcMethod(LorcConfig(kv_budget=0.5, schedule="uniform")),
-                   "razor": RazorMethod(RazorConfig(profile_tokens=64), progress=False),
-                   "minicache": MiniCacheMethod(MiniCacheConfig(), progress=False)}  # fmt: skip
         paths = {"original": src}
-        for name, method in methods.items():
-            paths[name] = Path(tmp) / name.replace(" ", "-")
-            convert(open_source(str(src)), method, paths[name], progress=False)
+        for label, recipe in CONVERSIONS:
+            name, method_config, storage = parse_recipe(recipe, label)
+            paths[label] = Path(tmp) / f"m{len(paths)}"
+            convert(open_source(str(src)), build_method(name, method_config, storage), paths[label], progress=False)
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        for name, path in paths.items():
-            model = LlamaForCausalLM.from_pretrained(path) if name == "original" else kvconvert.load(path)
-            model = model.to(device=device, dtype=dtype).eval()
-            for context in contexts:
-                for batch in batches:
-                    ids = torch.randint(3, 32000, (batch, context + new_tokens), device=device)
-                    rows.append({"model": name, "context": context, "batch": batch,
-                                 **decode_rate(model, ids, context, new_tokens)})  # fmt: skip
+        models = {name: (LlamaForCausalLM.from_pretrained(path) if name == "original" else kvconvert.load(path))
+                  .to(device=device, dtype=dtype).eval() for name, path in paths.items()}  # fmt: skip
+        # (label, model, KVCONVERT_KERNELS): the torch paths (the default), kernel users also with kernels
+        runs = [(name, model, "torch") for name, model in models.items()]
+        if device == "cuda":
+            runs += [(f"{name} [Triton kernels]", models[name], "triton") for name in models if name in KERNEL_USERS]
+        for context in contexts:  # every model at one (context, batch) before the next: same conditions
+            for batch in batches:
+                ids = torch.randint(3, 32000, (batch, context + new_tokens + 1), device=device)
+                original = float("nan")
+                for label, model, choice in runs:
+                    os.environ["KVCONVERT_KERNELS"] = choice
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats()
+                    with sdpa_backends():
+                        rate, cache = decode_rate(model, ids, context, new_tokens)
+                    original = rate if label == "original" else original  # measured first
+                    peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+                    rows.append({"model": label, "context": context, "batch": batch, "decode_tokens_per_s": rate,
+                                 "ratio_to_original": rate / original, "cache_bytes": cache_nbytes(cache),
+                                 "peak_gpu_bytes": peak})  # fmt: skip
+                    del cache
                     print(rows[-1], flush=True)
-            del model
+    os.environ.pop("KVCONVERT_KERNELS", None)
     return rows
 
 
+def sdpa_backends() -> Any:
+    """SDPA without its cuDNN backend: with torch 2.11 on an H100 it rebuilt a cuDNN graph at every
+    decode step (3.6 ms of CPU per call, profiled), which made the stock model 4× slower than with
+    eager attention and would flatter every conversion that does not call SDPA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 @torch.no_grad()
-def decode_rate(model: Any, ids: torch.Tensor, context: int, new_tokens: int) -> dict[str, float]:
+def decode_rate(model: Any, ids: torch.Tensor, context: int, new_tokens: int) -> tuple[float, Any]:
+    """Prefill ``context`` tokens in 512-token chunks, one untimed decode step (compiles the kernels),
+    then ``new_tokens`` timed steps. Returns (tokens/s over the batch, the cache)."""
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     cache = None
     for start in range(0, context, 512):
         cache = model(ids[:, start : min(context, start + 512)], past_key_values=cache, use_cache=True).past_key_values
+    cache = model(ids[:, context : context + 1], past_key_values=cache, use_cache=True).past_key_values
     sync()
     began = time.perf_counter()
-    for step in range(new_tokens):
+    for step in range(1, new_tokens + 1):
         cache = model(
             ids[:, context + step : context + step + 1], past_key_values=cache, use_cache=True
         ).past_key_values
     sync()
-    seconds = time.perf_counter() - began
-    return {"decode_tokens_per_s": ids.shape[0] * new_tokens / seconds}
+    return ids.shape[0] * new_tokens / (time.perf_counter() - began), cache
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (checks the script only)")
+    parser.add_argument("--contexts", default=None, help="comma-separated (default 1024,8192,32768)")
+    parser.add_argument("--batches", default=None, help="comma-separated (default 1,16)")
+    parser.add_argument("--e2e-contexts", default=None, help="end-to-end contexts (default: --contexts)")
+    parser.add_argument("--e2e-batches", default=None, help="end-to-end batches (default: --batches)")
+    parser.add_argument("--kernels-only", action="store_true", help="skip the end-to-end decode")
+    parser.add_argument("--copy-to", default=None, help="also write the results into this folder")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu" and not args.smoke:
         sys.exit("bench-kernels needs a CUDA GPU (use --smoke to check the script on CPU)")
     contexts, batches = ([64, 128], [1, 2]) if args.smoke else ([1024, 8192, 32768], [1, 16])
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else contexts
+    batches = [int(c) for c in args.batches.split(",")] if args.batches else batches
     dtype = torch.float32 if args.smoke else torch.bfloat16
     started = time.perf_counter()
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
@@ -196,27 +256,37 @@ def main() -> None:
     for n in contexts:
         for batch in batches:
             for case in kernel_cases(batch, n, device, dtype, small=args.smoke):
+                error = relative_error(case["run"](), case["ref"]())
                 seconds = timed(case["run"], repeats=3 if args.smoke else 50)
                 bandwidth = case["bytes"] / seconds
                 kernel_rows.append({"kernel": case["kernel"], "context": n, "batch": batch, "us": seconds * 1e6,
-                                    "bytes": case["bytes"], "gb_per_s": bandwidth / 1e9,
+                                    "relative_error": error, "bytes": case["bytes"], "gb_per_s": bandwidth / 1e9,
                                     "roofline": None if peak is None else bandwidth / peak})  # fmt: skip
                 print(kernel_rows[-1], flush=True)
-    e2e = end_to_end(contexts, batches, device, args.smoke, new_tokens=4 if args.smoke else 32)
+    e2e_contexts = [int(c) for c in args.e2e_contexts.split(",")] if args.e2e_contexts else contexts
+    e2e_batches = [int(c) for c in args.e2e_batches.split(",")] if args.e2e_batches else batches
+    e2e = [] if args.kernels_only else end_to_end(e2e_contexts, e2e_batches, device, args.smoke,
+                                                  new_tokens=4 if args.smoke else 32)  # fmt: skip
     payload = {"benchmark": "kernels", "device": gpu, "dtype": str(dtype), "kernels": kernel_rows,
                "end_to_end": e2e, "machine": machine(), "seconds": time.perf_counter() - started}  # fmt: skip
     table = markdown_table(
-        ["kernel", "context", "batch", "µs", "MB read", "GB/s", "of peak"],
-        [[r["kernel"], r["context"], r["batch"], f"{r['us']:.1f}", f"{r['bytes'] / 1e6:.1f}", f"{r['gb_per_s']:.0f}",
-          "-" if r["roofline"] is None else f"{r['roofline']:.0%}"] for r in kernel_rows],
+        ["kernel", "context", "batch", "µs", "‖err‖/‖ref‖", "MB read", "GB/s", "of peak"],
+        [[r["kernel"], r["context"], r["batch"], f"{r['us']:.1f}", f"{r['relative_error']:.1e}",
+          f"{r['bytes'] / 1e6:.1f}", f"{r['gb_per_s']:.0f}", "-" if r["roofline"] is None else f"{r['roofline']:.0%}"]
+         for r in kernel_rows],
     ) + "\n\n" + markdown_table(
-        ["model", "context", "batch", "decode tok/s"],
-        [[r["model"], r["context"], r["batch"], f"{r['decode_tokens_per_s']:.1f}"] for r in e2e],
+        ["model", "context", "batch", "decode tok/s", "× original", "cache MB", "peak GPU GB"],
+        [[r["model"], r["context"], r["batch"], f"{r['decode_tokens_per_s']:.1f}", f"{r['ratio_to_original']:.2f}",
+          f"{r['cache_bytes'] / 1e6:.1f}", "-" if r["peak_gpu_bytes"] is None else f"{r['peak_gpu_bytes'] / 1e9:.2f}"]
+         for r in e2e],
     )  # fmt: skip
     if args.smoke:
         print(table)
         return
-    write_results("kernels", payload, f"Decode kernels on {gpu} ({dtype}).\n\n" + table)
+    paths = write_results("kernels", payload, f"Decode kernels on {gpu} ({dtype}).\n\n" + table)
+    if args.copy_to:
+        for path in paths:
+            shutil.copy(path, Path(args.copy_to) / path.name)
 
 
 if __name__ == "__main__":

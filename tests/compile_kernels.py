@@ -16,9 +16,10 @@ import kvconvert.runtime.kvconvert_kernels as kernels  # noqa: E402
 
 # lengths and strides; everything else not listed is a pointer to the input dtype
 INTS = {"n", "n_full", "n_short", "sqb", "skb", "skn", "svb", "svn", "sbb", "sob", "sqh", "sfb", "sfh", "sfn", "sfbb",
-        "ssb", "ssh", "ssn", "ssbb", "scb", "sch", "soh"}  # fmt: skip
+        "ssb", "ssh", "ssn", "ssbb", "scb", "sch", "split_len", "n_splits", "spb", "sps", "sph", "smb",
+        "sms"}  # fmt: skip
 TABLES = {"q_off", "k_off", "wk_tab", "v_off", "wv_tab", "o_off", "order", "kind_tab", "slot_tab"}
-FLOAT32 = {"bias", "out", "full_bias", "short_bias", "comp_logit"}
+FLOAT32 = {"bias", "part_acc", "part_ml", "full_bias", "short_bias", "comp_logit"}
 
 
 def signature(kernel: object, dtype: str, constexprs: dict[str, object]) -> dict[str, str]:
@@ -44,10 +45,10 @@ def main() -> None:
         target = GPUTarget("cuda", capability, 32)
         for dtype in ("fp32", "fp16", "bf16"):
             for has_bias in (True, False):
-                consts = {"HAS_BIAS": has_bias, "BLOCK_N": 32, "BLOCK_K": 128, "BLOCK_V": 128}
+                consts = {"HAS_BIAS": has_bias, "SINGLE": has_bias, "BLOCK_N": 32, "BLOCK_K": 128, "BLOCK_V": 128}
                 source = ASTSource(packed, signature(packed, dtype, consts), constexprs=consts)
                 assert triton.compile(source, target=target).asm["cubin"]
-            consts = {"D": 128, "BLOCK_N": 32, "BLOCK_D": 128}
+            consts = {"D": 128, "SINGLE": dtype == "fp32", "BLOCK_N": 32, "BLOCK_D": 128}
             source = ASTSource(razor, signature(razor, dtype, consts), constexprs=consts)
             assert triton.compile(source, target=target).asm["cubin"]
     print("compiled")

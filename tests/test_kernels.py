@@ -56,7 +56,8 @@ def layout(name: str) -> tuple[HeadColumns, int, int, int]:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", ["zack", "lorc", "slim", "wide"])
 @pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 33), (2, 70)])
-def test_packed_decode_matches_reference(name, batch, tokens, dtype):
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto-splits", "3-splits"])
+def test_packed_decode_matches_reference(name, batch, tokens, dtype, splits):
     torch.manual_seed(batch * 100 + tokens)
     cols, wq, wk, wv = layout(name)
     query = torch.randn(batch, wq, device=DEVICE).to(dtype)
@@ -66,7 +67,7 @@ def test_packed_decode_matches_reference(name, batch, tokens, dtype):
     bias[-1, : tokens // 3] = NEG  # left padding in the last row
     for b in (bias, None):
         expected = packed_decode_reference(query, keys, values, b, cols, 0.37)
-        got = packed_decode_triton(query, keys, values, b, cols, 0.37, value_block=64)
+        got = packed_decode_triton(query, keys, values, b, cols, 0.37, value_block=64, splits=splits)
         torch.testing.assert_close(got, expected, **TOL)
 
 
@@ -89,7 +90,8 @@ def test_longest_heads_are_scheduled_first():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kinds", [[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]], ids=["mixed", "none-kept", "all-kept"])
 @pytest.mark.parametrize("full_len,short_len", [(1, 1), (40, 9), (65, 33)])
-def test_razor_decode_matches_reference(kinds, full_len, short_len, dtype):
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto-splits", "3-splits"])
+def test_razor_decode_matches_reference(kinds, full_len, short_len, dtype, splits):
     torch.manual_seed(full_len)
     batch, dim, group = 2, 12, 2
     query = torch.randn(batch, 4, dim, device=DEVICE).to(dtype)
@@ -119,7 +121,7 @@ def test_razor_decode_matches_reference(kinds, full_len, short_len, dtype):
         slot,
         0.29,
     )
-    torch.testing.assert_close(razor_decode_triton(*args), razor_decode_reference(*args), **TOL)
+    torch.testing.assert_close(razor_decode_triton(*args, splits=splits), razor_decode_reference(*args), **TOL)
 
 
 def test_razor_reference_is_eq5():
@@ -174,8 +176,8 @@ def test_decode_with_kernels_matches_the_torch_runtime(name, tokenized_model_dir
     result = run_cli(args[0], "--model", str(tokenized_model_dir(kind)), "--out", str(tmp_path / "m"), "--quiet",
                      *args[1:])  # fmt: skip
     assert result.exit_code == 0, result.output
-    model = kvconvert.load(tmp_path / "m").eval()
-    ids, mask = left_padded(length=20, pad=5, seed=3)
+    model = kvconvert.load(tmp_path / "m").eval().to(DEVICE)
+    ids, mask = (t.to(DEVICE) for t in left_padded(length=20, pad=5, seed=3))
     kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True, output_logits=True)  # fmt: skip
     # slim, lorc and zack launch through LatentAttention (kvconvert_common), razor through its own module
@@ -189,7 +191,7 @@ def test_decode_with_kernels_matches_the_torch_runtime(name, tokenized_model_dir
 
     monkeypatch.setattr(runtime, launcher, counted)
     outputs = {}
-    for choice in ("torch", "triton"):
+    for choice in ("torch", "triton"):  # the torch path is the default; triton opts in
         monkeypatch.setenv("KVCONVERT_KERNELS", choice)
         outputs[choice] = model.generate(ids, **kwargs)
         # the torch runtime never launches; with kernels every decode step of every converted layer does
@@ -207,6 +209,16 @@ def test_without_triton_the_runtime_stays_on_torch(monkeypatch):
     assert not kernels.use_kernels(torch.zeros(1))
     monkeypatch.setenv("KVCONVERT_KERNELS", "auto")
     assert not kernels.use_kernels(torch.zeros(1))
+
+
+def test_kernels_run_only_when_asked(monkeypatch):
+    """The torch path is the default on every device (measured faster end to end; see use_kernels)."""
+    import kvconvert.runtime.kvconvert_kernels as kernels
+
+    monkeypatch.delenv("KVCONVERT_KERNELS", raising=False)
+    assert not kernels.use_kernels(torch.zeros(1, device=DEVICE))
+    monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
+    assert kernels.use_kernels(torch.zeros(1, device=DEVICE)) == triton_available()
 
 
 def test_kernels_compile_for_sm80_and_sm90():

@@ -8,9 +8,9 @@ and writes the attention-weighted value columns ``v_off[h] : v_off[h] + wv[h]`` 
 full keys or values are never rebuilt. ``razor_decode`` gives each head its own length: retrieval
 heads attend over their full cache, the others over sink + recent tokens plus the compensation token.
 
-The runtimes call the Triton kernels for decode steps on CUDA tensors when Triton is installed
-(``use_kernels``) and keep their own vectorised torch code otherwise, so CPU users and CI run the
-same model code. The references here (per-head loops, float32) are the kernels' specification;
+The runtimes call the Triton kernels for decode steps when asked (``KVCONVERT_KERNELS=triton``,
+see ``use_kernels`` for why not by default) and keep their own vectorised torch code otherwise, so
+CPU users and CI run the same model code. The references here (per-head loops, float32) are the kernels' specification;
 tests compare each kernel with its reference on CPU with ``TRITON_INTERPRET=1``, and the kernel path
 of every runtime with its torch path. Copied verbatim into every output directory; Triton is optional.
 """
@@ -44,6 +44,7 @@ class HeadColumns:
     wv: torch.Tensor
     o_off: torch.Tensor
     order: torch.Tensor
+    out_head: torch.Tensor  # [Σ wv] int64: the head each output column belongs to (split combination)
     max_wk: int
     max_wv: int
     out_width: int
@@ -58,8 +59,9 @@ class HeadColumns:
         def table(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
 
+        out_head = torch.tensor([h for h in range(len(wv)) for _ in range(wv[h])], dtype=torch.long, device=device)
         return cls(table(q_off), table(k_off), table(wk), table(v_off), table(wv), table(o_off), table(order),
-                   max(wk), max(wv), sum(wv))  # fmt: skip
+                   out_head, max(wk), max(wv), sum(wv))  # fmt: skip
 
 
 def packed_decode_reference(
@@ -114,12 +116,17 @@ def triton_available() -> bool:
 
 
 def use_kernels(tensor: torch.Tensor) -> bool:
-    """Whether decode runs the Triton kernels: ``KVCONVERT_KERNELS=auto`` (default) for CUDA tensors when
-    Triton is installed, ``triton`` always (on CPU with ``TRITON_INTERPRET=1``: tests), ``torch`` never."""
-    choice = os.environ.get("KVCONVERT_KERNELS", "auto")
-    if choice == "torch" or triton is None:
-        return False
-    return choice == "triton" or tensor.is_cuda
+    """Whether decode runs the Triton kernels: only when asked, ``KVCONVERT_KERNELS=triton`` (on CPU with
+    ``TRITON_INTERPRET=1``: tests); ``auto`` (default) and ``torch`` keep each runtime's torch code.
+
+    Why not by default on CUDA: measured end to end on an H100 (``make bench-kernels``, bf16, a
+    12-layer MHA Llama; bench/results/kernels-h100-2026-11-23.md), every runtime's torch path decoded
+    faster than its kernels: at batch 1 slim's kernels ran at 0.45–0.56×, LoRC's 0.75–0.80×,
+    razor's 0.83–0.92× of the torch path (8K and 32K context), at batch 16 (8K) 0.66×, 0.97×, 0.92×.
+    The kernels reach 1–12 % of the HBM bandwidth (SDPA: 60–92 %) and each adds a Triton launch to
+    an eager step that is bound by launches already. ``tensor`` is kept for callers' symmetry."""
+    del tensor
+    return os.environ.get("KVCONVERT_KERNELS", "auto") == "triton" and triton is not None
 
 
 BLOCK_N = 32  # tokens per tile: a multiple of 16 for tensor-core dots, small enough for the interpreter
@@ -129,17 +136,21 @@ if triton is not None:
 
     @triton.jit
     def _packed_decode_kernel(
-        query, keys, values, bias, out,
+        query, keys, values, bias, part_acc, part_ml,
         q_off, k_off, wk_tab, v_off, wv_tab, o_off, order,
-        n, scale,
-        sqb, skb, skn, svb, svn, sbb, sob,
-        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+        n, split_len, n_splits, scale,
+        sqb, skb, skn, svb, svn, sbb, spb, sps, smb, sms,
+        HAS_BIAS: tl.constexpr, SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_V: tl.constexpr,
     ):  # fmt: skip
-        """Program (row b, task t, value chunk c): head h = order[t]; online softmax over n tokens,
-        accumulating BLOCK_V value columns (chunk c of the head's wv)."""
+        """Program (row b, task t, value chunk c × split j): head h = order[t]; online softmax over the
+        tokens of split j, accumulating BLOCK_V value columns (chunk c of the head's wv). Writes the
+        split's unnormalised sums and its (max, denominator), which ``_combine_splits`` merges, or with
+        ``SINGLE`` (one split) the normalised output itself."""
         b = tl.program_id(0)
         h = tl.load(order + tl.program_id(1))
-        chunk = tl.program_id(2)
+        chunk = tl.program_id(2) // n_splits
+        split = tl.program_id(2) % n_splits
         wk = tl.load(wk_tab + h)
         wv = tl.load(wv_tab + h)
         cols_k = tl.arange(0, BLOCK_K)
@@ -151,9 +162,11 @@ if triton is not None:
             m_i = tl.full((), float("-inf"), tl.float32)
             l_i = tl.full((), 0.0, tl.float32)
             acc = tl.zeros((BLOCK_V,), tl.float32)
-            for start in range(0, n, BLOCK_N):
+            first = split * split_len
+            last = tl.minimum(n, first + split_len)
+            for start in range(first, last, BLOCK_N):
                 rows = start + tl.arange(0, BLOCK_N)
-                valid = rows < n
+                valid = rows < last
                 k = tl.load(key_base + rows[:, None] * skn + cols_k[None, :],
                             mask=valid[:, None] & (cols_k < wk)[None, :], other=0.0).to(tl.float32)  # fmt: skip
                 s = tl.sum(k * q[None, :], axis=1) * scale
@@ -168,19 +181,26 @@ if triton is not None:
                 acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
                 l_i = l_i * alpha + tl.sum(p, axis=0)
                 m_i = m_new
-            tl.store(out + b * sob + tl.load(o_off + h) + cols_v, acc / l_i, mask=cols_v < wv)
+            if SINGLE:
+                acc = acc / l_i
+            tl.store(part_acc + b * spb + split * sps + tl.load(o_off + h) + cols_v, acc, mask=cols_v < wv)
+            if chunk == 0 and not SINGLE:
+                tl.store(part_ml + b * smb + split * sms + 2 * h, m_i)
+                tl.store(part_ml + b * smb + split * sms + 2 * h + 1, l_i)
 
     @triton.jit
     def _razor_decode_kernel(
         query, full_k, full_v, full_bias, short_k, short_v, short_bias, comp_k, comp_v, comp_logit,
-        kind_tab, slot_tab, out, n_full, n_short, scale,
-        sqb, sqh, sfb, sfh, sfn, sfbb, ssb, ssh, ssn, ssbb, scb, sch, sob, soh,
-        D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        kind_tab, slot_tab, part_acc, part_ml, n_full, n_short, split_len, scale,
+        sqb, sqh, sfb, sfh, sfn, sfbb, ssb, ssh, ssn, ssbb, scb, sch, spb, sps, sph, smb, sms,
+        D: tl.constexpr, SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        """Program (row b, query head h): a retrieval head loops over n_full tokens, any other head
-        over n_short tokens and then one compensation token with its ln N_d logit offset."""
+        """Program (row b, query head h, split j): a retrieval head reads split j of its n_full tokens,
+        any other head split j of its n_short tokens, and split 0 adds the compensation token with its
+        ln N_d logit offset. Writes unnormalised sums and (max, denominator) as the packed kernel."""
         b = tl.program_id(0)
         h = tl.program_id(1)
+        split = tl.program_id(2)
         cols = tl.arange(0, BLOCK_D)
         in_head = cols < D
         q = tl.load(query + b * sqb + h * sqh + cols, mask=in_head, other=0.0).to(tl.float32)
@@ -201,9 +221,11 @@ if triton is not None:
         m_i = tl.full((), float("-inf"), tl.float32)
         l_i = tl.full((), 0.0, tl.float32)
         acc = tl.zeros((BLOCK_D,), tl.float32)
-        for start in range(0, n, BLOCK_N):
+        first = split * split_len
+        last = tl.minimum(n, first + split_len)
+        for start in range(first, last, BLOCK_N):
             rows = start + tl.arange(0, BLOCK_N)
-            valid = rows < n
+            valid = rows < last
             tile = valid[:, None] & in_head[None, :]
             k = tl.load(base_k + rows[:, None] * step + cols[None, :], mask=tile, other=0.0).to(tl.float32)
             s = tl.sum(k * q[None, :], axis=1) * scale
@@ -216,7 +238,7 @@ if triton is not None:
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
-        if is_other:
+        if is_other and split == 0:
             ck = tl.load(comp_k + b * scb + s_slot * sch + cols, mask=in_head, other=0.0).to(tl.float32)
             cv = tl.load(comp_v + b * scb + s_slot * sch + cols, mask=in_head, other=0.0).to(tl.float32)
             s_c = tl.sum(ck * q, axis=0) * scale + tl.load(comp_logit + b).to(tl.float32)
@@ -225,56 +247,104 @@ if triton is not None:
             p_c = tl.exp(s_c - m_new)
             acc = acc * alpha + p_c * cv
             l_i = l_i * alpha + p_c
-        tl.store(out + b * sob + h * soh + cols, acc / l_i, mask=in_head)
+            m_i = m_new
+        if SINGLE:
+            acc = acc / l_i
+        tl.store(part_acc + b * spb + split * sps + h * sph + cols, acc, mask=in_head)
+        if not SINGLE:
+            tl.store(part_ml + b * smb + split * sms + 2 * h, m_i)
+            tl.store(part_ml + b * smb + split * sms + 2 * h + 1, l_i)
 
 
 def _pow2(width: int) -> int:
     return max(16, 1 << max(0, math.ceil(math.log2(max(width, 1)))))
 
 
+def _split_len(n: int, programs: int, device: torch.device, block_n: int, splits: int | None) -> int:
+    """Tokens per split (a multiple of ``block_n``). Flash-decoding: one decode query has too few
+    (row, head) programs to fill a GPU, so long caches are cut into splits merged afterwards, about
+    four programs per multiprocessor, but never splits under 64 tiles (2048 tokens): measured on an
+    H100, splitting a 1K cache cost 73 → 291 µs (the merge's launches), a 32K cache gained 6×.
+    ``splits`` forces a count (tests)."""
+    if splits is None:
+        units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        splits = min(triton.cdiv(4 * units, max(1, programs)), n // (64 * block_n))
+    per_split = triton.cdiv(n, max(1, splits))
+    return max(block_n, triton.cdiv(per_split, block_n) * block_n)
+
+
+def _combine_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out_head: torch.Tensor | None) -> torch.Tensor:
+    """Merge split partials: ``part_acc [b, S, C]`` unnormalised sums, ``part_ml [b, S, H, 2]`` each
+    split's running max and denominator; column c belongs to head ``out_head[c]`` (None: C = H × d,
+    head-major). Splits without tokens carry max −inf and weigh exp(−inf) = 0."""
+    m, l = part_ml[..., 0], part_ml[..., 1]  # [b, S, H]
+    weight = torch.exp(m - m.amax(dim=1, keepdim=True))  # [b, S, H]
+    denominator = (l * weight).sum(dim=1)  # [b, H]
+    if out_head is None:
+        b, splits, heads = weight.shape
+        acc = part_acc.view(b, splits, heads, -1)
+        return (acc * weight[..., None]).sum(dim=1) / denominator[..., None]  # [b, H, d]
+    return (part_acc * weight[..., out_head]).sum(dim=1) / denominator[..., out_head]  # [b, C]
+
+
 def packed_decode_triton(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
-    heads: HeadColumns, scale: float, value_block: int = 128,
+    heads: HeadColumns, scale: float, value_block: int = 128, splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """``packed_decode_reference`` in one launch: grid (rows, heads by descending work, value chunks)."""
+    """``packed_decode_reference`` in one launch, grid (rows, heads by descending work, value chunks ×
+    token splits), then the splits merged in torch."""
     assert triton is not None, "Triton is not installed (pip install 'kvconvert[kernels]')"
     query, keys, values = query.contiguous(), keys.contiguous(), values.contiguous()
     batch, n = keys.shape[0], keys.shape[1]
-    out = torch.empty(batch, heads.out_width, dtype=torch.float32, device=query.device)
     block_v = min(_pow2(heads.max_wv), value_block)
-    bias_t = bias.float().contiguous() if bias is not None else out  # any pointer when HAS_BIAS is off
-    grid = (batch, heads.order.numel(), triton.cdiv(heads.max_wv, block_v))
-    _packed_decode_kernel[grid](
-        query, keys, values, bias_t, out,
+    chunks = triton.cdiv(heads.max_wv, block_v)
+    tasks = heads.order.numel()
+    split_len = _split_len(n, batch * tasks * chunks, keys.device, BLOCK_N, splits)
+    n_splits = triton.cdiv(n, split_len)
+    part_acc = torch.empty(batch, n_splits, heads.out_width, dtype=torch.float32, device=query.device)
+    part_ml = torch.empty(batch, n_splits, tasks, 2, dtype=torch.float32, device=query.device)
+    bias_t = bias.float().contiguous() if bias is not None else part_acc  # any pointer when HAS_BIAS is off
+    _packed_decode_kernel[(batch, tasks, chunks * n_splits)](
+        query, keys, values, bias_t, part_acc, part_ml,
         heads.q_off, heads.k_off, heads.wk, heads.v_off, heads.wv, heads.o_off, heads.order,
-        n, scale,
+        n, split_len, n_splits, scale,
         query.stride(0), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
-        bias_t.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=_pow2(heads.max_wk), BLOCK_V=block_v,
+        bias_t.stride(0), part_acc.stride(0), part_acc.stride(1), part_ml.stride(0), part_ml.stride(1),
+        HAS_BIAS=bias is not None, SINGLE=n_splits == 1, BLOCK_N=BLOCK_N, BLOCK_K=_pow2(heads.max_wk),
+        BLOCK_V=block_v,
     )  # fmt: skip
-    return out
+    return part_acc[:, 0] if n_splits == 1 else _combine_splits(part_acc, part_ml, heads.out_head)
 
 
 def razor_decode_triton(
     query: torch.Tensor, full_k: torch.Tensor, full_v: torch.Tensor, full_bias: torch.Tensor,
     short_k: torch.Tensor, short_v: torch.Tensor, short_bias: torch.Tensor, comp_k: torch.Tensor,
     comp_v: torch.Tensor, comp_logit: torch.Tensor, kind: torch.Tensor, slot: torch.Tensor, scale: float,
+    splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """``razor_decode_reference`` in one launch: grid (rows, query heads)."""
+    """``razor_decode_reference`` in one launch, grid (rows, query heads, token splits of the longest
+    head), then the splits merged in torch."""
     assert triton is not None, "Triton is not installed (pip install 'kvconvert[kernels]')"
     tensors = [t.contiguous() for t in (query, full_k, full_v, short_k, short_v, comp_k, comp_v)]
     query, full_k, full_v, short_k, short_v, comp_k, comp_v = tensors
     full_bias, short_bias = full_bias.float().contiguous(), short_bias.float().contiguous()
     comp_logit = comp_logit.float().contiguous()
     batch, heads, dim = query.shape
-    out = torch.empty(batch, heads, dim, dtype=torch.float32, device=query.device)
-    _razor_decode_kernel[(batch, heads)](
+    n = max(full_k.shape[2], short_k.shape[2])
+    split_len = _split_len(n, batch * heads, query.device, BLOCK_N, splits)
+    n_splits = triton.cdiv(n, split_len)
+    part_acc = torch.empty(batch, n_splits, heads, dim, dtype=torch.float32, device=query.device)
+    part_ml = torch.empty(batch, n_splits, heads, 2, dtype=torch.float32, device=query.device)
+    _razor_decode_kernel[(batch, heads, n_splits)](
         query, full_k, full_v, full_bias, short_k, short_v, short_bias, comp_k, comp_v, comp_logit,
-        kind.to(torch.int32).contiguous(), slot.to(torch.int32).contiguous(), out,
-        full_k.shape[2], short_k.shape[2], scale,
+        kind.to(torch.int32).contiguous(), slot.to(torch.int32).contiguous(), part_acc, part_ml,
+        full_k.shape[2], short_k.shape[2], split_len, scale,
         query.stride(0), query.stride(1), full_k.stride(0), full_k.stride(1), full_k.stride(2),
         full_bias.stride(0), short_k.stride(0), short_k.stride(1), short_k.stride(2), short_bias.stride(0),
-        comp_k.stride(0), comp_k.stride(1), out.stride(0), out.stride(1),
-        D=dim, BLOCK_N=BLOCK_N, BLOCK_D=_pow2(dim),
+        comp_k.stride(0), comp_k.stride(1), part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+        part_ml.stride(0), part_ml.stride(1),
+        D=dim, SINGLE=n_splits == 1, BLOCK_N=BLOCK_N, BLOCK_D=_pow2(dim),
     )  # fmt: skip
-    return out
+    if n_splits == 1:
+        return part_acc[:, 0]
+    return _combine_splits(part_acc.view(batch, n_splits, heads * dim), part_ml, None)

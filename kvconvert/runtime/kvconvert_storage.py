@@ -169,7 +169,18 @@ def rotation(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """An orthogonal ``[size, size]`` float32 matrix that spreads every channel over the group: a
     Hadamard matrix with random column signs (fixed seed) where ``size`` is a power of two, else the
     Q of a seeded Gaussian's QR. Only ever applied and undone inside one runtime, so nothing about
-    it is stored."""
+    it is stored. Built once per (size, device) (on a GPU each build was a blocking host copy per
+    layer per step); callers must not modify it."""
+    key = (size, str(torch.device(device)))
+    if key not in _ROTATIONS:
+        _ROTATIONS[key] = _build_rotation(size).to(device)
+    return _ROTATIONS[key]
+
+
+_ROTATIONS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _build_rotation(size: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
     if size & (size - 1) == 0:
         h = torch.ones(1, 1)
@@ -179,7 +190,7 @@ def rotation(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
         matrix = h * signs / math.sqrt(size)
     else:
         matrix, _ = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64))
-    return matrix.float().to(device)
+    return matrix.float()
 
 
 def _pack3(codes: torch.Tensor) -> torch.Tensor:
