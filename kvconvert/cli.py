@@ -625,6 +625,10 @@ def _print_rotations(result: dict[str, Any]) -> None:
     help="Comma-separated context lengths (e.g. 1024,4096,16384): decode speed side by side with --reference "
          "after each, interleaved, best of 2.",
 )  # fmt: skip
+@click.option(
+    "--device", default="auto", show_default=True,
+    help="Where both models run: cpu, cuda, cuda:N, or auto (the first GPU if there is one).",
+)  # fmt: skip
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_user_errors
 def eval_command(
@@ -641,6 +645,7 @@ def eval_command(
     no_retrieval: bool,
     no_speed: bool,
     speed_contexts: str | None,
+    device: str,
     quiet: bool,
 ) -> None:
     """Perplexity, KL/top-1 vs --reference, measured KV bytes/token, speed, passkey and copy tests."""
@@ -671,7 +676,7 @@ def eval_command(
     config = EvalConfig(
         data=data, ctx=ctx, max_tokens=max_tokens, chunk=chunk, context=context, continuation=continuation,
         retrieval_lengths=lengths, retrieval=not no_retrieval,
-        speed=not no_speed, speed_contexts=contexts, progress=not quiet,
+        speed=not no_speed, speed_contexts=contexts, progress=not quiet, device=device,
     )  # fmt: skip
     result = run_eval(model, reference, config)
     click.echo(format_table(result))

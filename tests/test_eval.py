@@ -262,3 +262,49 @@ def test_eval_speed_contexts_side_by_side(tmp_path):
     assert "decode tok/s @96" in result.output
     bad = run_cli("eval", "--model", str(src), "--data", str(text), "--speed-contexts", "4k")
     assert bad.exit_code == 2 and "--speed-contexts must be comma-separated integers" in bad.stderr
+
+
+def test_eval_device_is_checked_before_anything_loads(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("w3 w4 w5")
+    bad = run_cli("eval", "--model", str(tmp_path / "missing"), "--data", str(text), "--device", "tpu")
+    assert bad.exit_code == 2 and "--device must be cpu, cuda, cuda:N or auto, got 'tpu'" in bad.stderr
+    if not torch.cuda.is_available():
+        bad = run_cli("eval", "--model", str(tmp_path / "missing"), "--data", str(text), "--device", "cuda:0")
+        assert bad.exit_code == 2 and "--device cuda:0: this torch sees no CUDA GPU" in bad.stderr
+
+
+def test_eval_runs_every_forward_on_the_requested_device(tmp_path, monkeypatch):
+    """Every forward of both models (quality, KV bytes, both 16-bit copies, speed, passkey, copy) gets
+    its inputs on the device asked for, with the model's weights there: no silent CPU fall-back. With
+    ``auto`` this is a real move on a machine with a GPU; on a CPU-only one it checks the plumbing."""
+    import kvconvert.eval.runner as runner
+    from kvconvert.devices import resolve_device
+
+    src = _source_and_4bit(tmp_path)
+    want = resolve_device("auto")
+    seen: list[tuple[str, set[torch.device]]] = []
+    load = runner.load_model
+
+    def watched(path, dtype=None, device=None):
+        model = load(path, dtype=dtype, device=device)
+
+        def hook(module, args, kwargs):
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            seen.append((path, {t.device for t in tensors} | {p.device for p in module.parameters()}))
+
+        model.register_forward_pre_hook(hook, with_kwargs=True)
+        return model
+
+    monkeypatch.setattr(runner, "load_model", watched)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i}" for i in range(3, 97)) * 3)
+    out = tmp_path / "eval.json"
+    result = run_cli("eval", "--model", str(tmp_path / "q"), "--reference", str(src), "--data", str(text),
+                     "--ctx", "64", "--retrieval-lengths", "48", "--speed-contexts", "48", "--device", "auto",
+                     "--json", str(out), "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["device"] == str(want)
+    paths = {path for path, _ in seen}
+    assert paths == {str(tmp_path / "q"), str(src)}  # both models, the bf16 copy included, ran
+    assert all(devices == {want} for _, devices in seen), {d for _, ds in seen for d in ds}

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kvconvert.devices import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.data import load_text
 from kvconvert.eval.memory import cache_nbytes, kv_bytes_per_token
@@ -38,11 +39,18 @@ class EvalConfig:
     progress: bool = True
     # speed and retrieval of the reference too (off when a caller already has them, e.g. benchmarks)
     reference_extras: bool = True
+    device: str = "cpu"  # cpu | cuda | cuda:N | auto: where both models run (``resolve_device``)
 
 
-def load_model(path: str, dtype: torch.dtype | None = None) -> Any:
+def load_model(path: str, dtype: torch.dtype | None = None, device: torch.device | None = None) -> Any:
     """kvconvert checkpoints load through the installed runtime, so no code from the directory is
-    executed; plain checkpoints load as stock transformers models. ``dtype``: override the checkpoint's."""
+    executed; plain checkpoints load as stock transformers models. ``dtype``: override the checkpoint's;
+    ``device``: move the model there (default: where it loads, the CPU)."""
+    model = _load_model(path, dtype)
+    return model if device is None else model.to(device)
+
+
+def _load_model(path: str, dtype: torch.dtype | None) -> Any:
     import transformers
 
     directory = Path(path)
@@ -62,12 +70,12 @@ def load_model(path: str, dtype: torch.dtype | None = None) -> Any:
     ).eval()
 
 
-def load_for_eval(path: str) -> tuple[Any, Any]:
-    """(model, tokenizer) of a local directory."""
+def load_for_eval(path: str, device: torch.device | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) of a local directory, the model on ``device``."""
     import transformers
 
     directory = Path(path)
-    model = load_model(path)
+    model = load_model(path, device=device)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory, config=model.config, trust_remote_code=False)
     except (OSError, ValueError):
@@ -136,7 +144,7 @@ def budget_vs_16bit(
             return measure_kv(loaded, ids, config, ctx)[0]
         if getattr(loaded.config, "kvconvert", None) is None:
             return measure_kv(loaded, ids, config, ctx)[0] * 2 / cache_dtype_bytes(loaded)
-        return measure_kv(load_model(path, dtype=torch.bfloat16), ids, config, ctx)[0]
+        return measure_kv(load_model(path, dtype=torch.bfloat16, device=ids.device), ids, config, ctx)[0]
 
     return bytes_16bit(model_path, model) / bytes_16bit(reference_path, reference)
 
@@ -146,9 +154,10 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
     protocol = config.context is not None
     if protocol != (config.continuation is not None):
         raise KVConvertError("--context and --continuation go together")
+    device = resolve_device(config.device)
     text = load_text(config.data)  # checked before any model is loaded
-    model, tokenizer = load_for_eval(model_path)
-    reference = load_for_eval(reference_path)[0] if reference_path else None
+    model, tokenizer = load_for_eval(model_path, device)
+    reference = load_for_eval(reference_path, device)[0] if reference_path else None
     context = model_context(model)
     ctx = min(config.ctx, context)
     if protocol:
@@ -156,7 +165,7 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
         ctx = config.context + config.continuation
         if ctx > context:
             raise KVConvertError(f"--context + --continuation = {ctx} exceeds the model's context of {context}")
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, device=device)
     if config.max_tokens:
         ids = ids[: config.max_tokens]
     if ids.numel() < 2:
@@ -170,6 +179,7 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
     result: dict[str, Any] = {
         "model": model_path,
         "reference": reference_path,
+        "device": str(device),
         "data": config.data,
         "ctx": ctx,
         "window": (

@@ -1,0 +1,34 @@
+"""Where commands run the model: ``--device cpu | cuda | cuda:N | auto``."""
+
+from __future__ import annotations
+
+import torch
+
+from kvconvert.errors import KVConvertError
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first CUDA GPU when there is one, else the CPU. A device that is not there is a
+    one-line error, never a silent fall back to the CPU."""
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise KVConvertError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise KVConvertError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
+    if not torch.cuda.is_available():
+        raise KVConvertError(f"--device {name}: this torch sees no CUDA GPU (use --device cpu)")
+    index = 0 if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise KVConvertError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return torch.device("cuda", index)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timings on a GPU); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
