@@ -14,6 +14,7 @@ import click
 
 from kvconvert import __version__
 from kvconvert.errors import KVConvertError
+from kvconvert.plan import CANDIDATES as PLAN_CANDIDATES
 from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 
@@ -682,6 +683,43 @@ def eval_command(
     click.echo(format_table(result))
     if json_out is not None:
         json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+@main.command()
+@click.option("--model", "model", required=True, help="Source model: Hub id or local directory.")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
+@click.option("--budgets", default="0.5,0.35,0.25,0.15", show_default=True,
+              help="KV budgets (bytes ÷ a 16-bit cache's) to pick a recipe for.")  # fmt: skip
+@click.option("--max-dppl", type=float, default=None, help="Also: the smallest budget within this Δppl (%).")
+@click.option("--methods", default=",".join(PLAN_CANDIDATES), show_default=True, help="Methods to try.")
+@click.option("--calib", default=None, help="Calibration text (file or directory); default: the shipped calib_data/.")
+@click.option("--data", default=None, help="Score on this text instead of the end of the calibration text.")
+@click.option("--context", type=int, default=512, show_default=True, help="Tokens into the cache per window.")
+@click.option("--continuation", type=int, default=128, show_default=True, help="Tokens scored through it.")
+@click.option("--windows", type=int, default=2, show_default=True, help="Windows scored per candidate.")
+@click.option("--device", default="auto", show_default=True, help="Where scoring runs: cpu, cuda, cuda:N, auto.")
+@click.option("--force", is_flag=True, help="Replace an existing --out.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@_user_errors
+def plan(model: str, out: Path, budgets: str, max_dppl: float | None, methods: str, calib: str | None,
+         data: str | None, context: int, continuation: int, windows: int, device: str, force: bool,
+         quiet: bool) -> None:  # fmt: skip
+    """Convert and score every method's candidates on this model; write the frontier and the recipe
+    that wins at each budget (build it with `kvconvert run PLAN/recipes/budget-B.yaml`)."""
+    from kvconvert.plan import PlanConfig, format_report, run_plan
+
+    try:
+        budget_values = tuple(float(b) for b in budgets.split(","))
+    except ValueError:
+        raise KVConvertError(f"--budgets must be comma-separated numbers, got {budgets!r}") from None
+    config = PlanConfig(
+        budgets=budget_values, max_dppl=max_dppl, methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+        calib=calib, data=data, context=context, continuation=continuation, windows=windows, device=device,
+        progress=not quiet,
+    )  # fmt: skip
+    result = run_plan(model, out, config, replace=force)
+    click.echo(format_report(result))
+    click.echo(f"wrote {out}/frontier.json, frontier.png and recipes/")
 
 
 @main.command("import-llama2c")

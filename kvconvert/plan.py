@@ -1,0 +1,300 @@
+"""``kvconvert plan``: measure the quality/memory frontier of every method on the user's own model, and
+write the recipe that wins at each requested KV budget.
+
+Each candidate (a method with the knob that sets its budget, with and without quantized storage) is
+really converted into a temporary directory and scored with the context-compression protocol
+(``context`` tokens into the cache in one forward, the next ``continuation`` scored through it) against
+the source, on text the user chooses (``--data``) or on the end of the calibration text. Its budget is
+the bytes its cache holds after the context ÷ a 16-bit stock cache's, both measured (``eval``'s
+``kv_budget_vs_16bit``), so the planner's numbers are ``kvconvert eval``'s numbers for the checkpoint
+``kvconvert run`` builds from the recipe it writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from kvconvert.errors import KVConvertError
+
+# method -> (label, recipe) candidates; labels say which are extensions beyond the paper's default
+SINK_ROTATE = {"kv_sink": 4, "kv_rotate": True}
+# razor's head profile on 256 random tokens × 4, not min(2500, context/4): minutes instead of half an hour
+# on a 2-core machine, and the recipe written keeps it, so the checkpoint built is the one scored
+PROFILE = {"profile_tokens": 256}
+CANDIDATES: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    "quant": [
+        ("quant 8-bit", {"kv_bits": 8, "kv_residual": 0}),
+        ("quant 4-bit", {"kv_bits": 4, "kv_residual": 0}),
+        ("quant 4-bit, sink 4 + rotated values (ext.)", {"kv_bits": 4, "kv_residual": 0, **SINK_ROTATE}),
+        ("quant 4-bit token layout, sink 4 (ext.)", {"kv_bits": 4, "kv_residual": 0, "kv_sink": 4,
+                                                     "kv_layout": "token"}),
+        ("quant 3-bit, sink 4 + rotated values (ext.)", {"kv_bits": 3, "kv_residual": 0, **SINK_ROTATE}),
+        ("quant 2-bit, sink 4 + rotated values (ext.)", {"kv_bits": 2, "kv_residual": 0, **SINK_ROTATE}),
+    ],
+    "razor": [
+        ("razor (paper)", {**PROFILE}),
+        ("razor + 4-bit, sink 4 + rotated values (ext.)", {"kv_bits": 4, "kv_residual": 32, **SINK_ROTATE, **PROFILE}),
+        ("razor + 3-bit, sink 4 + rotated values (ext.)", {"kv_bits": 3, "kv_residual": 32, **SINK_ROTATE, **PROFILE}),
+    ],
+    "lorc": [
+        ("lorc 0.5 (paper)", {"kv_budget": 0.5}),
+        ("lorc 0.5 + 4-bit", {"kv_budget": 0.5, "kv_bits": 4, "kv_residual": 0}),
+    ],
+    "zack": [
+        ("zack 0.5 (paper)", {"kv_budget": 0.5}),
+        ("zack 0.5 + 4-bit", {"kv_budget": 0.5, "kv_bits": 4, "kv_residual": 0}),
+    ],
+    "minicache": [
+        ("minicache (paper)", {}),
+        ("minicache + 4-bit", {"kv_bits": 4, "kv_residual": 0}),
+    ],
+    "slim": [
+        ("slim (paper)", {}),
+        ("slim + 4-bit", {"kv_bits": 4, "kv_residual": 0}),
+    ],
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    budgets: tuple[float, ...] = (0.5, 0.35, 0.25, 0.15)
+    max_dppl: float | None = None  # also: the smallest budget within this Δppl (%)
+    methods: tuple[str, ...] = tuple(CANDIDATES)
+    calib: str | None = None  # calibration source of the methods that calibrate; scored on its end
+    data: str | None = None  # score on this text instead (its first windows × (context + continuation))
+    context: int = 512
+    continuation: int = 128
+    windows: int = 2
+    device: str = "auto"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.budgets or any(not 0 < b <= 1 for b in self.budgets):
+            raise KVConvertError(f"--budgets must be numbers in (0, 1], got {','.join(map(str, self.budgets))}")
+        unknown = [m for m in self.methods if m not in CANDIDATES]
+        if unknown or not self.methods:
+            raise KVConvertError(f"--methods must be some of {', '.join(CANDIDATES)}; got {','.join(self.methods)}")
+        if self.context < 1 or self.continuation < 2 or self.windows < 1:
+            raise KVConvertError("--context must be >= 1, --continuation >= 2 and --windows >= 1")
+        if self.max_dppl is not None and self.max_dppl < 0:
+            raise KVConvertError(f"--max-dppl must be >= 0, got {self.max_dppl}")
+
+
+def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The candidates no other beats on both axes (lower budget and lower Δppl), by ascending budget:
+    each has a strictly lower Δppl than every candidate at a smaller or equal budget."""
+    front: list[dict[str, Any]] = []
+    for row in sorted(rows, key=lambda r: (r["kv_budget"], r["dppl"])):
+        if not front or row["dppl"] < front[-1]["dppl"]:
+            front.append(row)
+    return front
+
+
+def best_within(rows: list[dict[str, Any]], budget: float) -> dict[str, Any] | None:
+    """The winner at ``budget`` (lowest Δppl among candidates that hold at most that much), with the
+    best candidate of any other method as ``runner_up`` and the margin in Δppl points; None if none fits."""
+    fitting = sorted((r for r in rows if r["kv_budget"] <= budget), key=lambda r: r["dppl"])
+    if not fitting:
+        return None
+    winner = fitting[0]
+    other = next((r for r in fitting if r["method"] != winner["method"]), None)
+    return {
+        "budget": budget, "winner": winner["label"], "method": winner["method"], "dppl": winner["dppl"],
+        "kv_budget": winner["kv_budget"], "runner_up": None if other is None else other["label"],
+        "margin_dppl": None if other is None else other["dppl"] - winner["dppl"],
+    }  # fmt: skip
+
+
+def smallest_within(rows: list[dict[str, Any]], max_dppl: float) -> dict[str, Any] | None:
+    """The candidate with the smallest budget whose Δppl is at most ``max_dppl`` %."""
+    fitting = [r for r in rows if r["dppl"] <= max_dppl]
+    return min(fitting, key=lambda r: (r["kv_budget"], r["dppl"])) if fitting else None
+
+
+def scoring_ids(source_path: Path, config: PlanConfig) -> tuple[torch.Tensor, str]:
+    """``[windows × (context + continuation)]`` token ids to score on, and where they come from."""
+    from kvconvert.calib.text import load_tokenizer, read_calibration_text
+    from kvconvert.eval.data import load_text
+
+    text, where = (load_text(config.data), config.data) if config.data else read_calibration_text(config.calib)
+    ids = load_tokenizer(source_path)(text, add_special_tokens=False)["input_ids"]
+    need = config.windows * (config.context + config.continuation)
+    if len(ids) < need:
+        raise KVConvertError(f"{where} gives {len(ids)} tokens; the plan scores {need} "
+                             f"(--windows × (--context + --continuation)): pass more text or lower them")  # fmt: skip
+    chosen = ids[:need] if config.data else ids[-need:]
+    return torch.tensor(chosen), (f"{where} (first {need} tokens)" if config.data else f"{where} (last {need} tokens)")
+
+
+def run_plan(model: str, out: Path, config: PlanConfig, replace: bool = False) -> dict[str, Any]:
+    """Convert and score every candidate; write ``frontier.json``, ``frontier.png`` and the recipes
+    (atomically: on any error ``out`` is left as it was)."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one bar over the candidates, not one per weight load
+    try:
+        return _run_plan(model, out, config, replace)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from kvconvert.devices import resolve_device
+    from kvconvert.eval.quality import evaluate_quality
+    from kvconvert.eval.runner import EvalConfig, budget_vs_16bit, load_model
+    from kvconvert.io.source import open_source
+    from kvconvert.io.writer import atomic_output_dir
+    from kvconvert.methods import build_method
+    from kvconvert.pipeline import convert
+    from kvconvert.recipe import parse_recipe, recipe_text
+
+    device = resolve_device(config.device)
+    source = open_source(model)
+    ids, scored_on = scoring_ids(source.path, config)
+    ctx = config.context + config.continuation
+    if ctx > _context_length(source.config):
+        raise KVConvertError(f"--context + --continuation = {ctx} exceeds the model's context of "
+                             f"{_context_length(source.config)}")  # fmt: skip
+    eval_config = EvalConfig(data=scored_on, context=config.context, continuation=config.continuation)
+    reference = load_model(str(source.path), device=device)
+    ids = ids.to(device)
+    jobs = [(m, label, recipe) for m in config.methods for label, recipe in CANDIDATES[m]]
+    rows: list[dict[str, Any]] = []
+    refused: list[dict[str, Any]] = []
+    with atomic_output_dir(out, replace, sources=[source.path]) as tmp, tempfile.TemporaryDirectory() as work:
+        for index, (name, label, recipe) in enumerate(tqdm(jobs, desc="candidates", disable=not config.progress)):
+            started = time.perf_counter()
+            full = {"method": name, **recipe}
+            try:
+                name, method_config, storage = parse_recipe(full, label)
+                if config.calib is not None and hasattr(method_config, "calib"):
+                    method_config = dataclasses.replace(method_config, calib=config.calib)
+                method = build_method(name, method_config, storage)
+                if hasattr(method, "progress"):
+                    method.progress = False
+                directory = Path(work) / f"c{index}"
+                convert(open_source(str(source.path)), method, directory, progress=False)
+            except KVConvertError as exc:
+                refused.append({"label": label, "method": name, "recipe": full, "reason": str(exc)})
+                continue
+            candidate = load_model(str(directory), device=device)
+            quality = evaluate_quality(candidate, ids, ctx, reference, context=config.context)
+            assert quality.reference_ppl is not None
+            budget = budget_vs_16bit(str(directory), str(source.path), candidate, reference, ids, eval_config, ctx)
+            rows.append({
+                "label": label, "method": name, "recipe": yaml.safe_load(recipe_text(method)),
+                "kv_budget": budget, "ppl": quality.ppl, "reference_ppl": quality.reference_ppl,
+                "dppl": 100 * (quality.ppl / quality.reference_ppl - 1), "kl": quality.kl_mean,
+                "top1": quality.top1_agreement, "seconds": time.perf_counter() - started,
+            })  # fmt: skip
+            del candidate
+        result = _summary(model, scored_on, config, rows, refused, str(device))
+        (tmp / "frontier.json").write_text(json.dumps(result, indent=2) + "\n")
+        plot_frontier(result, tmp / "frontier.png")
+        (tmp / "recipes").mkdir()
+        for pick in result["budgets"]:
+            if pick["winner"] is not None:
+                row = next(r for r in rows if r["label"] == pick["winner"])
+                (tmp / "recipes" / f"budget-{pick['budget']:g}.yaml").write_text(_recipe_file(row))
+        if result["max_dppl"] is not None and result["max_dppl"]["winner"] is not None:
+            row = next(r for r in rows if r["label"] == result["max_dppl"]["winner"])
+            (tmp / "recipes" / f"max-dppl-{config.max_dppl:g}.yaml").write_text(_recipe_file(row))
+    return result
+
+
+def _context_length(config: Any) -> int:
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    return 1 << 30
+
+
+def _recipe_file(row: dict[str, Any]) -> str:
+    header = (f"# kvconvert plan: {row['label']}; measured budget {row['kv_budget']:.3f} of a 16-bit cache, "
+              f"Δppl {row['dppl']:+.2f} %, KL {row['kl']:.4f}\n")  # fmt: skip
+    return header + yaml.safe_dump(row["recipe"], sort_keys=False)
+
+
+def _summary(model: str, scored_on: str, config: PlanConfig, rows: list[dict[str, Any]],
+             refused: list[dict[str, Any]], device: str) -> dict[str, Any]:  # fmt: skip
+    front = pareto_front(rows)
+    picks = []
+    for budget in sorted(config.budgets, reverse=True):
+        pick = best_within(rows, budget)
+        picks.append(pick if pick is not None else {"budget": budget, "winner": None})
+    within = None
+    if config.max_dppl is not None:
+        best = smallest_within(rows, config.max_dppl)
+        within = {"max_dppl": config.max_dppl, "winner": None if best is None else best["label"],
+                  "kv_budget": None if best is None else best["kv_budget"],
+                  "dppl": None if best is None else best["dppl"]}  # fmt: skip
+    return {
+        "model": model, "scored_on": scored_on, "device": device,
+        "protocol": {"context": config.context, "continuation": config.continuation, "windows": config.windows},
+        "reference_ppl": rows[0]["reference_ppl"] if rows else None,
+        "candidates": rows, "refused": refused, "pareto": [r["label"] for r in front],
+        "budgets": picks, "max_dppl": within,
+    }  # fmt: skip
+
+
+def plot_frontier(result: dict[str, Any], path: Path) -> None:
+    """Budget against Δppl, one marker per method, the Pareto front drawn, requested budgets dotted."""
+    from kvconvert.analysis.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    markers = dict(zip(CANDIDATES, "os^vDP", strict=True))
+    for name in CANDIDATES:
+        rows = [r for r in result["candidates"] if r["method"] == name]
+        if rows:
+            ax.scatter([r["kv_budget"] for r in rows], [r["dppl"] for r in rows], marker=markers[name], label=name)
+    front = [r for r in result["candidates"] if r["label"] in result["pareto"]]
+    front.sort(key=lambda r: r["kv_budget"])
+    if front:
+        ax.step([r["kv_budget"] for r in front], [r["dppl"] for r in front], where="post", color="k", lw=1,
+                label="Pareto front")  # fmt: skip
+    for pick in result["budgets"]:
+        ax.axvline(pick["budget"], color="grey", ls=":", lw=0.8)
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel("KV cache bytes ÷ a 16-bit cache's (measured)")
+    ax.set_ylabel("Δ perplexity, % (symlog)")
+    ax.set_title(f"{Path(result['model']).name}: quality against cache size")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """Human-readable summary: the winner at each budget and by how much, the refusals."""
+    lines = [f"scored on {result['scored_on']}; reference ppl {result['reference_ppl']:.3f}"
+             if result["reference_ppl"] is not None else f"scored on {result['scored_on']}"]  # fmt: skip
+    for pick in result["budgets"]:
+        if pick["winner"] is None:
+            lines.append(f"budget {pick['budget']:g}: no candidate fits")
+            continue
+        margin = "" if pick["runner_up"] is None else (
+            f"; runner-up {pick['runner_up']} by {pick['margin_dppl']:.2f} points")  # fmt: skip
+        lines.append(f"budget {pick['budget']:g}: {pick['winner']} (budget {pick['kv_budget']:.3f}, "
+                     f"Δppl {pick['dppl']:+.2f} %){margin}")  # fmt: skip
+    within = result["max_dppl"]
+    if within is not None:
+        found = "nothing" if within["winner"] is None else (
+            f"{within['winner']} at budget {within['kv_budget']:.3f} (Δppl {within['dppl']:+.2f} %)")  # fmt: skip
+        lines.append(f"within Δppl {within['max_dppl']:g} %: {found}")
+    for row in result["refused"]:
+        lines.append(f"refused: {row['label']}: {row['reason']}")
+    return "\n".join(lines)

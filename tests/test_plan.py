@@ -1,0 +1,149 @@
+"""``kvconvert plan``: the frontier's selection logic against hand-made rows, and the planner's numbers
+against ``kvconvert eval`` of the checkpoint that ``kvconvert run`` builds from the recipe it wrote."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import yaml
+
+from kvconvert.plan import best_within, pareto_front, smallest_within
+from tests.helpers import run_cli
+
+
+def row(label: str, method: str, budget: float, dppl: float) -> dict:
+    return {"label": label, "method": method, "kv_budget": budget, "dppl": dppl}
+
+
+def dominated(a: dict, b: dict) -> bool:
+    """b beats a on both axes (no worse on either, better on one)."""
+    return (b["kv_budget"] <= a["kv_budget"] and b["dppl"] <= a["dppl"]) and (
+        b["kv_budget"] < a["kv_budget"] or b["dppl"] < a["dppl"]
+    )
+
+
+def test_pareto_front_of_hand_made_rows():
+    rows = [row("a", "quant", 0.28, 0.2), row("b", "quant", 0.22, 2.0), row("c", "razor", 0.5, 3.0),
+            row("d", "razor", 0.15, 4.0), row("e", "quant", 0.56, 0.0), row("f", "lorc", 0.3, 40.0)]  # fmt: skip
+    assert [r["label"] for r in pareto_front(rows)] == ["d", "b", "a", "e"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pareto_front_holds_exactly_the_undominated(seed):
+    rng = random.Random(seed)
+    rows = [row(str(i), "m", round(rng.uniform(0.1, 1), 2), round(rng.uniform(-1, 30), 1)) for i in range(40)]
+    front = pareto_front(rows)
+    for a, b in itertools.product(front, rows):
+        assert not dominated(a, b), (a, b)  # nothing beats a front member on both axes
+    for a in rows:  # everything else is beaten by, or ties with, a front member
+        assert a in front or any(dominated(a, f) or (f["kv_budget"], f["dppl"]) == (a["kv_budget"], a["dppl"])
+                                 for f in front)  # fmt: skip
+
+
+def test_winner_runner_up_and_smallest_within():
+    rows = [row("q4", "quant", 0.28, 0.2), row("q3", "quant", 0.22, 0.6), row("r", "razor", 0.18, 3.8),
+            row("r3", "razor", 0.15, 4.1)]  # fmt: skip
+    pick = best_within(rows, 0.3)
+    assert pick is not None
+    assert (pick["winner"], pick["runner_up"]) == ("q4", "r") and pick["margin_dppl"] == pytest.approx(3.6)
+    assert best_within(rows, 0.16)["winner"] == "r3" and best_within(rows, 0.16)["runner_up"] is None
+    assert best_within(rows, 0.1) is None
+    assert smallest_within(rows, 1.0)["label"] == "q3"
+    assert smallest_within(rows, 0.1) is None
+
+
+def test_plan_agrees_with_eval_of_the_recipe_it_writes(tokenized_model_dir, tmp_path):
+    src = tokenized_model_dir("llama_gqa64")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["the light keeper climbs the stairs at dusk and trims the wick"] * 40))
+    plan_dir = tmp_path / "plan"
+    result = run_cli("plan", "--model", str(src), "--out", str(plan_dir), "--methods", "quant,slim",
+                     "--budgets", "0.6,0.3", "--max-dppl", "50", "--data", str(text), "--context", "192",
+                     "--continuation", "32", "--windows", "2", "--device", "cpu", "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    frontier = json.loads((plan_dir / "frontier.json").read_text())
+    assert {r["label"] for r in frontier["candidates"]} >= {"quant 8-bit", "quant 4-bit"}
+    assert [r["method"] for r in frontier["refused"]] == ["slim", "slim"]  # GQA: refused with slim's reason
+    assert "multi-head attention" in frontier["refused"][0]["reason"]
+    assert (plan_dir / "frontier.png").stat().st_size > 0
+    assert "budget 0.3:" in result.output and "refused: slim (paper)" in result.output
+    pick = next(p for p in frontier["budgets"] if p["budget"] == 0.3)
+    chosen = next(r for r in frontier["candidates"] if r["label"] == pick["winner"])
+    assert chosen["kv_budget"] <= 0.3
+    recipe = plan_dir / "recipes" / "budget-0.3.yaml"
+    assert yaml.safe_load(recipe.read_text())["method"] == "quant"
+    assert (plan_dir / "recipes" / "max-dppl-50.yaml").exists()
+
+    dst = tmp_path / "built"
+    assert run_cli("run", str(recipe), "--model", str(src), "--out", str(dst), "--quiet").exit_code == 0
+    out = tmp_path / "eval.json"
+    evaluated = run_cli("eval", "--model", str(dst), "--reference", str(src), "--data", str(text), "--context", "192",
+                        "--continuation", "32", "--max-tokens", "448", "--no-retrieval", "--no-speed",
+                        "--device", "cpu", "--json", str(out), "--quiet")  # fmt: skip
+    assert evaluated.exit_code == 0, evaluated.output
+    measured = json.loads(out.read_text())
+    dppl = 100 * (measured["ppl"] / measured["reference_ppl"] - 1)
+    assert dppl == pytest.approx(chosen["dppl"], rel=0.1, abs=1e-6)
+    assert measured["kv_budget_vs_16bit"] == pytest.approx(chosen["kv_budget"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--budgets", "half"], "--budgets must be comma-separated numbers"),
+        (["--budgets", "1.5"], "--budgets must be numbers in (0, 1]"),
+        (["--methods", "quant,magic"], "--methods must be some of"),
+        (["--windows", "0"], "--windows >= 1"),
+        (["--device", "tpu"], "--device must be cpu, cuda, cuda:N or auto"),
+    ],
+)
+def test_plan_user_errors_are_one_line_and_write_nothing(tokenized_model_dir, tmp_path, args, message):
+    out = tmp_path / "plan"
+    result = run_cli("plan", "--model", str(tokenized_model_dir("llama_gqa64")), "--out", str(out), *args)
+    assert result.exit_code == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_plan_refuses_an_existing_out(tokenized_model_dir, tmp_path):
+    out = tmp_path / "plan"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run_cli("plan", "--model", str(tokenized_model_dir("llama_gqa64")), "--out", str(out), "--methods",
+                     "quant", "--context", "48", "--continuation", "24", "--quiet")  # fmt: skip
+    assert result.exit_code == 2 and "already exists" in result.stderr
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_plan_on_a_real_model_agrees_with_eval(aidreams_dir, tmp_path):
+    """The same agreement on a real (llama2.c, MHA) model scored on real text: slim is a candidate here,
+    and the winner at 0.6 is built from its recipe and evaluated by ``kvconvert eval``."""
+    from tests.conftest import SHARED
+
+    text = SHARED / "data" / "tinystories" / "tinystories_validation_head.txt"
+    if not text.exists():
+        pytest.skip("../shared/data/tinystories is not present")
+    plan_dir = tmp_path / "plan"
+    result = run_cli("plan", "--model", str(aidreams_dir), "--out", str(plan_dir), "--methods", "quant,slim",
+                     "--budgets", "0.6", "--data", str(text), "--context", "96", "--continuation", "32",
+                     "--windows", "2", "--device", "cpu", "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    frontier = json.loads((plan_dir / "frontier.json").read_text())
+    slim = next(r for r in frontier["candidates"] if r["label"] == "slim (paper)")
+    assert slim["kv_budget"] == pytest.approx(0.5, abs=0.01) and abs(slim["dppl"]) < 0.01  # exact, half the cache
+    pick = frontier["budgets"][0]
+    chosen = next(r for r in frontier["candidates"] if r["label"] == pick["winner"])
+    dst = tmp_path / "built"
+    assert run_cli("run", str(plan_dir / "recipes" / "budget-0.6.yaml"), "--model", str(aidreams_dir), "--out",
+                   str(dst), "--quiet").exit_code == 0  # fmt: skip
+    out = tmp_path / "eval.json"
+    evaluated = run_cli("eval", "--model", str(dst), "--reference", str(aidreams_dir), "--data", str(text),
+                        "--context", "96", "--continuation", "32", "--max-tokens", "256", "--no-retrieval",
+                        "--no-speed", "--device", "cpu", "--json", str(out), "--quiet")  # fmt: skip
+    assert evaluated.exit_code == 0, evaluated.output
+    measured = json.loads(out.read_text())
+    dppl = 100 * (measured["ppl"] / measured["reference_ppl"] - 1)
+    assert dppl == pytest.approx(chosen["dppl"], rel=0.1, abs=1e-3)
+    assert measured["kv_budget_vs_16bit"] == pytest.approx(chosen["kv_budget"], rel=1e-3)
