@@ -4,7 +4,7 @@ SHARED ?= ../shared
 DEMO := demo-out
 AIDREAMS := $(SHARED)/models/aidreams260K
 
-.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-quant bench-gemma bench-speed bench-kernels clean
+.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-quant bench-gemma bench-speed bench-kernels bench-frontier clean
 
 # torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
 install:
@@ -59,6 +59,10 @@ bench-quant: install
 # Decode speed at 4K and 16K context: converted SmolLM2 vs its source, interleaved, best of 2 (about 15 minutes)
 bench-speed: install
 	$(PYTHON) bench/speed_bench.py
+
+# `kvconvert plan` on SmolLM2-135M, wikitext-2 and TinyStories: every method's frontier (about 40 minutes)
+bench-frontier: install
+	$(PYTHON) bench/frontier_bench.py
 
 # Gemma 3 270M (QK-norm, MQA, sliding-window layers): every method converts or refuses with its reason
 bench-gemma: install
