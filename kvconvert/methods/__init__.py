@@ -25,7 +25,7 @@ METHODS: dict[str, tuple[type, type[Method]]] = {
 
 
 def capability_matrix() -> str:
-    """Markdown: which method converts which attention feature (README's table is this text, tested)."""
+    """Markdown: which method converts which attention feature (docs/architectures.md's table is this text, tested)."""
     from kvconvert.arch import FEATURES
 
     names = list(METHODS)

@@ -14,7 +14,7 @@ razor's kept tokens, MiniCache's shared directions — is a sequence of token st
   quantized one block at a time as they age, so recent tokens are exact.
 
 Two kvconvert extensions (not in KIVI), off unless asked for; together they halve the KL of 4-bit
-storage on SmolLM2 (README, "Quantized storage"):
+storage on SmolLM2 (docs/quant.md, the project repository):
 
 - ``sink``: the first tokens of every sequence stay exact. The first token is an attention sink
   whose keys and values are outliers (Xiao et al. 2023; Sun et al. 2024, "massive activations");
