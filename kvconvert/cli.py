@@ -698,12 +698,15 @@ def eval_command(
 @click.option("--continuation", type=int, default=128, show_default=True, help="Tokens scored through it.")
 @click.option("--windows", type=int, default=2, show_default=True, help="Windows scored per candidate.")
 @click.option("--device", default="auto", show_default=True, help="Where scoring runs: cpu, cuda, cuda:N, auto.")
-@click.option("--force", is_flag=True, help="Replace an existing --out.")
+@click.option("--build", type=click.Path(path_type=Path), default=None,
+              help="Also build the winner at --kv-budget into this directory.")  # fmt: skip
+@click.option("--kv-budget", "build_budget", type=float, default=None, help="The budget --build builds for.")
+@click.option("--force", is_flag=True, help="Replace an existing --out (and --build).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_user_errors
 def plan(model: str, out: Path, budgets: str, max_dppl: float | None, methods: str, calib: str | None,
-         data: str | None, context: int, continuation: int, windows: int, device: str, force: bool,
-         quiet: bool) -> None:  # fmt: skip
+         data: str | None, context: int, continuation: int, windows: int, device: str, build: Path | None,
+         build_budget: float | None, force: bool, quiet: bool) -> None:  # fmt: skip
     """Convert and score every method's candidates on this model; write the frontier and the recipe
     that wins at each budget (build it with `kvconvert run PLAN/recipes/budget-B.yaml`)."""
     from kvconvert.plan import PlanConfig, format_report, run_plan
@@ -712,14 +715,31 @@ def plan(model: str, out: Path, budgets: str, max_dppl: float | None, methods: s
         budget_values = tuple(float(b) for b in budgets.split(","))
     except ValueError:
         raise KVConvertError(f"--budgets must be comma-separated numbers, got {budgets!r}") from None
+    if (build is None) != (build_budget is None):
+        raise KVConvertError("--build and --kv-budget go together")
+    if build is not None and build.exists() and not force:
+        raise KVConvertError(f"output directory {build} already exists; choose another --build or pass --force")
     config = PlanConfig(
-        budgets=budget_values, max_dppl=max_dppl, methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
-        calib=calib, data=data, context=context, continuation=continuation, windows=windows, device=device,
-        progress=not quiet,
+        budgets=budget_values if build_budget is None else tuple(sorted({*budget_values, build_budget})),
+        max_dppl=max_dppl, methods=tuple(m.strip() for m in methods.split(",") if m.strip()), calib=calib,
+        data=data, context=context, continuation=continuation, windows=windows, device=device, progress=not quiet,
     )  # fmt: skip
     result = run_plan(model, out, config, replace=force)
     click.echo(format_report(result))
     click.echo(f"wrote {out}/frontier.json, frontier.png and recipes/")
+    if build is not None:
+        from kvconvert.io.source import open_source
+        from kvconvert.methods import build_method
+        from kvconvert.pipeline import convert
+        from kvconvert.recipe import load_recipe
+
+        recipe = out / "recipes" / f"budget-{build_budget:g}.yaml"
+        if not recipe.exists():
+            raise KVConvertError(f"no candidate fits --kv-budget {build_budget:g}; the plan is in {out}")
+        name, method_config, storage = load_recipe(recipe)
+        built = convert(open_source(model), build_method(name, method_config, storage), build, replace=force,
+                        progress=not quiet)  # fmt: skip
+        click.echo(f"built {recipe.name} into {built.out}")
 
 
 @main.command("import-llama2c")

@@ -98,6 +98,7 @@ def test_plan_agrees_with_eval_of_the_recipe_it_writes(tokenized_model_dir, tmp_
         (["--methods", "quant,magic"], "--methods must be some of"),
         (["--windows", "0"], "--windows >= 1"),
         (["--device", "tpu"], "--device must be cpu, cuda, cuda:N or auto"),
+        (["--kv-budget", "0.3"], "--build and --kv-budget go together"),
     ],
 )
 def test_plan_user_errors_are_one_line_and_write_nothing(tokenized_model_dir, tmp_path, args, message):
@@ -147,3 +148,20 @@ def test_plan_on_a_real_model_agrees_with_eval(aidreams_dir, tmp_path):
     dppl = 100 * (measured["ppl"] / measured["reference_ppl"] - 1)
     assert dppl == pytest.approx(chosen["dppl"], rel=0.1, abs=1e-3)
     assert measured["kv_budget_vs_16bit"] == pytest.approx(chosen["kv_budget"], rel=1e-3)
+
+
+def test_plan_build_makes_the_winner_in_one_command(tokenized_model_dir, tmp_path):
+    import kvconvert
+
+    src = tokenized_model_dir("llama_gqa64")
+    dst = tmp_path / "built"
+    result = run_cli("plan", "--model", str(src), "--out", str(tmp_path / "plan"), "--methods", "quant",
+                     "--budgets", "0.6", "--context", "192", "--continuation", "32", "--windows", "1",
+                     "--device", "cpu", "--build", str(dst), "--kv-budget", "0.3", "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "built budget-0.3.yaml" in result.output
+    assert (tmp_path / "plan" / "recipes" / "budget-0.6.yaml").exists()  # the asked budget is planned too
+    spec = kvconvert.load(dst).config.kvconvert
+    winner = next(p for p in json.loads((tmp_path / "plan" / "frontier.json").read_text())["budgets"]
+                  if p["budget"] == 0.3)  # fmt: skip
+    assert spec["method"] == "quant" and winner["kv_budget"] <= 0.3
