@@ -43,10 +43,12 @@ CANDIDATES: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("razor (paper)", {**PROFILE}),
         ("razor + 4-bit, sink 4 + rotated values (ext.)", {"kv_bits": 4, "kv_residual": 32, **SINK_ROTATE, **PROFILE}),
         ("razor + 3-bit, sink 4 + rotated values (ext.)", {"kv_bits": 3, "kv_residual": 32, **SINK_ROTATE, **PROFILE}),
+        ("razor + 2-bit, sink 4 + rotated values (ext.)", {"kv_bits": 2, "kv_residual": 32, **SINK_ROTATE, **PROFILE}),
     ],
     "lorc": [
-        ("lorc 0.5 (paper)", {"kv_budget": 0.5}),
-        ("lorc 0.5 + 4-bit", {"kv_budget": 0.5, "kv_bits": 4, "kv_residual": 0}),
+        ("lorc 0.5, progressive ranks (paper)", {"kv_budget": 0.5}),
+        ("lorc 0.5, uniform ranks", {"kv_budget": 0.5, "schedule": "uniform"}),
+        ("lorc 0.5, uniform ranks + 4-bit", {"kv_budget": 0.5, "schedule": "uniform", "kv_bits": 4, "kv_residual": 0}),
     ],
     "zack": [
         ("zack 0.5 (paper)", {"kv_budget": 0.5}),
@@ -269,6 +271,9 @@ def plot_frontier(result: dict[str, Any], path: Path) -> None:
     for pick in result["budgets"]:
         ax.axvline(pick["budget"], color="grey", ls=":", lw=0.8)
     ax.set_yscale("symlog", linthresh=1.0)
+    values = [r["dppl"] for r in result["candidates"]]
+    if values:  # symlog does not pad its limits: keep the extreme markers whole
+        ax.set_ylim(min(-1.0, min(values) * 1.5), max(1.0, max(values) * 2.0))
     ax.set_xlabel("KV cache bytes ÷ a 16-bit cache's (measured)")
     ax.set_ylabel("Δ perplexity, % (symlog)")
     ax.set_title(f"{Path(result['model']).name}: quality against cache size")
