@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--continuation", type=int, default=512)
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--methods", default=None, help="comma-separated (default: every method)")
+    parser.add_argument("--data", default=None, help="wikitext2 or tinystories (default: both)")
     args = parser.parse_args()
     started = time.perf_counter()
     src = prepare_models()["smollm2-135m"]
@@ -38,6 +39,8 @@ def main() -> None:
     stamp = dt.date.today().isoformat()
     with tempfile.TemporaryDirectory() as tmp:
         for data, path in eval_texts(Path(tmp)).items():
+            if args.data and data != args.data:
+                continue
             config = PlanConfig(
                 budgets=(0.5, 0.3, 0.2, 0.15), max_dppl=3.0, data=str(path), context=args.context,
                 continuation=args.continuation, windows=args.windows, device="cpu",
@@ -62,7 +65,7 @@ def main() -> None:
               f"context tokens into the cache, the next {args.continuation} scored through it; budget = bytes held "
               "after the context ÷ a 16-bit stock cache's (both measured). Every candidate really converted.\n\n"
               )  # fmt: skip
-    write_results("frontier", payload, header + "\n\n".join(tables))
+    write_results("frontier" if not args.data else f"frontier-{args.data}", payload, header + "\n\n".join(tables))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by every command that reads a source model."""
+    fn = click.option(
+        "--device", default="auto", show_default=True,
+        help="Where calibration and profiling run the model (one layer at a time): cpu, cuda, cuda:N, or auto "
+             "(the first GPU if there is one). Weight rewrites stay on the CPU.",
+    )(fn)  # fmt: skip
     fn = click.option("--allow-pickle", is_flag=True, help="Read pickled .bin weights (weights_only=True).")(fn)
     fn = click.option("--revision", default=None, help="Hub branch, tag or commit of --model.")(fn)
     fn = click.option("--model", "model", required=True, help="Hub id or local directory of the source model.")(fn)
@@ -78,6 +83,7 @@ class ConversionOptions:
     model: str
     revision: str | None
     allow_pickle: bool
+    device: str
     out: Path
     force: bool
     dtype: str
@@ -471,21 +477,23 @@ def push(directory: Path, repo_id: str, private: bool, revision: str | None, dry
 
 
 def _convert(method: Any, options: ConversionOptions) -> dict[str, Any]:
+    from kvconvert.devices import computing_on, resolve_device
     from kvconvert.io.source import open_source
     from kvconvert.pipeline import convert, parse_size
 
     method.storage = options.storage(method.storage)  # options given on the command line win over a recipe's
-
+    device = resolve_device(options.device)
     source = open_source(options.model, revision=options.revision, allow_pickle=options.allow_pickle)
-    result = convert(
-        source,
-        method,
-        options.out,
-        dtype=options.dtype,
-        replace=options.force,
-        max_shard_bytes=parse_size(options.max_shard_size),
-        progress=not options.quiet,
-    )
+    with computing_on(device):
+        result = convert(
+            source,
+            method,
+            options.out,
+            dtype=options.dtype,
+            replace=options.force,
+            max_shard_bytes=parse_size(options.max_shard_size),
+            progress=not options.quiet,
+        )
     return result.report
 
 
@@ -514,6 +522,7 @@ def analyze(
     model: str,
     revision: str | None,
     allow_pickle: bool,
+    device: str,
     out: Path | None,
     force: bool,
     heads: bool,
@@ -537,27 +546,16 @@ def analyze(
         plot_ranks,
         plot_spectra,
     )
-    from kvconvert.analysis.spectra import analyze_spectra
+    from kvconvert.devices import computing_on, resolve_device
     from kvconvert.io.source import open_source
     from kvconvert.io.writer import atomic_output_dir
 
+    compute = computing_on(resolve_device(device))
     source = open_source(model, revision=revision, allow_pickle=allow_pickle)
     out = out or Path(f"{Path(source.model_id).name}-analysis")
-    analysis = analyze_spectra(source)
-    if heads:
-        from kvconvert.analysis.spectra import analyze_heads
-
-        analysis["heads"] = analyze_heads(source, profile_tokens)
-    if rotations:
-        from kvconvert.analysis.rotations import analyze_rotations
-
-        analysis["rotations"] = analyze_rotations(source, calib, compare_calib, calib_tokens, seed)
-    elif compare_calib is not None:
-        raise KVConvertError("--compare-calib needs --rotations")
-    if layer_similarity:
-        from kvconvert.analysis.layer_similarity import measure_layer_similarity
-
-        analysis["layer_similarity"] = measure_layer_similarity(source, calib, calib_tokens, seed=seed)
+    with compute:
+        analysis = _analysis(source, heads, profile_tokens, rotations, compare_calib, layer_similarity, calib,
+                             calib_tokens, seed)  # fmt: skip
     with atomic_output_dir(out, replace=force, sources=[source.path]) as tmp:
         (tmp / "analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
         plot_spectra(analysis, tmp / "spectra.png")
@@ -580,6 +578,29 @@ def analyze(
     pngs = ["spectra.png", "condition.png", "ranks.png"] + ["heads.png"] * heads
     pngs += ["layer_similarity.png"] * layer_similarity
     click.echo(f"wrote {out}/analysis.json, " + ", ".join(pngs))
+
+
+def _analysis(source: Any, heads: bool, profile_tokens: int | None, rotations: bool, compare_calib: str | None,
+              layer_similarity: bool, calib: str | None, calib_tokens: int, seed: int) -> dict[str, Any]:  # fmt: skip
+    """``kvconvert analyze``'s numbers: spectra always, the parts that run the model when asked."""
+    from kvconvert.analysis.spectra import analyze_spectra
+
+    if compare_calib is not None and not rotations:
+        raise KVConvertError("--compare-calib needs --rotations")
+    analysis = analyze_spectra(source)
+    if heads:
+        from kvconvert.analysis.spectra import analyze_heads
+
+        analysis["heads"] = analyze_heads(source, profile_tokens)
+    if rotations:
+        from kvconvert.analysis.rotations import analyze_rotations
+
+        analysis["rotations"] = analyze_rotations(source, calib, compare_calib, calib_tokens, seed)
+    if layer_similarity:
+        from kvconvert.analysis.layer_similarity import measure_layer_similarity
+
+        analysis["layer_similarity"] = measure_layer_similarity(source, calib, calib_tokens, seed=seed)
+    return analysis
 
 
 def _print_layer_similarity(result: dict[str, Any], merged: set[tuple[int, ...]] | None = None) -> None:

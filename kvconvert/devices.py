@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 
 from kvconvert.errors import KVConvertError
@@ -32,3 +36,22 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (timings on a GPU); nothing to wait for on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+_COMPUTE: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar("kvconvert_compute_device", default=None)
+
+
+@contextlib.contextmanager
+def computing_on(device: torch.device) -> Iterator[None]:
+    """Inside the block, calibration and profiling (``calib.sequential.run_layer_by_layer``) run the
+    source's layers on ``device``, one layer there at a time; the float64 statistics stay on the CPU."""
+    token = _COMPUTE.set(device)
+    try:
+        yield
+    finally:
+        _COMPUTE.reset(token)
+
+
+def compute_device() -> torch.device:
+    """Where calibration runs the model now: the CPU unless a ``computing_on`` block says otherwise."""
+    return _COMPUTE.get() or torch.device("cpu")

@@ -153,7 +153,7 @@ def run_plan(model: str, out: Path, config: PlanConfig, replace: bool = False) -
 def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from kvconvert.devices import resolve_device
+    from kvconvert.devices import computing_on, resolve_device
     from kvconvert.eval.quality import evaluate_quality
     from kvconvert.eval.runner import EvalConfig, budget_vs_16bit, load_model
     from kvconvert.io.source import open_source
@@ -187,7 +187,8 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
                 if hasattr(method, "progress"):
                     method.progress = False
                 directory = Path(work) / f"c{index}"
-                convert(open_source(str(source.path)), method, directory, progress=False)
+                with computing_on(device):  # calibration and head profiles run where scoring does
+                    convert(open_source(str(source.path)), method, directory, progress=False)
             except KVConvertError as exc:
                 refused.append({"label": label, "method": name, "recipe": full, "reason": str(exc)})
                 continue

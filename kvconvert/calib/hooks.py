@@ -32,9 +32,11 @@ def observed_attention(model: Any, observer: AttentionObserver) -> Iterator[None
 
     def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                   **kwargs: Any) -> Any:  # fmt: skip
-        replaced = observer(module, query, key, value, kwargs.get("scaling"))
+        # observers see CPU tensors (their statistics accumulate in float64 there) wherever the layer runs
+        seen = [t if t.device.type == "cpu" else t.cpu() for t in (query, key, value)]
+        replaced = observer(module, seen[0], seen[1], seen[2], kwargs.get("scaling"))
         if replaced is not None:
-            query, key, value = replaced
+            query, key, value = (t.to(query.device) for t in replaced)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     name = f"kvconvert_observe_{uuid.uuid4().hex[:8]}"

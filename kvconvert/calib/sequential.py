@@ -121,9 +121,17 @@ def run_layer_by_layer(
     ``observe(model)`` returns a context manager that is active while the layers run (it sees
     the skeleton model, e.g. to route its attention through an observer). ``logits(c, [T, vocab])``,
     when given, receives each chunk's output logits (the model's own norm and head run at the end;
-    memory: one chunk's logits at a time).
+    memory: one chunk's logits at a time), on the CPU.
+
+    The layers run on ``devices.compute_device()`` (the CPU unless the caller is inside a
+    ``computing_on`` block): one decoder layer there at a time, plus the embeddings, final norm and
+    rotary tables; observers and ``logits`` get CPU tensors.
     """
     import transformers
+
+    from kvconvert.devices import compute_device
+
+    device = compute_device()
 
     cls = getattr(transformers, adapter.causal_lm_class_name())
     config = source.config
@@ -142,12 +150,12 @@ def run_layer_by_layer(
             "(e.g. MoE experts): calibration loads the whole model in float32 instead of one layer at a time",
             stacklevel=2,
         )
-        model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval()
+        model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval().to(device)
         with observe(model):
             for c, row in enumerate(chunks):
-                out = model(input_ids=row[None], use_cache=False)
+                out = model(input_ids=row[None].to(device), use_cache=False)
                 if logits is not None:
-                    logits(c, out.logits[0])
+                    logits(c, out.logits[0].cpu())
         return
 
     # Everything but the decoder layers and the LM head: embeddings, final norm, rotary tables.
@@ -159,9 +167,10 @@ def run_layer_by_layer(
         if layout.rotary_module and name == layout.rotary_module:
             parent, _, leaf = name.rpartition(".")
             fresh = type(child)(config=config)  # its tables are non-persistent buffers computed at init
-            setattr(model.get_submodule(parent) if parent else model, leaf, fresh.float())
+            setattr(model.get_submodule(parent) if parent else model, leaf, fresh.float().to(device))
             continue
         _materialize(child, name + ".", source, base_prefix, model._init_weights)
+        child.to(device)
     inboxes: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = [[] for _ in layers]
     skeleton = list(layers)
     for index in range(len(layers)):
@@ -169,7 +178,7 @@ def run_layer_by_layer(
     with observe(model):
         for row in chunks:
             with contextlib.suppress(_Captured):
-                model(input_ids=row[None], use_cache=False)
+                model(input_ids=row[None].to(device), use_cache=False)
         hidden = [args[0] if args else kwargs.pop("hidden_states") for args, kwargs in inboxes[0]]
         for inbox in inboxes[1:]:
             for _, kwargs in inbox:
@@ -178,6 +187,7 @@ def run_layer_by_layer(
         for index in bar:
             layer = layers[index] = skeleton[index]
             _materialize(layer, f"{layers_prefix}{index}.", source, base_prefix, model._init_weights)
+            layer.to(device)
             for c, (args, kwargs) in enumerate(inboxes[index]):
                 out = layer(hidden[c], *args[1:], **kwargs)
                 hidden[c] = out[0] if isinstance(out, tuple) else out
@@ -185,12 +195,13 @@ def run_layer_by_layer(
         if logits is None:
             return
         _materialize_head(model, head, source, base_prefix)
+        head.to(device)
         feeder = _Feeder()
         for index in range(len(layers)):
             layers[index] = feeder
         for c, row in enumerate(chunks):
             feeder.value = hidden[c]
-            logits(c, model(input_ids=row[None], use_cache=False).logits[0])
+            logits(c, model(input_ids=row[None].to(device), use_cache=False).logits[0].cpu())
 
 
 def _materialize_head(model: Any, head: nn.Module, source: SourceCheckpoint, base_prefix: str) -> None:
