@@ -60,7 +60,7 @@ bench-quant: install
 bench-speed: install
 	$(PYTHON) bench/speed_bench.py
 
-# `kvconvert plan` on SmolLM2-135M, wikitext-2 and TinyStories: every method's frontier (about 40 minutes)
+# `kvconvert plan` on SmolLM2-135M, wikitext-2 and TinyStories: every method's frontier (about 55 minutes)
 bench-frontier: install
 	$(PYTHON) bench/frontier_bench.py
 
