@@ -55,3 +55,9 @@ def computing_on(device: torch.device) -> Iterator[None]:
 def compute_device() -> torch.device:
     """Where calibration runs the model now: the CPU unless a ``computing_on`` block says otherwise."""
     return _COMPUTE.get() or torch.device("cpu")
+
+
+def model_device(model: object) -> torch.device:
+    """Where ``model`` runs: transformers models say (``.device``); anything else is taken to be on the CPU."""
+    device = getattr(model, "device", None)
+    return device if isinstance(device, torch.device) else torch.device("cpu")

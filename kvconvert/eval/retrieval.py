@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from kvconvert.devices import model_device
+
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTION = " What is the pass key? The pass key is"
 
@@ -42,7 +44,7 @@ def passkey_accuracy(
             return None
         haystack = (filler * (budget // len(filler) + 1))[:budget]
         cut = int(len(haystack) * depth)
-        ids = torch.tensor([bos + haystack[:cut] + needle + haystack[cut:] + question], device=model.device)
+        ids = torch.tensor([bos + haystack[:cut] + needle + haystack[cut:] + question], device=model_device(model))
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(expected) + 2, do_sample=False,
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
@@ -74,7 +76,7 @@ def copy_accuracy(model: Any, length: int, vocab: torch.Tensor, seed: int = 0) -
     """
     half = length // 2
     gen = torch.Generator().manual_seed(seed + length)
-    first = vocab[torch.randint(0, vocab.numel(), (half,), generator=gen)].to(model.device)
+    first = vocab[torch.randint(0, vocab.numel(), (half,), generator=gen)].to(model_device(model))
     prefix = model(first[None], use_cache=True)
     second = model(first[None, :-1], past_key_values=prefix.past_key_values, use_cache=True)
     predictions = second.logits[0].argmax(-1)  # second copy token i predicts first[i + 1]

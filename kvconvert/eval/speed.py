@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kvconvert.devices import synchronize
+from kvconvert.devices import model_device, synchronize
 
 
 @torch.no_grad()
@@ -17,11 +17,11 @@ def measure_speed(model: Any, context: int, new_tokens: int, seed: int = 0) -> d
     Returns prefill and decode tokens/s (batch 1). One untimed warm-up step precedes decoding.
     """
     vocab = model.config.vocab_size
-    ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(model.device)
-    synchronize(model.device)
+    ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(model_device(model))
+    synchronize(model_device(model))
     start = time.perf_counter()
     out = model(ids, use_cache=True)
-    synchronize(model.device)
+    synchronize(model_device(model))
     prefill = time.perf_counter() - start
     state = {"cache": out.past_key_values, "token": out.logits[:, -1:].argmax(-1)}
     _decode(model, state, 1)  # warm-up
@@ -39,12 +39,12 @@ def _prefill(model: Any, ids: torch.Tensor) -> dict[str, Any]:
 def _decode(model: Any, state: dict[str, Any], steps: int) -> float:
     """``steps`` greedy decode steps from ``state`` (cache and last token, updated); seconds taken."""
     cache, token = state["cache"], state["token"]
-    synchronize(model.device)
+    synchronize(model_device(model))
     start = time.perf_counter()
     for _ in range(steps):
         out = model(token, past_key_values=cache, use_cache=True)
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    synchronize(model.device)
+    synchronize(model_device(model))
     state["cache"], state["token"] = cache, token
     return time.perf_counter() - start
 
@@ -62,7 +62,7 @@ def side_by_side(
     ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(seed))
     states, best = {}, {}
     for name, model in models.items():
-        states[name] = _prefill(model, ids.to(model.device))
+        states[name] = _prefill(model, ids.to(model_device(model)))
         states[name]["bytes"] = cache_nbytes(states[name]["cache"])
         _decode(model, states[name], 1)  # warm-up step
         best[name] = float("inf")
