@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -203,6 +204,7 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
                 "top1": quality.top1_agreement, "seconds": time.perf_counter() - started,
             })  # fmt: skip
             del candidate
+            shutil.rmtree(directory)  # one candidate on disk at a time (each is a whole checkpoint)
         result = _summary(model, scored_on, config, rows, refused, str(device))
         (tmp / "frontier.json").write_text(json.dumps(result, indent=2) + "\n")
         plot_frontier(result, tmp / "frontier.png")

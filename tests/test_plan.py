@@ -165,3 +165,30 @@ def test_plan_build_makes_the_winner_in_one_command(tokenized_model_dir, tmp_pat
     winner = next(p for p in json.loads((tmp_path / "plan" / "frontier.json").read_text())["budgets"]
                   if p["budget"] == 0.3)  # fmt: skip
     assert spec["method"] == "quant" and winner["kv_budget"] <= 0.3
+
+
+def test_plan_keeps_one_candidate_on_disk_at_a_time(tokenized_model_dir, tmp_path, monkeypatch):
+    """Each candidate is a whole checkpoint: it is deleted once scored, so a plan of a 7B model needs
+    the disk of one conversion, not of twenty."""
+    import re
+    import shutil
+    from pathlib import Path
+
+    import kvconvert.plan as plan
+
+    removed: list[list[str]] = []
+    rmtree = shutil.rmtree
+
+    def watched(path, *args, **kwargs):
+        path = Path(path)
+        if re.fullmatch(r"c\d+", path.name):  # a candidate: what the work dir holds right then
+            removed.append(sorted(p.name for p in path.parent.iterdir()))
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(plan.shutil, "rmtree", watched)
+    result = run_cli("plan", "--model", str(tokenized_model_dir("llama_gqa64")), "--out", str(tmp_path / "plan"),
+                     "--methods", "quant", "--budgets", "0.6", "--context", "64", "--continuation", "16",
+                     "--windows", "1", "--device", "cpu", "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert len(removed) == len(plan.CANDIDATES["quant"])
+    assert all(len(names) == 1 for names in removed), removed
