@@ -156,7 +156,7 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
 
     from kvconvert.devices import computing_on, resolve_device
     from kvconvert.eval.quality import evaluate_quality
-    from kvconvert.eval.runner import EvalConfig, budget_vs_16bit, load_model
+    from kvconvert.eval.runner import EvalConfig, budget_vs_16bit, load_model, model_context
     from kvconvert.io.source import open_source
     from kvconvert.io.writer import atomic_output_dir
     from kvconvert.methods import build_method
@@ -167,11 +167,11 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
     source = open_source(model)
     ids, scored_on = scoring_ids(source.path, config)
     ctx = config.context + config.continuation
-    if ctx > _context_length(source.config):
-        raise KVConvertError(f"--context + --continuation = {ctx} exceeds the model's context of "
-                             f"{_context_length(source.config)}")  # fmt: skip
-    eval_config = EvalConfig(data=scored_on, context=config.context, continuation=config.continuation)
     reference = load_model(str(source.path), device=device)
+    if ctx > model_context(reference):
+        raise KVConvertError(f"--context + --continuation = {ctx} exceeds the model's context of "
+                             f"{model_context(reference)}")  # fmt: skip
+    eval_config = EvalConfig(data=scored_on, context=config.context, continuation=config.continuation)
     ids = ids.to(device)
     jobs = [(m, label, recipe) for m in config.methods for label, recipe in CANDIDATES[m]]
     rows: list[dict[str, Any]] = []
@@ -217,14 +217,6 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
             row = next(r for r in rows if r["label"] == result["max_dppl"]["winner"])
             (tmp / "recipes" / f"max-dppl-{config.max_dppl:g}.yaml").write_text(_recipe_file(row))
     return result
-
-
-def _context_length(config: Any) -> int:
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, name, None)
-        if value:
-            return int(value)
-    return 1 << 30
 
 
 def _recipe_file(row: dict[str, Any]) -> str:

@@ -16,12 +16,12 @@ def measure_speed(model: Any, context: int, new_tokens: int, seed: int = 0) -> d
 
     Returns prefill and decode tokens/s (batch 1). One untimed warm-up step precedes decoding.
     """
-    vocab = model.config.vocab_size
-    ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(model_device(model))
-    synchronize(model_device(model))
+    vocab, device = model.config.vocab_size, model_device(model)
+    ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)
+    synchronize(device)
     start = time.perf_counter()
     out = model(ids, use_cache=True)
-    synchronize(model_device(model))
+    synchronize(device)
     prefill = time.perf_counter() - start
     state = {"cache": out.past_key_values, "token": out.logits[:, -1:].argmax(-1)}
     _decode(model, state, 1)  # warm-up
@@ -38,13 +38,13 @@ def _prefill(model: Any, ids: torch.Tensor) -> dict[str, Any]:
 @torch.no_grad()
 def _decode(model: Any, state: dict[str, Any], steps: int) -> float:
     """``steps`` greedy decode steps from ``state`` (cache and last token, updated); seconds taken."""
-    cache, token = state["cache"], state["token"]
-    synchronize(model_device(model))
+    cache, token, device = state["cache"], state["token"], model_device(model)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
         out = model(token, past_key_values=cache, use_cache=True)
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    synchronize(model_device(model))
+    synchronize(device)
     state["cache"], state["token"] = cache, token
     return time.perf_counter() - start
 
