@@ -1,5 +1,6 @@
-"""ZACK on SmolLM2-135M at budgets 0.9 / 0.75 / 0.6 / 0.5, K+V (the paper) and K only, next to LoRC,
-plus the paper's headline search: the smallest cache keeping 99 % top-1 agreement (``make bench-zack``).
+"""ZACK on SmolLM2-135M at budgets 0.9 / 0.75 / 0.6 / 0.5, K+V (the paper) and K only, the paper's V‖W_O
+basis and kvconvert's output-weighted one (``--value-basis output``), next to LoRC, plus the paper's
+headline search: the smallest cache keeping 99 % top-1 agreement (``make bench-zack``).
 
 wikitext-2 test, first 4096 tokens, ctx 1024: ppl, KL, top-1 agreement and the KV budget measured
 from the cache. Calibration: the shipped calib_data/ (16 384 tokens). LoRC rows come from the
@@ -48,7 +49,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.9, 0.75, 0.6, 0.5])
     parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--target-agreement", type=float, default=0.99)
+    parser.add_argument("--target-agreement", type=float, default=0.99, help="0: skip the search rows.")
+    parser.add_argument("--compress", nargs="+", default=["kv", "k"])
+    parser.add_argument("--value-bases", nargs="+", default=["paper", "output"])
     args = parser.parse_args()
     started = time.perf_counter()
     src, config, base = smollm2_wikitext(args.max_tokens)
@@ -57,23 +60,28 @@ def main() -> None:
         cost = peak_conversion(src, Path(tmp) / "peak")
         print(cost, flush=True)
         jobs: list[tuple[str, ZackConfig]] = []
-        for compress in ("kv", "k"):
-            for budget in args.budgets:
-                jobs.append((f"{budget}", ZackConfig(kv_budget=budget, compress=compress)))  # type: ignore[arg-type]
-            jobs.append((f"agreement ≥ {args.target_agreement}",
-                         ZackConfig(target_agreement=args.target_agreement, compress=compress)))  # type: ignore[arg-type]  # fmt: skip
+        for compress in args.compress:
+            for basis in args.value_bases:
+                common = {"compress": compress, "value_basis": basis}
+                for budget in args.budgets:
+                    jobs.append((f"{budget}", ZackConfig(kv_budget=budget, **common)))
+                if args.target_agreement > 0:
+                    jobs.append((f"agreement ≥ {args.target_agreement}",
+                                 ZackConfig(target_agreement=args.target_agreement, **common)))  # fmt: skip
         for label, zack in jobs:
-            dst = Path(tmp) / f"{label}-{zack.compress}".replace(" ", "")
+            dst = Path(tmp) / f"{label}-{zack.compress}-{zack.value_basis}".replace(" ", "")
             try:
                 result = convert(open_source(str(src)), ZackMethod(zack, progress=False), dst, progress=False)
             except KVConvertError as exc:  # e.g. K-only cannot go below ~0.5
-                rows.append({"target": label, "compress": zack.compress, "refused": str(exc)})
+                rows.append({"target": label, "compress": zack.compress, "value_basis": zack.value_basis,
+                             "refused": str(exc)})  # fmt: skip
                 print(rows[-1], flush=True)
                 continue
             first = result.report["plan"]  # removal rate and calibration: whole-model decisions
             evaluation = run_eval(str(dst), str(src), config)
             scores = {k: evaluation[k] for k in ("ppl", "kl_mean", "top1_agreement", "kv_budget_measured")}
-            row = {"target": label, "compress": zack.compress, "removal_rate": first["removal_rate"], **scores}
+            row = {"target": label, "compress": zack.compress, "value_basis": zack.value_basis,
+                   "removal_rate": first["removal_rate"], **scores}  # fmt: skip
             if "search" in first["calibration"]:
                 row["search"] = first["calibration"]["search"]
             rows.append(row)
@@ -82,23 +90,27 @@ def main() -> None:
     lorc = json.loads(lorc_files[-1].read_text())["rows"] if lorc_files else []
     table_rows = []
     for r in rows:
+        head = ["zack", r["target"], r["compress"], r["value_basis"] + (" (paper)" if r["value_basis"] == "paper" else
+                                                                         " (ext.)")]  # fmt: skip
         if "refused" in r:
-            table_rows.append(["zack", r["target"], r["compress"], "—", "refused", "", "", "", ""])
+            table_rows.append([*head, "—", "refused", "", "", "", ""])
             continue
         table_rows.append([
-            "zack", r["target"], r["compress"], f"r={r['removal_rate']:.4f}", f"{r['kv_budget_measured']:.3f}",
+            *head, f"r={r['removal_rate']:.4f}", f"{r['kv_budget_measured']:.3f}",
             f"{r['ppl']:.2f}", f"{100 * (r['ppl'] / base['ppl'] - 1):+.1f}%", f"{r['kl_mean']:.3f}",
             f"{r['top1_agreement']:.3f}",
         ])  # fmt: skip
-    for r in lorc:
-        if r["budget"] in args.budgets and r["schedule"] == "uniform" and "refused" not in r:
+    for r in lorc:  # bench-lorc's 16-bit rows at these budgets, for comparison
+        if r.get("kv_bits") is None and r.get("lorc_budget") in args.budgets and "refused" not in r:
             table_rows.append([
-                "lorc", r["budget"], r["compress"], "uniform", f"{r['kv_budget_measured']:.3f}", f"{r['ppl']:.2f}",
-                f"{100 * (r['ppl'] / base['ppl'] - 1):+.1f}%", f"{r['kl_mean']:.3f}", f"{r['top1_agreement']:.3f}",
+                "lorc", r["lorc_budget"], r["options"].get("compress", "kv"), r["variant"], "",
+                f"{r['kv_budget_measured']:.3f}", f"{r['ppl']:.2f}", f"{100 * (r['ppl'] / base['ppl'] - 1):+.1f}%",
+                f"{r['kl_mean']:.3f}", f"{r['top1_agreement']:.3f}",
             ])  # fmt: skip
     table = markdown_table(
-        ["method", "target", "truncated", "setting", "measured budget", "ppl", "Δppl", "KL", "top-1"], table_rows
-    )
+        ["method", "target", "truncated", "V basis / variant", "setting", "measured budget", "ppl", "Δppl", "KL",
+         "top-1"], table_rows,
+    )  # fmt: skip
     table += (
         f"\n\nSmolLM2-135M fp32 reference ppl {base['ppl']:.3f} (wikitext-2 test, first {args.max_tokens} tokens, "
         f"ctx 1024). ZACK calibrated on calib_data/ (16 384 tokens); the agreement rows search r on held-out "

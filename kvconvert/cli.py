@@ -181,19 +181,44 @@ def slim(
     click.echo(f"wrote {options.out} (slim, expected KV budget {report['kv_budget_expected']:.2f})")
 
 
+CALIB_DEFAULT = "<calib_data>"  # what a bare --calib stands for
+
+
+def _optional_calibration(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--calib [SOURCE]`` (bare: the shipped calib_data/), ``--calib-tokens``, ``--seed``: for
+    commands whose calibration is an option rather than the method itself."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chunk shuffle.")(fn)
+        fn = click.option("--calib-tokens", type=int, default=16384, show_default=True, help="Calibration tokens.")(fn)
+        return click.option("--calib", is_flag=False, flag_value=CALIB_DEFAULT, default=None, help=help_text)(fn)
+
+    return decorate
+
+
+def _calib_source(calib: str | None) -> str | None:
+    """The calibration source a method config takes: None stands for the shipped calib_data/."""
+    return None if calib in (None, CALIB_DEFAULT) else calib
+
+
 @main.command()
 @_conversion_options
 @click.option("--kv-budget", type=float, required=True, help="Cached bytes per token ÷ original, in (0, 1].")
 @click.option(
     "--schedule",
-    type=click.Choice(["progressive", "uniform"]),
+    type=click.Choice(["progressive", "uniform", "auto"]),
     default="progressive",
     show_default=True,
-    help="Per-layer ranks from cumulative condition numbers (paper eq. 13), or one ratio for all layers.",
+    help="Per-layer ranks from cumulative condition numbers (paper eq. 13), one ratio for all layers, or "
+    "auto: per layer and side by measured loss on calibration text (extension; implies --calib).",
 )
 @click.option("--threshold", type=float, default=None, help="Leave layers with log10 κ̃ above this uncompressed.")
 @click.option(
     "--compress", type=click.Choice(["kv", "k", "v"]), default="kv", show_default=True, help="Which projections."
+)
+@_optional_calibration(
+    "Factor to minimise the error of the keys and values (through W_O) on this text, not of the weights "
+    "(extension; bare --calib: the shipped calib_data/)."
 )
 @_user_errors
 def lorc(
@@ -202,17 +227,24 @@ def lorc(
     schedule: str,
     threshold: float | None,
     compress: str,
+    calib: str | None,
+    calib_tokens: int,
+    seed: int,
 ) -> None:
     """LoRC: low-rank K/V weights, the cache holds rank-d_c latents (any MHA/GQA model)."""
     from kvconvert.methods.lorc import LorcConfig, LorcMethod
 
-    config = LorcConfig(kv_budget=kv_budget, schedule=schedule, threshold=threshold, compress=compress)  # type: ignore[arg-type]
-    report = _convert(LorcMethod(config), options)
+    config = LorcConfig(
+        kv_budget=kv_budget, schedule=schedule, threshold=threshold, compress=compress,  # type: ignore[arg-type]
+        calibrate=calib is not None, calib=_calib_source(calib), calib_tokens=calib_tokens, seed=seed,
+    )  # fmt: skip
+    report = _convert(LorcMethod(config, progress=not options.quiet), options)
     if not options.quiet:
+        error = "rel_output_error" if config.calibrate else "rel_frobenius_error"
         _print_layers(report, [("κ(W_K)", "kappa_k", ".3g"), ("κ(W_V)", "kappa_v", ".3g"),
                                ("log10 κ̃", "log10_kappa_cum", ".1f"), ("rank K", "rank_k", ""),
-                               ("rank V", "rank_v", ""), ("K error", "k_rel_frobenius_error", ".3f"),
-                               ("V error", "v_rel_frobenius_error", ".3f")])  # fmt: skip
+                               ("rank V", "rank_v", ""), ("K error", f"k_{error}", ".3f"),
+                               ("V error", f"v_{error}", ".3f")])  # fmt: skip
     click.echo(f"wrote {options.out} (lorc {schedule}, KV budget {report['kv_budget_expected']:.3f})")
 
 
@@ -254,9 +286,6 @@ def razor(
     click.echo(f"wrote {options.out} (razor, long-context KV budget {report['kv_budget_expected']:.3f})")
 
 
-CALIB_DEFAULT = "<calib_data>"  # what a bare --calib stands for
-
-
 def _calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Options of every command that runs the model on calibration text."""
     fn = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chunk shuffle.")(fn)
@@ -281,6 +310,14 @@ def _calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--compress", type=click.Choice(["kv", "k", "v"]), default="kv", show_default=True, help="Which sides to truncate."
 )
+@click.option(
+    "--value-basis",
+    type=click.Choice(["paper", "output"]),
+    default="paper",
+    show_default=True,
+    help="V basis: the paper's V‖W_O rotation, or output: the one minimising the attention output's error "
+    "on calibration text (extension).",
+)
 @_calibration_options
 @_user_errors
 def zack(
@@ -289,6 +326,7 @@ def zack(
     removal_rate: float | None,
     target_agreement: float | None,
     compress: str,
+    value_basis: str,
     calib: str | None,
     calib_tokens: int,
     seed: int,
@@ -301,6 +339,7 @@ def zack(
         removal_rate=removal_rate,
         target_agreement=target_agreement,
         compress=compress,  # type: ignore[arg-type]
+        value_basis=value_basis,  # type: ignore[arg-type]
         calib=calib,
         calib_tokens=calib_tokens,
         seed=seed,
@@ -328,15 +367,7 @@ def zack(
 @click.option(
     "--merge", type=click.Choice(["slerp", "average"]), default="slerp", show_default=True, help="Merge function."
 )
-@click.option(
-    "--calib",
-    is_flag=False,
-    flag_value=CALIB_DEFAULT,
-    default=None,
-    help="Measure adjacent-layer similarity on this text (bare --calib: the shipped calib_data/).",
-)
-@click.option("--calib-tokens", type=int, default=16384, show_default=True, help="Calibration tokens.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chunk shuffle.")
+@_optional_calibration("Measure adjacent-layer similarity on this text (bare --calib: the shipped calib_data/).")
 @_user_errors
 def minicache(
     options: ConversionOptions,
@@ -356,7 +387,7 @@ def minicache(
     config = MiniCacheConfig(
         start_layer=start_layer, kv_budget=kv_budget, min_similarity=min_similarity, t=t, gamma=gamma,
         merge=merge,  # type: ignore[arg-type]
-        calibrate=calib is not None, calib=None if calib in (None, CALIB_DEFAULT) else calib,
+        calibrate=calib is not None, calib=_calib_source(calib),
         calib_tokens=calib_tokens, seed=seed,
     )  # fmt: skip
     report = _convert(MiniCacheMethod(config, progress=not options.quiet), options)

@@ -77,16 +77,103 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float(torch.linalg.norm(approx.to(F64) - exact64)) / max(denom, 1e-300)
 
 
-def truncated_svd(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-``rank`` factors of a Linear weight ``W [m, n] ≈ up @ down``, float64.
+def gram_factor(gram: torch.Tensor) -> torch.Tensor:
+    """A square root ``S`` of a Gram matrix, ``S Sᵀ = gram``, float64 (eigen-decomposition, not Cholesky:
+    a rank-deficient Gram, e.g. a hidden state with a dead channel, needs no damping because ``S`` is
+    never inverted)."""
+    gram = gram.to(F64)
+    eigenvalues, vectors = torch.linalg.eigh((gram + gram.T) / 2)
+    return vectors * eigenvalues.clamp(min=0).sqrt()
 
-    ``up = U[:, :r]`` (orthonormal columns, ``[m, r]``) and ``down = Σ_r V_rᵀ`` (``[r, n]``), so
-    ``x @ down.T`` is the latent LoRC caches and ``‖W x − up down x‖ ≤ σ_{r+1}‖x‖`` (LoRC thm. 1).
+
+def weighted_truncation(
+    weight: torch.Tensor, rank: int, right: torch.Tensor | None = None, left: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank-``rank`` ``W [m, n] ≈ up @ down`` minimising ``‖Lᵀ(W − up·down)R‖_F``, float64.
+
+    ``right R [n, n]`` with ``R Rᵀ = XᵀX`` (``gram_factor`` of the inputs' Gram) makes the objective the
+    error of the outputs ``‖(W − Ŵ)xᵢ‖`` summed over the calibration inputs (SVD-LLM's truncation-aware
+    whitening); ``left L [m, m]`` with ``L Lᵀ = G`` weights the outputs by what reads them (G = W_Oᵀ W_O
+    for values). By Eckart–Young the optimum is the truncated SVD ``M_r`` of ``M = Lᵀ W R = UΣVᵀ``:
+    ``up = L⁻ᵀ U_r`` and ``down = U_rᵀ Lᵀ W`` (so ``Lᵀ·up·down·R = U_r U_rᵀ M = M_r``, and R is never
+    inverted). ``left`` must be invertible. Returns ``(up [m, r], down [r, n], σ(M) [min(m, n)])``;
+    without weights ``up = U_r`` (orthonormal) and ``down = Σ_r V_rᵀ``: LoRC's factors, for which
+    ``‖W x − up down x‖ ≤ σ_{r+1}‖x‖`` (LoRC thm. 1).
     """
-    u, s, vh = torch.linalg.svd(weight.to(F64), full_matrices=False)
+    w = weight.to(F64)
+    m = w if left is None else left.to(F64).T @ w
+    m = m if right is None else m @ right.to(F64)
+    u, s, _ = torch.linalg.svd(m, full_matrices=False)
     if not 1 <= rank <= s.numel():
         raise ValueError(f"rank {rank} outside [1, {s.numel()}]")
-    return u[:, :rank].contiguous(), (s[:rank, None] * vh[:rank]).contiguous()
+    u_r = u[:, :rank]
+    if left is None:
+        return u_r.contiguous(), (u_r.T @ w).contiguous(), s
+    up = torch.linalg.solve(left.to(F64).T, u_r)  # L⁻ᵀ U_r
+    return up.contiguous(), (u_r.T @ (left.to(F64).T @ w)).contiguous(), s
+
+
+def truncation_projector(
+    weight: torch.Tensor, rank: int, right: torch.Tensor | None = None, left: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``Π [m, m]`` with ``up·down = Π·W`` for ``weighted_truncation(weight, rank, right, left)``:
+    ``Π = L⁻ᵀ U_r U_rᵀ Lᵀ`` (``U_r U_rᵀ`` without ``left``). Applied to the outputs ``Wx`` it gives
+    what the truncated weight would, so a search can simulate the truncation inside the source."""
+    w = weight.to(F64)
+    m = w if left is None else left.to(F64).T @ w
+    m = m if right is None else m @ right.to(F64)
+    u_r = torch.linalg.svd(m, full_matrices=False)[0][:, :rank]
+    if left is None:
+        return u_r @ u_r.T
+    return torch.linalg.solve(left.to(F64).T, u_r) @ (u_r.T @ left.to(F64).T)
+
+
+def output_gram(o_weight: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Σ over each KV group's query heads of W_Oʰᵀ W_Oʰ: ``[Hkv, dk, dk]`` float64 — what the output
+    projection makes of an error in that group's values (``o_weight [D, H·dk]``, Linear; query head h
+    reads columns ``h·dk:(h+1)·dk``, heads of a group adjacent)."""
+    blocks = o_weight.to(F64).view(-1, kv_heads, heads // kv_heads, head_dim)  # [D, Hkv, G, dk]
+    return torch.einsum("xgjd,xgje->gde", blocks, blocks)
+
+
+def block_cholesky(grams: torch.Tensor, ridge: float = 1e-9) -> torch.Tensor:
+    """Block-diagonal lower factor ``L [g·d, g·d]`` with ``L Lᵀ = blockdiag(grams [g, d, d])``, float64.
+    A ridge of ``ridge``·(mean diagonal) keeps a singular block invertible (``weighted_truncation``
+    inverts its ``left`` factor)."""
+    grams = grams.to(F64)
+    scale = float(grams.diagonal(dim1=-2, dim2=-1).mean()) or 1.0
+    eye = torch.eye(grams.shape[-1], dtype=F64)
+    return torch.block_diag(*torch.linalg.cholesky(grams + ridge * scale * eye))
+
+
+def tail_energy(singular_values: torch.Tensor) -> torch.Tensor:
+    """``E[r] = Σ_{i ≥ r} σᵢ² / Σ σᵢ²`` for r = 0..len (E[0] = 1, E[len] = 0): the share of a weighted
+    matrix's energy a rank-r truncation loses, non-increasing and convex in r."""
+    energy = singular_values.to(F64) ** 2
+    tail = torch.cat([energy.flip(0).cumsum(0).flip(0), energy.new_zeros(1)])
+    return tail / tail[0].clamp(min=1e-300)
+
+
+def allocate_ranks(losses: list[torch.Tensor], total: int, low: int = 1) -> list[int]:
+    """Ranks ``r_i`` (``low <= r_i <= len(losses[i]) − 1``) summing to ``total`` that minimise
+    ``Σ losses[i][r_i]``, each ``losses[i]`` non-increasing and convex in r (e.g. ``c·tail_energy``).
+
+    Greedy removal by the smallest marginal loss, from full rank down: optimal for separable convex
+    costs with one unit of cache per rank. Raises ``ValueError`` when ``total`` is out of reach.
+    """
+    import heapq
+
+    ranks = [len(curve) - 1 for curve in losses]
+    if not low * len(ranks) <= total <= sum(ranks):
+        raise ValueError(f"total {total} outside [{low * len(ranks)}, {sum(ranks)}]")
+    heap = [(float(c[r - 1] - c[r]), i) for i, (c, r) in enumerate(zip(losses, ranks, strict=True)) if r > low]
+    heapq.heapify(heap)
+    for _ in range(sum(ranks) - total):
+        _, i = heapq.heappop(heap)
+        ranks[i] -= 1
+        if ranks[i] > low:
+            heapq.heappush(heap, (float(losses[i][ranks[i] - 1] - losses[i][ranks[i]]), i))
+    return ranks
 
 
 def relative_frobenius_error(singular_values: torch.Tensor, rank: int) -> float:

@@ -48,12 +48,14 @@ CANDIDATES: dict[str, list[tuple[str, dict[str, Any]]]] = {
     ],
     "lorc": [
         ("lorc 0.5, progressive ranks (paper)", {"kv_budget": 0.5}),
-        ("lorc 0.5, uniform ranks", {"kv_budget": 0.5, "schedule": "uniform"}),
-        ("lorc 0.5, uniform ranks + 4-bit", {"kv_budget": 0.5, "schedule": "uniform", "kv_bits": 4, "kv_residual": 0}),
+        ("lorc 0.5, activation-aware, ranks by measured loss (ext.)", {"kv_budget": 0.5, "schedule": "auto"}),
+        ("lorc K 0.75, activation-aware + 4-bit (ext.)", {"kv_budget": 0.75, "schedule": "uniform", "compress": "k",
+                                                          "calibrate": True, "kv_bits": 4, "kv_residual": 0}),
     ],
     "zack": [
         ("zack 0.5 (paper)", {"kv_budget": 0.5}),
-        ("zack 0.5 + 4-bit", {"kv_budget": 0.5, "kv_bits": 4, "kv_residual": 0}),
+        ("zack 0.5, output-weighted V basis + 4-bit (ext.)", {"kv_budget": 0.5, "value_basis": "output", "kv_bits": 4,
+                                                              "kv_residual": 0}),
     ],
     "minicache": [
         ("minicache (paper)", {}),

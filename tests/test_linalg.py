@@ -51,3 +51,85 @@ def test_bias_folding_reproduces_attention_output():
 def test_condition_number():
     assert linalg.condition_number(torch.diag(torch.tensor([4.0, 2.0, 0.5]))) == pytest.approx(8.0)
     assert linalg.condition_number(torch.zeros(2, 2)) == float("inf")
+
+
+def _anisotropic_inputs(n: int, d: int, seed: int) -> torch.Tensor:
+    """Inputs whose channels differ in scale by 10³, as hidden states do (a few outlier channels)."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(0, 3, d, dtype=torch.float64)[torch.randperm(d, generator=g)]
+    return torch.randn(n, d, generator=g, dtype=torch.float64) * scales
+
+
+@pytest.mark.parametrize("shape", [(24, 32), (32, 32), (40, 16)])
+def test_whitened_truncation_is_the_least_squares_optimum(shape):
+    """Activation-aware truncation (LoRC --calib): the output error on the calibration inputs equals the
+    Eckart–Young optimum of the outputs Y = XWᵀ, is ≤ plain weight truncation's, and the factors are the
+    explicit least-squares solution of X·Ŵᵀ = Y_r."""
+    m, d = shape
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(m, d, generator=g, dtype=torch.float64)
+    x = _anisotropic_inputs(200, d, seed=2)
+    right = linalg.gram_factor(x.T @ x)
+    outputs = x @ weight.T
+    u, s, vh = torch.linalg.svd(outputs, full_matrices=False)
+    for rank in (1, min(m, d) // 2, min(m, d) - 1):
+        up, down, _ = linalg.weighted_truncation(weight, rank, right)
+        error = torch.linalg.norm(outputs - x @ (up @ down).T)
+        optimum = s[rank:].pow(2).sum().sqrt()
+        assert torch.isclose(error, optimum, rtol=1e-9), (rank, error, optimum)
+        plain_up, plain_down, _ = linalg.weighted_truncation(weight, rank)
+        assert error <= torch.linalg.norm(outputs - x @ (plain_up @ plain_down).T) * (1 + 1e-12)
+        best = (u[:, :rank] * s[:rank]) @ vh[:rank]  # Y_r
+        lstsq = torch.linalg.lstsq(x, best).solution.T  # Ŵ with X Ŵᵀ = Y_r
+        assert torch.allclose(up @ down, lstsq, atol=1e-8 * float(weight.abs().max()))
+
+
+def test_left_weighted_truncation_and_its_projector():
+    """‖Lᵀ(W − Ŵ)R‖ reaches the tail of σ(LᵀWR); Π·W = Ŵ; a full-rank truncation is exact."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(16, 24, generator=g, dtype=torch.float64)
+    x = _anisotropic_inputs(100, 24, seed=4)
+    right = linalg.gram_factor(x.T @ x)
+    a = torch.randn(16, 16, generator=g, dtype=torch.float64)
+    left = torch.linalg.cholesky(a @ a.T + torch.eye(16, dtype=torch.float64))
+    for rank in (3, 9, 16):
+        up, down, s = linalg.weighted_truncation(weight, rank, right, left)
+        error = torch.linalg.norm(left.T @ (weight - up @ down) @ right)
+        assert torch.isclose(error, s[rank:].pow(2).sum().sqrt(), rtol=1e-8, atol=1e-9 * float(s[0]))
+        projector = linalg.truncation_projector(weight, rank, right, left)
+        assert torch.allclose(projector @ weight, up @ down, atol=1e-9)
+        energy = linalg.tail_energy(s)
+        assert energy[0] == 1 and energy[-1] == 0 and (energy[:-1] >= energy[1:]).all()
+    assert torch.allclose(up @ down, weight, atol=1e-9)  # rank 16 = full
+
+
+def test_output_gram_matches_the_per_head_sum():
+    """Σ over a group's query heads of W_Oʰᵀ W_Oʰ, checked head by head (GQA: 4 query heads, 2 groups)."""
+    g = torch.Generator().manual_seed(5)
+    o = torch.randn(12, 4 * 3, generator=g, dtype=torch.float64)  # D = 12, H = 4, dk = 3
+    gram = linalg.output_gram(o, heads=4, kv_heads=2, head_dim=3)
+    for group in range(2):
+        expected = sum(o[:, h * 3 : (h + 1) * 3].T @ o[:, h * 3 : (h + 1) * 3] for h in (2 * group, 2 * group + 1))
+        assert torch.allclose(gram[group], expected)
+    factor = linalg.block_cholesky(gram)
+    assert torch.allclose(factor @ factor.T, torch.block_diag(*gram), rtol=1e-6)
+
+
+def test_greedy_allocation_is_optimal_on_convex_curves():
+    """allocate_ranks against exhaustive search over every split of the total (convex tail curves)."""
+    import itertools
+
+    g = torch.Generator().manual_seed(6)
+    curves = []
+    for scale in (1.0, 5.0, 0.2):
+        s = torch.sort(torch.rand(5, generator=g, dtype=torch.float64), descending=True).values
+        curves.append(scale * linalg.tail_energy(s))
+    for total in range(3, 16):
+        ranks = linalg.allocate_ranks(curves, total)
+        assert sum(ranks) == total and all(1 <= r <= 5 for r in ranks)
+        cost = sum(float(c[r]) for c, r in zip(curves, ranks, strict=True))
+        best = min(sum(float(c[r]) for c, r in zip(curves, combo, strict=True))
+                   for combo in itertools.product(range(1, 6), repeat=3) if sum(combo) == total)  # fmt: skip
+        assert cost <= best + 1e-12
+    with pytest.raises(ValueError):
+        linalg.allocate_ranks(curves, 2)

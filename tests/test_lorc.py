@@ -45,7 +45,7 @@ def test_theorem1_error_bound_per_layer():
         sigma = torch.linalg.svdvals(weight)
         x = torch.randn(shape[1], 200, dtype=torch.float64)
         for rank in (1, shape[0] // 3, min(shape) - 1):
-            up, down = linalg.truncated_svd(weight, rank)
+            up, down, _ = linalg.weighted_truncation(weight, rank)
             err = torch.linalg.norm(weight @ x - up @ (down @ x), dim=0)
             assert (err <= sigma[rank] * torch.linalg.norm(x, dim=0) * (1 + 1e-12)).all()
 
@@ -113,3 +113,80 @@ def test_lorc_user_errors(tiny_model_dir, tmp_path):
         result = run_cli("lorc", "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "o"), *args)
         assert result.exit_code == 2 and fragment in result.stderr, result.stderr
         assert not (tmp_path / "o").exists()
+
+
+CALIB = ("--calib-tokens", "2048")  # tiny models: 8 chunks of 256 tokens of calib_data/
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2_gqa", "gpt_neox", "gpt2"])
+def test_calibrated_full_rank_reproduces_transformers(kind, tokenized_model_dir, tmp_path):
+    """--calib at budget 1.0: the whitened factors (and W_O's weighting of V) at full rank are exact."""
+    src = tokenized_model_dir(kind)
+    report = convert_lorc(src, tmp_path / "lorc", "--kv-budget", "1.0", "--calib", *CALIB)
+    assert report["params"]["calibrate"] and report["plan"]["calibration"]["tokens"] == 2048
+    assert all(r["k_rel_output_error"] < 1e-6 for r in report["layers"])
+    reference, converted = load_reference(src), load_converted(tmp_path / "lorc")
+    assert_equivalent(reference, converted, *left_padded(length=20, pad=6, seed=3, high=97))
+
+
+@pytest.mark.parametrize(("kind", "compress"), [("llama_gqa", "kv"), ("gpt_neox", "k"), ("qwen2_gqa", "v")])
+def test_projected_kv_simulates_the_calibrated_checkpoint(kind, compress, tokenized_model_dir, tmp_path):
+    """The auto schedule's probes score a simulation inside the source (keys un-rotated, projected,
+    re-rotated; partial rotary on NeoX; biases on Qwen2): it must compute what the checkpoint does."""
+    from kvconvert.arch import adapter_for
+    from kvconvert.calib.search import projected_kv
+    from kvconvert.io.source import open_source
+    from kvconvert.methods.lorc import LorcMethod, _affine
+    from kvconvert.pipeline import convert as convert_checkpoint
+
+    src = tokenized_model_dir(kind)
+    method = LorcMethod(LorcConfig(kv_budget=0.7, schedule="uniform", compress=compress, calibrate=True,
+                                   calib_tokens=2048), progress=False)  # fmt: skip
+    convert_checkpoint(open_source(str(src)), method, tmp_path / "lorc", progress=False)
+    assert method.plan_ is not None and method.layout is not None
+    source = open_source(str(src))
+    adapter = adapter_for(source.config)
+    names = adapter.attention_names_by_layer(source.tensor_names())
+    projectors = {}
+    for layer in range(method.layout.num_layers):
+        weights = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
+        for side, (weight, right, left) in method._targets(layer, weights).items():
+            rank = getattr(method.plan_, f"rank_{side}")[layer]
+            if rank is not None:
+                bias = weights.k_bias if side == "k" else weights.v_bias
+                projectors[layer, side] = _affine(weight, rank, right, left, bias)
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5))
+    reference = load_reference(src)
+    with torch.no_grad(), projected_kv(reference, lambda: projectors, method.layout.rotary_module):
+        simulated = reference(ids).logits
+    plain = reference(ids).logits
+    converted = load_converted(tmp_path / "lorc")(ids).logits
+    assert torch.allclose(simulated, converted, atol=2e-4, rtol=1e-4), (simulated - converted).abs().max()
+    assert (plain - converted).abs().max() > 1e-2  # budget 0.7 really truncates
+
+
+def test_auto_schedule_allocates_by_measured_loss(tokenized_model_dir, tmp_path):
+    """--schedule auto: the budget is met to one rank, K and V ranks are chosen separately per layer,
+    every side's probe KL is recorded, and the checkpoint generates in every mode."""
+    from tests.helpers import generate_in_every_mode
+
+    src = tokenized_model_dir("llama_gqa")
+    report = convert_lorc(src, tmp_path / "lorc", "--kv-budget", "0.6", "--schedule", "auto", *CALIB)
+    layers = report["layers"]
+    width = 2 * 16  # Hkv · dk
+    cached = sum(r["rank_k"] + r["rank_v"] for r in layers)
+    assert cached == round(0.6 * 2 * len(layers) * width)
+    assert report["params"]["calibrate"] and report["plan"]["calibration"]["probe"]["rank"] == round(0.6 * width)
+    assert all(r["k_probe_kl"] >= 0 and r["v_probe_kl"] >= 0 for r in layers)
+    assert len({(r["rank_k"], r["rank_v"]) for r in layers}) > 1  # not one uniform ratio
+    converted = load_converted(tmp_path / "lorc")
+    measured = kv_budget(load_reference(src), converted, torch.randint(3, 90, (2, 64)))
+    assert abs(measured - 0.6) <= 1 / (len(layers) * width)
+    generate_in_every_mode(converted)
+
+
+def test_auto_schedule_refuses_a_threshold(tokenized_model_dir, tmp_path):
+    result = run_cli("lorc", "--model", str(tokenized_model_dir("llama")), "--out", str(tmp_path / "o"),
+                     "--kv-budget", "0.6", "--schedule", "auto", "--threshold", "3")  # fmt: skip
+    assert result.exit_code == 2 and "--threshold belongs to the condition-number schedules" in result.stderr
+    assert not (tmp_path / "o").exists()

@@ -7,7 +7,16 @@ import json
 import pytest
 import torch
 from conftest import SHARED
-from helpers import assert_equivalent, assert_same_logits, convert, kv_budget, load_converted, load_reference, run_cli
+from helpers import (
+    assert_equivalent,
+    assert_same_logits,
+    convert,
+    kv_budget,
+    left_padded,
+    load_converted,
+    load_reference,
+    run_cli,
+)
 
 from kvconvert import linalg
 from kvconvert.errors import KVConvertError
@@ -158,3 +167,64 @@ def test_rotations_do_not_depend_on_the_calibration_text(aidreams_dir, tmp_path)
     assert compare["qk"]["captured_energy_min"] > 0.99
     assert compare["vw"]["captured_energy_mean"] > 0.97
     assert 0 < compare["qk"]["ratio"] < 1 and "R_QK" in result.output
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2_gqa", "gpt2"])
+def test_output_value_basis_is_exact_at_full_width(kind, tokenized_model_dir, tmp_path):
+    """--value-basis output: the oblique V pair (cached B_rᵀv, read back by W_O through C_r) keeps every
+    dim at r = 0, where it must reproduce the source exactly (C·Bᵀ = I)."""
+    src = tokenized_model_dir(kind)
+    report = _zack(src, tmp_path / "zack", "--removal-rate", "0", "--value-basis", "output")
+    assert report["params"]["value_basis"] == "output"
+    assert_equivalent(load_reference(src), load_converted(tmp_path / "zack"),
+                      *left_padded(length=20, pad=6, seed=3, high=97))  # fmt: skip
+
+
+def test_output_value_basis_simulation_and_loss(tokenized_model_dir, tmp_path):
+    """The search's simulation handles the oblique pair (it must compute what the checkpoint does), and
+    at the same r the output basis loses less of the attention output on the calibration values than
+    the paper's V‖W_O rotation: Σ_h ‖W_Oʰ(v − v̂)‖² from the Grams, per head."""
+    from kvconvert.calib.search import projectors_for, truncated_attention
+    from kvconvert.io.source import open_source
+    from kvconvert.methods.zack import ZackMethod, fit_bases, output_gram
+    from kvconvert.pipeline import convert
+
+    src = tokenized_model_dir("qwen2_gqa")
+    method = ZackMethod(ZackConfig(removal_rate=0.3, calib_tokens=2048, value_basis="output"), progress=False)
+    convert(open_source(str(src)), method, tmp_path / "zack", progress=False)
+    assert method.bases is not None and method.plan_ is not None
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
+    reference = load_reference(src)
+    with torch.no_grad(), truncated_attention(reference, projectors_for(method.bases, method.plan_)):
+        simulated = reference(ids).logits
+    assert_same_logits(simulated, load_converted(tmp_path / "zack")(ids).logits, "simulation vs checkpoint")
+
+    from kvconvert.arch import adapter_for
+    from kvconvert.calib.stats import collect_head_grams
+    from kvconvert.calib.text import calibration_set
+
+    source = open_source(str(src))
+    layout = adapter_for(source.config).layout()
+    grams = collect_head_grams(source, adapter_for(source.config), calibration_set(src, None, 2048, 256, 0).chunks,
+                               progress=False)  # fmt: skip
+    o_weights = [w.o_weight for w in _attention_weights(source)]
+    o_grams = [output_gram(o, layout) for o in o_weights]
+    paper, output = fit_bases(grams, o_grams, "paper"), fit_bases(grams, o_grams, "output")
+    for layer, o_gram in enumerate(o_grams):
+        for g in range(layout.num_kv_heads):
+            for rank in (2, 5, 9):
+
+                def loss(bases, layer=layer, g=g, rank=rank, o_gram=o_gram):
+                    b, c = bases.vw[layer][g][:, :rank], bases.vw_out[layer][g][:, :rank]
+                    residual = torch.eye(16, dtype=torch.float64) - c @ b.T  # v − v̂ = (I − C Bᵀ) v
+                    return float(torch.trace(residual @ grams.value[layer, g] @ residual.T @ o_gram[g]))
+
+                assert loss(output) <= loss(paper) * (1 + 1e-9) + 1e-12, (layer, g, rank)
+
+
+def _attention_weights(source):
+    from kvconvert.arch import adapter_for
+
+    adapter = adapter_for(source.config)
+    names = adapter.attention_names_by_layer(source.tensor_names())
+    return [adapter.read_attention({k: source.get(v) for k, v in names[i].items()}) for i in sorted(names)]

@@ -10,7 +10,7 @@ layer by layer (``calib.sequential``): memory stays at about one layer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,10 +20,13 @@ from kvconvert.arch import AttentionLayout
 from kvconvert.calib.hooks import observed_attention
 from kvconvert.errors import KVConvertError
 
+Affine = tuple[torch.Tensor, torch.Tensor]  # (Π, c): x ↦ Π·x + c
 
-def _projector(basis: torch.Tensor, rank: int, dtype: torch.dtype) -> torch.Tensor:
+
+def _projector(basis: torch.Tensor, rank: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``B_r C_rᵀ`` (row vectors: ``v ↦ v·B_r·C_rᵀ``), C = B for an orthogonal basis."""
     kept = basis[:, :rank]
-    return (kept @ kept.T).to(dtype)
+    return (kept @ (kept if out is None else out[:, :rank]).T).to(dtype)
 
 
 @contextlib.contextmanager
@@ -47,7 +50,12 @@ def projectors_for(bases: Any, plan: Any) -> list[tuple[torch.Tensor, torch.Tens
     return [
         (
             torch.stack([_projector(b, r, torch.float32) for b, r in zip(bases.qk[i], plan.rank_k[i], strict=True)]),
-            torch.stack([_projector(b, r, torch.float32) for b, r in zip(bases.vw[i], plan.rank_v[i], strict=True)]),
+            torch.stack(
+                [
+                    _projector(b, r, torch.float32, c)
+                    for b, c, r in zip(bases.vw[i], bases.vw_out[i], plan.rank_v[i], strict=True)
+                ]
+            ),  # fmt: skip
         )
         for i in range(len(plan.rank_k))
     ]
@@ -110,3 +118,65 @@ def search_removal_rate(
         else:
             high = middle
     return best, log
+
+
+def branch_kls(
+    source: Any, chunks: torch.Tensor, starts: list[int], observe: Any, progress: bool = True
+) -> list[float]:
+    """Mean KL(source ‖ branch b) per token over ``chunks [n, T]`` for every branch of one
+    ``run_layer_by_layer(branches=starts)`` pass; ``observe(model)`` changes what each branch computes
+    (it reads ``calib.sequential.active_branch()``). The unmodified stream is the reference."""
+    from kvconvert.arch import adapter_for
+    from kvconvert.calib.sequential import run_layer_by_layer
+
+    reference: list[torch.Tensor] = []  # [T, vocab] log-probabilities per chunk
+    totals = [0.0] * len(starts)
+
+    def keep(c: int, logits: torch.Tensor) -> None:
+        reference.append(torch.log_softmax(logits.float(), dim=-1))
+
+    def add(branch: int, c: int, logits: torch.Tensor) -> None:
+        ref = reference[c]
+        totals[branch] += float((ref.exp() * (ref - torch.log_softmax(logits.float(), dim=-1))).sum())
+
+    run_layer_by_layer(source, adapter_for(source.config), chunks, observe, progress=progress, logits=keep,
+                       branches=starts, branch_logits=add)  # fmt: skip
+    return [total / chunks.numel() for total in totals]
+
+
+@contextlib.contextmanager
+def projected_kv(model: Any, select: Callable[[], dict[tuple[int, str], Affine]], rotary_module: str | None
+                 ) -> Iterator[None]:  # fmt: skip
+    """Inside the block, the keys (side "k") or values ("v") of each ``(layer, side)`` in ``select()``
+    (asked at every layer: each branch of a probing pass has its own) are replaced by ``Π·x + c``, with
+    ``(Π [Hkv·dk, Hkv·dk], c [Hkv·dk])`` on the concatenated heads before RoPE: what a truncated
+    projection ``Π·W`` with its bias b kept computes (``c = b − Π·b``; ``linalg.truncation_projector``).
+    Keys come to the observer after RoPE, so they are rotated back (positions 0..n-1: one unpadded
+    sequence per row, as calibration runs), projected and rotated again."""
+    from kvconvert.runtime.kvconvert_common import apply_rotary
+
+    def projected(x: torch.Tensor, affine: Affine, rotate: bool) -> torch.Tensor:
+        projector, offset = affine
+        b, kv_heads, n, dk = x.shape  # [b, Hkv, n, dk]
+        cos = sin = None
+        if rotate and rotary_module:
+            rotary = model.get_submodule(rotary_module)
+            device = next(iter(rotary.buffers()), x).device  # the layers may run on a GPU; observers on the CPU
+            cos, sin = (t.float().cpu() for t in rotary(x.to(device), torch.arange(n, device=device)[None]))
+            x = apply_rotary(x, cos, -sin)  # back to the pre-RoPE key
+        flat = x.transpose(1, 2).reshape(b, n, kv_heads * dk) @ projector.to(x.dtype).T + offset.to(x.dtype)
+        x = flat.view(b, n, kv_heads, dk).transpose(1, 2)
+        return x if cos is None or sin is None else apply_rotary(x, cos, sin)
+
+    def project(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
+        layer, projectors = int(module.layer_idx), select()
+        if (layer, "k") not in projectors and (layer, "v") not in projectors:
+            return None
+        if (layer, "k") in projectors:
+            key = projected(key, projectors[layer, "k"], rotate=True)
+        if (layer, "v") in projectors:
+            value = projected(value, projectors[layer, "v"], rotate=False)
+        return query, key, value
+
+    with observed_attention(model, project):
+        yield

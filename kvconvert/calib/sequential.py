@@ -10,6 +10,7 @@ the hidden states of all chunks — independent of depth, so models larger than 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import warnings
 from collections.abc import Callable
 from itertools import chain
@@ -107,6 +108,15 @@ def _materialize(
     source.release()
 
 
+# Which branch of a ``run_layer_by_layer(branches=…)`` call the running layer computes (None: the
+# unmodified stream); observers read it to apply each branch's own change.
+_BRANCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("kvconvert_branch", default=None)
+
+
+def active_branch() -> int | None:
+    return _BRANCH.get()
+
+
 @torch.no_grad()
 def run_layer_by_layer(
     source: SourceCheckpoint,
@@ -115,6 +125,8 @@ def run_layer_by_layer(
     observe: Callable[[nn.Module], Any],
     progress: bool = True,
     logits: Callable[[int, torch.Tensor], Any] | None = None,
+    branches: list[int] | None = None,
+    branch_logits: Callable[[int, int, torch.Tensor], Any] | None = None,
 ) -> None:
     """Feed ``chunks [n, T]`` through the model layer by layer.
 
@@ -126,6 +138,12 @@ def run_layer_by_layer(
     The layers run on ``devices.compute_device()`` (the CPU unless the caller is inside a
     ``computing_on`` block): one decoder layer there at a time, plus the embeddings, final norm and
     rotary tables; observers and ``logits`` get CPU tensors.
+
+    ``branches[b] = l``: branch b forks from the unmodified stream at layer l's input and runs layers
+    l.. with ``active_branch() == b`` (observers change what they like there); ``branch_logits(b, c,
+    [T, vocab])`` receives its logits. Many single-layer probes thus share every layer before their
+    own and each layer is loaded once: Σ (L − l) layer passes instead of L per probe. Memory: one
+    hidden-state copy per branch. Models that transformers must load whole do not branch.
     """
     import transformers
 
@@ -150,6 +168,8 @@ def run_layer_by_layer(
             "(e.g. MoE experts): calibration loads the whole model in float32 instead of one layer at a time",
             stacklevel=2,
         )
+        if branches:
+            raise KVConvertError(f"{type(model).__name__}: layer-by-layer probes need a checkpoint stored as built")
         model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval().to(device)
         with observe(model):
             for c, row in enumerate(chunks):
@@ -173,9 +193,9 @@ def run_layer_by_layer(
         child.to(device)
     inboxes: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = [[] for _ in layers]
     skeleton = list(layers)
-    for index in range(len(layers)):
-        layers[index] = _Catcher(inboxes[index], last=index == len(layers) - 1)
-    with observe(model):
+    with observe(model):  # entered while the model holds its own layers: observers may hook their modules
+        for index in range(len(layers)):
+            layers[index] = _Catcher(inboxes[index], last=index == len(layers) - 1)
         for row in chunks:
             with contextlib.suppress(_Captured):
                 model(input_ids=row[None].to(device), use_cache=False)
@@ -183,25 +203,41 @@ def run_layer_by_layer(
         for inbox in inboxes[1:]:
             for _, kwargs in inbox:
                 kwargs.pop("hidden_states", None)  # each layer gets the previous one's output instead
+        streams: dict[int | None, list[torch.Tensor]] = {None: hidden}
         bar = tqdm(range(len(layers)), desc="calibrating", unit="layer", disable=not progress)
         for index in bar:
             layer = layers[index] = skeleton[index]
             _materialize(layer, f"{layers_prefix}{index}.", source, base_prefix, model._init_weights)
             layer.to(device)
-            for c, (args, kwargs) in enumerate(inboxes[index]):
-                out = layer(hidden[c], *args[1:], **kwargs)
-                hidden[c] = out[0] if isinstance(out, tuple) else out
+            streams.update({b: list(hidden) for b, start in enumerate(branches or []) if start == index})
+            for branch, states in streams.items():
+                token = _BRANCH.set(branch)
+                try:
+                    for c, (args, kwargs) in enumerate(inboxes[index]):
+                        out = layer(states[c], *args[1:], **kwargs)
+                        states[c] = out[0] if isinstance(out, tuple) else out
+                finally:
+                    _BRANCH.reset(token)
             layers[index] = layer.to("meta")  # frees this layer's weights
-        if logits is None:
+        if logits is None and branch_logits is None:
             return
         _materialize_head(model, head, source, base_prefix)
         head.to(device)
         feeder = _Feeder()
         for index in range(len(layers)):
             layers[index] = feeder
-        for c, row in enumerate(chunks):
-            feeder.value = hidden[c]
-            logits(c, model(input_ids=row[None].to(device), use_cache=False).logits[0].cpu())
+        for branch, states in streams.items():
+            if (logits if branch is None else branch_logits) is None:
+                continue
+            for c, row in enumerate(chunks):
+                feeder.value = states[c]
+                out = model(input_ids=row[None].to(device), use_cache=False).logits[0].cpu()
+                if branch is None:
+                    assert logits is not None
+                    logits(c, out)
+                else:
+                    assert branch_logits is not None
+                    branch_logits(branch, c, out)
 
 
 def _materialize_head(model: Any, head: nn.Module, source: SourceCheckpoint, base_prefix: str) -> None:

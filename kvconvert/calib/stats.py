@@ -78,3 +78,55 @@ def collect_head_grams(source: Any, adapter: Any, chunks: torch.Tensor, progress
 
     run_layer_by_layer(source, adapter, chunks, observe, progress=progress)
     return result[0]
+
+
+@contextlib.contextmanager
+def accumulating_input_grams(model: Any, attention_paths: list[str]) -> Iterator[list[torch.Tensor | None]]:
+    """Σ xᵀx over every token of the hidden states entering each attention module (the inputs of
+    W_Q, W_K, W_V), float64 on the CPU: ``grams[layer] [D, D]`` (None until that layer has run).
+    Forward pre-hooks on the modules at ``attention_paths``, removed on exit."""
+    grams: list[torch.Tensor | None] = [None] * len(attention_paths)
+
+    def hook_for(layer: int) -> Any:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x = args[0] if args else kwargs["hidden_states"]
+            x = x.reshape(-1, x.shape[-1]).to(F64)
+            gram = (x.T @ x).cpu()
+            grams[layer] = gram if grams[layer] is None else grams[layer] + gram
+
+        return hook
+
+    handles = [model.get_submodule(path).register_forward_pre_hook(hook_for(i), with_kwargs=True)
+               for i, path in enumerate(attention_paths)]  # fmt: skip
+    try:
+        yield grams
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def collect_layer_grams(
+    source: Any, adapter: Any, chunks: torch.Tensor, progress: bool = True
+) -> tuple[list[torch.Tensor], HeadGrams]:
+    """Each attention layer's input Gram ``[D, D]`` and its per-head ``HeadGrams`` over ``chunks [n, T]``,
+    float64, in one layer-by-layer pass."""
+    from kvconvert.calib.sequential import run_layer_by_layer
+
+    layout = adapter.layout()
+    result: list[Any] = []
+
+    @contextlib.contextmanager
+    def observe(model: Any) -> Iterator[None]:
+        with (
+            accumulating_input_grams(model, adapter.attention_module_paths()) as inputs,
+            accumulating_grams(model, layout.num_kv_heads, layout.head_dim) as heads,
+        ):
+            result.extend([inputs, heads])
+            yield
+
+    run_layer_by_layer(source, adapter, chunks, observe, progress=progress)
+    inputs, heads = result
+    missing = [i for i, g in enumerate(inputs) if g is None]
+    if missing:
+        raise RuntimeError(f"attention layers {missing} never ran during calibration")
+    return [g for g in inputs if g is not None], heads

@@ -6,6 +6,12 @@ folded into W_Q when there is no RoPE, and with RoPE keys are rebuilt per head f
 rotated at attention time (appendix E; the latent cannot absorb a position-dependent rotation).
 Ranks follow eq. 13 over the cumulative condition numbers of eq. 12; layers above ``threshold``
 (log10 κ̃) are left uncompressed (appendix F.1).
+
+Extensions (not in the paper): ``calibrate`` factors to minimise the error of what each projection
+*produces* on calibration text rather than of its weights — keys whitened by the attention input's
+Gram (SVD-LLM/Palu), values also weighted by what W_O makes of them — with the same checkpoint format;
+``schedule="auto"`` allocates ranks per layer and side by measured loss: each (layer, side)'s KL to
+the source when truncated alone at a probe rank, scaled by its whitened tail energy, then greedy.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
 from kvconvert.methods.base import LayerOutput, Method
 
-Schedule = Literal["progressive", "uniform"]
+Schedule = Literal["progressive", "uniform", "auto"]
 Target = Literal["kv", "k", "v"]
 
 
@@ -36,14 +42,27 @@ class LorcConfig:
     # Llama-2-13B / Llama-3-70B without units; raw κ̃ reaches 1e68 on SmolLM2, so it must be log10).
     threshold: float | None = None
     compress: Target = "kv"  # which of K and V are factored
+    # Extension: activation-aware factorization on calibration text (implied by schedule="auto").
+    calibrate: bool = False
+    calib: str | None = None  # calibration source; None: the project's calib_data/
+    calib_tokens: int = 16384
+    chunk_len: int = 512
+    seed: int = 0
+    probe_chunks: int = 4  # schedule="auto": held-out chunks each sensitivity probe is scored on
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_budget <= 1:
             raise KVConvertError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
-        if self.schedule not in ("progressive", "uniform"):
-            raise KVConvertError(f"schedule must be progressive or uniform, got {self.schedule!r}")
+        if self.schedule not in ("progressive", "uniform", "auto"):
+            raise KVConvertError(f"schedule must be progressive, uniform or auto, got {self.schedule!r}")
         if self.compress not in ("kv", "k", "v"):
             raise KVConvertError(f"compress must be kv, k or v, got {self.compress!r}")
+        if self.schedule == "auto":
+            if self.threshold is not None:
+                raise KVConvertError("--threshold belongs to the condition-number schedules; auto measures each layer")
+            object.__setattr__(self, "calibrate", True)  # its losses are measured on calibration text
+        if self.probe_chunks < 1:
+            raise KVConvertError(f"probe_chunks must be >= 1, got {self.probe_chunks}")
 
 
 def _largest_remainder(values: list[float], total: int, low: int, high: int) -> list[int]:
@@ -105,10 +124,27 @@ class LorcPlan:
     rank_k: list[int | None]  # None: K not factored in this layer
     rank_v: list[int | None]
     budget: float = field(default=0.0)
+    # schedule="auto": per layer, KL to the source with only that side truncated at ``probe_rank``
+    probe_kl_k: list[float | None] = field(default_factory=list)
+    probe_kl_v: list[float | None] = field(default_factory=list)
+    probe_rank: int | None = None
 
 
-def plan_ranks(config: LorcConfig, kappa_k: list[float], kappa_v: list[float], width: int) -> LorcPlan:
-    """Decide per-layer ranks so that Σ cached widths / (2·L·e) equals ``config.kv_budget``."""
+def probe_rank(config: LorcConfig, layers: int, width: int) -> int:
+    """The rank every factored side would get under one uniform ratio: where ``auto`` measures each
+    (layer, side)'s sensitivity, so the loss model is calibrated near the operating point."""
+    sides = len(config.compress)
+    free = round(config.kv_budget * 2 * layers * width) - (2 - sides) * width * layers
+    return min(max(round(free / (sides * layers)), 1), width)
+
+
+def plan_ranks(
+    config: LorcConfig, kappa_k: list[float], kappa_v: list[float], width: int,
+    losses: dict[str, list[torch.Tensor]] | None = None,
+) -> LorcPlan:  # fmt: skip
+    """Decide per-layer ranks so that Σ cached widths / (2·L·e) equals ``config.kv_budget``.
+
+    ``losses[side][layer][r]`` (schedule "auto"): predicted loss of that side at rank r, r = 0..width."""
     layers = len(kappa_k)
     ln_cum = linalg.log_cumulative_condition(kappa_k, kappa_v)
     log10_cum = [v / math.log(10) for v in ln_cum]
@@ -129,18 +165,27 @@ def plan_ranks(config: LorcConfig, kappa_k: list[float], kappa_v: list[float], w
             f"{layers - n_compressed} uncompressed layers, compress={config.compress})"
         )
     per_side = free // len(factored)  # K and V get the same ranks when both are factored
-    if config.schedule == "progressive":
-        ranks = progressive_ranks(ln_cum, compressed, width, per_side)
+    if config.schedule == "auto":
+        assert losses is not None, "schedule auto needs measured losses"
+        flat = linalg.allocate_ranks([losses[side][i] for side in factored for i in range(layers)], free)
+        by_side = {side: flat[j * layers : (j + 1) * layers] for j, side in enumerate(factored)}
+        rank_k = list(by_side.get("k", [None] * layers))
+        rank_v = list(by_side.get("v", [None] * layers))
     else:
-        ranks = uniform_ranks(compressed, width, per_side)
-    rank_k = [r if c and "k" in factored else None for r, c in zip(ranks, compressed, strict=True)]
-    rank_v = [r if c and "v" in factored else None for r, c in zip(ranks, compressed, strict=True)]
+        if config.schedule == "progressive":
+            ranks = progressive_ranks(ln_cum, compressed, width, per_side)
+        else:
+            ranks = uniform_ranks(compressed, width, per_side)
+        rank_k = [r if c and "k" in factored else None for r, c in zip(ranks, compressed, strict=True)]
+        rank_v = [r if c and "v" in factored else None for r, c in zip(ranks, compressed, strict=True)]
     cached = sum((rk or width) + (rv or width) for rk, rv in zip(rank_k, rank_v, strict=True))
     return LorcPlan(kappa_k, kappa_v, log10_cum, compressed, rank_k, rank_v, budget=cached / (2 * layers * width))
 
 
 class LorcMethod(Method):
     name = "lorc"
+    # calibrated keys: weight their error by the queries (True) or by the inputs alone (the ablation)
+    query_weighted_keys: ClassVar[bool] = True
     unsupported: ClassVar[dict[str, str]] = {
         "qk_norm": "its keys are RMS-normalised per head before RoPE (QK-norm): keys rebuilt from a low-rank latent "
                    "would need the norm applied after the up-projection (not implemented); use quant or razor",
@@ -150,18 +195,23 @@ class LorcMethod(Method):
         "layer_rope": "lorc re-rotates rebuilt keys with one RoPE table, and this model has one per layer type",
     }  # fmt: skip
 
-    def __init__(self, config: LorcConfig):
+    def __init__(self, config: LorcConfig, progress: bool = True):
         self.config = config
+        self.progress = progress
         self.plan_: LorcPlan | None = None
         self.layout: AttentionLayout | None = None
+        self.input_grams: list[torch.Tensor] | None = None  # calibrate: [D, D] float64 per layer
+        self.head_grams: Any = None  # calibrate: ``calib.stats.HeadGrams`` (queries weight the keys)
+        self.calibration: dict[str, Any] = {}
 
     @classmethod
     def describe(cls, report: dict[str, Any]) -> str:
         ranks = [r["rank_k"] for r in report["layers"]]
+        params = report["params"]
+        how = "weighted by calibration activations" if params.get("calibrate") else "by SVD"
         return (
-            "LoRC caches rank-d_c latents of K and V (low-rank W_K, W_V by SVD; U_V folded into W_O). "
-            f"Schedule {report['params']['schedule']}, factored {report['params']['compress']}; "
-            f"K ranks per layer: {ranks}."
+            f"LoRC caches rank-d_c latents of K and V (low-rank W_K, W_V {how}; U_V folded into W_O). "
+            f"Schedule {params['schedule']}, factored {params['compress']}; K ranks per layer: {ranks}."
         )
 
     def params(self) -> dict[str, Any]:
@@ -171,17 +221,104 @@ class LorcMethod(Method):
         assert self.plan_ is not None
         return self.plan_.budget
 
+    def _targets(self, layer: int, w: AttentionWeights) -> dict[str, tuple[torch.Tensor, Any, Any]]:
+        """Per factored side: (weight, right factor, left factor) of ``linalg.weighted_truncation``.
+        Uncalibrated: plain SVD of the weights (the paper). Calibrated: errors measured on the layer's
+        inputs (R = √ of their Gram) and weighted by what reads them: a key error by the queries that
+        score it (each group's query Gram; with RoPE only its diagonal, as the cross terms between
+        rotary planes average out over relative positions), a value error by W_O (each group's W_Oᵀ W_O)."""
+        layout = self.layout
+        assert layout is not None
+        if self.input_grams is None:
+            return {"k": (w.k_weight, None, None), "v": (w.v_weight, None, None)}
+        right = linalg.gram_factor(self.input_grams[layer])
+        o_gram = linalg.output_gram(w.o_weight, layout.num_heads, layout.num_kv_heads, layout.head_dim)
+        left_k = None
+        if self.query_weighted_keys:
+            queries = self.head_grams.query[layer]  # [Hkv, dk, dk]
+            left_k = linalg.block_cholesky(torch.diag_embed(queries.diagonal(dim1=-2, dim2=-1)) if layout.rotary
+                                           else queries)  # fmt: skip
+        return {"k": (w.k_weight, right, left_k), "v": (w.v_weight, right, linalg.block_cholesky(o_gram))}
+
     def plan(
         self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:  # fmt: skip
-        """κ(W_K), κ(W_V) of every layer (full D × n_kv·d matrices, appendix D), then the ranks."""
+        """κ(W_K), κ(W_V) of every layer (full D × n_kv·d matrices, appendix D), then the ranks.
+        Calibrated: the attention inputs' Grams first; auto: every side's loss curve (``_losses``)."""
+        config = self.config
+        self.layout = layout
+        calib = None
+        if config.calibrate:
+            from kvconvert.arch import adapter_for
+            from kvconvert.calib.stats import collect_layer_grams
+            from kvconvert.calib.text import calibration_set
+
+            calib = calibration_set(source.path, config.calib, config.calib_tokens,
+                                    min(config.chunk_len, layout.context), config.seed)  # fmt: skip
+            self.input_grams, self.head_grams = collect_layer_grams(source, adapter_for(source.config), calib.chunks,
+                                                                    self.progress)  # fmt: skip
+            self.calibration = {"source": calib.source, "tokens": calib.tokens, "chunk_len": calib.chunks.shape[1]}
+        factored = tuple(config.compress)
+        r0 = probe_rank(config, layout.num_layers, layout.kv_width)
         kappa_k, kappa_v = [], []
-        for w in layers:
+        spectra: dict[str, list[torch.Tensor]] = {side: [] for side in factored}
+        projectors: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {side: [] for side in factored}
+        for i, w in enumerate(layers):
             kappa_k.append(linalg.condition_number(w.k_weight))
             kappa_v.append(linalg.condition_number(w.v_weight))
-        self.layout = layout
-        self.plan_ = plan_ranks(self.config, kappa_k, kappa_v, layout.kv_width)
+            if self.input_grams is None:
+                continue
+            for side, (weight, right, left) in self._targets(i, w).items():
+                if side in factored:
+                    spectra[side].append(linalg.weighted_truncation(weight, 1, right, left)[2])
+                    if config.schedule == "auto":
+                        projectors[side].append(_affine(weight, r0, right, left, w.k_bias if side == "k" else w.v_bias))
+        self.spectra = spectra
+        losses = None
+        probe_kl: dict[str, list[float]] = {}
+        if config.schedule == "auto":
+            assert calib is not None
+            losses, probe_kl = self._losses(source, layout, calib, spectra, projectors, r0)
+        self.plan_ = plan_ranks(config, kappa_k, kappa_v, layout.kv_width, losses)
+        if probe_kl:
+            none: list[float | None] = [None] * layout.num_layers
+            self.plan_.probe_kl_k = list(probe_kl.get("k", none))
+            self.plan_.probe_kl_v = list(probe_kl.get("v", none))
+            self.plan_.probe_rank = r0
+
+    def _losses(
+        self, source: Any, layout: AttentionLayout, calib: Any, spectra: dict[str, list[torch.Tensor]],
+        projectors: dict[str, list[tuple[torch.Tensor, torch.Tensor]]], r0: int,
+    ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[float]]]:  # fmt: skip
+        """Loss curves for the allocation: side s of layer l at rank r costs ``c_ls · E_ls(r)``, with
+        E the whitened tail energy (``linalg.tail_energy``) and ``c_ls = KL_ls / E_ls(r0)`` from one
+        probe: the source run on held-out calibration chunks with only that side truncated at r0
+        (simulated exactly, ``calib.search.projected_kv``). KL is quadratic in a small perturbation,
+        like E, so the model is first-order right and exact at the probe."""
+        from kvconvert.calib.search import branch_kls, projected_kv
+        from kvconvert.calib.sequential import active_branch
+
+        chunks = calib.held_out if calib.held_out.shape[0] else calib.chunks
+        chunks = chunks[: self.config.probe_chunks]
+        jobs = [(layer, side) for side in spectra for layer in range(layout.num_layers)]
+        probes = [{job: projectors[job[1]][job[0]]} for job in jobs]  # branch b truncates jobs[b] alone
+
+        def select() -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+            branch = active_branch()
+            return {} if branch is None else probes[branch]
+
+        kls = branch_kls(source, chunks, [layer for layer, _ in jobs],
+                         lambda model: projected_kv(model, select, layout.rotary_module), self.progress)  # fmt: skip
+        losses: dict[str, list[torch.Tensor]] = {side: [] for side in spectra}
+        probe_kl: dict[str, list[float]] = {side: [] for side in spectra}
+        for (layer, side), kl in zip(jobs, kls, strict=True):
+            energy = linalg.tail_energy(spectra[side][layer])
+            # a probe lost in the noise (KL <= 0) still ranks the side by its energy, at a tiny weight
+            losses[side].append(max(kl, 1e-9) / max(float(energy[r0]), 1e-12) * energy)
+            probe_kl[side].append(kl)
+        self.calibration["probe"] = {"rank": r0, "chunks": int(chunks.shape[0]), "chunk_len": int(chunks.shape[1])}
+        return losses, probe_kl
 
     def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         plan, layout = self.plan_, self.layout
@@ -194,18 +331,28 @@ class LorcMethod(Method):
             "rank_k": plan.rank_k[layer],
             "rank_v": plan.rank_v[layer],
         }
+        for side, kls in (("k", plan.probe_kl_k), ("v", plan.probe_kl_v)):
+            if kls and kls[layer] is not None:
+                report[f"{side}_probe_kl"] = kls[layer]
         if not plan.compressed[layer]:
             return LayerOutput(tensors={}, report=report, passthrough=True)
-        tensors = factor_attention(weights, layout, plan.rank_k[layer], plan.rank_v[layer])
-        for side, rank, weight in (
-            ("k", plan.rank_k[layer], weights.k_weight),
-            ("v", plan.rank_v[layer], weights.v_weight),
-        ):
-            if rank is not None:
-                svals = torch.linalg.svdvals(weight.to(linalg.F64))
-                report[f"{side}_rel_frobenius_error"] = linalg.relative_frobenius_error(svals, rank)
-                report[f"{side}_sigma_next"] = float(svals[rank]) if rank < svals.numel() else 0.0
+        targets = self._targets(layer, weights)
+        tensors = factor_attention(weights, layout, plan.rank_k[layer], plan.rank_v[layer],
+                                   right=targets["k"][1], left_k=targets["k"][2], left_v=targets["v"][2])  # fmt: skip
+        for side, rank in (("k", plan.rank_k[layer]), ("v", plan.rank_v[layer])):
+            if rank is None:
+                continue
+            weight, right, left = targets[side]
+            svals = linalg.weighted_truncation(weight, 1, right, left)[2]
+            # calibrated: the relative error of what the side produces on the calibration inputs
+            key = "rel_output_error" if right is not None else "rel_frobenius_error"
+            report[f"{side}_{key}"] = linalg.relative_frobenius_error(svals, rank)
+            report[f"{side}_sigma_next"] = float(svals[rank]) if rank < svals.numel() else 0.0
         return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
+
+    def summary(self) -> dict[str, Any]:
+        """Whole-model decisions (``kvconvert.json`` → ``plan``): the calibration and auto's probes."""
+        return {"calibration": self.calibration} if self.calibration else {}
 
     def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
         assert self.plan_ is not None
@@ -221,6 +368,16 @@ class LorcMethod(Method):
         return {"lorc_layers": layers}
 
 
+def _affine(
+    weight: torch.Tensor, rank: int, right: Any, left: Any, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Π, c)`` float32 with ``Π·(Wx + b) + c = up·down·x + b``: a truncated side as
+    ``calib.search.projected_kv`` applies it to the source's keys or values (the bias is kept exactly)."""
+    projector = linalg.truncation_projector(weight, rank, right, left)
+    offset = torch.zeros(projector.shape[0], dtype=linalg.F64) if bias is None else bias.to(linalg.F64)
+    return projector.float(), (offset - projector @ offset).float()
+
+
 def _head_blocks(matrix: torch.Tensor, heads: int) -> list[torch.Tensor]:
     """Split rows of ``[heads·dk, …]`` into per-head ``[dk, …]`` blocks."""
     return list(matrix.view(heads, -1, *matrix.shape[1:]).unbind(0))
@@ -234,14 +391,16 @@ def _linear(out: dict[str, torch.Tensor], name: str, weight: torch.Tensor, bias:
 
 
 def factor_attention(
-    w: AttentionWeights, layout: AttentionLayout, rank_k: int | None, rank_v: int | None
-) -> dict[str, torch.Tensor]:
+    w: AttentionWeights, layout: AttentionLayout, rank_k: int | None, rank_v: int | None,
+    right: torch.Tensor | None = None, left_k: torch.Tensor | None = None, left_v: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
     """LoRC's rewritten projections for one layer, float64, names local to the attention module.
 
     Shapes (H query heads, G = H / Hkv per group, dk head dim, D hidden, r ranks):
     ``k_down [r_k, D]``; with RoPE ``k_up [Hkv·dk, r_k]`` (+ K bias), else ``q_proj [H·r_k, D]`` with
     U_K folded in per head (the K bias only adds a per-query constant to the scores: dropped, exact);
     ``v_down [r_v, D]`` and ``o_proj [D, H·r_v]`` with U_V folded in (V bias folded into the O bias).
+    ``right``, ``left_k``, ``left_v``: the factors of ``linalg.weighted_truncation`` (None: plain SVD, the paper).
     """
     f64 = linalg.F64
     heads, kv_heads = layout.num_heads, layout.num_kv_heads
@@ -252,7 +411,7 @@ def factor_attention(
         _linear(out, "k_proj", w.k_weight, w.k_bias)
         _linear(out, "q_proj", w.q_weight, w.q_bias)
     else:
-        up, down = linalg.truncated_svd(w.k_weight, rank_k)  # [e, r], [r, D]
+        up, down, _ = linalg.weighted_truncation(w.k_weight, rank_k, right, left_k)  # [e, r], [r, D]
         _linear(out, "k_down", down, None)
         if layout.rotary:
             _linear(out, "k_up", up, w.k_bias)
@@ -272,7 +431,7 @@ def factor_attention(
         _linear(out, "o_proj", w.o_weight, w.o_bias)
     else:
         o_w = w.o_weight.to(f64)  # [D, H·dk]
-        up, down = linalg.truncated_svd(w.v_weight, rank_v)
+        up, down, _ = linalg.weighted_truncation(w.v_weight, rank_v, right, left_v)
         _linear(out, "v_down", down, None)
         up_heads = _head_blocks(up, kv_heads)  # Hkv × [dk, r]
         o_heads = _head_blocks(o_w.T.contiguous(), heads)  # H × [dk, D]

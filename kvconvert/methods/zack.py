@@ -40,6 +40,9 @@ class ZackConfig:
     # Which side is truncated (the other keeps full width, still rotated). The paper truncates both;
     # "k" is kvconvert's extension for models whose values do not survive truncation (small GQA models).
     compress: Literal["kv", "k", "v"] = "kv"
+    # "paper": R_VW from V‖W_Oᵀ stacked (§4.3). "output" (extension): the V basis that minimises the
+    # error of what W_O makes of the values on calibration text (V's Gram weighted by W_Oᵀ W_O).
+    value_basis: Literal["paper", "output"] = "paper"
 
     def __post_init__(self) -> None:
         chosen = [n for n in ("kv_budget", "removal_rate", "target_agreement") if getattr(self, n) is not None]
@@ -53,16 +56,26 @@ class ZackConfig:
             raise KVConvertError(f"target_agreement must be in (0, 1], got {self.target_agreement}")
         if self.compress not in ("kv", "k", "v"):
             raise KVConvertError(f"compress must be kv, k or v, got {self.compress!r}")
+        if self.value_basis not in ("paper", "output"):
+            raise KVConvertError(f"value_basis must be paper or output, got {self.value_basis!r}")
 
 
 @dataclass
 class HeadBases:
-    """Per layer and KV head: rotations ``[dk, dk]`` (columns by descending singular value) and spectra."""
+    """Per layer and KV head: bases ``[dk, dk]`` (columns by descending singular value) and spectra.
+
+    The cache holds ``vw[:, :r]ᵀ v`` and W_O reads it through ``vw_out[:, :r]``: the same orthogonal
+    rotation in the paper; with ``value_basis="output"`` an oblique pair (``vw_out·vwᵀ = I`` at full width)."""
 
     qk: list[list[torch.Tensor]]
     qk_spectrum: list[list[torch.Tensor]]
     vw: list[list[torch.Tensor]]
     vw_spectrum: list[list[torch.Tensor]]
+    vw_out: list[list[torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.vw_out:
+            self.vw_out = self.vw
 
 
 @dataclass
@@ -74,29 +87,41 @@ class ZackPlan:
 
 
 def output_gram(o_weight: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
-    """Σ over each group's query heads of W_Oʰ W_Oʰᵀ: ``[Hkv, dk, dk]`` float64.
-
-    ``o_weight [d, H·dk]`` (Linear); query head h reads columns ``h·dk:(h+1)·dk`` = W_Oʰᵀ.
-    """
-    heads, kv_heads, dk = layout.num_heads, layout.num_kv_heads, layout.head_dim
-    blocks = o_weight.to(linalg.F64).view(-1, kv_heads, heads // kv_heads, dk)  # [d, Hkv, G, dk]
-    return torch.einsum("xgjd,xgje->gde", blocks, blocks)
+    """``linalg.output_gram`` for this layout: ``[Hkv, dk, dk]`` float64."""
+    return linalg.output_gram(o_weight, layout.num_heads, layout.num_kv_heads, layout.head_dim)
 
 
-def fit_bases(grams: Any, o_grams: list[torch.Tensor]) -> HeadBases:
-    """R_QK and R_VW of every head from calibration Grams (``HeadGrams``) and ``output_gram``s."""
+def fit_bases(grams: Any, o_grams: list[torch.Tensor], value_basis: str = "paper") -> HeadBases:
+    """R_QK and the V bases of every head from calibration Grams (``HeadGrams``) and ``output_gram``s.
+
+    ``value_basis="output"``: per KV head g, ``linalg.weighted_truncation`` of the identity map v ↦ v
+    with inputs weighted by V's Gram and outputs by ``O_g = Σ_h W_Oʰᵀ W_Oʰ``, so truncating to r dims
+    minimises ``Σ_h ‖W_Oʰ (v − v̂)‖²`` over the calibration values: the attention output's error (before
+    the softmax mixes tokens), which the paper's stacked V‖W_Oᵀ basis only approximates."""
     qk: list[list[torch.Tensor]] = []
     qk_s: list[list[torch.Tensor]] = []
     vw: list[list[torch.Tensor]] = []
     vw_s: list[list[torch.Tensor]] = []
+    vw_out: list[list[torch.Tensor]] = []
     for layer, o_gram in enumerate(o_grams):
         pairs_qk = [linalg.principal_basis(grams.query[layer, g] + grams.key[layer, g]) for g in range(len(o_gram))]
-        pairs_vw = [linalg.principal_basis(grams.value[layer, g] + o_gram[g]) for g in range(len(o_gram))]
         qk.append([r for r, _ in pairs_qk])
         qk_s.append([s for _, s in pairs_qk])
-        vw.append([r for r, _ in pairs_vw])
-        vw_s.append([s for _, s in pairs_vw])
-    return HeadBases(qk, qk_s, vw, vw_s)
+        if value_basis == "paper":
+            pairs_vw = [linalg.principal_basis(grams.value[layer, g] + o_gram[g]) for g in range(len(o_gram))]
+            vw.append([r for r, _ in pairs_vw])
+            vw_s.append([s for _, s in pairs_vw])
+            vw_out.append(vw[-1])
+            continue
+        fits = []
+        for g in range(len(o_gram)):
+            identity = torch.eye(o_gram.shape[-1], dtype=linalg.F64)
+            right, left = linalg.gram_factor(grams.value[layer, g]), linalg.block_cholesky(o_gram[g][None])
+            fits.append(linalg.weighted_truncation(identity, identity.shape[0], right, left))
+        vw.append([down.T.contiguous() for _, down, _ in fits])  # cached: v ↦ down_r·v = vw[:, :r]ᵀ v
+        vw_out.append([up for up, _, _ in fits])  # read back by W_O through up_r
+        vw_s.append([s for _, _, s in fits])
+    return HeadBases(qk, qk_s, vw, vw_s, vw_out)
 
 
 def plan_for_rate(bases: HeadBases, removal_rate: float, head_dim: int, compress: str = "kv") -> ZackPlan:
@@ -145,6 +170,7 @@ def calibrate_bases(
     chunk_len: int,
     seed: int,
     progress: bool = True,
+    value_basis: str = "paper",
 ) -> tuple[HeadBases, Any]:
     """Run ``source`` over calibration text layer by layer and fit every head's R_QK and R_VW.
 
@@ -155,7 +181,7 @@ def calibrate_bases(
     calib_set = calibration_set(source.path, calib, tokens, min(chunk_len, layout.context), seed)
     grams = collect_head_grams(source, adapter_for(source.config), calib_set.chunks, progress=progress)
     o_grams = [output_gram(w.o_weight, layout) for w in layers]
-    return fit_bases(grams, o_grams), calib_set
+    return fit_bases(grams, o_grams, value_basis), calib_set
 
 
 class ZackMethod(Method):
@@ -199,7 +225,8 @@ class ZackMethod(Method):
         """Calibrate (layer by layer), fit every head's rotations, then choose r and the ranks."""
         config = self.config
         self.bases, calib = calibrate_bases(source, layout, layers, config.calib, config.calib_tokens,
-                                            config.chunk_len, config.seed, self.progress)  # fmt: skip
+                                            config.chunk_len, config.seed, self.progress,
+                                            config.value_basis)  # fmt: skip
         self.layout = layout
         self.calibration = {"source": calib.source, "tokens": calib.tokens, "chunk_len": calib.chunks.shape[1]}
         if config.removal_rate is not None:
@@ -218,7 +245,8 @@ class ZackMethod(Method):
         plan, layout, bases = self.plan_, self.layout, self.bases
         assert plan is not None and layout is not None and bases is not None, "plan() runs before convert_layer()"
         rank_k, rank_v = plan.rank_k[layer], plan.rank_v[layer]
-        tensors = rotate_attention(weights, layout, bases.qk[layer], rank_k, bases.vw[layer], rank_v)
+        tensors = rotate_attention(weights, layout, bases.qk[layer], rank_k, bases.vw[layer], rank_v,
+                                   bases.vw_out[layer])  # fmt: skip
         report: dict[str, Any] = {
             "layer": layer,
             "rank_k": rank_k,
@@ -260,6 +288,7 @@ def rotate_attention(
     rank_k: list[int],
     vw_bases: list[torch.Tensor],
     rank_v: list[int],
+    vw_out: list[torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """ZACK's projections for one layer, float64, names local to the attention module.
 
@@ -267,12 +296,14 @@ def rotate_attention(
     head after head: Σ_g r_k,g for keys, Σ_h r_k,g(h) for queries (and the same with r_v).
     With RoPE: ``q_proj``/``k_proj`` unchanged, ``qk_basis [dk, Σ_g r_k,g]`` applied after RoPE.
     Without: ``q_proj [Σ_h r_k, d]``, ``k_proj [Σ_g r_k, d]`` with the bases folded in (biases too).
-    Always: ``v_proj [Σ_g r_v, d]`` = B_gᵀ W_V^g, ``o_proj [d, Σ_h r_v]`` = W_O^h B_g(h).
+    Always: ``v_proj [Σ_g r_v, d]`` = B_gᵀ W_V^g, ``o_proj [d, Σ_h r_v]`` = W_O^h C_g(h), with
+    ``C = vw_out[:, :r]`` (default: C = B, the paper's orthogonal rotation).
     """
     heads, kv_heads = layout.num_heads, layout.num_kv_heads
     group = heads // kv_heads
     k_basis = [qk_bases[g][:, : rank_k[g]] for g in range(kv_heads)]
     v_basis = [vw_bases[g][:, : rank_v[g]] for g in range(kv_heads)]
+    o_basis = [(vw_bases if vw_out is None else vw_out)[g][:, : rank_v[g]] for g in range(kv_heads)]
     out: dict[str, torch.Tensor] = {}
 
     def put(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -295,6 +326,6 @@ def rotate_attention(
         put("k_proj", *fold(w.k_weight, w.k_bias, kv_heads, lambda g: k_basis[g]))
     put("v_proj", *fold(w.v_weight, w.v_bias, kv_heads, lambda g: v_basis[g]))
     o_columns = _heads(w.o_weight.T.contiguous(), heads)  # H × [dk, d] = W_Oʰᵀ
-    o_weight = torch.cat([v_basis[h // group].T @ o_columns[h] for h in range(heads)]).T
+    o_weight = torch.cat([o_basis[h // group].T @ o_columns[h] for h in range(heads)]).T
     put("o_proj", o_weight, None if w.o_bias is None else w.o_bias.to(linalg.F64))
     return out
