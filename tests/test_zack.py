@@ -93,14 +93,15 @@ def test_k_only_keeps_values_full(tokenized_model_dir, tmp_path):
     assert sum(w for row in report["layers"] for w in row["rank_k"]) <= 0.5 * 3 * 2 * 16
 
 
-def test_truncated_attention_simulates_the_checkpoint(tokenized_model_dir, tmp_path):
+@pytest.mark.parametrize("value_basis", ["paper", "output"])
+def test_truncated_attention_simulates_the_checkpoint(value_basis, tokenized_model_dir, tmp_path):
     """The --target-agreement search scores a simulation; it must compute what the checkpoint does."""
     from kvconvert.calib.search import projectors_for, truncated_attention
     from kvconvert.io.source import open_source
     from kvconvert.methods.zack import ZackMethod
 
     src = tokenized_model_dir("qwen2_gqa")
-    method = ZackMethod(ZackConfig(removal_rate=0.3, calib_tokens=2048), progress=False)
+    method = ZackMethod(ZackConfig(removal_rate=0.3, calib_tokens=2048, value_basis=value_basis), progress=False)
     from kvconvert.pipeline import convert
 
     convert(open_source(str(src)), method, tmp_path / "zack", progress=False)
@@ -180,25 +181,14 @@ def test_output_value_basis_is_exact_at_full_width(kind, tokenized_model_dir, tm
                       *left_padded(length=20, pad=6, seed=3, high=97))  # fmt: skip
 
 
-def test_output_value_basis_simulation_and_loss(tokenized_model_dir, tmp_path):
-    """The search's simulation handles the oblique pair (it must compute what the checkpoint does), and
-    at the same r the output basis loses less of the attention output on the calibration values than
-    the paper's V‖W_O rotation: Σ_h ‖W_Oʰ(v − v̂)‖² from the Grams, per head."""
-    from kvconvert.calib.search import projectors_for, truncated_attention
+def test_output_value_basis_loses_less_than_the_paper(tokenized_model_dir):
+    """At the same r the output basis loses less of the attention output on the calibration values than
+    the paper's V‖W_O rotation: Σ_h ‖W_Oʰ(v − v̂)‖² from the Grams, per head. (Its simulation against the
+    checkpoint: ``test_truncated_attention_simulates_the_checkpoint``.)"""
     from kvconvert.io.source import open_source
-    from kvconvert.methods.zack import ZackMethod, fit_bases, output_gram
-    from kvconvert.pipeline import convert
+    from kvconvert.methods.zack import fit_bases, output_gram
 
     src = tokenized_model_dir("qwen2_gqa")
-    method = ZackMethod(ZackConfig(removal_rate=0.3, calib_tokens=2048, value_basis="output"), progress=False)
-    convert(open_source(str(src)), method, tmp_path / "zack", progress=False)
-    assert method.bases is not None and method.plan_ is not None
-    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
-    reference = load_reference(src)
-    with torch.no_grad(), truncated_attention(reference, projectors_for(method.bases, method.plan_)):
-        simulated = reference(ids).logits
-    assert_same_logits(simulated, load_converted(tmp_path / "zack")(ids).logits, "simulation vs checkpoint")
-
     from kvconvert.arch import adapter_for
     from kvconvert.calib.stats import collect_head_grams
     from kvconvert.calib.text import calibration_set
