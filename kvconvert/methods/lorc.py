@@ -274,7 +274,6 @@ class LorcMethod(Method):
                     spectra[side].append(linalg.weighted_truncation(weight, 1, right, left)[2])
                     if config.schedule == "auto":
                         projectors[side].append(_affine(weight, r0, right, left, w.k_bias if side == "k" else w.v_bias))
-        self.spectra = spectra
         losses = None
         probe_kl: dict[str, list[float]] = {}
         if config.schedule == "auto":
