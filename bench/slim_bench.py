@@ -20,14 +20,14 @@ from bench.common import machine, markdown_table, write_results  # noqa: E402
 from kvconvert.eval.memory import cache_nbytes  # noqa: E402
 
 
-def build_source(path: Path, layers: int) -> int:
+def build_source(path: Path, layers: int, max_positions: int = 8192) -> int:
     """Save a random MHA Llama (hidden 1024, 16 heads, vocab 16k) and return its size in bytes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=1024, intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=16,
-        num_key_value_heads=16, vocab_size=16000, max_position_embeddings=8192, tie_word_embeddings=True,
+        num_key_value_heads=16, vocab_size=16000, max_position_embeddings=max_positions, tie_word_embeddings=True,
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(path)
     return sum(p.stat().st_size for p in path.glob("*.safetensors"))

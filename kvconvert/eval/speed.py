@@ -30,9 +30,16 @@ def measure_speed(model: Any, context: int, new_tokens: int, seed: int = 0) -> d
 
 
 @torch.no_grad()
-def _prefill(model: Any, ids: torch.Tensor) -> dict[str, Any]:
-    out = model(ids, use_cache=True, logits_to_keep=1)
-    return {"cache": out.past_key_values, "token": out.logits[:, -1:].argmax(-1)}
+def _prefill(model: Any, ids: torch.Tensor, chunk: int | None = None) -> dict[str, Any]:
+    """Feed ``ids`` into a fresh cache, ``chunk`` tokens per call (None: all at once). Chunks bound the
+    runtimes' score matrices (``[b, H, chunk, n]``: 10 GB for one 16K-token call on SmolLM2)."""
+    cache, out = None, None
+    for start in range(0, ids.shape[1], chunk or ids.shape[1]):
+        out = model(ids[:, start : start + (chunk or ids.shape[1])], past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)  # fmt: skip
+        cache = out.past_key_values
+    assert out is not None
+    return {"cache": cache, "token": out.logits[:, -1:].argmax(-1)}
 
 
 @torch.no_grad()
@@ -50,19 +57,20 @@ def _decode(model: Any, state: dict[str, Any], steps: int) -> float:
 
 
 def side_by_side(
-    models: dict[str, Any], context: int, steps: int = 32, rounds: int = 2, seed: int = 0
+    models: dict[str, Any], context: int, steps: int = 32, rounds: int = 2, seed: int = 0, chunk: int | None = 2048
 ) -> dict[str, dict[str, float]]:
     """Decode speed of several models after the same ``context`` random tokens, measured in one process:
     each model prefills once (its own cache), then the models take turns decoding ``steps`` greedy
     tokens, ``rounds`` times, so that a slow spell of the machine hits all of them; the best round
-    counts. Returns, per model, decode tokens/s and the bytes its cache held after the prefill."""
+    counts. ``chunk``: prefill that many tokens per call (bounds memory at long context; None: all at
+    once). Returns, per model, decode tokens/s and the bytes its cache held after the prefill."""
     from kvconvert.eval.memory import cache_nbytes
 
     vocab = next(iter(models.values())).config.vocab_size
     ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(seed))
     states, best = {}, {}
     for name, model in models.items():
-        states[name] = _prefill(model, ids.to(model_device(model)))
+        states[name] = _prefill(model, ids.to(model_device(model)), chunk)
         states[name]["bytes"] = cache_nbytes(states[name]["cache"])
         _decode(model, states[name], 1)  # warm-up step
         best[name] = float("inf")

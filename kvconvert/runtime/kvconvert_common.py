@@ -257,17 +257,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate the first ``r = cos.shape[-1]`` dims of every head (partial rotary leaves the rest).
 
     Shapes: x ``[b, h, n, dk]``, cos/sin ``[b|1, n, r]`` with ``r <= dk``. Same result as
-    transformers' ``x·cos + rotate_half(x)·sin``, in three passes over x instead of five:
-    ``rotate_half(x) = roll(x)`` with the first half negated, and the sign goes on the small
-    sin table rather than on x. (Slim re-rotates every cached key at each step, so this matters.)
+    transformers' ``x·cos + rotate_half(x)·sin``, written as one product and two in-place half-width
+    multiply-adds: ``rotate_half`` (a roll, i.e. a concatenation) would copy x once more and, on a
+    CPU, cost 8× the arithmetic (measured on 16×4096×64). Slim and LoRC re-rotate every cached key
+    at each step, so this is their decode's hot loop.
     """
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if x.dim() == 4 and not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
+        # a token-major cache viewed per head: rotate it in its own layout ([b, n, h, dk]), where the
+        # elementwise passes run contiguously (3× faster on a CPU than through the strided view)
+        return _rotate(x.transpose(1, 2), cos.unsqueeze(2), sin.unsqueeze(2)).transpose(1, 2)
+    return _rotate(x, cos.unsqueeze(1), sin.unsqueeze(1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary`` with cos/sin already broadcastable to ``x[..., :r]``."""
     r = cos.shape[-1]
     half = r // 2
     rotated = x if r == x.shape[-1] else x[..., :r]
-    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
     out = rotated * cos
-    out.addcmul_(rotated.roll(half, dims=-1), signed_sin)
+    out[..., :half].addcmul_(rotated[..., half:], sin[..., :half], value=-1)
+    out[..., half:].addcmul_(rotated[..., :half], sin[..., half:])
     return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
 
 

@@ -26,9 +26,9 @@ IMPLEMENTATION = "kvconvert_razor"
 
 def compensated_attention(
     query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    bias: torch.Tensor | None,
+    keys: torch.Tensor | tuple[torch.Tensor, ...],
+    values: torch.Tensor | tuple[torch.Tensor, ...],
+    scores: torch.Tensor | None,
     comp_key: torch.Tensor,
     comp_value: torch.Tensor,
     comp_count: torch.Tensor,
@@ -36,18 +36,26 @@ def compensated_attention(
 ) -> torch.Tensor:
     """Eq. 5: softmax attention over kept tokens plus a compensation token weighted by N_d.
 
-    Shapes: query ``[b, h, q, d]``; keys/values ``[b, h, n, d]``; bias ``[b|1, 1|h, q, n]`` or None;
-    comp_key/comp_value ``[b, h, 1, d]`` (means of the dropped tokens); comp_count ``[b]`` (N_d,
-    0 where nothing was dropped: the compensation token then takes no weight). Returns ``[b, h, q, d]``.
+    Shapes: query ``[b, k, m, d]`` (m query rows per head k: a KV group's stacked heads, or one head's
+    positions); keys/values ``[b, k, n, d]``, or consecutive parts of them (sink, window) that are
+    never concatenated; scores ``[b, k, m, n]``, the masked, scaled ``query·keys`` when the caller
+    has them (None: computed here, nothing masked); comp_key/comp_value ``[b, k, 1, d]`` (means of
+    the dropped tokens); comp_count ``[b]`` (N_d, 0 where nothing was dropped: the compensation token
+    then takes no weight). Returns ``[b, k, m, d]``.
     """
-    scores = (query @ keys.transpose(-1, -2)) * scaling
-    if bias is not None:
-        scores = scores + bias
+    keys = keys if isinstance(keys, tuple) else (keys,)
+    values = values if isinstance(values, tuple) else (values,)
+    if scores is None:
+        scores = torch.cat([query @ part.transpose(-1, -2) for part in keys], dim=-1) * scaling
     # N_d·exp(q·k̂) = exp(q·k̂ + ln N_d): the count becomes an additive logit
     log_count = torch.where(comp_count > 0, comp_count.clamp(min=1).log(), torch.finfo(scores.dtype).min)
     comp_scores = (query @ comp_key.transpose(-1, -2)) * scaling + log_count.view(-1, 1, 1, 1).to(scores.dtype)
-    probs = softmax_rows(torch.cat([scores, comp_scores], dim=-1), values.dtype)
-    return probs[..., :-1] @ values + probs[..., -1:] * comp_value
+    probs = softmax_rows(torch.cat([scores, comp_scores], dim=-1), values[0].dtype)
+    out, start = probs[..., -1:] * comp_value, 0
+    for part in values:
+        out = out + probs[..., start : start + part.shape[-2]] @ part
+        start += part.shape[-2]
+    return out
 
 
 class RazorLayer(KVLayer):
@@ -111,14 +119,17 @@ class RazorLayer(KVLayer):
             values.append(self.recent_v.read())
         return keys, values
 
-    def commit(self, new_k: torch.Tensor, new_v: torch.Tensor, valid: torch.Tensor) -> None:
-        """Append this step's keys/values ``[b, Hkv, q, d]``; move what falls out of the window into the
-        compensation sums. ``valid [b, seen + q]``: False for padding tokens (never compensated)."""
+    def extend(self, new_k: torch.Tensor, new_v: torch.Tensor) -> tuple[Any, Any]:
+        """Store this step's keys/values ``[b, Hkv, q, d]``; nothing is dropped yet (``evict`` does that
+        once the step has attended). Returns what the step attends to, the new tokens exact: the
+        retrieval heads' ``(keys, values) [b, R, n, d]`` and the other heads' ``(sink, recent)`` key and
+        value pairs ``[b, N, ·, d]`` (None for a kind of head the layer lacks). Unquantized stores hand
+        out their own tensors: no copy of the cache beyond the append."""
         q_len = new_k.shape[2]
         r, o = self.retrieval, self.others
+        full = short = None
         if r:
-            self.full_k.append(new_k[:, r])
-            self.full_v.append(new_v[:, r])
+            full = self.full_k.extend(new_k[:, r]), self.full_v.extend(new_v[:, r])
         if o:
             k, v = new_k[:, o], new_v[:, o]
             if self.sink_k is None:
@@ -127,21 +138,35 @@ class RazorLayer(KVLayer):
                 self.comp_v_sum = torch.zeros_like(v[:, :, :1], dtype=torch.float32)
                 self.comp_count = torch.zeros(k.shape[0], dtype=torch.float32, device=k.device)
             take = max(0, min(self.sink - self.sink_k.shape[2], q_len))
-            self.sink_k = torch.cat([self.sink_k, k[:, :, :take]], dim=2)
-            self.sink_v = torch.cat([self.sink_v, v[:, :, :take]], dim=2)
+            if take:
+                self.sink_k = torch.cat([self.sink_k, k[:, :, :take]], dim=2)
+                self.sink_v = torch.cat([self.sink_v, v[:, :, :take]], dim=2)
             if take < q_len:
-                self.recent_k.append(k[:, :, take:])
-                self.recent_v.append(v[:, :, take:])
-            total = self.seen + q_len
-            drop = max(0, len(self.recent_k) - self.recent_budget(total))
-            if drop:
-                first = total - len(self.recent_k)  # logical index of the oldest recent token
-                weight = valid[:, first : first + drop].to(torch.float32)[:, None, :, None]  # [b, 1, drop, 1]
-                dropped_k, dropped_v = self.recent_k.take_front(drop), self.recent_v.take_front(drop)
-                self.comp_k_sum = self.comp_k_sum + (dropped_k.float() * weight).sum(2, keepdim=True)
-                self.comp_v_sum = self.comp_v_sum + (dropped_v.float() * weight).sum(2, keepdim=True)
-                self.comp_count = self.comp_count + weight.sum((1, 2, 3))
+                recent = self.recent_k.extend(k[:, :, take:]), self.recent_v.extend(v[:, :, take:])
+            elif len(self.recent_k):
+                recent = self.recent_k.read(), self.recent_v.read()
+            else:
+                recent = k[:, :, :0], v[:, :, :0]
+            short = (self.sink_k, recent[0]), (self.sink_v, recent[1])
         self.seen += q_len
+        return full, short
+
+    def evict(self, valid: torch.Tensor) -> None:
+        """Move what fell out of the window into the compensation sums. ``valid [b, seen]``: False for
+        padding tokens (never compensated)."""
+        drop = max(0, len(self.recent_k) - self.recent_budget(self.seen)) if self.others else 0
+        if drop:
+            first = self.seen - len(self.recent_k)  # logical index of the oldest recent token
+            weight = valid[:, first : first + drop].to(torch.float32)[:, None, :, None]  # [b, 1, drop, 1]
+            dropped_k, dropped_v = self.recent_k.take_front(drop), self.recent_v.take_front(drop)
+            self.comp_k_sum = self.comp_k_sum + (dropped_k.float() * weight).sum(2, keepdim=True)
+            self.comp_v_sum = self.comp_v_sum + (dropped_v.float() * weight).sum(2, keepdim=True)
+            self.comp_count = self.comp_count + weight.sum((1, 2, 3))
+
+    def commit(self, new_k: torch.Tensor, new_v: torch.Tensor, valid: torch.Tensor) -> None:
+        """``extend`` then ``evict``: for a step that attended without the stores' help (the kernel's)."""
+        self.extend(new_k, new_v)
+        self.evict(valid)
 
     # --- cache protocol
     def rows(self) -> int:
@@ -197,59 +222,74 @@ def _attend(
     seen = layer.seen if layer is not None else 0
     total = seen + q_len
     bias = additive_mask(attention_mask, q_len, total, query.dtype, query.device)
-    if bias is None:  # single decode step without padding: everything visible
-        bias = torch.zeros(1, 1, q_len, total, dtype=query.dtype, device=query.device)
-    valid = bias[:, 0, -1, :] == 0  # [b|1, total]: the last query sees every non-padding token
-    valid = valid.expand(batch, total)
-    out = torch.empty_like(query)
-
-    def heads_of(kv: list[int]) -> list[int]:
-        return [g * group + j for g in kv for j in range(group)]
-
-    def grouped(kv_tensor: torch.Tensor) -> torch.Tensor:  # [b, k, n, d] -> [b, k·G, n, d]
-        return kv_tensor.repeat_interleave(group, dim=1)
-
-    retrieval = layer.retrieval if layer is not None else list(range(kv_heads))
-    others = layer.others if layer is not None else []
+    # bias None: a decode step without padding, every held token visible
+    valid = (
+        torch.ones(batch, total, dtype=torch.bool, device=query.device)
+        if bias is None
+        else (bias[:, 0, -1, :] == 0).expand(batch, total)
+    )  # [b, total]: the last query sees every non-padding token
     if q_len == 1 and layer is not None and use_kernels(query):
+        if bias is None:
+            bias = torch.zeros(1, 1, 1, total, dtype=query.dtype, device=query.device)
         out = _decode_with_kernel(layer, query, key, value, bias, group, scale)
         layer.commit(key, value, valid)
         return out.transpose(1, 2).contiguous(), None
-    if retrieval:
-        past = None if layer is None else layer.past_full()
-        k = key[:, retrieval] if past is None else torch.cat([past[0], key[:, retrieval]], 2)
-        v = value[:, retrieval] if past is None else torch.cat([past[1], value[:, retrieval]], 2)
-        q = query[:, heads_of(retrieval)]
-        scores = (q @ grouped(k).transpose(-1, -2)) * scale + bias
-        out[:, heads_of(retrieval)] = softmax_rows(scores, value.dtype) @ grouped(v)
-    if others:
-        assert layer is not None
-        index = torch.tensor(_kept_index(layer, total), device=query.device)
-        past_k, past_v = layer.past_short()
-        k, v = torch.cat(past_k + [key[:, others]], 2), torch.cat(past_v + [value[:, others]], 2)
-        if layer.comp_count is None:
-            comp_k = torch.zeros_like(k[:, :, :1])
-            comp_v, count = comp_k, torch.zeros(batch, device=query.device)
+    # Work per KV head: the G query heads of a group are adjacent, so ``[b, k·G, q, d]`` views as
+    # ``[b, k, G·q, d]`` and one matmul serves the group (no G-fold copy of the keys and values).
+    out = query.new_empty(batch, kv_heads, group * q_len, dim)
+    grouped_query = query.reshape(batch, kv_heads, group * q_len, dim)
+    if layer is None:  # no cache: plain causal attention over this step
+        scores = _grouped_scores(grouped_query, key, bias, scale, group)
+        out = softmax_rows(scores, value.dtype) @ value
+        return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+    # comp state before this step (the step's drops are compensated from the next step on)
+    comp = None if layer.comp_count is None else (layer.comp_k_sum, layer.comp_v_sum, layer.comp_count)
+    full, short = layer.extend(key, value)
+    if full is not None:
+        scores = _grouped_scores(grouped_query[:, layer.retrieval], full[0], bias, scale, group)
+        out[:, layer.retrieval] = softmax_rows(scores, value.dtype) @ full[1]
+    if short is not None:
+        (sink_k, recent_k), (sink_v, recent_v) = short
+        if comp is None:
+            comp_k = comp_v = torch.zeros_like(key[:, layer.others, :1])
+            count = torch.zeros(batch, device=query.device)
         else:
-            denominator = layer.comp_count.clamp(min=1).view(-1, 1, 1, 1)
-            comp_k = (layer.comp_k_sum / denominator).to(k.dtype)
-            comp_v = (layer.comp_v_sum / denominator).to(v.dtype)
-            count = layer.comp_count
-        heads_o = heads_of(others)
-        out[:, heads_o] = compensated_attention(
-            query[:, heads_o], grouped(k), grouped(v), bias.index_select(-1, index), grouped(comp_k), grouped(comp_v),
-            count, scale,
-        )  # fmt: skip
-    if layer is not None:
-        layer.commit(key, value, valid)
-    return out.transpose(1, 2).contiguous(), None
+            denominator = comp[2].clamp(min=1).view(-1, 1, 1, 1)
+            comp_k, comp_v = (comp[0] / denominator).to(key.dtype), (comp[1] / denominator).to(value.dtype)
+            count = comp[2]
+        kept_bias = None if bias is None else bias.index_select(-1, _kept_index(layer, total, query.device))
+        rows = grouped_query[:, layer.others]
+        # sink and window scored apart: concatenating the window's keys would copy it every step
+        scores = torch.cat([rows @ sink_k.transpose(-1, -2), rows @ recent_k.transpose(-1, -2)], dim=-1) * scale
+        if kept_bias is not None:
+            scores = _grouped_bias(scores, kept_bias, group)
+        out[:, layer.others] = compensated_attention(rows, (sink_k, recent_k), (sink_v, recent_v), scores, comp_k,
+                                                     comp_v, count, scale)  # fmt: skip
+    layer.evict(valid)
+    return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
-def _kept_index(layer: RazorLayer, total: int) -> list[int]:
-    """Logical positions a non-retrieval head still holds: sinks, the recent window, this step."""
-    kept = list(range(layer.sink_k.shape[2] if layer.sink_k is not None else 0))
-    kept += list(range(layer.seen - len(layer.recent_k), layer.seen))
-    return kept + list(range(layer.seen, total))
+def _grouped_scores(
+    query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None, scale: float, group: int
+) -> torch.Tensor:
+    """Scaled scores of a group's stacked query rows ``[b, k, G·q, d]`` against ``keys [b, k, n, d]``,
+    plus ``bias [b|1, 1, q, n]`` (shared by the G heads): ``[b, k, G·q, n]``."""
+    scores = (query @ keys.transpose(-1, -2)) * scale
+    return scores if bias is None else _grouped_bias(scores, bias, group)
+
+
+def _grouped_bias(scores: torch.Tensor, bias: torch.Tensor, group: int) -> torch.Tensor:
+    """``scores [b, k, G·q, n]`` + ``bias [b|1, 1, q, n]``, the G stacked heads sharing the bias."""
+    b, k, rows, n = scores.shape
+    return (scores.view(b, k, group, rows // group, n) + bias[:, :, None]).view(b, k, rows, n)
+
+
+def _kept_index(layer: RazorLayer, total: int, device: torch.device) -> torch.Tensor:
+    """Logical positions a non-retrieval head still holds: sinks, the recent window, this step's
+    tokens (``total``: positions up to this step's end; the same before and after ``extend``)."""
+    sink = layer.sink_k.shape[2] if layer.sink_k is not None else 0
+    first_recent = layer.seen - len(layer.recent_k)
+    return torch.cat([torch.arange(sink, device=device), torch.arange(first_recent, total, device=device)])
 
 
 def _decode_with_kernel(
@@ -266,10 +306,9 @@ def _decode_with_kernel(
     full_k = (key[:, r] if past is None else torch.cat([past[0], key[:, r]], 2)) if r else empty
     full_v = (value[:, r] if past is None else torch.cat([past[1], value[:, r]], 2)) if r else empty
     if o:
-        index = torch.tensor(_kept_index(layer, total), device=query.device)
         past_k, past_v = layer.past_short()
         short_k, short_v = torch.cat(past_k + [key[:, o]], 2), torch.cat(past_v + [value[:, o]], 2)
-        short_bias = row_bias.index_select(-1, index)
+        short_bias = row_bias.index_select(-1, _kept_index(layer, total, query.device))
         if layer.comp_count is None:
             comp_k = comp_v = query.new_zeros(batch, len(o), dim)
             count = torch.zeros(batch, device=query.device)

@@ -438,8 +438,12 @@ class TokenStore:
             front.append(past[..., self.offset : self.offset + from_blocks, :])
             self.offset += from_blocks
         if count > from_blocks:
-            front.append(self.tail[..., : count - from_blocks, :])
-            self.tail = self.tail[..., count - from_blocks :, :].clone()
+            cut = count - from_blocks
+            front.append(self.tail[..., :cut, :])
+            # a view keeps the dropped tokens' storage until the next append copies the tail; worth it
+            # for the token or two a sliding window drops per step, not for a prefill's many
+            rest = self.tail[..., cut:, :]
+            self.tail = rest if cut <= rest.shape[-2] // 16 else rest.clone()
         self._free_dropped_blocks()
         taken = self._with_head(torch.cat(front, dim=-2))  # cat copies: the patch touches no stored tensor
         if self.head is not None:

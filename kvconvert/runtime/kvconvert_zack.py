@@ -112,6 +112,8 @@ class ZackAttention(LatentAttention):
             packed_query = torch.cat([q.reshape(batch, -1) for q in queries], dim=-1)  # [b, Σ_h r_k,g(h)]
             out = self.decode_with_kernel(packed_query, keys, values, bias)
             return self.o_proj(out.to(hidden_states.dtype)[:, None])
+        if q_len <= 4:
+            return self.o_proj(self._decode_packed(queries, keys, values, bias))
         outputs = []
         per_head = zip(keys.split(self.rank_k, dim=-1), values.split(self.rank_v, dim=-1), strict=True)
         for g, (key_g, value_g) in enumerate(per_head):
@@ -122,6 +124,33 @@ class ZackAttention(LatentAttention):
             out = probs @ value_g.unsqueeze(1)  # [b, G, q, r_v,g]: still rotated; W_O undoes it
             outputs.append(out.transpose(1, 2).reshape(batch, q_len, -1))
         return self.o_proj(torch.cat(outputs, dim=-1))
+
+    def _decode_packed(
+        self, queries: list[torch.Tensor], keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention for a few query positions in two matmuls over the packed cache: each head's query
+        is zero outside its group's key columns (``[b, H·q, Σ r_k]``), so one product scores every head
+        and the cache is read once, contiguously; each head then keeps its group's value columns.
+        Decoding is bound by reading the cache, so the Hkv-fold arithmetic is free; prefill loops
+        over groups instead. ``queries`` per group ``[b, G, q, r_k,g]``, ``keys [b, n, Σ r_k]``,
+        ``values [b, n, Σ r_v]``; returns ``[b, q, Σ_h r_v,g(h)]``, o_proj's input."""
+        batch, _, q_len, _ = queries[0].shape
+        kv_len = keys.shape[1]
+        packed = keys.new_zeros(batch, self.heads, q_len, keys.shape[-1])
+        k_off = v_off = 0
+        for g, query_g in enumerate(queries):
+            packed[:, g * self.group : (g + 1) * self.group, :, k_off : k_off + self.rank_k[g]] = query_g
+            k_off += self.rank_k[g]
+        scores = torch.bmm(packed.view(batch, self.heads * q_len, -1), keys.transpose(1, 2)) * self.scaling
+        if bias is not None:
+            scores = (scores.view(batch, self.heads, q_len, kv_len) + bias).view(batch, -1, kv_len)
+        mixed = torch.bmm(softmax_rows(scores, values.dtype), values).view(batch, self.heads, q_len, -1)
+        outputs = []
+        for g in range(self.kv_heads):  # [b, G, q, r_v,g] per group: still rotated; W_O undoes it
+            out = mixed[:, g * self.group : (g + 1) * self.group, :, v_off : v_off + self.rank_v[g]]
+            outputs.append(out.transpose(1, 2).reshape(batch, q_len, -1))
+            v_off += self.rank_v[g]
+        return torch.cat(outputs, dim=-1)
 
 
 def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None) -> ZackAttention:
