@@ -547,6 +547,11 @@ def _print_layers(report: dict[str, Any], columns: list[tuple[str, str, str]]) -
 @click.option(
     "--layer-similarity", is_flag=True, help="Also measure adjacent layers' K/V similarity on --calib (MiniCache)."
 )
+@click.option(
+    "--allocation", default=None,
+    help="Comma-separated KV budgets: also run `lorc --schedule auto`'s probes on --calib and draw its ranks per layer "
+         "and side at each (runs the model).",
+)  # fmt: skip
 @_calibration_options
 @_user_errors
 def analyze(
@@ -561,13 +566,15 @@ def analyze(
     rotations: bool,
     compare_calib: str | None,
     layer_similarity: bool,
+    allocation: str | None,
     calib: str | None,
     calib_tokens: int,
     seed: int,
 ) -> None:
     """Spectra and condition numbers of W_K/W_V per layer, LoRC rank plans, (--heads) echo and
     induction scores of every head, (--rotations) ZACK head spectra, plans and calibration
-    agreement, (--layer-similarity) adjacent-layer K/V similarity: analysis.json + PNG plots."""
+    agreement, (--layer-similarity) adjacent-layer K/V similarity, (--allocation) LoRC's ranks by
+    measured loss: analysis.json + PNG plots."""
     import json
 
     from kvconvert.analysis.plots import (
@@ -581,12 +588,15 @@ def analyze(
     from kvconvert.io.source import open_source
     from kvconvert.io.writer import atomic_output_dir
 
+    budgets = _budget_list(allocation)
     compute = computing_on(resolve_device(device))
     source = open_source(model, revision=revision, allow_pickle=allow_pickle)
     out = out or Path(f"{Path(source.model_id).name}-analysis")
     with compute:
         analysis = _analysis(source, heads, profile_tokens, rotations, compare_calib, layer_similarity, calib,
                              calib_tokens, seed)  # fmt: skip
+        if budgets:
+            analysis["lorc_auto"] = _auto_allocation(source, budgets, calib, calib_tokens, seed)
     with atomic_output_dir(out, replace=force, sources=[source.path]) as tmp:
         (tmp / "analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
         plot_spectra(analysis, tmp / "spectra.png")
@@ -606,6 +616,8 @@ def analyze(
         _print_rotations(analysis["rotations"])
     if layer_similarity:
         _print_layer_similarity(analysis["layer_similarity"])
+    if budgets:
+        _print_allocation(analysis["lorc_auto"])
     pngs = ["spectra.png", "condition.png", "ranks.png"] + ["heads.png"] * heads
     pngs += ["layer_similarity.png"] * layer_similarity
     click.echo(f"wrote {out}/analysis.json, " + ", ".join(pngs))
@@ -632,6 +644,44 @@ def _analysis(source: Any, heads: bool, profile_tokens: int | None, rotations: b
 
         analysis["layer_similarity"] = measure_layer_similarity(source, calib, calib_tokens, seed=seed)
     return analysis
+
+
+def _budget_list(text: str | None) -> list[float]:
+    """``--allocation``'s budgets, each in (0, 1]."""
+    if text is None:
+        return []
+    try:
+        budgets = [float(b) for b in text.split(",")]
+    except ValueError:
+        budgets = []
+    if not budgets or any(not 0 < b <= 1 for b in budgets):
+        raise KVConvertError(f"--allocation takes comma-separated budgets in (0, 1], got {text!r}")
+    return budgets
+
+
+def _auto_allocation(source: Any, budgets: list[float], calib: str | None, calib_tokens: int,
+                     seed: int) -> dict[str, Any]:  # fmt: skip
+    """``lorc --schedule auto``'s decisions at each budget, as ``kvconvert.json`` would record them."""
+    from kvconvert.methods.lorc import LorcConfig, LorcMethod
+    from kvconvert.pipeline import plan_conversion
+
+    result = {}
+    for budget in budgets:
+        config = LorcConfig(kv_budget=budget, schedule="auto", calib=calib, calib_tokens=calib_tokens, seed=seed)
+        method = LorcMethod(config)
+        plan_conversion(source, method)
+        plan = method.plan_
+        result[f"{budget:g}"] = {"budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v,
+                                 "probe_rank": plan.probe_rank, "probe_kl_k": plan.probe_kl_k,
+                                 "probe_kl_v": plan.probe_kl_v}  # fmt: skip
+    return result
+
+
+def _print_allocation(result: dict[str, Any]) -> None:
+    click.echo("LoRC --schedule auto (ranks by measured loss; K/V per layer):")
+    for budget, plan in result.items():
+        ranks = " ".join(f"{k}/{v}" for k, v in zip(plan["rank_k"], plan["rank_v"], strict=True))
+        click.echo(f"  budget {budget} (achieved {plan['budget']:.3f}, probed at rank {plan['probe_rank']}): {ranks}")
 
 
 def _print_layer_similarity(result: dict[str, Any], merged: set[tuple[int, ...]] | None = None) -> None:

@@ -57,20 +57,24 @@ def parse_size(text: str) -> int:
     return int(upper)
 
 
-def convert(
-    source: SourceCheckpoint,
-    method: Method,
-    out: Path,
-    *,
-    dtype: str = "auto",
-    replace: bool = False,
-    max_shard_bytes: int = 5 * 1000**3,
-    progress: bool = True,
-) -> ConversionResult:
-    """Convert ``source`` with ``method`` into ``out`` (written atomically).
+@dataclass
+class _Checkpoint:
+    """Where a source's attention tensors are, per layer, and what the conversion writes them as."""
 
-    Peak memory: one layer's attention tensors plus the largest single non-attention tensor.
-    """
+    source: SourceCheckpoint
+    adapter: Any
+    layout: Any
+    attention: dict[int, dict[str, str]]  # layer -> local name -> checkpoint name
+    prefixes: dict[int, str]
+    passthrough: list[str]
+    target: torch.dtype
+
+    def read_layer(self, layer: int) -> dict[str, torch.Tensor]:
+        return {k: self.source.get(v) for k, v in self.attention[layer].items()}
+
+
+def _open(source: SourceCheckpoint, method: Method, dtype: str) -> _Checkpoint:
+    """Check that ``method`` applies to ``source`` and index its attention tensors."""
     adapter = adapter_for(source.config)
     layout = adapter.layout()
     method.check_features(layout)
@@ -78,12 +82,10 @@ def convert(
     method.check(layout)
     if dtype != "auto" and dtype not in DTYPES:
         raise KVConvertError(f"--dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
-
-    names = source.tensor_names()
     attention: dict[int, dict[str, str]] = {}
     prefixes: dict[int, str] = {}
     passthrough: list[str] = []
-    for name in names:
+    for name in source.tensor_names():
         match = adapter.match_attention_tensor(name)
         if match is None:
             passthrough.append(name)
@@ -98,12 +100,36 @@ def convert(
     target = (
         DTYPES[dtype] if dtype != "auto" else _source_dtype(source, [n for m in attention.values() for n in m.values()])
     )
+    return _Checkpoint(source, adapter, layout, attention, prefixes, passthrough, target)
 
-    def read_layer(layer: int) -> dict[str, torch.Tensor]:
-        return {k: source.get(v) for k, v in attention[layer].items()}
 
-    method.plan(layout, (adapter.read_attention(read_layer(layer)) for layer in range(layout.num_layers)), source,
-                target)  # fmt: skip
+def plan_conversion(source: SourceCheckpoint, method: Method, dtype: str = "auto") -> _Checkpoint:
+    """Run ``method``'s whole-model decisions (``method.plan``: spectra, calibration, rank search)
+    on ``source`` without writing anything; ``kvconvert analyze`` draws them."""
+    checkpoint = _open(source, method, dtype)
+    adapter, layout = checkpoint.adapter, checkpoint.layout
+    method.plan(layout, (adapter.read_attention(checkpoint.read_layer(layer)) for layer in range(layout.num_layers)),
+                source, checkpoint.target)  # fmt: skip
+    return checkpoint
+
+
+def convert(
+    source: SourceCheckpoint,
+    method: Method,
+    out: Path,
+    *,
+    dtype: str = "auto",
+    replace: bool = False,
+    max_shard_bytes: int = 5 * 1000**3,
+    progress: bool = True,
+) -> ConversionResult:
+    """Convert ``source`` with ``method`` into ``out`` (written atomically).
+
+    Peak memory: one layer's attention tensors plus the largest single non-attention tensor.
+    """
+    checkpoint = plan_conversion(source, method, dtype)
+    adapter, layout, target = checkpoint.adapter, checkpoint.layout, checkpoint.target
+    passthrough, prefixes, read_layer = checkpoint.passthrough, checkpoint.prefixes, checkpoint.read_layer
 
     with atomic_output_dir(out, replace, sources=[source.path]) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes)

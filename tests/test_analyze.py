@@ -54,3 +54,26 @@ def test_analyze_heads_heat_map(tiny_model_dir, tmp_path):
     heads = json.loads((out / "analysis.json").read_text())["heads"]
     assert len(heads["echo"]) == 3 and len(heads["echo"][0]) == 4  # layers × query heads
     assert all(0 <= x <= 1 for row in heads["induction"] for x in row)
+
+
+def test_analyze_draws_the_auto_allocation_lorc_writes(tokenized_model_dir, tmp_path):
+    """--allocation: the ranks analyze reports are the ones `lorc --schedule auto` writes at that budget."""
+    src = tokenized_model_dir("llama_gqa")
+    out = tmp_path / "analysis"
+    result = run_cli("analyze", "--model", str(src), "--out", str(out), "--allocation", "0.6", "--calib-tokens", "2048")
+    assert result.exit_code == 0, result.output
+    plan = json.loads((out / "analysis.json").read_text())["lorc_auto"]["0.6"]
+    assert (out / "ranks.png").read_bytes().startswith(PNG_MAGIC) and "budget 0.6" in result.output
+    converted = run_cli("lorc", "--model", str(src), "--out", str(tmp_path / "lorc"), "--kv-budget", "0.6",
+                        "--schedule", "auto", "--calib-tokens", "2048", "--quiet")  # fmt: skip
+    assert converted.exit_code == 0, converted.output
+    layers = json.loads((tmp_path / "lorc" / "kvconvert.json").read_text())["layers"]
+    assert plan["rank_k"] == [r["rank_k"] for r in layers] and plan["rank_v"] == [r["rank_v"] for r in layers]
+    assert plan["probe_kl_k"] == pytest.approx([r["k_probe_kl"] for r in layers])
+
+
+def test_analyze_refuses_a_bad_allocation(tiny_model_dir, tmp_path):
+    result = run_cli("analyze", "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "a"),
+                     "--allocation", "0.5,1.5")  # fmt: skip
+    assert result.exit_code == 2 and "--allocation takes comma-separated budgets in (0, 1]" in result.stderr
+    assert not (tmp_path / "a").exists()

@@ -58,7 +58,8 @@ def plot_condition(analysis: dict[str, Any], path: Path) -> None:
 
 
 def plot_ranks(analysis: dict[str, Any], path: Path) -> None:
-    """LoRC's per-layer ranks, progressive (solid) vs uniform (dashed), at each budget."""
+    """LoRC's per-layer ranks, progressive (solid) vs uniform (dashed), at each budget; with
+    ``analysis["lorc_auto"]`` also auto's K (circles) and V (squares) ranks, dotted."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 4))
     colours = plt.get_cmap("tab10")
@@ -68,10 +69,16 @@ def plot_ranks(analysis: dict[str, Any], path: Path) -> None:
             ranks = analysis["lorc_rank_plans"].get(f"{schedule}@{budget}")
             if ranks is not None:
                 ax.plot(range(len(ranks)), ranks, style, color=colours(i), label=f"{schedule} @ {budget}")
+    for i, (budget, plan) in enumerate(analysis.get("lorc_auto", {}).items()):
+        colour = colours(len(budgets) + i)
+        for side, marker in (("k", "o"), ("v", "s")):
+            ranks = [analysis["kv_width"] if r is None else r for r in plan[f"rank_{side}"]]
+            ax.plot(range(len(ranks)), ranks, ":", marker=marker, ms=3, color=colour,
+                    label=f"auto {side.upper()} @ {budget}")  # fmt: skip
     ax.axhline(analysis["kv_width"], color="grey", lw=0.8)
     ax.set_xlabel("layer")
-    ax.set_ylabel("rank of K and V")
-    ax.set_title("LoRC rank plans (grey: full width)")
+    ax.set_ylabel("rank")
+    ax.set_title("LoRC rank plans: K and V alike by κ; auto per side by measured loss (grey: full width)")
     ax.legend(fontsize=8, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
