@@ -671,6 +671,7 @@ def _auto_allocation(source: Any, budgets: list[float], calib: str | None, calib
         method = LorcMethod(config)
         plan_conversion(source, method)
         plan = method.plan_
+        assert plan is not None, "plan_conversion runs the plan"
         result[f"{budget:g}"] = {"budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v,
                                  "probe_rank": plan.probe_rank, "probe_kl_k": plan.probe_kl_k,
                                  "probe_kl_v": plan.probe_kl_v}  # fmt: skip
