@@ -45,6 +45,12 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     # razor: which heads keep everything changes nothing here; a short profile keeps the bench fast
     ("razor 0.5", {"method": "razor", "kv_budget": 0.5, "profile_tokens": 64}),
     ("minicache + 4-bit", {"method": "minicache", "kv_bits": 4, "kv_residual": 0}),
+    ("razor 0.5 + 4-bit KIVI layout, sink 4 + rotated values (ext.)",
+     {"method": "razor", "kv_budget": 0.5, "profile_tokens": 64, "kv_bits": 4, "kv_residual": 32, "kv_sink": 4,
+      "kv_rotate": True}),
+    ("razor 0.5 + 4-bit token layout, sink 4 (ext.)",
+     {"method": "razor", "kv_budget": 0.5, "profile_tokens": 64, "kv_bits": 4, "kv_residual": 0, "kv_sink": 4,
+      "kv_layout": "token"}),
 ]  # fmt: skip
 
 
@@ -54,6 +60,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", default=None, help="candidates whose label contains this text")
+    parser.add_argument("--name", default="speed", help="results file stem (bench/results/NAME-<date>.*)")
     args = parser.parse_args()
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
@@ -85,7 +92,7 @@ def main() -> None:
     )  # fmt: skip
     payload = {"machine": machine(), "steps": args.steps, "rounds": args.rounds,
                "rows": rows, "seconds": time.perf_counter() - started}  # fmt: skip
-    write_results("speed", payload, table)
+    write_results(args.name, payload, table)
 
 
 def _converted(source_dir: Path, recipe: dict[str, Any], label: str, out: Path) -> Any:

@@ -15,7 +15,7 @@ from helpers import convert, generate_in_every_mode, left_padded, load_converted
 
 import kvconvert
 from kvconvert.eval.memory import kv_bytes_per_token
-from kvconvert.runtime import kvconvert_quant
+from kvconvert.runtime import kvconvert_quant, kvconvert_razor
 from kvconvert.runtime.kvconvert_storage import (
     QuantSpec,
     TokenLayoutStore,
@@ -178,6 +178,40 @@ def test_converted_model_decodes_from_the_codes_like_its_dequantized_path(tokeni
     assert not torch.allclose(torch.stack(source.logits), float_logits, rtol=1e-3, atol=1e-3)
 
 
+def test_razor_retrieval_heads_decode_from_the_codes(tokenized_model_dir, tmp_path, monkeypatch):
+    """Razor in the token layout: its retrieval heads' full stores are read from the codes at each decode
+    step (the windows stay in KIVI's layout), giving the tokens and, within bf16 rounding, the logits of
+    its dequantizing path; it generates in every mode."""
+    src = tokenized_model_dir("llama_gqa64")
+    convert("razor", src, tmp_path / "r", "--kv-budget", "0.5", "--profile-tokens", "16", "--window", "8", *TOKEN,
+            "--kv-sink", "2")  # fmt: skip
+    ids, mask = left_padded()
+    calls = []
+    original = kvconvert_razor.token_decode
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    def run():
+        model = kvconvert.load(tmp_path / "r").eval()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40,
+                             do_sample=False, return_dict_in_generate=True, output_logits=True,
+                             pad_token_id=0)  # fmt: skip
+        return torch.stack(out.logits), out.sequences
+
+    monkeypatch.setattr(kvconvert_razor, "token_decode", counted)
+    kernel_logits, kernel_tokens = run()
+    assert calls, "the codes were never read"
+    monkeypatch.setattr(kvconvert_razor, "int4_kernel_available", lambda device: False)
+    calls.clear()
+    float_logits, float_tokens = run()
+    assert not calls
+    assert (kernel_logits - float_logits).abs().max() < 2e-2 * float_logits.abs().max()
+    assert torch.equal(kernel_tokens, float_tokens)
+    generate_in_every_mode(load_converted(tmp_path / "r"))
+
+
 def test_generate_and_measured_bytes(tokenized_model_dir, tmp_path):
     src = tokenized_model_dir("llama_gqa64")
     convert("quant", src, tmp_path / "q", *TOKEN)
@@ -198,7 +232,7 @@ def test_token_layout_refusals(tiny_model_dir, tokenized_model_dir, tmp_path):
     assert result.exit_code == 2 and "multiple of 32" in result.output
     wide = tokenized_model_dir("llama_gqa64")
     result = run_cli("lorc", "--model", str(wide), "--out", str(tmp_path / "b"), "--kv-budget", "0.75", *TOKEN)
-    assert result.exit_code == 2 and "--kv-layout token is for quant only" in result.output
+    assert result.exit_code == 2 and "--kv-layout token is for quant and razor only" in result.output
     result = run_cli("quant", "--model", str(wide), "--out", str(tmp_path / "c"), "--kv-bits", "3", "--kv-layout",
                      "token")  # fmt: skip
     assert result.exit_code == 2 and "the token layout is 4-bit storage" in result.output

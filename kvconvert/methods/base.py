@@ -29,6 +29,8 @@ class Method:
     storage: QuantSpec = QuantSpec()
     # attention features (``kvconvert.arch.FEATURES``) this method cannot convert -> the exact reason
     unsupported: ClassVar[dict[str, str]] = {}
+    # its runtime can hold (and decode from) the token layout (``--kv-layout token``)
+    token_layout: ClassVar[bool] = False
 
     def check_features(self, layout: AttentionLayout) -> None:
         """Refuse, with the reason, a model whose attention has a feature this method cannot handle."""
@@ -40,14 +42,15 @@ class Method:
 
     def check_storage(self, layout: AttentionLayout) -> None:
         """Refuse a storage layout this method's runtime cannot hold. The token layout is read by the
-        quant runtime's decode path only, and needs head widths that are multiples of 32."""
+        quant and razor runtimes' decode paths only, and needs head widths that are multiples of 32."""
         from kvconvert.errors import KVConvertError
         from kvconvert.runtime.kvconvert_storage import token_group_size
 
         if self.storage.layout != "token":
             return
-        if self.name != "quant":
-            raise KVConvertError(f"--kv-layout token is for quant only ({self.name} stores its cache in KIVI's layout)")
+        if not self.token_layout:
+            raise KVConvertError(f"--kv-layout token is for quant and razor only ({self.name} stores its cache in "
+                                 "KIVI's layout)")  # fmt: skip
         if token_group_size(layout.head_dim, self.storage.group) is None:
             raise KVConvertError(f"--kv-layout token needs a head width that is a multiple of 32; this model's is "
                                  f"{layout.head_dim}")  # fmt: skip

@@ -48,6 +48,7 @@ class QuantConfig:
 
 class QuantMethod(Method):
     name = "quant"
+    token_layout = True
 
     def __init__(self, config: QuantConfig | None = None, progress: bool = True):
         self.config = config or QuantConfig()

@@ -64,6 +64,7 @@ def retrieval_kv_heads(chosen: set[tuple[int, int]], num_layers: int, group: int
 
 class RazorMethod(Method):
     name = "razor"
+    token_layout = True  # the retrieval heads' full stores; the sliding windows stay in KIVI's layout
     unsupported: ClassVar[dict[str, str]] = {
         "softcap": "razor's attention computes the softmax itself and does not apply attention-logit soft-capping "
         "(not implemented); use quant",

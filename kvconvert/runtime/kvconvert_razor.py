@@ -19,7 +19,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
-from .kvconvert_storage import KVLayer, QuantSpec, TokenStore, sliding_layer
+from .kvconvert_quant import int4_kernel_available, token_decode
+from .kvconvert_storage import KVLayer, QuantSpec, TokenLayoutStore, TokenStore, sliding_layer
 
 IMPLEMENTATION = "kvconvert_razor"
 
@@ -76,7 +77,11 @@ class RazorLayer(KVLayer):
     def reset(self) -> None:
         self.seen = 0
         keys, values = self.quant.side(self.layer, keys=True), self.quant.side(self.layer, keys=False)
-        self.full_k, self.full_v = TokenStore(keys, True), TokenStore(values, False)
+        if self.quant.layout == "token":  # decoded from the codes (``token_decode``); windows slide, so KIVI's
+            self.full_k: TokenStore = TokenLayoutStore(keys, keys=True)
+            self.full_v: TokenStore = TokenLayoutStore(values, keys=False)
+        else:
+            self.full_k, self.full_v = TokenStore(keys, True), TokenStore(values, False)
         self.recent_k, self.recent_v = TokenStore(keys, True), TokenStore(values, False)
         # tensors once the layer has seen its first tokens (None before); Any keeps the state terse
         self.sink_k: Any = None
@@ -119,17 +124,26 @@ class RazorLayer(KVLayer):
             values.append(self.recent_v.read())
         return keys, values
 
-    def extend(self, new_k: torch.Tensor, new_v: torch.Tensor) -> tuple[Any, Any]:
+    def reads_codes(self, device: torch.device) -> bool:
+        """A decode step can score the retrieval heads' past from its 4-bit codes (``token_decode``)."""
+        return isinstance(self.full_k, TokenLayoutStore) and self.full_k.blocks is not None and (
+            int4_kernel_available(device))  # fmt: skip
+
+    def extend(self, new_k: torch.Tensor, new_v: torch.Tensor, read_full: bool = True) -> tuple[Any, Any]:
         """Store this step's keys/values ``[b, Hkv, q, d]``; nothing is dropped yet (``evict`` does that
         once the step has attended). Returns what the step attends to, the new tokens exact: the
         retrieval heads' ``(keys, values) [b, R, n, d]`` and the other heads' ``(sink, recent)`` key and
         value pairs ``[b, N, ·, d]`` (None for a kind of head the layer lacks). Unquantized stores hand
-        out their own tensors: no copy of the cache beyond the append."""
+        out their own tensors: no copy of the cache beyond the append. ``read_full=False``: the retrieval heads'
+        tokens are only stored (their step was attended from the codes), and None is returned for them."""
         q_len = new_k.shape[2]
         r, o = self.retrieval, self.others
         full = short = None
-        if r:
+        if r and read_full:
             full = self.full_k.extend(new_k[:, r]), self.full_v.extend(new_v[:, r])
+        elif r:
+            self.full_k.append(new_k[:, r])
+            self.full_v.append(new_v[:, r])
         if o:
             k, v = new_k[:, o], new_v[:, o]
             if self.sink_k is None:
@@ -244,7 +258,13 @@ def _attend(
         return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
     # comp state before this step (the step's drops are compensated from the next step on)
     comp = None if layer.comp_count is None else (layer.comp_k_sum, layer.comp_v_sum, layer.comp_count)
-    full, short = layer.extend(key, value)
+    from_codes = q_len == 1 and layer.reads_codes(query.device)
+    if from_codes:  # retrieval heads in the token layout: scores and outputs from the 4-bit codes
+        r = layer.retrieval
+        heads_r = [g * group + j for g in r for j in range(group)]
+        decoded = token_decode(query[:, heads_r], key[:, r], value[:, r], bias, layer.full_k, layer.full_v, scale)
+        out[:, r] = decoded.to(query.dtype).view(batch, len(r), group, dim)  # q_len 1: [b, R, G, d]
+    full, short = layer.extend(key, value, read_full=not from_codes)
     if full is not None:
         scores = _grouped_scores(grouped_query[:, layer.retrieval], full[0], bias, scale, group)
         out[:, layer.retrieval] = softmax_rows(scores, value.dtype) @ full[1]
