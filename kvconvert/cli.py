@@ -49,9 +49,9 @@ def _output_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)  # fmt: skip
     fn = click.option(
         "--kv-layout", type=click.Choice(["kivi", "token"]), default=None,
-        help="kivi (default): keys per channel, values per token. token (kvconvert extension, quant only, 4-bit): "
-             "both per token after a Hadamard rotation, in the layout torch's int4 kernel reads, so CPU decoding "
-             "reads the codes without dequantizing the cache.",
+        help="kivi (default): keys per channel, values per token. token (kvconvert extension, quant and razor, "
+             "4-bit): both per token after a Hadamard rotation, in the layout torch's int4 kernel reads, so CPU "
+             "decoding reads the codes without dequantizing the cache (razor: its retrieval heads).",
     )(fn)  # fmt: skip
     fn = click.option(
         "--kv-rotate/--no-kv-rotate", default=None,

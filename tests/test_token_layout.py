@@ -136,79 +136,63 @@ def test_kernel_decode_equals_float_attention_over_the_dequantized_cache(width, 
     assert (out - expected).abs().mean() < 4e-3
 
 
+def decode_both_ways(runtime, directory, monkeypatch, new_tokens: int = 32) -> torch.Tensor:
+    """Prefill and ``new_tokens`` greedy steps of a left-padded batch through ``directory``, once reading
+    the 4-bit codes (``runtime.token_decode``, counted) and once with the int4 kernel unavailable (the
+    dequantizing path): the same tokens, logits within bf16 rounding. Returns the dequantizing path's logits."""
+    ids, mask = left_padded()
+    calls = []
+    original = runtime.token_decode
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    def run():
+        model = kvconvert.load(directory).eval()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
+                             output_logits=True, pad_token_id=0)  # fmt: skip
+        return torch.stack(out.logits), out.sequences
+
+    monkeypatch.setattr(runtime, "token_decode", counted)
+    kernel_logits, kernel_tokens = run()
+    assert calls, "the codes were never read"
+    monkeypatch.setattr(runtime, "int4_kernel_available", lambda device: False)
+    calls.clear()
+    float_logits, float_tokens = run()
+    assert not calls
+    assert (kernel_logits - float_logits).abs().max() < 2e-2 * float_logits.abs().max()
+    assert torch.equal(kernel_tokens, float_tokens)
+    return float_logits
+
+
 @needs_kernel
 def test_converted_model_decodes_from_the_codes_like_its_dequantized_path(tokenized_model_dir, tmp_path, monkeypatch):
-    """Prefill and 32 greedy steps of a left-padded batch: the kernel path (int4 codes, bf16 products)
-    and the dequantize-then-SDPA path give the same tokens and logits within bf16 rounding; the
-    cache is really quantized (the source decodes differently)."""
+    """The kernel path (int4 codes, bf16 products) and the dequantize-then-SDPA path agree; the cache is
+    really quantized (the source decodes differently)."""
     src = tokenized_model_dir("llama_gqa64")
     report = convert("quant", src, tmp_path / "q", *TOKEN, "--kv-sink", "2")
     assert report["kv_storage"]["layout"] == "token"
     config = json.loads((tmp_path / "q" / "config.json").read_text())["kvconvert"]
     assert config["spec_version"] == 2  # a runtime that predates the layout refuses it instead of misreading it
     assert "token layout" in (tmp_path / "q" / "README.md").read_text()  # the model card says how it is stored
+    float_logits = decode_both_ways(kvconvert_quant, tmp_path / "q", monkeypatch)
     ids, mask = left_padded()
-    calls = []
-    original = kvconvert_quant.token_decode
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    def run():
-        model = kvconvert.load(tmp_path / "q").eval()
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32,
-                             do_sample=False, return_dict_in_generate=True, output_logits=True,
-                             pad_token_id=0)  # fmt: skip
-        return torch.stack(out.logits), out.sequences
-
-    monkeypatch.setattr(kvconvert_quant, "token_decode", counted)
-    kernel_logits, kernel_tokens = run()
-    assert calls, "the kernel path never ran"
-    monkeypatch.setattr(kvconvert_quant, "int4_kernel_available", lambda device: False)
-    calls.clear()
-    float_logits, float_tokens = run()
-    assert not calls
-    scale = float_logits.abs().max()
-    assert (kernel_logits - float_logits).abs().max() < 2e-2 * scale
-    assert torch.equal(kernel_tokens, float_tokens)
     source = load_reference(src).generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32,
                                           do_sample=False, return_dict_in_generate=True, output_logits=True,
                                           pad_token_id=0)  # fmt: skip
     assert not torch.allclose(torch.stack(source.logits), float_logits, rtol=1e-3, atol=1e-3)
 
 
+@needs_kernel
 def test_razor_retrieval_heads_decode_from_the_codes(tokenized_model_dir, tmp_path, monkeypatch):
     """Razor in the token layout: its retrieval heads' full stores are read from the codes at each decode
-    step (the windows stay in KIVI's layout), giving the tokens and, within bf16 rounding, the logits of
-    its dequantizing path; it generates in every mode."""
+    step (the windows stay in KIVI's layout), like its dequantizing path; it generates in every mode."""
     src = tokenized_model_dir("llama_gqa64")
     convert("razor", src, tmp_path / "r", "--kv-budget", "0.5", "--profile-tokens", "16", "--window", "8", *TOKEN,
             "--kv-sink", "2")  # fmt: skip
-    ids, mask = left_padded()
-    calls = []
-    original = kvconvert_razor.token_decode
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    def run():
-        model = kvconvert.load(tmp_path / "r").eval()
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40,
-                             do_sample=False, return_dict_in_generate=True, output_logits=True,
-                             pad_token_id=0)  # fmt: skip
-        return torch.stack(out.logits), out.sequences
-
-    monkeypatch.setattr(kvconvert_razor, "token_decode", counted)
-    kernel_logits, kernel_tokens = run()
-    assert calls, "the codes were never read"
-    monkeypatch.setattr(kvconvert_razor, "int4_kernel_available", lambda device: False)
-    calls.clear()
-    float_logits, float_tokens = run()
-    assert not calls
-    assert (kernel_logits - float_logits).abs().max() < 2e-2 * float_logits.abs().max()
-    assert torch.equal(kernel_tokens, float_tokens)
+    decode_both_ways(kvconvert_razor, tmp_path / "r", monkeypatch, new_tokens=40)
     generate_in_every_mode(load_converted(tmp_path / "r"))
 
 
