@@ -33,12 +33,10 @@ def measure_speed(model: Any, context: int, new_tokens: int, seed: int = 0) -> d
 def _prefill(model: Any, ids: torch.Tensor, chunk: int | None = None) -> dict[str, Any]:
     """Feed ``ids`` into a fresh cache, ``chunk`` tokens per call (None: all at once). Chunks bound the
     runtimes' score matrices (``[b, H, chunk, n]``: 10 GB for one 16K-token call on SmolLM2)."""
-    cache, out = None, None
-    for start in range(0, ids.shape[1], chunk or ids.shape[1]):
-        out = model(ids[:, start : start + (chunk or ids.shape[1])], past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)  # fmt: skip
+    step, cache = chunk or ids.shape[1], None
+    for start in range(0, ids.shape[1], step):
+        out = model(ids[:, start : start + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
-    assert out is not None
     return {"cache": cache, "token": out.logits[:, -1:].argmax(-1)}
 
 
