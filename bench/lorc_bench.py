@@ -2,10 +2,11 @@
 
 wikitext-2 test (or ``--data tinystories``), first 4096 tokens, ctx 1024. Rows, per budget: the paper
 (progressive eq. 13, and the uniform baseline), ``--calib`` (activation-aware factorization, uniform
-ranks), ``--schedule auto`` (activation-aware + loss-aware allocation), K-only variants, and two
+ranks), ``--schedule auto`` (activation-aware + loss-aware allocation), K-only variants, two
 compositions with 8-bit storage (budgets quoted against a 16-bit cache; scored through the cache,
-``--chunk 128``). A pure LoRC cache is an exact linear function of the hidden states, so its rows are
-teacher-forced; the stored rows are not. Writes bench/results/lorc-<date>[-<data>].{json,md}.
+``--chunk 128``) and, last, ``--refine-steps 100`` (layer-wise output refinement). A pure LoRC cache
+is an exact linear function of the hidden states, so its rows are teacher-forced; the stored rows are
+not. Writes bench/results/lorc-<date>[-<data>].{json,md}.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ VARIANTS: list[tuple[str, str, float, dict[str, Any], int | None]] = [
     ("--schedule auto", EXT, 0.5, {"schedule": "auto"}, None),
     ("K only, --calib, uniform + 8-bit", EXT, 0.75, {"schedule": "uniform", "compress": "k", "calibrate": True}, 8),
     ("--schedule auto + 8-bit", EXT, 0.5, {"schedule": "auto"}, 8),
+    ("--schedule auto --refine-steps 100", EXT, 0.75, {"schedule": "auto", "refine_steps": 100}, None),
+    ("--schedule auto --refine-steps 100", EXT, 0.5, {"schedule": "auto", "refine_steps": 100}, None),
+    ("--calib, uniform --refine-steps 100", EXT, 0.5, {"schedule": "uniform", "refine_steps": 100}, None),
 ]
 
 

@@ -216,6 +216,12 @@ def _calib_source(calib: str | None) -> str | None:
 @click.option(
     "--compress", type=click.Choice(["kv", "k", "v"]), default="kv", show_default=True, help="Which projections."
 )
+@click.option(
+    "--refine-steps", type=int, default=0, show_default=True,
+    help="After the closed-form factorization, this many Adam steps per layer on the error of the attention "
+    "output (softmax and W_O included) against the source layer, layer by layer on calibration text "
+    "(extension; implies --calib; 0: off).",
+)  # fmt: skip
 @_optional_calibration(
     "Factor to minimise the error of the keys and values (through W_O) on this text, not of the weights "
     "(extension; bare --calib: the shipped calib_data/)."
@@ -227,6 +233,7 @@ def lorc(
     schedule: str,
     threshold: float | None,
     compress: str,
+    refine_steps: int,
     calib: str | None,
     calib_tokens: int,
     seed: int,
@@ -237,6 +244,7 @@ def lorc(
     config = LorcConfig(
         kv_budget=kv_budget, schedule=schedule, threshold=threshold, compress=compress,  # type: ignore[arg-type]
         calibrate=calib is not None, calib=_calib_source(calib), calib_tokens=calib_tokens, seed=seed,
+        refine_steps=refine_steps,
     )  # fmt: skip
     report = _convert(LorcMethod(config, progress=not options.quiet), options)
     if not options.quiet:
@@ -244,7 +252,9 @@ def lorc(
         _print_layers(report, [("κ(W_K)", "kappa_k", ".3g"), ("κ(W_V)", "kappa_v", ".3g"),
                                ("log10 κ̃", "log10_kappa_cum", ".1f"), ("rank K", "rank_k", ""),
                                ("rank V", "rank_v", ""), ("K error", f"k_{error}", ".3f"),
-                               ("V error", f"v_{error}", ".3f")])  # fmt: skip
+                               ("V error", f"v_{error}", ".3f"),
+                               *([("refine loss", "refine_loss_before", ".4f"),
+                                  ("→ refined", "refine_loss_after", ".4f")] if refine_steps else [])])  # fmt: skip
     click.echo(f"wrote {options.out} (lorc {schedule}, KV budget {report['kv_budget_expected']:.3f})")
 
 

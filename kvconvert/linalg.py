@@ -113,19 +113,30 @@ def weighted_truncation(
     return up.contiguous(), (u_r.T @ (left.to(F64).T @ w)).contiguous(), s
 
 
+def truncation_factors(
+    weight: torch.Tensor, rank: int, right: torch.Tensor | None = None, left: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A [m, r], B [r, m])`` with ``up = A`` and ``down = B·W`` for ``weighted_truncation(weight, rank,
+    right, left)``: ``A = L⁻ᵀ U_r``, ``B = U_rᵀ Lᵀ`` (``U_r`` and ``U_rᵀ`` without ``left``). The truncation
+    acts on the outputs ``Wx`` as ``Π = A·B``, so a search can simulate it inside the source and a
+    refinement can adjust it there (``calib.refine``)."""
+    w = weight.to(F64)
+    m = w if left is None else left.to(F64).T @ w
+    m = m if right is None else m @ right.to(F64)
+    u_r = torch.linalg.svd(m, full_matrices=False)[0][:, :rank]
+    if left is None:
+        return u_r.contiguous(), u_r.T.contiguous()
+    return torch.linalg.solve(left.to(F64).T, u_r), (u_r.T @ left.to(F64).T).contiguous()
+
+
 def truncation_projector(
     weight: torch.Tensor, rank: int, right: torch.Tensor | None = None, left: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``Π [m, m]`` with ``up·down = Π·W`` for ``weighted_truncation(weight, rank, right, left)``:
     ``Π = L⁻ᵀ U_r U_rᵀ Lᵀ`` (``U_r U_rᵀ`` without ``left``). Applied to the outputs ``Wx`` it gives
     what the truncated weight would, so a search can simulate the truncation inside the source."""
-    w = weight.to(F64)
-    m = w if left is None else left.to(F64).T @ w
-    m = m if right is None else m @ right.to(F64)
-    u_r = torch.linalg.svd(m, full_matrices=False)[0][:, :rank]
-    if left is None:
-        return u_r @ u_r.T
-    return torch.linalg.solve(left.to(F64).T, u_r) @ (u_r.T @ left.to(F64).T)
+    a, b = truncation_factors(weight, rank, right, left)
+    return a @ b
 
 
 def output_gram(o_weight: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:

@@ -98,6 +98,8 @@ def test_left_weighted_truncation_and_its_projector():
         assert torch.isclose(error, s[rank:].pow(2).sum().sqrt(), rtol=1e-8, atol=1e-9 * float(s[0]))
         projector = linalg.truncation_projector(weight, rank, right, left)
         assert torch.allclose(projector @ weight, up @ down, atol=1e-9)
+        a, b = linalg.truncation_factors(weight, rank, right, left)
+        assert torch.allclose(a, up) and torch.allclose(b @ weight, down, atol=1e-9)
         energy = linalg.tail_energy(s)
         assert energy[0] == 1 and energy[-1] == 0 and (energy[:-1] >= energy[1:]).all()
     assert torch.allclose(up @ down, weight, atol=1e-9)  # rank 16 = full

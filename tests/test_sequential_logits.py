@@ -48,3 +48,42 @@ def test_simulated_storage_kl_is_measured_layer_by_layer(tiny_model_dir):
         ) / chunks.numel()  # fmt: skip
     assert kl > 1e-4 and kl == pytest.approx(expected, rel=1e-4)
     assert mean_kl(source, chunks, reference, lambda model: simulated_storage(model, QuantSpec())) < 1e-9
+
+
+def test_repeat_reruns_a_layer_and_passes_the_second_run_on(tiny_model_dir):
+    """``repeat(l)`` True: layer l runs every chunk again and the later layers see that run's outputs
+    (``lorc --refine-steps`` fits on the first run and applies in the second). Here the second run of
+    layer 0 halves its values: the logits must equal the whole model's with that change, and layer 0
+    must have been observed twice per chunk."""
+    from kvconvert.calib.hooks import observed_attention
+
+    src = tiny_model_dir("llama_gqa")
+    chunks = torch.randint(3, 90, (2, 32), generator=torch.Generator().manual_seed(3))
+    calls: dict[int, int] = {}
+
+    def halve_on_rerun(module, query, key, value, scaling):
+        layer = int(module.layer_idx)
+        calls[layer] = calls.get(layer, 0) + 1
+        if layer == 0 and calls[0] > len(chunks):
+            return query, key, value / 2
+        return None
+
+    source = open_source(str(src))
+    asked: list[int] = []
+    got: dict[int, torch.Tensor] = {}
+    run_layer_by_layer(source, adapter_for(source.config), chunks,
+                       lambda model: observed_attention(model, halve_on_rerun), progress=False,
+                       logits=lambda c, logits: got.__setitem__(c, logits),
+                       repeat=lambda layer: asked.append(layer) or layer == 0)  # fmt: skip
+    whole = load_reference(src)
+    assert asked == list(range(whole.config.num_hidden_layers))
+    assert calls[0] == 2 * len(chunks) and calls[1] == len(chunks)
+
+    def halve(module, query, key, value, scaling):
+        return (query, key, value / 2) if module.layer_idx == 0 else None
+
+    with torch.no_grad(), observed_attention(whole, halve):
+        for c, row in enumerate(chunks):
+            torch.testing.assert_close(got[c], whole(row[None], use_cache=False).logits[0], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert (got[0] - whole(chunks[:1], use_cache=False).logits[0]).abs().max() > 1e-3  # the change mattered

@@ -144,6 +144,20 @@ def branch_kls(
     return [total / chunks.numel() for total in totals]
 
 
+def rotary_tables(
+    model: Any, rotary_module: str | None, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:  # fmt: skip
+    """The model's RoPE tables ``cos, sin [1, n, r]`` (float32, CPU) for positions 0..n-1 of ``x [b, h, n, dk]``
+    (calibration runs one unpadded sequence per row); ``(None, None)`` without a rotary module."""
+    if not rotary_module:
+        return None, None
+    rotary = model.get_submodule(rotary_module)
+    device = next(iter(rotary.buffers()), x).device  # the layers may run on a GPU; observers on the CPU
+    positions = torch.arange(x.shape[2], device=device)[None]
+    cos, sin = rotary(x.to(device), positions)
+    return cos.float().cpu(), sin.float().cpu()
+
+
 @contextlib.contextmanager
 def projected_kv(model: Any, select: Callable[[], dict[tuple[int, str], Affine]], rotary_module: str | None
                  ) -> Iterator[None]:  # fmt: skip
@@ -158,11 +172,8 @@ def projected_kv(model: Any, select: Callable[[], dict[tuple[int, str], Affine]]
     def projected(x: torch.Tensor, affine: Affine, rotate: bool) -> torch.Tensor:
         projector, offset = affine
         b, kv_heads, n, dk = x.shape  # [b, Hkv, n, dk]
-        cos = sin = None
-        if rotate and rotary_module:
-            rotary = model.get_submodule(rotary_module)
-            device = next(iter(rotary.buffers()), x).device  # the layers may run on a GPU; observers on the CPU
-            cos, sin = (t.float().cpu() for t in rotary(x.to(device), torch.arange(n, device=device)[None]))
+        cos, sin = rotary_tables(model, rotary_module if rotate else None, x)
+        if cos is not None and sin is not None:
             x = apply_rotary(x, cos, -sin)  # back to the pre-RoPE key
         flat = x.transpose(1, 2).reshape(b, n, kv_heads * dk) @ projector.to(x.dtype).T + offset.to(x.dtype)
         x = flat.view(b, n, kv_heads, dk).transpose(1, 2)

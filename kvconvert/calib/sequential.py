@@ -127,6 +127,7 @@ def run_layer_by_layer(
     logits: Callable[[int, torch.Tensor], Any] | None = None,
     branches: list[int] | None = None,
     branch_logits: Callable[[int, int, torch.Tensor], Any] | None = None,
+    repeat: Callable[[int], bool] | None = None,
 ) -> None:
     """Feed ``chunks [n, T]`` through the model layer by layer.
 
@@ -144,6 +145,10 @@ def run_layer_by_layer(
     [T, vocab])`` receives its logits. Many single-layer probes thus share every layer before their
     own and each layer is loaded once: Σ (L − l) layer passes instead of L per probe. Memory: one
     hidden-state copy per branch. Models that transformers must load whole do not branch.
+
+    ``repeat(l)``, asked after layer l has run every chunk of every stream: True runs the layer again
+    on the same inputs and passes that run's outputs on (an observer that fitted something to the first
+    run applies it in the second, so later layers see the changed stream; GPTQ's sequential order).
     """
     import transformers
 
@@ -168,8 +173,8 @@ def run_layer_by_layer(
             "(e.g. MoE experts): calibration loads the whole model in float32 instead of one layer at a time",
             stacklevel=2,
         )
-        if branches:
-            raise KVConvertError(f"{type(model).__name__}: layer-by-layer probes need a checkpoint stored as built")
+        if branches or repeat:
+            raise KVConvertError(f"{type(model).__name__}: layer-by-layer fitting needs a checkpoint stored as built")
         model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval().to(device)
         with observe(model):
             for c, row in enumerate(chunks):
@@ -210,14 +215,12 @@ def run_layer_by_layer(
             _materialize(layer, f"{layers_prefix}{index}.", source, base_prefix, model._init_weights)
             layer.to(device)
             streams.update({b: list(hidden) for b, start in enumerate(branches or []) if start == index})
+            inputs = {b: list(states) for b, states in streams.items()} if repeat is not None else {}
             for branch, states in streams.items():
-                token = _BRANCH.set(branch)
-                try:
-                    for c, (args, kwargs) in enumerate(inboxes[index]):
-                        out = layer(states[c], *args[1:], **kwargs)
-                        states[c] = out[0] if isinstance(out, tuple) else out
-                finally:
-                    _BRANCH.reset(token)
+                _run_layer(layer, branch, states, states, inboxes[index])
+            if repeat is not None and repeat(index):
+                for branch, states in streams.items():
+                    _run_layer(layer, branch, inputs[branch], states, inboxes[index])
             layers[index] = layer.to("meta")  # frees this layer's weights
         if logits is None and branch_logits is None:
             return
@@ -238,6 +241,18 @@ def run_layer_by_layer(
                 else:
                     assert branch_logits is not None
                     branch_logits(branch, c, out)
+
+
+def _run_layer(layer: nn.Module, branch: int | None, states: list[torch.Tensor], out: list[torch.Tensor],
+               inbox: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:  # fmt: skip
+    """``out[c] = layer(states[c])`` for every chunk, with ``active_branch() == branch``."""
+    token = _BRANCH.set(branch)
+    try:
+        for c, (args, kwargs) in enumerate(inbox):
+            result = layer(states[c], *args[1:], **kwargs)
+            out[c] = result[0] if isinstance(result, tuple) else result
+    finally:
+        _BRANCH.reset(token)
 
 
 def _materialize_head(model: Any, head: nn.Module, source: SourceCheckpoint, base_prefix: str) -> None:

@@ -11,7 +11,9 @@ Extensions (not in the paper): ``calibrate`` factors to minimise the error of wh
 *produces* on calibration text rather than of its weights — keys whitened by the attention input's
 Gram (SVD-LLM/Palu), values also weighted by what W_O makes of them — with the same checkpoint format;
 ``schedule="auto"`` allocates ranks per layer and side by measured loss: each (layer, side)'s KL to
-the source when truncated alone at a probe rank, scaled by its whitened tail energy, then greedy.
+the source when truncated alone at a probe rank, scaled by its whitened tail energy, then greedy;
+``refine_steps`` then fits each layer's truncation by a few Adam steps on the error of its attention
+output, softmax included (``calib.refine``), layer by layer.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class LorcConfig:
     chunk_len: int = 512
     seed: int = 0
     probe_chunks: int = 4  # schedule="auto": held-out chunks each sensitivity probe is scored on
+    # Extension: Adam steps per layer on the attention output's error after the closed form (implies calibrate)
+    refine_steps: int = 0
+    refine_chunks: int = 8  # calibration chunks each layer's refinement fits
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_budget <= 1:
@@ -63,6 +68,11 @@ class LorcConfig:
             object.__setattr__(self, "calibrate", True)  # its losses are measured on calibration text
         if self.probe_chunks < 1:
             raise KVConvertError(f"probe_chunks must be >= 1, got {self.probe_chunks}")
+        if self.refine_steps < 0 or self.refine_chunks < 1:
+            raise KVConvertError(f"refine_steps must be >= 0 and refine_chunks >= 1, got {self.refine_steps} "
+                                 f"and {self.refine_chunks}")  # fmt: skip
+        if self.refine_steps:
+            object.__setattr__(self, "calibrate", True)  # it fits on calibration activations
 
 
 def _largest_remainder(values: list[float], total: int, low: int, high: int) -> list[int]:
@@ -203,12 +213,16 @@ class LorcMethod(Method):
         self.input_grams: list[torch.Tensor] | None = None  # calibrate: [D, D] float64 per layer
         self.head_grams: Any = None  # calibrate: ``calib.stats.HeadGrams`` (queries weight the keys)
         self.calibration: dict[str, Any] = {}
+        self.refined: dict[int, Any] = {}  # refine_steps: layer -> {side: (A, B)}, Π = A·B (``calib.refine``)
+        self.refine_log: dict[int, dict[str, float]] = {}
 
     @classmethod
     def describe(cls, report: dict[str, Any]) -> str:
         ranks = [r["rank_k"] for r in report["layers"]]
         params = report["params"]
         how = "weighted by calibration activations" if params.get("calibrate") else "by SVD"
+        if params.get("refine_steps"):
+            how += f", refined by {params['refine_steps']} steps per layer on the attention output"
         return (
             f"LoRC caches rank-d_c latents of K and V (low-rank W_K, W_V {how}; U_V folded into W_O). "
             f"Schedule {params['schedule']}, factored {params['compress']}; K ranks per layer: {ranks}."
@@ -285,6 +299,42 @@ class LorcMethod(Method):
             self.plan_.probe_kl_k = list(probe_kl.get("k", none))
             self.plan_.probe_kl_v = list(probe_kl.get("v", none))
             self.plan_.probe_rank = r0
+        if config.refine_steps:
+            assert calib is not None
+            self._refine(source, layout, calib.chunks[: config.refine_chunks])
+
+    def _refine(self, source: Any, layout: AttentionLayout, chunks: torch.Tensor) -> None:
+        """``calib.refine``: each compressed layer's closed-form truncation, then Adam steps on its
+        attention output's error, layer by layer on the stream of the refined layers before it."""
+        import time
+
+        from kvconvert.arch import adapter_for
+        from kvconvert.calib.refine import Job, refine_layers
+
+        plan = self.plan_
+        assert plan is not None
+        adapter = adapter_for(source.config)
+        names = adapter.attention_names_by_layer(source.tensor_names())
+
+        def job_for(layer: int) -> Job | None:
+            if not plan.compressed[layer]:
+                return None
+            w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
+            factors, offsets = {}, {}
+            for side, (weight, right, left) in self._targets(layer, w).items():
+                rank = plan.rank_k[layer] if side == "k" else plan.rank_v[layer]
+                if rank is None:
+                    continue
+                factors[side] = linalg.truncation_factors(weight, rank, right, left)
+                bias = w.k_bias if side == "k" else w.v_bias
+                offsets[side] = torch.zeros(weight.shape[0]) if bias is None else bias.float()
+            return factors, offsets, w.o_weight
+
+        started = time.perf_counter()
+        self.refined, self.refine_log = refine_layers(source, adapter, chunks, job_for, layout.rotary_module,
+                                                      self.config.refine_steps, self.progress)  # fmt: skip
+        self.calibration["refine"] = {"steps": self.config.refine_steps, "chunks": int(chunks.shape[0]),
+                                      "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
 
     def _losses(
         self, source: Any, layout: AttentionLayout, calib: Any, spectra: dict[str, list[torch.Tensor]],
@@ -333,11 +383,14 @@ class LorcMethod(Method):
         for side, kls in (("k", plan.probe_kl_k), ("v", plan.probe_kl_v)):
             if kls and kls[layer] is not None:
                 report[f"{side}_probe_kl"] = kls[layer]
+        for key, value in self.refine_log.get(layer, {}).items():
+            report[f"refine_{key}"] = value
         if not plan.compressed[layer]:
             return LayerOutput(tensors={}, report=report, passthrough=True)
         targets = self._targets(layer, weights)
         tensors = factor_attention(weights, layout, plan.rank_k[layer], plan.rank_v[layer],
-                                   right=targets["k"][1], left_k=targets["k"][2], left_v=targets["v"][2])  # fmt: skip
+                                   right=targets["k"][1], left_k=targets["k"][2], left_v=targets["v"][2],
+                                   refined=self.refined.get(layer, {}))  # fmt: skip
         for side, rank in (("k", plan.rank_k[layer]), ("v", plan.rank_v[layer])):
             if rank is None:
                 continue
@@ -392,6 +445,7 @@ def _linear(out: dict[str, torch.Tensor], name: str, weight: torch.Tensor, bias:
 def factor_attention(
     w: AttentionWeights, layout: AttentionLayout, rank_k: int | None, rank_v: int | None,
     right: torch.Tensor | None = None, left_k: torch.Tensor | None = None, left_v: torch.Tensor | None = None,
+    refined: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """LoRC's rewritten projections for one layer, float64, names local to the attention module.
 
@@ -400,7 +454,17 @@ def factor_attention(
     U_K folded in per head (the K bias only adds a per-query constant to the scores: dropped, exact);
     ``v_down [r_v, D]`` and ``o_proj [D, H·r_v]`` with U_V folded in (V bias folded into the O bias).
     ``right``, ``left_k``, ``left_v``: the factors of ``linalg.weighted_truncation`` (None: plain SVD, the paper).
+    ``refined[side] = (A, B)``: a side's truncation fitted by ``calib.refine`` instead (up = A, down = B·W).
     """
+    refined = refined or {}
+
+    def truncate(side: str, weight: torch.Tensor, rank: int, left: torch.Tensor | None) -> tuple[Any, Any]:
+        if side in refined:
+            a, b = refined[side]
+            return a.to(f64), b.to(f64) @ weight.to(f64)
+        up, down, _ = linalg.weighted_truncation(weight, rank, right, left)  # [e, r], [r, D]
+        return up, down
+
     f64 = linalg.F64
     heads, kv_heads = layout.num_heads, layout.num_kv_heads
     group = heads // kv_heads
@@ -410,7 +474,7 @@ def factor_attention(
         _linear(out, "k_proj", w.k_weight, w.k_bias)
         _linear(out, "q_proj", w.q_weight, w.q_bias)
     else:
-        up, down, _ = linalg.weighted_truncation(w.k_weight, rank_k, right, left_k)  # [e, r], [r, D]
+        up, down = truncate("k", w.k_weight, rank_k, left_k)  # [e, r], [r, D]
         _linear(out, "k_down", down, None)
         if layout.rotary:
             _linear(out, "k_up", up, w.k_bias)
@@ -430,7 +494,7 @@ def factor_attention(
         _linear(out, "o_proj", w.o_weight, w.o_bias)
     else:
         o_w = w.o_weight.to(f64)  # [D, H·dk]
-        up, down, _ = linalg.weighted_truncation(w.v_weight, rank_v, right, left_v)
+        up, down = truncate("v", w.v_weight, rank_v, left_v)
         _linear(out, "v_down", down, None)
         up_heads = _head_blocks(up, kv_heads)  # Hkv × [dk, r]
         o_heads = _head_blocks(o_w.T.contiguous(), heads)  # H × [dk, D]

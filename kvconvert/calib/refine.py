@@ -1,0 +1,201 @@
+"""Layer-wise output refinement of truncated K/V projections (``lorc --refine-steps``, an extension).
+
+The closed form (``linalg.weighted_truncation``) minimises the error of the keys and of the values,
+each weighted by what reads it, but a layer's output reads keys through a softmax. Here each layer's
+truncation, written as ``Π = A·B`` acting on the source's pre-RoPE keys and on its values
+(``linalg.truncation_factors``), takes a few Adam steps on the error of the attention output after
+W_O — softmax included — against the same layer uncompressed, on calibration activations: GPTQ-style
+local reconstruction, no backward pass through the model, one layer's activations in memory. Layers
+are fitted in order on the stream of the already refined layers (``run_layer_by_layer(repeat=…)``),
+so each fits the inputs it will see. Of the closed form and the last step, the one with the smaller
+loss on every captured chunk is kept: refinement never worsens the calibration loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvconvert.calib.hooks import observed_attention
+from kvconvert.runtime.kvconvert_common import apply_rotary
+
+Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]  # side "k" / "v" -> (A [e, r], B [r, e]), Π = A·B
+# What to fit at a layer: (factors, offsets {side: bias [e] or zeros}, W_O [D, H·dk]); None: leave it
+Job = tuple[Factors, dict[str, torch.Tensor], torch.Tensor]
+
+STEP_SIZE = 1e-2  # Adam's step as a share of each factor's RMS entry (factors differ in scale by 1e3)
+BATCH = 2  # chunks per step
+
+
+@dataclass
+class Capture:
+    """One layer's attention inputs on the calibration chunks (float32)."""
+
+    query: torch.Tensor  # [n, H, T, dk] after RoPE
+    key: torch.Tensor  # [n, Hkv, T, dk] before RoPE
+    value: torch.Tensor  # [n, Hkv, T, dk]
+    cos: torch.Tensor | None  # [1, T, r] rotary tables; None: no RoPE
+    sin: torch.Tensor | None
+    scaling: float
+
+
+def project(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor], offset: torch.Tensor) -> torch.Tensor:
+    """``Π·(x − b) + b`` per token on the concatenated heads of ``x [n, Hkv, T, dk]``, ``Π = A·B``: what a
+    truncated projection with its bias b kept computes from the source's ``x = Wx + b``."""
+    a, b = factors
+    n, kv_heads, t, dk = x.shape
+    flat = x.transpose(1, 2).reshape(n, t, kv_heads * dk) - offset
+    flat = flat @ b.T @ a.T + offset
+    return flat.view(n, t, kv_heads, dk).transpose(1, 2)
+
+
+def attend(capture: Capture, key: torch.Tensor, value: torch.Tensor, rows: Any = slice(None)) -> torch.Tensor:
+    """Causal attention of ``capture``'s queries (chunks ``rows``) over pre-RoPE ``key`` and ``value``:
+    ``[n, T, H·dk]``, the input of W_O."""
+    query = capture.query[rows]
+    if capture.cos is not None and capture.sin is not None:
+        key = apply_rotary(key, capture.cos, capture.sin)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=capture.scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])  # fmt: skip
+    n, heads, t, dk = out.shape
+    return out.transpose(1, 2).reshape(n, t, heads * dk)
+
+
+def refine_layer(capture: Capture, job: Job, steps: int, seed: int = 0) -> tuple[Factors, dict[str, float]]:
+    """Adam on ``job``'s factors to minimise ``‖(Ô − O)·W_Oᵀ‖² / ‖O·W_Oᵀ‖²`` over the captured chunks
+    (O: attention with the source's keys and values, Ô: with the truncated ones), with a cosine-decayed
+    step; a run that ends above the closed form is retried once at a quarter of the step. Returns the
+    factors to keep (float64) and the loss before and after on every captured chunk."""
+    factors, offsets, o_weight = job
+    device = capture.query.device
+    o_weight = o_weight.to(device, torch.float32)
+    offset = {side: offsets[side].to(device, torch.float32) for side in factors}
+    n = capture.query.shape[0]
+    with torch.no_grad():
+        target = attend(capture, capture.key, capture.value) @ o_weight.T  # [n, T, D]
+        norm = target.pow(2).sum(dim=(1, 2))  # [n]
+
+    def loss(params: dict[str, list[torch.Tensor]], rows: Any) -> torch.Tensor:
+        key, value = capture.key[rows], capture.value[rows]
+        if "k" in params:
+            key = project(key, (params["k"][0], params["k"][1]), offset["k"])
+        if "v" in params:
+            value = project(value, (params["v"][0], params["v"][1]), offset["v"])
+        error = attend(capture, key, value, rows) @ o_weight.T - target[rows]
+        return error.pow(2).sum() / norm[rows].sum()
+
+    def fit(step_size: float) -> tuple[dict[str, list[torch.Tensor]], float]:
+        params = {side: [f.to(device, torch.float32).clone().requires_grad_(True) for f in pair]
+                  for side, pair in factors.items()}  # fmt: skip
+        groups = [{"params": [p], "lr": step_size * float(p.detach().pow(2).mean().sqrt())}
+                  for pair in params.values() for p in pair]  # fmt: skip
+        optimizer = torch.optim.Adam(groups)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+        generator = torch.Generator().manual_seed(seed)
+        with torch.enable_grad():  # the layer-by-layer pass runs under no_grad
+            for _ in range(steps):
+                rows = torch.randperm(n, generator=generator)[: min(BATCH, n)].to(device)
+                optimizer.zero_grad(set_to_none=True)
+                loss(params, rows).backward()
+                optimizer.step()
+                schedule.step()
+        with torch.no_grad():
+            return params, float(loss(params, slice(None)))
+
+    with torch.no_grad():
+        before = float(loss({side: [f.to(device, torch.float32) for f in pair] for side, pair in factors.items()},
+                            slice(None)))  # fmt: skip
+    if before <= 1e-10:  # exact already (full rank): Adam's normalised steps would only add noise
+        return factors, {"loss_before": before, "loss_after": before}
+    params, after = fit(STEP_SIZE)
+    if not after < before:
+        params, after = fit(STEP_SIZE / 4)
+    if not after < before:
+        return factors, {"loss_before": before, "loss_after": before}
+    refined = {side: (a.detach().double().cpu(), b.detach().double().cpu()) for side, (a, b) in params.items()}
+    return refined, {"loss_before": before, "loss_after": after}
+
+
+def refine_layers(
+    source: Any, adapter: Any, chunks: torch.Tensor, job_for: Callable[[int], Job | None],
+    rotary_module: str | None, steps: int, progress: bool = True,
+) -> tuple[dict[int, Factors], dict[int, dict[str, float]]]:  # fmt: skip
+    """Refine every layer ``job_for`` gives a job, in order, over ``chunks [n, T]`` (one unpadded
+    sequence per row): each layer runs once to capture its attention inputs, is fitted against its own
+    uncompressed attention on those inputs, then runs again with the fitted truncation so the next
+    layer sees the compressed stream. (Fitting to the source stream's outputs instead, so that later
+    layers make up for earlier ones' drift, measured no better on SmolLM2: +74.3 % vs +73.8 % at 0.5.)
+    Returns the factors and the losses (plus seconds) per refined layer."""
+    from kvconvert.calib.search import rotary_tables
+    from kvconvert.calib.sequential import run_layer_by_layer
+    from kvconvert.devices import compute_device
+
+    fitted: dict[int, Factors] = {}
+    log: dict[int, dict[str, float]] = {}
+    seen: dict[int, list[tuple[Any, ...]]] = {}  # layer -> (query, key, value, scaling) per chunk
+    applying: list[int | None] = [None]
+    model_box: list[Any] = []
+    jobs: dict[int, Job | None] = {}
+
+    def observer(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
+        layer = int(module.layer_idx)
+        if layer not in jobs:
+            jobs[layer] = job_for(layer)
+        if jobs[layer] is None:
+            return None
+        if applying[0] != layer:  # the first run: capture what the layer attends with
+            seen.setdefault(layer, []).append((query.float(), key.float(), value.float(), scaling))
+            return None
+        # the second run: attend with the fitted truncation (float32, as it was fitted)
+        offsets = jobs[layer][1]  # type: ignore[index]
+        cos, sin = rotary_tables(model_box[0], rotary_module, key)
+        for side, (a, b) in fitted[layer].items():
+            if side == "v":
+                value = project(value, (a.float(), b.float()), offsets["v"].float())
+            elif cos is None or sin is None:
+                key = project(key, (a.float(), b.float()), offsets["k"].float())
+            else:
+                pre = project(apply_rotary(key, cos, -sin), (a.float(), b.float()), offsets["k"].float())
+                key = apply_rotary(pre, cos, sin)
+        return query, key, value
+
+    def captured(layer: int) -> Capture:
+        rows = seen.pop(layer)
+        keys = torch.cat([r[1] for r in rows])
+        cos, sin = rotary_tables(model_box[0], rotary_module, keys)
+        if cos is not None and sin is not None:
+            keys = apply_rotary(keys, cos, -sin)  # back to the pre-RoPE keys the truncation acts on
+        device, scaling = compute_device(), rows[0][3]
+        return Capture(
+            query=torch.cat([r[0] for r in rows]).to(device), key=keys.to(device),
+            value=torch.cat([r[2] for r in rows]).to(device),
+            cos=None if cos is None else cos.to(device), sin=None if sin is None else sin.to(device),
+            scaling=float(scaling) if scaling is not None else rows[0][0].shape[-1] ** -0.5,
+        )  # fmt: skip
+
+    def repeat(layer: int) -> bool:
+        job = jobs.get(layer)
+        if job is None:
+            return False
+        capture = captured(layer)
+        started = time.perf_counter()
+        fitted[layer], log[layer] = refine_layer(capture, job, steps, seed=layer)
+        log[layer]["seconds"] = time.perf_counter() - started
+        applying[0] = layer
+        return True
+
+    @contextlib.contextmanager
+    def observe(model: Any) -> Iterator[None]:
+        model_box.append(model)
+        with observed_attention(model, observer):
+            yield
+
+    run_layer_by_layer(source, adapter, chunks, observe, progress=progress, repeat=repeat)
+    return fitted, log
