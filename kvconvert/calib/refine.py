@@ -7,8 +7,8 @@ truncation, written as ``Π = A·B`` acting on the source's pre-RoPE keys and on
 W_O — softmax included — against the same layer uncompressed, on calibration activations: GPTQ-style
 local reconstruction, no backward pass through the model, one layer's activations in memory. Layers
 are fitted in order on the stream of the already refined layers (``run_layer_by_layer(repeat=…)``),
-so each fits the inputs it will see. Of the closed form and the last step, the one with the smaller
-loss on every captured chunk is kept: refinement never worsens the calibration loss.
+so each fits the inputs it will see. A fit that ends above the closed form's loss on the captured
+chunks is retried at a smaller step, then dropped: refinement never worsens the calibration loss.
 """
 
 from __future__ import annotations
