@@ -143,18 +143,18 @@ def refine_layers(
     applying: list[int | None] = [None]
     model_box: list[Any] = []
     jobs: dict[int, Job | None] = {}
+    biases: dict[int, dict[str, torch.Tensor]] = {}  # layer -> each side's bias, for the second run
 
     def observer(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
         layer = int(module.layer_idx)
-        if layer not in jobs:
-            jobs[layer] = job_for(layer)
-        if jobs[layer] is None:
-            return None
         if applying[0] != layer:  # the first run: capture what the layer attends with
-            seen.setdefault(layer, []).append((query.float(), key.float(), value.float(), scaling))
+            if layer not in jobs:
+                jobs[layer] = job_for(layer)
+            if jobs[layer] is not None:
+                seen.setdefault(layer, []).append((query.float(), key.float(), value.float(), scaling))
             return None
         # the second run: attend with the fitted truncation (float32, as it was fitted)
-        offsets = jobs[layer][1]  # type: ignore[index]
+        offsets = biases[layer]
         cos, sin = rotary_tables(model_box[0], rotary_module, key)
         for side, (a, b) in fitted[layer].items():
             if side == "v":
@@ -181,9 +181,10 @@ def refine_layers(
         )  # fmt: skip
 
     def repeat(layer: int) -> bool:
-        job = jobs.get(layer)
+        job = jobs.pop(layer, None)  # the fitted layer's W_O is not kept: one layer's worth in memory
         if job is None:
             return False
+        biases[layer] = job[1]
         capture = captured(layer)
         started = time.perf_counter()
         fitted[layer], log[layer] = refine_layer(capture, job, steps, seed=layer)
