@@ -96,3 +96,23 @@ def test_conversion_runs_its_calibration_on_the_requested_device(tokenized_model
                      "--removal-rate", "0.1", "--calib-tokens", "1024", "--device", DEVICES[-1], "--quiet")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert seen and all(d == resolve_device(DEVICES[-1]) for d in seen)
+
+
+def test_lorc_refinement_fits_on_the_requested_device(tokenized_model_dir, tmp_path, monkeypatch):
+    """``lorc --refine-steps`` takes its Adam steps where ``--device`` says (the captured activations
+    are moved there), not on the CPU the observers see."""
+    import kvconvert.calib.refine as refine
+
+    seen: list[torch.device] = []
+    fit = refine.refine_layer
+
+    def recording(capture, *args, **kwargs):
+        seen.append(capture.query.device)
+        return fit(capture, *args, **kwargs)
+
+    monkeypatch.setattr(refine, "refine_layer", recording)
+    result = run_cli("lorc", "--model", str(tokenized_model_dir("llama_gqa")), "--out", str(tmp_path / "l"),
+                     "--kv-budget", "0.6", "--schedule", "uniform", "--refine-steps", "3", "--calib-tokens", "1024",
+                     "--device", DEVICES[-1], "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert seen and all(d.type == resolve_device(DEVICES[-1]).type for d in seen)
