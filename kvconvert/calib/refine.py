@@ -133,7 +133,7 @@ def refine_layers(
     layer sees the compressed stream. (Fitting to the source stream's outputs instead, so that later
     layers make up for earlier ones' drift, measured no better on SmolLM2: +74.3 % vs +73.8 % at 0.5.)
     Returns the factors and the losses (plus seconds) per refined layer."""
-    from kvconvert.calib.search import rotary_tables
+    from kvconvert.calib.search import project_kv, rotary_tables
     from kvconvert.calib.sequential import run_layer_by_layer
     from kvconvert.devices import compute_device
 
@@ -143,7 +143,7 @@ def refine_layers(
     applying: list[int | None] = [None]
     model_box: list[Any] = []
     jobs: dict[int, Job | None] = {}
-    biases: dict[int, dict[str, torch.Tensor]] = {}  # layer -> each side's bias, for the second run
+    affines: dict[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}  # for the second run
 
     def observer(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
         layer = int(module.layer_idx)
@@ -154,17 +154,7 @@ def refine_layers(
                 seen.setdefault(layer, []).append((query.float(), key.float(), value.float(), scaling))
             return None
         # the second run: attend with the fitted truncation (float32, as it was fitted)
-        offsets = biases[layer]
-        cos, sin = rotary_tables(model_box[0], rotary_module, key)
-        for side, (a, b) in fitted[layer].items():
-            if side == "v":
-                value = project(value, (a.float(), b.float()), offsets["v"].float())
-            elif cos is None or sin is None:
-                key = project(key, (a.float(), b.float()), offsets["k"].float())
-            else:
-                pre = project(apply_rotary(key, cos, -sin), (a.float(), b.float()), offsets["k"].float())
-                key = apply_rotary(pre, cos, sin)
-        return query, key, value
+        return query, *project_kv(model_box[0], rotary_module, layer, key, value, affines[layer])
 
     def captured(layer: int) -> Capture:
         rows = seen.pop(layer)
@@ -184,11 +174,10 @@ def refine_layers(
         job = jobs.pop(layer, None)  # the fitted layer's W_O is not kept: one layer's worth in memory
         if job is None:
             return False
-        biases[layer] = job[1]
-        capture = captured(layer)
         started = time.perf_counter()
-        fitted[layer], log[layer] = refine_layer(capture, job, steps, seed=layer)
+        fitted[layer], log[layer] = refine_layer(captured(layer), job, steps, seed=layer)
         log[layer]["seconds"] = time.perf_counter() - started
+        affines[layer] = {(layer, side): _affine(pair, job[1][side]) for side, pair in fitted[layer].items()}
         applying[0] = layer
         return True
 
@@ -200,3 +189,9 @@ def refine_layers(
 
     run_layer_by_layer(source, adapter, chunks, observe, progress=progress, repeat=repeat)
     return fitted, log
+
+
+def _affine(factors: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Π, c)`` float32 for ``calib.search.project_kv``: ``Π·x + c = Π·(x − b) + b`` with ``Π = A·B``."""
+    projector = (factors[0] @ factors[1]).float()
+    return projector, bias.float() - projector @ bias.float()

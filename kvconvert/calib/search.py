@@ -158,15 +158,15 @@ def rotary_tables(
     return cos.float().cpu(), sin.float().cpu()
 
 
-@contextlib.contextmanager
-def projected_kv(model: Any, select: Callable[[], dict[tuple[int, str], Affine]], rotary_module: str | None
-                 ) -> Iterator[None]:  # fmt: skip
-    """Inside the block, the keys (side "k") or values ("v") of each ``(layer, side)`` in ``select()``
-    (asked at every layer: each branch of a probing pass has its own) are replaced by ``Π·x + c``, with
-    ``(Π [Hkv·dk, Hkv·dk], c [Hkv·dk])`` on the concatenated heads before RoPE: what a truncated
-    projection ``Π·W`` with its bias b kept computes (``c = b − Π·b``; ``linalg.truncation_projector``).
-    Keys come to the observer after RoPE, so they are rotated back (positions 0..n-1: one unpadded
-    sequence per row, as calibration runs), projected and rotated again."""
+def project_kv(
+    model: Any, rotary_module: str | None, layer: int, key: torch.Tensor, value: torch.Tensor,
+    projectors: dict[tuple[int, str], Affine],
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``key``/``value`` (``[b, Hkv, n, dk]``, keys after RoPE) of ``layer`` with ``projectors[layer, side]
+    = (Π [Hkv·dk, Hkv·dk], c [Hkv·dk])`` applied as ``Π·x + c`` on the concatenated heads before RoPE:
+    what a truncated projection ``Π·W`` with its bias b kept computes (``c = b − Π·b``;
+    ``linalg.truncation_projector``). Keys are rotated back (positions 0..n-1: one unpadded sequence
+    per row, as calibration runs), projected and rotated again."""
     from kvconvert.runtime.kvconvert_common import apply_rotary
 
     def projected(x: torch.Tensor, affine: Affine, rotate: bool) -> torch.Tensor:
@@ -179,15 +179,25 @@ def projected_kv(model: Any, select: Callable[[], dict[tuple[int, str], Affine]]
         x = flat.view(b, n, kv_heads, dk).transpose(1, 2)
         return x if cos is None or sin is None else apply_rotary(x, cos, sin)
 
+    if (layer, "k") in projectors:
+        key = projected(key, projectors[layer, "k"], rotate=True)
+    if (layer, "v") in projectors:
+        value = projected(value, projectors[layer, "v"], rotate=False)
+    return key, value
+
+
+@contextlib.contextmanager
+def projected_kv(model: Any, select: Callable[[], dict[tuple[int, str], Affine]], rotary_module: str | None
+                 ) -> Iterator[None]:  # fmt: skip
+    """Inside the block, the keys (side "k") or values ("v") of each ``(layer, side)`` in ``select()``
+    (asked at every layer: each branch of a probing pass has its own) are replaced as ``project_kv``
+    does: what the truncated projection computes."""
+
     def project(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
         layer, projectors = int(module.layer_idx), select()
         if (layer, "k") not in projectors and (layer, "v") not in projectors:
             return None
-        if (layer, "k") in projectors:
-            key = projected(key, projectors[layer, "k"], rotate=True)
-        if (layer, "v") in projectors:
-            value = projected(value, projectors[layer, "v"], rotate=False)
-        return query, key, value
+        return query, *project_kv(model, rotary_module, layer, key, value, projectors)
 
     with observed_attention(model, project):
         yield
