@@ -254,3 +254,31 @@ def captured_energy(basis: torch.Tensor, rank: int, other_basis: torch.Tensor, o
     weighted = other_spectrum.to(F64)[:, None] * (other_basis.to(F64).T @ basis.to(F64)[:, :rank])
     best = float((other_spectrum.to(F64)[:rank] ** 2).sum())
     return 1.0 if best == 0 else float((weighted**2).sum()) / best
+
+
+def shared_subspace(covariance: torch.Tensor, metrics: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted principal subspace of stacked states ``x = [x_1 … x_m]`` (xKV's cross-layer SVD, fitted
+    offline on calibration data), float64.
+
+    ``covariance [n, n]``: ``E[(x − μ)(x − μ)ᵀ]`` of the stacked states; ``metrics [g, d, d]`` (g·d = n):
+    what an error in each block of d coordinates costs (``E[qqᵀ]`` of the queries that read a key head,
+    ``W_Oʰᵀ W_Oʰ`` for a value head), so that the objective is ``E[(x − x̂)ᵀ M (x − x̂)]`` with
+    ``M = blockdiag(metrics)``. With ``L Lᵀ = M`` (``block_cholesky``) and ``Lᵀ C L = U Λ Uᵀ``, the rank-r
+    optimum is ``x̂ − μ = (x − μ)·L U_r·U_rᵀ L⁻¹`` and its loss is ``Σ_{i ≥ r} λ_i``. Returns
+    ``(L [n, n], U [n, n], λ [n])``, λ descending.
+    """
+    lower = block_cholesky(metrics)
+    gram = lower.T @ covariance.to(F64) @ lower
+    eigenvalues, vectors = torch.linalg.eigh((gram + gram.T) / 2)
+    order = torch.argsort(eigenvalues, descending=True)
+    return lower, vectors[:, order].contiguous(), eigenvalues[order].clamp(min=0)
+
+
+def subspace_factors(lower: torch.Tensor, vectors: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(encoder [n, r], decoder [r, n])`` of ``shared_subspace``'s rank-``rank`` optimum: the latent
+    ``z = (x − μ)·encoder``, the states ``x̂ = μ + z·decoder`` (``encoder = L U_r``, ``decoder = U_rᵀ L⁻¹``;
+    at full rank ``encoder·decoder = I``)."""
+    u_r = vectors[:, :rank].to(F64)
+    return (lower.to(F64) @ u_r).contiguous(), torch.linalg.solve_triangular(
+        lower.to(F64).T, u_r, upper=True
+    ).T.contiguous()
