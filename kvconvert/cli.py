@@ -375,9 +375,23 @@ def zack(
 @click.option("--t", "t", type=float, default=0.6, show_default=True, help="SLERP parameter (1 leans to layer l).")
 @click.option("--gamma", type=float, default=0.05, show_default=True, help="Retention threshold (0: none, 1: all).")
 @click.option(
-    "--merge", type=click.Choice(["slerp", "average"]), default="slerp", show_default=True, help="Merge function."
+    "--merge",
+    type=click.Choice(["slerp", "average", "subspace"]),
+    default="slerp",
+    show_default=True,
+    help="Merge function; subspace (extension, xKV): a pair shares one calibrated latent per token, widths by loss.",
 )
-@_optional_calibration("Measure adjacent-layer similarity on this text (bare --calib: the shipped calib_data/).")
+@click.option(
+    "--sink",
+    type=int,
+    default=4,
+    show_default=True,
+    help="--merge subspace: first tokens of a sequence kept exact (attention sinks).",
+)
+@_optional_calibration(
+    "Measure adjacent-layer similarity on this text (bare --calib: the shipped calib_data/); "
+    "--merge subspace fits its latents on it."
+)
 @_user_errors
 def minicache(
     options: ConversionOptions,
@@ -387,6 +401,7 @@ def minicache(
     t: float,
     gamma: float,
     merge: str,
+    sink: int,
     calib: str | None,
     calib_tokens: int,
     seed: int,
@@ -396,7 +411,7 @@ def minicache(
 
     config = MiniCacheConfig(
         start_layer=start_layer, kv_budget=kv_budget, min_similarity=min_similarity, t=t, gamma=gamma,
-        merge=merge,  # type: ignore[arg-type]
+        merge=merge, sink=sink,  # type: ignore[arg-type]
         calibrate=calib is not None, calib=_calib_source(calib),
         calib_tokens=calib_tokens, seed=seed,
     )  # fmt: skip
@@ -404,6 +419,11 @@ def minicache(
     plan = report["plan"]
     if not options.quiet and "layer_similarity" in plan:
         _print_layer_similarity(plan["layer_similarity"], merged={tuple(p) for p in plan["pairs"]})
+    if not options.quiet and "ranks" in plan:
+        click.echo(f"{'pair':>7}  {'K width':>7}  {'K loss':>8}  {'V width':>7}  {'V loss':>8}")
+        for (a, b), (r_k, r_v) in zip(plan["pairs"], plan["ranks"], strict=True):
+            row = report["layers"][a]
+            click.echo(f"{a:>3}-{b:<3}  {r_k:>7}  {row['loss_k']:>8.4f}  {r_v:>7}  {row['loss_v']:>8.4f}")
     pairs = ", ".join(f"{a}-{b}" for a, b in plan["pairs"]) or "none"
     click.echo(f"wrote {options.out} (minicache from layer {plan['start_layer']}, pairs {pairs}; "
                f"KV budget {report['kv_budget_expected']:.3f})")  # fmt: skip

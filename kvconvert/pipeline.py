@@ -145,10 +145,10 @@ def convert(
         for layer in layers:
             local = read_layer(layer)
             result = method.convert_layer(layer, adapter.read_attention(local), target)
-            produced = local if result.passthrough else result.tensors
+            produced = {**local, **result.tensors} if result.passthrough else result.tensors
             for local_name in sorted(produced):
                 tensor = produced[local_name]
-                if result.passthrough and tensor.is_floating_point() and dtype != "auto":
+                if result.passthrough and local_name in local and tensor.is_floating_point() and dtype != "auto":
                     tensor = tensor.to(target)
                 writer.add(prefixes[layer] + local_name, tensor)
             reports.append(result.report)

@@ -349,3 +349,161 @@ def test_plan_decides_everything_and_layers_convert_in_any_order(tiny_model_dir)
     for layer in reversed(range(layout.num_layers)):
         method.convert_layer(layer, None, torch.float32)  # type: ignore[arg-type]
     assert method.expected_kv_budget(layout) == budget and method.pairs() == pairs
+
+
+# -- subspace merge (extension, xKV) ---------------------------------------------------------
+
+
+def test_shared_subspace_is_the_weighted_optimum_and_beats_separate_layers():
+    """Brute force: the rank-r shared subspace's weighted error equals the sum of the left-out eigenvalues, no
+    random encoder (with its least-squares decoder) does better, and per-layer subspaces of the same total
+    width (the block-diagonal special case) lose more when the two layers share structure."""
+    from kvconvert import linalg
+    from kvconvert.methods.minicache import fit_pair_subspace
+
+    torch.manual_seed(0)
+    n, h, dk = 4000, 8, 4
+    shared = torch.randn(n, 3, dtype=torch.float64)
+    x = torch.cat([shared @ torch.randn(3, h, dtype=torch.float64), shared @ torch.randn(3, h, dtype=torch.float64)], 1)
+    x = x + 0.1 * torch.randn(n, 2 * h, dtype=torch.float64) + 2.0  # a mean the fit must keep
+    mean = x.mean(0)
+    cov = (x - mean).T @ (x - mean) / n
+    metrics = [torch.eye(dk, dtype=torch.float64).repeat(2, 1, 1) * s for s in (1.0, 3.0)]
+    fit = fit_pair_subspace(mean, cov, metrics)
+    metric = fit.lower @ fit.lower.T  # the metric the fit used: each layer's block scaled to unit energy
+
+    def error(encoder, decoder):
+        e = x - (mean + (x - mean) @ encoder @ decoder)
+        return float(((e @ metric) * e).sum(1).mean())
+
+    assert error(*linalg.subspace_factors(fit.lower, fit.vectors, 0)) == pytest.approx(2.0)  # both layers' energy
+    for rank in (2, 3, 6):
+        best = error(*linalg.subspace_factors(fit.lower, fit.vectors, rank))
+        assert best == pytest.approx(float(fit.losses()[rank]), rel=1e-6)
+        for _ in range(20):
+            a = torch.randn(2 * h, rank, dtype=torch.float64)
+            b = torch.linalg.lstsq((x - mean) @ a, x - mean).solution
+            assert error(a, b) >= best * (1 - 1e-9)
+    separate = 0.0
+    for member in range(2):
+        rows = slice(member * h, (member + 1) * h)
+        blocks = torch.stack([metric[rows, rows][i * dk : (i + 1) * dk, i * dk : (i + 1) * dk] for i in range(2)])
+        eigenvalues = linalg.shared_subspace(cov[rows, rows], blocks)[2]
+        separate += float(eigenvalues[2:].sum())  # this layer alone at width 2
+    assert float(fit.losses()[4]) < 0.5 * separate
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "gpt_neox", "gpt2"])
+def test_subspace_at_full_width_is_exact(kind, tokenized_model_dir, tmp_path):
+    """--kv-budget 1 keeps every latent channel: prefill, greedy, sampled decoding with left padding equal the
+    source through the cache, and the written parameters load into the stock attention modules."""
+    src = tokenized_model_dir(kind)
+    report = convert_minicache(src, tmp_path / "mc", "--merge", "subspace", "--kv-budget", "1", "--calib-tokens",
+                               "256")  # fmt: skip
+    converted = load_converted(tmp_path / "mc")
+    spec = converted.config.kvconvert
+    width = spec["num_kv_heads"] * spec["head_dim"]
+    assert report["plan"]["pairs"] == [[0, 1]] and report["plan"]["ranks"] == [[2 * width, 2 * width]]
+    module = converted.get_submodule(spec["attention_modules"][1])
+    assert module.subspace_v_decoder.shape == (2 * width, width) and module.subspace_k_mean.abs().sum() > 0
+    assert_equivalent(load_reference(src), converted, *left_padded())
+
+
+@torch.no_grad()
+def test_subspace_budget_is_allocated_held_and_beats_slerp(tokenized_model_dir, tmp_path):
+    """At budget 0.6 the widths are allocated by loss, the live cache holds what the plan says (fewer bytes
+    than the source), decoding through the cache loses something, and less than SLERP merging of the same
+    pair at a larger cache."""
+    from kvconvert.methods.minicache import subspace_bytes_per_token
+
+    src = tokenized_model_dir("llama_gqa")
+    report = convert_minicache(src, tmp_path / "sub", "--merge", "subspace", "--kv-budget", "0.6",
+                               "--calib-tokens", "512")  # fmt: skip
+    ranks = report["plan"]["ranks"]
+    layout = type("Layout", (), {"kv_width": 32, "num_layers": 3})()
+    per_token, original = subspace_bytes_per_token(layout, [tuple(r) for r in ranks], 4)  # type: ignore[arg-type]
+    assert per_token / original <= 0.6 and report["kv_budget_expected"] == pytest.approx(per_token / original)
+    assert sum(ranks[0]) == int(0.6 * 2 * 3 * 32) - 2 * 32
+    converted, reference = load_converted(tmp_path / "sub"), load_reference(src)
+    ids = text_ids(96).view(2, 48)
+    cache = converted(ids, use_cache=True).past_key_values
+    stored = cache_nbytes(cache)
+    unmerged = cache_nbytes(reference(ids, use_cache=True).past_key_values) / 3  # layer 2 is stock
+    sinks = 2 * 2 * ids.shape[0] * 4 * 32 * 4  # both layers' K and V of the 4 sink tokens of each row, exact
+    assert stored == pytest.approx(unmerged + sum(ranks[0]) * 4 * ids.numel() + sinks)
+    sub = evaluate_quality(converted, text_ids(), 80, reference, chunk=1)
+    convert_minicache(src, tmp_path / "slerp", "--start-layer", "0", "--gamma", "0")
+    slerp_result = evaluate_quality(load_converted(tmp_path / "slerp"), text_ids(), 80, reference, chunk=1)
+    assert 1e-6 < sub.kl_mean < slerp_result.kl_mean
+
+
+def test_subspace_decodes_with_beams_and_storage(tokenized_model_dir, tmp_path):
+    src = tokenized_model_dir("llama_gqa")
+    convert_minicache(src, tmp_path / "q", "--merge", "subspace", "--kv-budget", "0.5", "--calib-tokens", "256",
+                      "--kv-bits", "4", "--kv-residual", "8", "--kv-group", "16")  # fmt: skip
+    converted = load_converted(tmp_path / "q")
+    ids, mask = left_padded()
+    out = converted.generate(ids, attention_mask=mask, max_new_tokens=12, num_beams=3, do_sample=False,
+                             return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    state = out.past_key_values.layers[1]
+    assert state.pending is None and state.latents[0].blocks is not None  # quantized latent blocks exist
+    assert out.sequences.shape == (2, 36)
+
+
+def test_subspace_bad_options(tokenized_model_dir, tmp_path):
+    src = str(tokenized_model_dir("llama_gqa"))
+    result = run_cli("minicache", "--model", src, "--out", str(tmp_path / "x"), "--merge", "subspace",
+                     "--min-similarity", "0.5")  # fmt: skip
+    assert result.exit_code == 2 and "needs no similar layers" in result.output
+    result = run_cli("minicache", "--model", src, "--out", str(tmp_path / "y"), "--merge", "subspace", "--kv-budget",
+                     "0.34", "--calib-tokens", "256")  # fmt: skip
+    assert result.exit_code == 2 and "less than one latent channel" in result.output, result.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@torch.no_grad()
+def test_subspace_latent_attention_equals_restoring_the_past(tokenized_model_dir, tmp_path):
+    """Decoding computes scores and outputs from the latents (``SubspaceState.attend_past``); restoring each
+    layer's past states and running SDPA over them (``PairedLayer.attend_past``) is the reference."""
+    src = tokenized_model_dir("llama_gqa")
+    convert_minicache(src, tmp_path / "sub", "--merge", "subspace", "--kv-budget", "0.6", "--calib-tokens", "256")
+    converted = load_converted(tmp_path / "sub")
+    ids, mask = left_padded()
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    latent = converted.generate(ids, **kwargs)
+    state_class = type(latent.past_key_values.layers[1])
+    assert state_class.__name__ == "SubspaceState"
+    latent_attention = state_class.attend_past
+    state_class.attend_past = state_class.__mro__[1].attend_past  # PairedLayer's: restore, then SDPA
+    try:
+        restored = converted.generate(ids, **kwargs)
+    finally:
+        state_class.attend_past = latent_attention
+    assert torch.equal(latent.sequences, restored.sequences)
+    for a, b in zip(latent.logits, restored.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_pair_moments_match_the_stock_cache(tokenized_model_dir):
+    """Layer-by-layer pair statistics vs K/V read from transformers' own DynamicCache of a full forward."""
+    from kvconvert.arch import adapter_for
+    from kvconvert.calib.subspace import collect_pair_moments
+    from kvconvert.calib.text import calibration_set
+    from kvconvert.io.source import open_source
+
+    src = tokenized_model_dir("llama_gqa")
+    source = open_source(str(src))
+    chunks = calibration_set(src, None, 256, 64, 0).chunks
+    moments = collect_pair_moments(source, adapter_for(source.config), [(1, 2)], chunks, progress=False)
+    model = load_reference(src)
+    out = model(chunks, use_cache=True)
+    cache = out.past_key_values
+    for side, name in enumerate(("keys", "values")):
+        stacked = torch.cat([getattr(cache.layers[i], name).transpose(1, 2).flatten(2) for i in (1, 2)], dim=-1)
+        x = stacked.reshape(-1, stacked.shape[-1]).double()
+        mean, cov = moments.covariance(0, side)
+        torch.testing.assert_close(mean, x.mean(0), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cov, torch.cov(x.T, correction=0), atol=1e-5, rtol=1e-4)
+    assert int(moments.tokens[0]) == chunks.numel() and set(moments.query) == {1, 2}

@@ -18,7 +18,7 @@ class LayerOutput:
 
     tensors: dict[str, torch.Tensor]
     report: dict[str, Any] = field(default_factory=dict)
-    passthrough: bool = False  # keep the layer's original attention tensors and stock module
+    passthrough: bool = False  # keep the layer's original attention tensors and stock module (+ ``tensors``)
 
 
 class Method:

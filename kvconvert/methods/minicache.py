@@ -6,6 +6,15 @@ SLERP parameter t (0.6) and the retention threshold γ (0.05). S can instead fol
 budget (how many of the deepest layers to merge) or from measured adjacent-layer similarity on
 calibration text (the shallowest S from which every pair keeps a target cosine similarity).
 The runtime (``kvconvert_minicache``) does the merging, retention and restoration.
+
+``merge="subspace"`` (an extension, after xKV 2025) shares a *subspace* instead of a direction: per
+pair and side, one latent per token ``z = Σ_m (x_m − μ_m)·E_m`` from which each layer reads back its own
+states ``x̂_m = μ_m + z·D_m``. E and D are the weighted principal subspace of the pair's stacked states
+on calibration text (``linalg.shared_subspace``: key errors weighted by the queries that read them,
+value errors by W_O), each layer's part of it written next to that layer's attention weights; the
+latent widths are allocated over all pairs and sides by the measured loss (``linalg.allocate_ranks``).
+It needs no similarity between the layers' states, only shared structure, which plain per-layer
+truncation is the block-diagonal special case of.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
 from kvconvert.methods.base import LayerOutput, Method
@@ -33,7 +43,9 @@ class MiniCacheConfig:
     min_similarity: float | None = None  # shallowest S whose pairs all keep this mean cosine (calibrates)
     t: float = 0.6  # SLERP parameter, eq. 3 (t → 1 leans to the deeper layer)
     gamma: float = 0.05  # retention threshold, eq. 4 (0 keeps no token unmerged, 1 keeps all)
-    merge: Literal["slerp", "average"] = "slerp"  # "average": the paper's mean baseline (table G)
+    # "average": the paper's mean baseline (table G); "subspace": shared latent per pair (extension)
+    merge: Literal["slerp", "average", "subspace"] = "slerp"
+    sink: int = 4  # subspace: the first tokens of a sequence kept exact in both layers (attention sinks)
     calibrate: bool = False  # measure adjacent-layer similarity (always on with min_similarity)
     calib: str | None = None  # calibration source; None: the project's calib_data/
     calib_tokens: int = 16384
@@ -53,12 +65,18 @@ class MiniCacheConfig:
         for name in ("t", "gamma"):
             if not 0 <= getattr(self, name) <= 1:
                 raise KVConvertError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.merge not in ("slerp", "average"):
-            raise KVConvertError(f"merge must be slerp or average, got {self.merge!r}")
+        if self.merge not in ("slerp", "average", "subspace"):
+            raise KVConvertError(f"merge must be slerp, average or subspace, got {self.merge!r}")
+        if self.sink < 0:
+            raise KVConvertError(f"sink must be >= 0, got {self.sink}")
+        if self.merge == "subspace" and self.min_similarity is not None:
+            raise KVConvertError("--merge subspace needs no similar layers; choose its pairs with --start-layer or "
+                                 "its latent widths with --kv-budget, not --min-similarity")  # fmt: skip
 
     @property
     def measures(self) -> bool:
-        return self.calibrate or self.min_similarity is not None
+        """Measure adjacent-layer similarity (a subspace merge calibrates its own statistics instead)."""
+        return (self.calibrate and self.merge != "subspace") or self.min_similarity is not None
 
 
 def merge_pairs(start: int, num_layers: int) -> list[tuple[int, int]]:
@@ -89,6 +107,52 @@ def kv_bytes_per_token(
     return unmerged + pairs * sum(per_side), original
 
 
+def subspace_bytes_per_token(
+    layout: AttentionLayout, ranks: list[tuple[int, int]], element_bytes: int
+) -> tuple[int, int]:
+    """(bytes, original bytes) per token with ``ranks[p] = (r_k, r_v)`` latent widths per merged pair."""
+    h = layout.kv_width
+    original = 2 * layout.num_layers * h * element_bytes
+    unmerged = 2 * (layout.num_layers - 2 * len(ranks)) * h * element_bytes
+    return unmerged + sum(r_k + r_v for r_k, r_v in ranks) * element_bytes, original
+
+
+@dataclass
+class SubspaceFit:
+    """One pair's side: ``lower``, ``vectors``, ``eigenvalues`` of ``linalg.shared_subspace`` (losses in
+    units of each layer's own weighted energy) and the stacked mean ``[2·h]``."""
+
+    lower: torch.Tensor
+    vectors: torch.Tensor
+    eigenvalues: torch.Tensor
+    mean: torch.Tensor
+
+    def losses(self) -> torch.Tensor:
+        """Loss at latent width r = 0..2h: Σ of the eigenvalues left out (2 at r = 0, 0 at full width)."""
+        tail = self.eigenvalues.flip(0).cumsum(0).flip(0)
+        return torch.cat([tail, tail.new_zeros(1)])
+
+
+def fit_pair_subspace(mean: torch.Tensor, covariance: torch.Tensor, metrics: list[torch.Tensor]) -> SubspaceFit:
+    """``shared_subspace`` of one pair's side, each member's ``metrics [Hkv, dk, dk]`` scaled so that its own
+    weighted energy ``tr(M_m C_mm)`` is 1: an error is then a share of what that layer holds."""
+    width = covariance.shape[0] // 2
+    scaled = []
+    for member, metric in enumerate(metrics):
+        block = covariance[member * width : (member + 1) * width, member * width : (member + 1) * width]
+        energy = float(torch.einsum("gde,ged->", metric.to(torch.float64), _head_blocks(block, metric.shape[-1])))
+        scaled.append(metric.to(torch.float64) / max(energy, 1e-300))
+    lower, vectors, eigenvalues = linalg.shared_subspace(covariance, torch.cat(scaled))
+    return SubspaceFit(lower, vectors, eigenvalues, mean)
+
+
+def _head_blocks(block: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The diagonal ``[g, dk, dk]`` blocks of a ``[g·dk, g·dk]`` matrix."""
+    heads = block.shape[0] // head_dim
+    return torch.stack([block[i * head_dim : (i + 1) * head_dim, i * head_dim : (i + 1) * head_dim]
+                        for i in range(heads)])  # fmt: skip
+
+
 class MiniCacheMethod(Method):
     name = "minicache"
     unsupported: ClassVar[dict[str, str]] = {
@@ -105,11 +169,22 @@ class MiniCacheMethod(Method):
         self.similarity: dict[str, Any] | None = None
         self.retained = (self.config.gamma, self.config.gamma)  # appendix E's assumption until measured
         self.element_bytes = 2
+        self.fits: list[tuple[SubspaceFit, SubspaceFit]] = []  # subspace: per pair, (keys, values)
+        self.ranks: list[tuple[int, int]] = []  # subspace: per pair, latent widths (keys, values)
+        self.calib_source: str | None = None
 
     @classmethod
     def describe(cls, report: dict[str, Any]) -> str:
         plan = report["plan"]
         pairs = ", ".join(f"{a}-{b}" for a, b in plan["pairs"]) or "none"
+        if plan["merge"] == "subspace":
+            return (
+                f"MiniCache with shared subspaces (a kvconvert extension after xKV, not the paper's merge): adjacent "
+                f"layer pairs ({pairs}) store one latent per token and side, from which each layer restores its own "
+                "keys and values through its decoder; the subspaces are fitted on calibration text and the latent "
+                "widths allocated by the measured loss. Quality shows when text is decoded through the cache "
+                "(`kvconvert eval --chunk 1`), not in a single forward."
+            )
         return (
             f"MiniCache: adjacent layer pairs ({pairs}) share one K and one V direction tensor "
             f"(SLERP, t = {plan['t']}) plus per-token norms of each layer; tokens at the far end of the "
@@ -132,6 +207,9 @@ class MiniCacheMethod(Method):
         return merge_pairs(self.start, self.layout.num_layers)
 
     def budget(self, layout: AttentionLayout, pairs: int) -> float:
+        if self.config.merge == "subspace":
+            latent, full = subspace_bytes_per_token(layout, self.ranks, self.element_bytes)
+            return latent / full
         new, original = kv_bytes_per_token(layout, pairs, self.element_bytes, *self.retained, self.config.merge)
         return new / original
 
@@ -147,6 +225,9 @@ class MiniCacheMethod(Method):
             first = next(iter(layers), None)
             if first is not None:
                 self.element_bytes = first.k_weight.element_size()
+        if config.merge == "subspace":
+            self._plan_subspace(layout, layers, source)
+            return
         if config.measures:
             from kvconvert.analysis.layer_similarity import measure_layer_similarity
 
@@ -166,6 +247,47 @@ class MiniCacheMethod(Method):
                 sum(p["retained_k"] for p in chosen) / len(chosen),
                 sum(p["retained_v"] for p in chosen) / len(chosen),
             )
+
+    def _plan_subspace(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any) -> None:
+        """Pairs from S (default: every layer with ``kv_budget``, L/2 without), fitted on calibration text;
+        latent widths: half of each pair's stacked width, or allocated by loss to meet ``kv_budget``."""
+        from kvconvert.arch import adapter_for
+        from kvconvert.calib.subspace import collect_pair_moments
+        from kvconvert.calib.text import calibration_set
+
+        config = self.config
+        if config.start_layer is not None:
+            self.start = config.start_layer
+        else:
+            self.start = 0 if config.kv_budget is not None else layout.num_layers // 2
+        pairs = self.pairs()
+        members = {layer for pair in pairs for layer in pair}
+        o_grams = {i: linalg.output_gram(w.o_weight, layout.num_heads, layout.num_kv_heads, layout.head_dim)
+                   for i, w in enumerate(layers) if i in members}  # fmt: skip
+        if not pairs:
+            return
+        adapter = adapter_for(source.config)
+        calib_set = calibration_set(source.path, config.calib, config.calib_tokens,
+                                    min(config.chunk_len, layout.context), config.seed)  # fmt: skip
+        self.calib_source = calib_set.source
+        moments = collect_pair_moments(source, adapter, pairs, calib_set.chunks, progress=self.progress)
+        for p, (a, b) in enumerate(pairs):
+            keys = fit_pair_subspace(*moments.covariance(p, 0), [moments.query[a], moments.query[b]])
+            values = fit_pair_subspace(*moments.covariance(p, 1), [o_grams[a], o_grams[b]])
+            self.fits.append((keys, values))
+        width = 2 * layout.kv_width
+        curves = [fit.losses() for pair in self.fits for fit in pair]
+        if config.kv_budget is None or config.kv_budget >= 1:
+            full = config.kv_budget is not None
+            widths = [width if full else width // 2] * len(curves)
+        else:
+            unmerged = 2 * (layout.num_layers - 2 * len(pairs)) * layout.kv_width
+            total = int(config.kv_budget * 2 * layout.num_layers * layout.kv_width) - unmerged
+            if total < len(curves):
+                raise KVConvertError(f"kv_budget {config.kv_budget} leaves less than one latent channel per merged "
+                                     f"pair and side; raise it")  # fmt: skip
+            widths = linalg.allocate_ranks(curves, total, low=1)
+        self.ranks = [(widths[2 * p], widths[2 * p + 1]) for p in range(len(pairs))]
 
     def _start_for_budget(self, layout: AttentionLayout, kv_budget: float) -> int:
         most = layout.num_layers // 2
@@ -201,25 +323,55 @@ class MiniCacheMethod(Method):
         if self.similarity is not None and layer > 0:
             row = self.similarity["pairs"][layer - 1]
             report.update(cos_k_with_previous=round(row["cos_k"], 6), cos_v_with_previous=round(row["cos_v"], 6))
-        return LayerOutput(tensors={}, report=report, passthrough=True)
+        tensors: dict[str, torch.Tensor] = {}
+        if self.fits and partner is not None:
+            pair = next(p for p, members in enumerate(self.pairs()) if layer in members)
+            member = self.pairs()[pair].index(layer)
+            for side, fit, rank in zip("kv", self.fits[pair], self.ranks[pair], strict=True):
+                tensors.update(subspace_tensors(fit, rank, member, side, dtype))
+                report[f"rank_{side}"] = rank
+                report[f"loss_{side}"] = round(float(fit.losses()[rank]) / 2, 6)  # share of the pair's energy
+        return LayerOutput(tensors=tensors, report=report, passthrough=True)
 
     def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
         return {"minicache": self.merge_plan()}
 
     def merge_plan(self) -> dict[str, Any]:
-        return {
+        plan: dict[str, Any] = {
             "start_layer": self.start,
             "pairs": [list(p) for p in self.pairs()],
             "t": self.config.t,
             "gamma": self.config.gamma,
             "merge": self.config.merge,
         }
+        if self.config.merge == "subspace":
+            plan["ranks"] = [list(r) for r in self.ranks]
+            plan["sink"] = self.config.sink
+        return plan
 
     def summary(self) -> dict[str, Any]:
         """kvconvert.json's ``plan``: the merge plan, the retention shares the budget assumes, and the
         adjacent-layer similarity when it was measured."""
+        if self.config.merge == "subspace":
+            calibration = {"source": self.calib_source, "tokens": self.config.calib_tokens}
+            return {**self.merge_plan(), "calibration": calibration}
         plan: dict[str, Any] = {**self.merge_plan(), "retained_share_assumed": list(self.retained)}
         plan["retention_source"] = "measured on calibration text" if self.similarity else "γ (paper appendix E)"
         if self.similarity is not None:
             plan["layer_similarity"] = self.similarity
         return plan
+
+
+def subspace_tensors(
+    fit: SubspaceFit, rank: int, member: int, side: str, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Pair member ``member``'s share of a rank-``rank`` subspace, named as the runtime's parameters:
+    ``subspace_{side}_encoder [h, r]``, ``subspace_{side}_decoder [r, h]``, ``subspace_{side}_mean [h]``."""
+    encoder, decoder = linalg.subspace_factors(fit.lower, fit.vectors, rank)
+    h = encoder.shape[0] // 2
+    rows = slice(member * h, (member + 1) * h)
+    return {
+        f"subspace_{side}_encoder": encoder[rows].to(dtype).contiguous(),
+        f"subspace_{side}_decoder": decoder[:, rows].to(dtype).contiguous(),
+        f"subspace_{side}_mean": fit.mean[rows].to(dtype).contiguous(),
+    }

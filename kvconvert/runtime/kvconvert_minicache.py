@@ -16,6 +16,13 @@ sequences; in decode the new token of the first layer waits until the second lay
 its own, then the pair is merged (appendix D, algorithm 1). Within one forward call every layer
 attends to its own exact new states; only the past is merged.
 
+``merge: subspace`` (an extension after xKV, 2025) shares a latent instead of a direction: per pair,
+side and token the cache holds ``z = (x_{l-1} − μ_{l-1})·E_{l-1} + (x_l − μ_l)·E_l`` (r channels, in place
+of 2·Hkv·dk), and each layer restores its own states as ``μ + z·D`` with its parameters
+``subspace_{k,v}_{encoder,decoder,mean}`` (fitted offline on calibration text, registered on the stock
+attention module by ``configure`` and loaded from the checkpoint). Layer l-1's share of z waits, as
+above, until layer l has added its own.
+
 Weights and attention modules stay stock: a registered attention function reads the cache.
 Copied verbatim into every minicache output directory.
 """
@@ -32,13 +39,15 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of
+from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows
 from .kvconvert_storage import KVLayer, QuantSpec, TokenStore, select_rows_fn, stock_layer
 
 IMPLEMENTATION = "kvconvert_minicache"
 # Below this sin Ω, SLERP's weights sin((1-t)Ω)/sin Ω and sin(tΩ)/sin Ω are replaced by their
 # limits 1-t and t (float32 arccos of a cosine within 1e-7 of 1 is already noise).
 _PARALLEL = 1e-6
+# a subspace pair attends from its latents for query blocks up to this long (decoding), else restores the past
+LATENT_MAX_QUERIES = 16
 
 
 def slerp(e_first: torch.Tensor, e_second: torch.Tensor, t: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +193,8 @@ class PairedLayer(KVLayer):
     here); ``minicache_attention`` restores the past and commits the new states. The pair's state
     lives in its second layer, which alone answers the cache protocol (the first holds no rows)."""
 
-    pair: PairState
+    pair: PairedLayer  # the pair's second layer, which holds the state (PairState or SubspaceState)
+    seen: int
     member: int  # 0: layer l-1, 1: layer l
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -195,6 +205,24 @@ class PairedLayer(KVLayer):
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
         return _paired_attention(self, module, query, key, value, attention_mask, **kwargs)
+
+    def restore(self, member: int, module: Any = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``member``'s past keys and values ``[b, Hkv, n, dk]`` (None before the first token); ``module``:
+        that layer's attention module (a subspace pair's parameters live there)."""
+        raise NotImplementedError
+
+    def attend_past(self, member: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        """Attention output ``[b, q, H, dk]`` of ``query`` over the restored past and this step's exact states."""
+        past = self.restore(member, module)
+        full_k = key if past is None else torch.cat([past[0], key], dim=2)
+        full_v = value if past is None else torch.cat([past[1], value], dim=2)
+        return sdpa_attention_forward(module, query, full_k, full_v, mask, **kwargs)[0]
+
+    def commit(self, member: int, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+               module: Any = None) -> None:  # fmt: skip
+        """Store layer ``member``'s new states ``[b, Hkv, q, dk]`` (``valid [b, q]``: not padding)."""
+        raise NotImplementedError
 
     def get_seq_length(self) -> int:
         return self.pair.seen
@@ -256,12 +284,13 @@ class PairState(PairedLayer):
                 if getattr(stream, name) is not None:
                     setattr(stream, name, fn(getattr(stream, name)))
 
-    def restore(self, member: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def restore(self, member: int, module: Any = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.seen == 0:
             return None
         return self.keys_merged.restore(member), self.values_merged.restore(member)
 
-    def commit(self, member: int, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> None:
+    def commit(self, member: int, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+               module: Any = None) -> None:  # fmt: skip
         if member == 0:
             self.pending = (keys, values)
             return
@@ -273,10 +302,153 @@ class PairState(PairedLayer):
         self.seen += keys.shape[2]
 
 
+class SubspaceState(PairedLayer):
+    """Layer l of a subspace pair: owns the pair's latents ``[b, n, r_k]`` and ``[b, n, r_v]`` (stores, quantized
+    per channel when the checkpoint asks: the latent's channels differ in scale, as principal components do)
+    and, between the two layers of one forward call, layer l-1's share of the new tokens' latents."""
+
+    def __init__(self, quant: QuantSpec | None = None, layer: int = 0, sink: int = 0):
+        super().__init__()
+        self.quant, self.layer, self.sink = quant or QuantSpec(), layer, sink
+        self.pair, self.member = self, 1
+        self.reset()
+
+    def reset(self) -> None:
+        self.seen = self.batch = self.head_dim = 0
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.latents = (TokenStore(self.quant.side(self.layer, keys=True), per_channel=True),
+                        TokenStore(self.quant.side(self.layer, keys=False), per_channel=True))  # fmt: skip
+        # per member, (keys, values) [b, Hkv, s, dk] of the first s ≤ sink tokens, exact: attention sinks hold
+        # near-zero values that most queries read heavily, where a subspace's error is largest relative to them
+        self.exact: list[list[torch.Tensor] | None] = [None, None]
+
+    def rows(self) -> int:
+        return self.batch
+
+    def _map_exact(self, fn: Any) -> None:
+        self.exact = [None if pair is None else [fn(t) for t in pair] for pair in self.exact]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        if self.seen:
+            for store in self.latents:
+                store.apply(select_rows_fn(index))
+            self._map_exact(select_rows_fn(index))
+        self.batch = index.numel()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        KVLayer.crop(self, tokens_to_remove)
+
+    def crop_to(self, length: int) -> None:
+        self.seen = max(0, length)
+        for store in self.latents:
+            if len(store):
+                store.crop(self.seen)
+        self._map_exact(lambda t: t[:, :, : self.seen].clone())
+
+    def apply(self, fn: Any) -> None:
+        for store in self.latents:
+            if len(store):
+                store.apply(fn)
+        self._map_exact(fn)
+
+    def restore(self, member: int, module: Any = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.seen == 0:
+            return None
+        restored = [_decode(module, side, store.read(), self.head_dim)
+                    for side, store in zip("kv", self.latents, strict=True)]  # fmt: skip
+        exact = self.exact[member]
+        if exact is not None and exact[0].shape[2]:
+            for states, kept in zip(restored, exact, strict=True):
+                states[:, :, : kept.shape[2]] = kept
+        return restored[0], restored[1]
+
+    def attend_past(self, member: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        """Scores and outputs computed from the latents, never restoring the past's states: for query head h
+        of KV group g, ``q·k̂ᵢ = q·μ_g + (q·D_gᵀ)·zᵢ`` and ``Σ pᵢ v̂ᵢ = (Σ pᵢ)·μ_g + (Σ pᵢ zᵢ)·D_g``, so a step
+        reads r numbers per past token and side instead of a layer's Hkv·dk (D_g: the decoder's columns of
+        group g). Equal to restoring and attending (``PairedLayer.attend_past``) up to rounding; that path
+        serves longer query blocks (chunked prefill), where the ``[b, H, q, n]`` scores materialised here would
+        outweigh restoring the past once for SDPA."""
+        if self.seen == 0 or query.shape[2] > LATENT_MAX_QUERIES:
+            return PairedLayer.attend_past(self, member, module, query, key, value, mask, **kwargs)
+        b, heads, q, dk = query.shape
+        kv_heads = key.shape[1]
+        group = heads // kv_heads
+        z_k, z_v = (store.read().to(query.dtype) for store in self.latents)  # [b, n, r]
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or dk**-0.5
+        d_k, mu_k = _group_decoder(module, "k", kv_heads, query.dtype)  # [Hkv, r_k, dk], [Hkv, dk]
+        d_v, mu_v = _group_decoder(module, "v", kv_heads, query.dtype)
+        grouped = query.view(b, kv_heads, group, q, dk)
+        q_latent = torch.einsum("bgjqd,grd->bgjqr", grouped, d_k).reshape(b, heads * q, -1)
+        past = torch.bmm(q_latent, z_k.transpose(1, 2)).view(b, heads, q, -1)  # [b, H, q, n]
+        past = past + torch.einsum("bgjqd,gd->bgjq", grouped, mu_k).reshape(b, heads, q, 1)
+        exact = self.exact[member]
+        s = 0 if exact is None else exact[0].shape[2]
+        exact_k, exact_v = (key[:, :, :0], value[:, :, :0]) if exact is None else exact
+        # the first s past tokens are read exactly: their latent scores are replaced, their values added below
+        keys = torch.cat([exact_k, key], dim=2).repeat_interleave(group, dim=1)  # [b, H, s + q, dk]
+        direct = query @ keys.transpose(2, 3)
+        scores = torch.cat([direct[..., :s], past[..., s:], direct[..., s:]], dim=-1) * scaling
+        bias = additive_mask(mask, q, self.seen + q, scores.dtype, scores.device)
+        probs = softmax_rows(scores if bias is None else scores + bias, query.dtype)
+        p_latent = probs[..., s : self.seen]
+        mixed = torch.bmm(p_latent.reshape(b, heads * q, -1), z_v[:, s:]).view(b, kv_heads, group, q, -1)
+        out = (
+            torch.einsum("bgjqr,grd->bgjqd", mixed, d_v)
+            + p_latent.sum(-1).view(b, kv_heads, group, q, 1) * mu_v[None, :, None, None]
+        )
+        p_direct = torch.cat([probs[..., :s], probs[..., self.seen :]], dim=-1)
+        values = torch.cat([exact_v, value], dim=2).repeat_interleave(group, dim=1)
+        out = out.reshape(b, heads, q, dk) + p_direct @ values
+        return out.transpose(1, 2).contiguous()
+
+    def commit(self, member: int, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+               module: Any = None) -> None:  # fmt: skip
+        shares = (_encode(module, "k", keys), _encode(module, "v", values))
+        if self.seen < self.sink:
+            # copies: a slice would keep this step's whole key/value tensors alive
+            take = [keys[:, :, : self.sink - self.seen].clone(), values[:, :, : self.sink - self.seen].clone()]
+            held = self.exact[member]
+            self.exact[member] = take if held is None else [torch.cat(p, dim=2) for p in zip(held, take, strict=True)]
+        if member == 0:
+            self.pending = shares
+            return
+        assert self.pending is not None, "layer l of a merged pair ran before layer l-1"
+        for store, first, second in zip(self.latents, self.pending, shares, strict=True):
+            store.append((first + second).to(keys.dtype))
+        self.pending = None
+        self.seen += keys.shape[2]
+        self.batch, self.head_dim = keys.shape[0], keys.shape[3]
+
+
+def _encode(module: torch.nn.Module, side: str, states: torch.Tensor) -> torch.Tensor:
+    """This layer's share ``(x − μ)·E`` ``[b, q, r]`` of the latent of ``states [b, Hkv, q, dk]`` (float32)."""
+    b, heads, q, dk = states.shape
+    x = states.transpose(1, 2).reshape(b, q, heads * dk).float()
+    mean, encoder = getattr(module, f"subspace_{side}_mean"), getattr(module, f"subspace_{side}_encoder")
+    return (x - mean.float()) @ encoder.float()
+
+
+def _group_decoder(
+    module: torch.nn.Module, side: str, kv_heads: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This layer's decoder per KV group ``[Hkv, r, dk]`` and mean ``[Hkv, dk]``, in ``dtype``."""
+    decoder, mean = getattr(module, f"subspace_{side}_decoder"), getattr(module, f"subspace_{side}_mean")
+    return decoder.to(dtype).view(decoder.shape[0], kv_heads, -1).transpose(0, 1), mean.to(dtype).view(kv_heads, -1)
+
+
+def _decode(module: torch.nn.Module, side: str, latent: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """This layer's states ``μ + z·D`` ``[b, Hkv, n, dk]`` from the pair's latent ``[b, n, r]``."""
+    mean, decoder = getattr(module, f"subspace_{side}_mean"), getattr(module, f"subspace_{side}_decoder")
+    x = torch.addmm(mean.to(latent.dtype), latent.flatten(0, 1), decoder.to(latent.dtype))  # [b·n, Hkv·dk]
+    return x.view(*latent.shape[:2], -1, head_dim).transpose(1, 2)
+
+
 class PairFirst(PairedLayer):
     """Layer l-1 (first of the pair): holds no tensors; reads and writes through ``pair``."""
 
-    def __init__(self, pair: PairState):
+    def __init__(self, pair: PairedLayer):
         super().__init__()
         self.pair, self.member = pair, 0
 
@@ -304,18 +476,15 @@ def _paired_attention(
     attention_mask: torch.Tensor | None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:  # fmt: skip
     pair, member = layer.pair, layer.member
-    past = pair.restore(member)
-    full_k = key if past is None else torch.cat([past[0], key], dim=2)
-    full_v = value if past is None else torch.cat([past[1], value], dim=2)
-    out = sdpa_attention_forward(module, query, full_k, full_v, attention_mask, **kwargs)
+    out = pair.attend_past(member, module, query, key, value, attention_mask, **kwargs)
     batch, q_len = key.shape[0], key.shape[2]
-    bias = additive_mask(attention_mask, q_len, full_k.shape[2], query.dtype, query.device)
+    bias = additive_mask(attention_mask, q_len, pair.seen + q_len, query.dtype, query.device)
     # the last query row sees every non-padding token: padding is neither retained nor ranged
     valid = (bias[:, 0, -1, -q_len:] == 0).expand(batch, q_len) if bias is not None else None
     if valid is None:
         valid = torch.ones(batch, q_len, dtype=torch.bool, device=key.device)
-    pair.commit(member, key, value, valid)
-    return out
+    pair.commit(member, key, value, valid, module)
+    return out, None
 
 
 AttentionInterface.register(IMPLEMENTATION, minicache_attention)
@@ -332,11 +501,28 @@ def make_cache(spec: dict[str, Any]) -> LayerStateCache:
     quant = QuantSpec.from_spec(spec)
     layers: list[DynamicLayer] = [stock_layer(quant, i) for i in range(len(spec["attention_modules"]))]
     for first, second in plan["pairs"]:
-        state = PairState(float(plan["t"]), float(plan["gamma"]), plan["merge"], quant, second)
+        state: PairedLayer
+        if plan["merge"] == "subspace":
+            state = SubspaceState(quant, second, int(plan.get("sink", 0)))
+        else:
+            state = PairState(float(plan["t"]), float(plan["gamma"]), plan["merge"], quant, second)
         layers[first], layers[second] = PairFirst(state), state
     return LayerStateCache(layers)
 
 
 def configure(model: Any) -> None:
-    """Route every attention module of ``model`` through ``minicache_attention``."""
+    """Route every attention module of ``model`` through ``minicache_attention``; a subspace merge's
+    paired layers get their (checkpoint-loaded) encoder, decoder and mean per side."""
+    spec = model.config.kvconvert
+    plan = spec["minicache"]
+    if plan["merge"] == "subspace":
+        width = int(spec["num_kv_heads"]) * int(spec["head_dim"])
+        for pair, ranks in zip(plan["pairs"], plan["ranks"], strict=True):
+            for layer in pair:
+                module = model.get_submodule(spec["attention_modules"][layer])
+                for side, rank in zip("kv", ranks, strict=True):
+                    shapes = {"encoder": (width, rank), "decoder": (rank, width), "mean": (width,)}
+                    for name, shape in shapes.items():
+                        parameter = torch.nn.Parameter(torch.zeros(shape), requires_grad=False)
+                        module.register_parameter(f"subspace_{side}_{name}", parameter)
     model.set_attn_implementation(IMPLEMENTATION)
