@@ -60,6 +60,8 @@ CANDIDATES: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "minicache": [
         ("minicache (paper)", {}),
         ("minicache + 4-bit", {"kv_bits": 4, "kv_residual": 0}),
+        ("minicache shared subspaces 0.75, widths by loss + 4-bit (ext.)",
+         {"merge": "subspace", "kv_budget": 0.75, "kv_bits": 4, "kv_residual": 0}),
     ],
     "slim": [
         ("slim (paper)", {}),
