@@ -45,6 +45,9 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     # razor: which heads keep everything changes nothing here; a short profile keeps the bench fast
     ("razor 0.5", {"method": "razor", "kv_budget": 0.5, "profile_tokens": 64}),
     ("minicache + 4-bit", {"method": "minicache", "kv_bits": 4, "kv_residual": 0}),
+    ("minicache subspace 0.5 (ext.)", {"method": "minicache", "merge": "subspace", "kv_budget": 0.5}),
+    ("minicache subspace 0.5 + 4-bit (ext.)",
+     {"method": "minicache", "merge": "subspace", "kv_budget": 0.5, "kv_bits": 4, "kv_residual": 0}),
     ("razor 0.5 + 4-bit KIVI layout, sink 4 + rotated values (ext.)",
      {"method": "razor", "kv_budget": 0.5, "profile_tokens": 64, "kv_bits": 4, "kv_residual": 32, "kv_sink": 4,
       "kv_rotate": True}),
