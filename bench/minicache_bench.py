@@ -101,9 +101,9 @@ def main() -> None:
             plan = result.report["plan"]
             evaluation = run_eval(str(dst), str(src), config)
             share_k, share_v = retained_shares(dst, prefill)
-            if minicache.merge == "subspace":  # latents at `bits` per element, quantization's scales not counted
+            if minicache.merge == "subspace":  # quantized latents: the codes alone (scales not counted)
                 predicted, original = subspace_bytes_per_token(layout, [tuple(r) for r in plan["ranks"]], 4)
-                predicted = predicted * bits / 32
+                predicted = predicted * bits / 32 if bits < 16 else predicted
             else:
                 predicted, original = kv_bytes_per_token(layout, len(plan["pairs"]), 4, share_k, share_v,
                                                          minicache.merge)  # fmt: skip
