@@ -507,3 +507,19 @@ def test_pair_moments_match_the_stock_cache(tokenized_model_dir):
         torch.testing.assert_close(mean, x.mean(0), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(cov, torch.cov(x.T, correction=0), atol=1e-5, rtol=1e-4)
     assert int(moments.tokens[0]) == chunks.numel() and set(moments.query) == {1, 2}
+
+
+def test_subspace_plan_without_a_dtype_still_reads_every_layer(tokenized_model_dir):
+    """Without a dtype the element size comes from the first layer's weights, which the fit must still see."""
+    from kvconvert.io.source import open_source
+    from kvconvert.methods.minicache import MiniCacheMethod
+    from kvconvert.pipeline import plan_conversion
+
+    source = open_source(str(tokenized_model_dir("llama_gqa")))
+    config = MiniCacheConfig(merge="subspace", kv_budget=0.6, calib_tokens=256)
+    given = MiniCacheMethod(config, progress=False)
+    checkpoint = plan_conversion(source, given)  # the pipeline passes the converted dtype
+    layers = (checkpoint.adapter.read_attention(checkpoint.read_layer(i)) for i in range(3))
+    inferred = MiniCacheMethod(config, progress=False)
+    inferred.plan(checkpoint.layout, layers, source, None)
+    assert inferred.ranks == given.ranks and inferred.element_bytes == given.element_bytes == 4

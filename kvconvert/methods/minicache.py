@@ -19,6 +19,7 @@ truncation is the block-diagonal special case of.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal
@@ -222,9 +223,11 @@ class MiniCacheMethod(Method):
         if dtype is not None:  # the merged states are cached in the converted model's dtype
             self.element_bytes = torch.empty((), dtype=dtype).element_size()
         else:
-            first = next(iter(layers), None)
+            remaining = iter(layers)
+            first = next(remaining, None)
             if first is not None:
                 self.element_bytes = first.k_weight.element_size()
+                layers = itertools.chain([first], remaining)  # the subspace fit reads every layer's W_O
         if config.merge == "subspace":
             self._plan_subspace(layout, layers, source)
             return
