@@ -16,16 +16,17 @@ from typing import Any
 import torch
 
 from kvconvert.calib.hooks import observed_attention
+from kvconvert.calib.stats import HeadGrams
 
 F64 = torch.float64
 
 
 class PairMoments:
     """Running sums over calibration tokens. ``sums[p] [2, n]`` and ``products[p] [2, n, n]`` (side 0:
-    keys, 1: values; n = 2·Hkv·dk) per pair; ``query[l] [Hkv, dk, dk]`` Σ qqᵀ over the group's query
-    heads; ``tokens`` counted once per pair."""
+    keys, 1: values; n = 2·Hkv·dk) per pair; ``grams``: the paired layers' per-head Grams (queries per KV
+    group: what a key error costs); ``tokens`` counted once per pair."""
 
-    def __init__(self, pairs: list[tuple[int, int]], num_kv_heads: int, head_dim: int):
+    def __init__(self, pairs: list[tuple[int, int]], num_layers: int, num_kv_heads: int, head_dim: int):
         self.pairs = pairs
         self.first = {a: p for p, (a, _) in enumerate(pairs)}
         self.second = {b: p for p, (_, b) in enumerate(pairs)}
@@ -33,7 +34,7 @@ class PairMoments:
         width = 2 * num_kv_heads * head_dim
         self.sums = torch.zeros(len(pairs), 2, width, dtype=F64)
         self.products = torch.zeros(len(pairs), 2, width, width, dtype=F64)
-        self.query: dict[int, torch.Tensor] = {}
+        self.grams = HeadGrams(num_layers, num_kv_heads, head_dim)
         self.tokens = torch.zeros(len(pairs), dtype=torch.long)
         self._held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (pair, chunk) -> layer a
         self._chunk: dict[int, int] = {}
@@ -44,10 +45,8 @@ class PairMoments:
             return
         chunk = self._chunk.get(layer, 0)
         self._chunk[layer] = chunk + 1
-        b, heads, n, dk = query.shape
-        q = query.to(F64).view(b, self.kv_heads, heads // self.kv_heads, n, dk)
-        gram = torch.einsum("bgjnd,bgjne->gde", q, q)
-        self.query[layer] = self.query.get(layer, torch.zeros_like(gram)) + gram
+        self.grams.add(layer, query, key, value)
+        b, _, n, dk = query.shape
         states = [x.to(F64).transpose(1, 2).reshape(b * n, self.kv_heads * dk) for x in (key, value)]
         if layer in self.first:
             self._held[self.first[layer], chunk] = (states[0], states[1])
@@ -59,6 +58,11 @@ class PairMoments:
             self.sums[pair, side] += stacked.sum(0)
             self.products[pair, side] += stacked.T @ stacked
         self.tokens[pair] += b * n
+
+    @property
+    def query(self) -> dict[int, torch.Tensor]:
+        """Σ qqᵀ ``[Hkv, dk, dk]`` over each paired layer's query heads per KV group (``HeadGrams.query``)."""
+        return {layer: self.grams.query[layer] for pair in self.pairs for layer in pair}
 
     def covariance(self, pair: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean ``[n]``, centred covariance ``[n, n]``) of pair ``pair``'s stacked states on ``side``."""
@@ -74,7 +78,7 @@ def collect_pair_moments(
     from kvconvert.calib.sequential import run_layer_by_layer
 
     layout = adapter.layout()
-    moments = PairMoments(pairs, layout.num_kv_heads, layout.head_dim)
+    moments = PairMoments(pairs, layout.num_layers, layout.num_kv_heads, layout.head_dim)
 
     def observer(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> None:
         moments.observe(int(module.layer_idx), query, key, value)

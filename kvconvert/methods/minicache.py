@@ -130,8 +130,7 @@ class SubspaceFit:
 
     def losses(self) -> torch.Tensor:
         """Loss at latent width r = 0..2h: Σ of the eigenvalues left out (2 at r = 0, 0 at full width)."""
-        tail = self.eigenvalues.flip(0).cumsum(0).flip(0)
-        return torch.cat([tail, tail.new_zeros(1)])
+        return linalg.tail_energy(self.eigenvalues.sqrt()) * self.eigenvalues.sum()
 
 
 def fit_pair_subspace(mean: torch.Tensor, covariance: torch.Tensor, metrics: list[torch.Tensor]) -> SubspaceFit:
@@ -141,17 +140,10 @@ def fit_pair_subspace(mean: torch.Tensor, covariance: torch.Tensor, metrics: lis
     scaled = []
     for member, metric in enumerate(metrics):
         block = covariance[member * width : (member + 1) * width, member * width : (member + 1) * width]
-        energy = float(torch.einsum("gde,ged->", metric.to(torch.float64), _head_blocks(block, metric.shape[-1])))
+        energy = float((torch.block_diag(*metric.to(torch.float64)) * block).sum())  # tr(M C), both symmetric
         scaled.append(metric.to(torch.float64) / max(energy, 1e-300))
     lower, vectors, eigenvalues = linalg.shared_subspace(covariance, torch.cat(scaled))
     return SubspaceFit(lower, vectors, eigenvalues, mean)
-
-
-def _head_blocks(block: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The diagonal ``[g, dk, dk]`` blocks of a ``[g·dk, g·dk]`` matrix."""
-    heads = block.shape[0] // head_dim
-    return torch.stack([block[i * head_dim : (i + 1) * head_dim, i * head_dim : (i + 1) * head_dim]
-                        for i in range(heads)])  # fmt: skip
 
 
 class MiniCacheMethod(Method):
@@ -280,9 +272,10 @@ class MiniCacheMethod(Method):
             self.fits.append((keys, values))
         width = 2 * layout.kv_width
         curves = [fit.losses() for pair in self.fits for fit in pair]
-        if config.kv_budget is None or config.kv_budget >= 1:
-            full = config.kv_budget is not None
-            widths = [width if full else width // 2] * len(curves)
+        if config.kv_budget is None:
+            widths = [width // 2] * len(curves)
+        elif config.kv_budget >= 1:
+            widths = [width] * len(curves)
         else:
             unmerged = 2 * (layout.num_layers - 2 * len(pairs)) * layout.kv_width
             total = int(config.kv_budget * 2 * layout.num_layers * layout.kv_width) - unmerged
@@ -321,14 +314,14 @@ class MiniCacheMethod(Method):
         return self.budget(layout, len(self.pairs()))
 
     def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
-        partner = next((b if layer == a else a for a, b in self.pairs() if layer in (a, b)), None)
+        pair = next((p for p, members in enumerate(self.pairs()) if layer in members), None)
+        partner = None if pair is None else sum(self.pairs()[pair]) - layer
         report: dict[str, Any] = {"layer": layer, "merged_with": partner}
         if self.similarity is not None and layer > 0:
             row = self.similarity["pairs"][layer - 1]
             report.update(cos_k_with_previous=round(row["cos_k"], 6), cos_v_with_previous=round(row["cos_v"], 6))
         tensors: dict[str, torch.Tensor] = {}
-        if self.fits and partner is not None:
-            pair = next(p for p, members in enumerate(self.pairs()) if layer in members)
+        if self.fits and pair is not None:
             member = self.pairs()[pair].index(layer)
             for side, fit, rank in zip("kv", self.fits[pair], self.ranks[pair], strict=True):
                 tensors.update(subspace_tensors(fit, rank, member, side, dtype))
