@@ -4,7 +4,8 @@ wikitext-2 test (or ``--data tinystories``), first 4096 tokens, ctx 1024. Rows, 
 (progressive eq. 13, and the uniform baseline), ``--calib`` (activation-aware factorization, uniform
 ranks), ``--schedule auto`` (activation-aware + loss-aware allocation), K-only variants, two
 compositions with 8-bit storage (budgets quoted against a 16-bit cache; scored through the cache,
-``--chunk 128``) and, last, ``--refine-steps 100`` (layer-wise output refinement). A pure LoRC cache
+``--chunk 128``), ``--refine-steps 100`` (layer-wise output refinement) and, last, ``--probe-rounds 2``
+(auto's loss curves re-measured where the first allocation put each side). A pure LoRC cache
 is an exact linear function of the hidden states, so its rows are teacher-forced; the stored rows are
 not. Writes bench/results/lorc-<date>[-<data>].{json,md}.
 """
@@ -47,6 +48,15 @@ VARIANTS: list[tuple[str, str, float, dict[str, Any], int | None]] = [
     ("--schedule auto --refine-steps 100", EXT, 0.75, {"schedule": "auto", "refine_steps": 100}, None),
     ("--schedule auto --refine-steps 100", EXT, 0.5, {"schedule": "auto", "refine_steps": 100}, None),
     ("--calib, uniform --refine-steps 100", EXT, 0.5, {"schedule": "uniform", "refine_steps": 100}, None),
+    ("--schedule auto --probe-rounds 2", EXT, 0.75, {"schedule": "auto", "probe_rounds": 2}, None),
+    ("--schedule auto --probe-rounds 2", EXT, 0.5, {"schedule": "auto", "probe_rounds": 2}, None),
+    (
+        "auto --probe-rounds 2 --refine-steps 100",
+        EXT,
+        0.5,
+        {"schedule": "auto", "probe_rounds": 2, "refine_steps": 100},
+        None,
+    ),
 ]
 
 

@@ -1,6 +1,7 @@
 """ZACK on SmolLM2-135M at budgets 0.9 / 0.75 / 0.6 / 0.5, K+V (the paper) and K only, the paper's V‖W_O
-basis and kvconvert's output-weighted one (``--value-basis output``), next to LoRC, plus the paper's
-headline search: the smallest cache keeping 99 % top-1 agreement (``make bench-zack``).
+basis and kvconvert's output-weighted one (``--value-basis output``), the paper's one removal rate and
+kvconvert's widths by measured loss (``--schedule auto``), next to LoRC, plus the paper's headline
+search: the smallest cache keeping 99 % top-1 agreement (``make bench-zack``).
 
 wikitext-2 test, first 4096 tokens, ctx 1024: ppl, KL, top-1 agreement and the KV budget measured
 from the cache. Calibration: the shipped calib_data/ (16 384 tokens). LoRC rows come from the
@@ -45,6 +46,11 @@ def peak_conversion(src: Path, dst: Path) -> dict[str, float]:
     return {"seconds": float(values["WALL"]), "peak_rss_mib": float(values["PEAK"]) / 1024}
 
 
+def seconds_of(row: dict[str, Any]) -> str:
+    """A row's conversion time for the table (rows written before it was recorded have none)."""
+    return f"{row['convert_seconds']:.0f}" if "convert_seconds" in row else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.9, 0.75, 0.6, 0.5])
@@ -52,6 +58,8 @@ def main() -> None:
     parser.add_argument("--target-agreement", type=float, default=0.99, help="0: skip the search rows.")
     parser.add_argument("--compress", nargs="+", default=["kv", "k"])
     parser.add_argument("--value-bases", nargs="+", default=["paper", "output"])
+    parser.add_argument("--schedules", nargs="+", default=["rate", "auto"], help="auto: budget rows only.")
+    parser.add_argument("--name", default="zack", help="Results file stem (bench/results/<name>-<date>).")
     args = parser.parse_args()
     started = time.perf_counter()
     src, config, base = smollm2_wikitext(args.max_tokens)
@@ -63,25 +71,29 @@ def main() -> None:
         for compress in args.compress:
             for basis in args.value_bases:
                 common = {"compress": compress, "value_basis": basis}
-                for budget in args.budgets:
-                    jobs.append((f"{budget}", ZackConfig(kv_budget=budget, **common)))
+                for schedule in args.schedules:
+                    for budget in args.budgets:
+                        jobs.append((f"{budget}", ZackConfig(kv_budget=budget, schedule=schedule, **common)))
                 if args.target_agreement > 0:
                     jobs.append((f"agreement ≥ {args.target_agreement}",
                                  ZackConfig(target_agreement=args.target_agreement, **common)))  # fmt: skip
         for label, zack in jobs:
-            dst = Path(tmp) / f"{label}-{zack.compress}-{zack.value_basis}".replace(" ", "")
+            dst = Path(tmp) / f"{label}-{zack.compress}-{zack.value_basis}-{zack.schedule}".replace(" ", "")
             try:
+                began = time.perf_counter()
                 result = convert(open_source(str(src)), ZackMethod(zack, progress=False), dst, progress=False)
+                seconds = time.perf_counter() - began
             except KVConvertError as exc:  # e.g. K-only cannot go below ~0.5
                 rows.append({"target": label, "compress": zack.compress, "value_basis": zack.value_basis,
-                             "refused": str(exc)})  # fmt: skip
+                             "schedule": zack.schedule, "refused": str(exc)})  # fmt: skip
                 print(rows[-1], flush=True)
                 continue
             first = result.report["plan"]  # removal rate and calibration: whole-model decisions
             evaluation = run_eval(str(dst), str(src), config)
             scores = {k: evaluation[k] for k in ("ppl", "kl_mean", "top1_agreement", "kv_budget_measured")}
             row = {"target": label, "compress": zack.compress, "value_basis": zack.value_basis,
-                   "removal_rate": first["removal_rate"], **scores}  # fmt: skip
+                   "schedule": zack.schedule, "removal_rate": first["removal_rate"], "convert_seconds": seconds,
+                   **scores}  # fmt: skip
             if "search" in first["calibration"]:
                 row["search"] = first["calibration"]["search"]
             rows.append(row)
@@ -90,26 +102,29 @@ def main() -> None:
     lorc = json.loads(lorc_files[-1].read_text())["rows"] if lorc_files else []
     table_rows = []
     for r in rows:
-        head = ["zack", r["target"], r["compress"], r["value_basis"] + (" (paper)" if r["value_basis"] == "paper" else
-                                                                         " (ext.)")]  # fmt: skip
+        variant = r["value_basis"] + (" (paper)" if r["value_basis"] == "paper" else " (ext.)")
+        if r.get("schedule") == "auto":
+            variant += ", --schedule auto (ext.)"
+        head = ["zack", r["target"], r["compress"], variant]
         if "refused" in r:
-            table_rows.append([*head, "—", "refused", "", "", "", ""])
+            table_rows.append([*head, "—", "refused", "", "", "", "", ""])
             continue
+        setting = "widths by loss" if r["removal_rate"] is None else f"r={r['removal_rate']:.4f}"
         table_rows.append([
-            *head, f"r={r['removal_rate']:.4f}", f"{r['kv_budget_measured']:.3f}",
+            *head, setting, f"{r['kv_budget_measured']:.3f}",
             f"{r['ppl']:.2f}", f"{100 * (r['ppl'] / base['ppl'] - 1):+.1f}%", f"{r['kl_mean']:.3f}",
-            f"{r['top1_agreement']:.3f}",
+            f"{r['top1_agreement']:.3f}", seconds_of(r),
         ])  # fmt: skip
     for r in lorc:  # bench-lorc's 16-bit rows at these budgets, for comparison
         if r.get("kv_bits") is None and r.get("lorc_budget") in args.budgets and "refused" not in r:
             table_rows.append([
                 "lorc", r["lorc_budget"], r["options"].get("compress", "kv"), r["variant"], "",
                 f"{r['kv_budget_measured']:.3f}", f"{r['ppl']:.2f}", f"{100 * (r['ppl'] / base['ppl'] - 1):+.1f}%",
-                f"{r['kl_mean']:.3f}", f"{r['top1_agreement']:.3f}",
+                f"{r['kl_mean']:.3f}", f"{r['top1_agreement']:.3f}", seconds_of(r),
             ])  # fmt: skip
     table = markdown_table(
         ["method", "target", "truncated", "V basis / variant", "setting", "measured budget", "ppl", "Δppl", "KL",
-         "top-1"], table_rows,
+         "top-1", "convert s"], table_rows,
     )  # fmt: skip
     table += (
         f"\n\nSmolLM2-135M fp32 reference ppl {base['ppl']:.3f} (wikitext-2 test, first {args.max_tokens} tokens, "
@@ -119,7 +134,7 @@ def main() -> None:
     )
     payload = {"benchmark": "zack", "machine": machine(), "reference_ppl": base["ppl"], "conversion": cost,
                "rows": rows, "seconds": time.perf_counter() - started}  # fmt: skip
-    write_results("zack", payload, table)
+    write_results(args.name, payload, table)
 
 
 if __name__ == "__main__":

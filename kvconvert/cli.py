@@ -222,6 +222,11 @@ def _calib_source(calib: str | None) -> str | None:
     "output (softmax and W_O included) against the source layer, layer by layer on calibration text "
     "(extension; implies --calib; 0: off).",
 )  # fmt: skip
+@click.option(
+    "--probe-rounds", type=int, default=1, show_default=True,
+    help="--schedule auto: rounds of loss probes; each later round re-measures every side at the rank the last "
+    "allocation gave it and refits its loss curve through both measurements (extension).",
+)  # fmt: skip
 @_optional_calibration(
     "Factor to minimise the error of the keys and values (through W_O) on this text, not of the weights "
     "(extension; bare --calib: the shipped calib_data/)."
@@ -234,6 +239,7 @@ def lorc(
     threshold: float | None,
     compress: str,
     refine_steps: int,
+    probe_rounds: int,
     calib: str | None,
     calib_tokens: int,
     seed: int,
@@ -244,7 +250,7 @@ def lorc(
     config = LorcConfig(
         kv_budget=kv_budget, schedule=schedule, threshold=threshold, compress=compress,  # type: ignore[arg-type]
         calibrate=calib is not None, calib=_calib_source(calib), calib_tokens=calib_tokens, seed=seed,
-        refine_steps=refine_steps,
+        refine_steps=refine_steps, probe_rounds=probe_rounds,
     )  # fmt: skip
     report = _convert(LorcMethod(config, progress=not options.quiet), options)
     if not options.quiet:
@@ -328,6 +334,14 @@ def _calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     help="V basis: the paper's V‖W_O rotation, or output: the one minimising the attention output's error "
     "on calibration text (extension).",
 )
+@click.option(
+    "--schedule",
+    type=click.Choice(["rate", "auto"]),
+    default="rate",
+    show_default=True,
+    help="Head widths: rate, the paper's one removal rate for all heads; auto (extension, with --kv-budget), "
+    "each head's K and V width by the loss measured per layer and side on calibration text.",
+)
 @_calibration_options
 @_user_errors
 def zack(
@@ -337,6 +351,7 @@ def zack(
     target_agreement: float | None,
     compress: str,
     value_basis: str,
+    schedule: str,
     calib: str | None,
     calib_tokens: int,
     seed: int,
@@ -350,19 +365,24 @@ def zack(
         target_agreement=target_agreement,
         compress=compress,  # type: ignore[arg-type]
         value_basis=value_basis,  # type: ignore[arg-type]
+        schedule=schedule,  # type: ignore[arg-type]
         calib=calib,
         calib_tokens=calib_tokens,
         seed=seed,
     )
     report = _convert(ZackMethod(config, progress=not options.quiet), options)
     if not options.quiet:
-        click.echo(f"{'layer':>5}  {'K widths':<24}  {'V widths':<24}")
+        probed = [side for side in "kv" if f"{side}_probe_kl" in report["layers"][0]]
+        probe_heads = "".join(f"  {side.upper()} probe KL" for side in probed)
+        click.echo(f"{'layer':>5}  {'K widths':<24}  {'V widths':<24}{probe_heads}")
         for row in report["layers"]:
             click.echo(
                 f"{row['layer']:>5}  {','.join(map(str, row['rank_k'])):<24}  {','.join(map(str, row['rank_v'])):<24}"
+                + "".join(f"  {row[f'{side}_probe_kl']:>10.4f}" for side in probed)
             )
     rate = report["plan"]["removal_rate"]
-    click.echo(f"wrote {options.out} (zack r={rate:.4f}, KV budget {report['kv_budget_expected']:.3f})")
+    how = "widths by measured loss" if rate is None else f"r={rate:.4f}"
+    click.echo(f"wrote {options.out} (zack {how}, KV budget {report['kv_budget_expected']:.3f})")
 
 
 @main.command()

@@ -165,6 +165,24 @@ def tail_energy(singular_values: torch.Tensor) -> torch.Tensor:
     return tail / tail[0].clamp(min=1e-300)
 
 
+def loss_curve(energy: torch.Tensor, probes: list[tuple[int, float]]) -> torch.Tensor:
+    """Predicted loss at every rank r = 0..len−1 of a side whose truncation leaves ``energy[r]`` out
+    (``tail_energy``), from losses measured at one or two ranks ``probes = [(r, loss), …]``.
+
+    One probe: ``loss/E(r0) · E`` (first order: a KL is quadratic in a small perturbation, like E).
+    Two: ``a·E^p`` through both, p from their ratio and kept in [1/4, 4] against noise, so an allocation
+    that moved far from the first probe is scored through a point measured where it went. Probes whose
+    rank leaves nothing out (E = 0) or whose loss vanished carry no scale and are skipped."""
+    points = [(float(energy[r]), loss) for r, loss in probes if float(energy[r]) > 0 and loss > 0]
+    if not points:
+        return 1e-9 * energy  # nothing measurable: rank by energy alone, at a tiny weight
+    (e0, l0), (e1, l1) = points[0], points[-1]
+    if len(points) == 1 or abs(math.log(e1 / e0)) < 1e-6:
+        return l0 / e0 * energy
+    power = min(max(math.log(l1 / l0) / math.log(e1 / e0), 0.25), 4.0)
+    return l1 * (energy.clamp(min=0) / e1) ** power
+
+
 def allocate_ranks(losses: list[torch.Tensor], total: int, low: int = 1) -> list[int]:
     """Ranks ``r_i`` (``low <= r_i <= len(losses[i]) − 1``) summing to ``total`` that minimise
     ``Σ losses[i][r_i]``, each ``losses[i]`` non-increasing and convex in r (e.g. ``c·tail_energy``).

@@ -135,3 +135,18 @@ def test_greedy_allocation_is_optimal_on_convex_curves():
         assert cost <= best + 1e-12
     with pytest.raises(ValueError):
         linalg.allocate_ranks(curves, 2)
+
+
+def test_loss_curve_is_exact_at_its_probes():
+    """One probe scales the energy (first order); two fit a·E^p through both, so a loss that really
+    follows a power of the energy is recovered at every rank; a probe that left nothing out is skipped."""
+    energy = linalg.tail_energy(torch.linspace(3.0, 0.5, 12))
+    true = 0.7 * energy**1.8
+    one = linalg.loss_curve(energy, [(6, float(true[6]))])
+    assert torch.allclose(one, float(true[6]) / float(energy[6]) * energy) and one[6] == pytest.approx(true[6])
+    two = linalg.loss_curve(energy, [(6, float(true[6])), (2, float(true[2]))])
+    assert torch.allclose(two, true, rtol=1e-9, atol=0)
+    steep = linalg.loss_curve(energy, [(6, 1e-6), (2, 10.0)])  # p far above 4: kept at 4, exact at the last probe
+    assert steep[2] == pytest.approx(10.0) and steep[6] > 1e-6
+    assert torch.equal(linalg.loss_curve(energy, [(12, 0.3), (6, float(true[6]))]), one)
+    assert bool((linalg.loss_curve(energy, [(6, 0.0)]) < 1e-8).all())

@@ -239,3 +239,33 @@ def test_refinement_lowers_the_output_error_and_the_checkpoint_computes_it(kind,
         simulated = reference(ids).logits
     converted = load_converted(tmp_path / "lorc")(ids).logits
     assert torch.allclose(simulated, converted, atol=2e-4, rtol=1e-4), (simulated - converted).abs().max()
+
+
+def test_second_probe_round_measures_each_side_where_the_first_allocation_put_it(tokenized_model_dir, tmp_path):
+    """--probe-rounds 2: every factored side below full width is probed a second time, at the rank the
+    first allocation gave it (not the first probe's rank), with a positive KL that grows as the rank
+    shrinks; the final plan still meets the budget and the checkpoint matches it."""
+    src = tokenized_model_dir("llama_gqa")
+    report = convert_lorc(src, tmp_path / "lorc", "--kv-budget", "0.5", "--schedule", "auto", "--probe-rounds", "2",
+                          *CALIB)  # fmt: skip
+    layers, width = report["layers"], 2 * 16
+    r0 = report["plan"]["calibration"]["probe"]["rank"]
+    assert report["params"]["probe_rounds"] == 2 and report["plan"]["calibration"]["probe"]["rounds"] == 2
+    seconds = [p for r in layers for side in "kv" for p in r[f"{side}_probes"][1:]]
+    assert len(seconds) == 2 * len(layers) and any(rank != r0 for rank, _ in seconds)
+    for r in layers:
+        for side in "kv":
+            (rank0, kl0), (rank1, kl1) = r[f"{side}_probes"]
+            assert rank0 == r0 and kl0 == r[f"{side}_probe_kl"]
+            if rank1 != rank0 and rank1 < width:
+                assert kl1 > 0 and (kl1 - kl0) * (rank0 - rank1) >= 0, (r["layer"], side, r[f"{side}_probes"])
+    assert sum(r["rank_k"] + r["rank_v"] for r in layers) == round(0.5 * 2 * len(layers) * width)
+    measured = kv_budget(load_reference(src), load_converted(tmp_path / "lorc"), torch.randint(3, 90, (2, 64)))
+    assert abs(measured - 0.5) <= 1 / (len(layers) * width)
+
+
+def test_probe_rounds_need_the_auto_schedule(tokenized_model_dir, tmp_path):
+    result = run_cli("lorc", "--model", str(tokenized_model_dir("llama")), "--out", str(tmp_path / "o"),
+                     "--kv-budget", "0.6", "--probe-rounds", "2")  # fmt: skip
+    assert result.exit_code == 2 and "--probe-rounds belongs to --schedule auto" in result.stderr
+    assert not (tmp_path / "o").exists()

@@ -108,7 +108,7 @@ def test_truncated_attention_simulates_the_checkpoint(value_basis, tokenized_mod
     assert method.bases is not None and method.plan_ is not None
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
     reference = load_reference(src)
-    with torch.no_grad(), truncated_attention(reference, projectors_for(method.bases, method.plan_)):
+    with torch.no_grad(), truncated_attention(reference, projectors_for(method.bases, method.plan_).__getitem__):
         simulated = reference(ids).logits
     plain = reference(ids).logits  # hooks are gone after the block
     converted = load_converted(tmp_path / "zack")(ids).logits
@@ -133,6 +133,8 @@ def test_target_agreement_search_logs_probes(tokenized_model_dir, tmp_path):
         (("--removal-rate", "1.5"), "removal_rate must be in"),
         (("--kv-budget", "0.01"), "below what zack can reach"),
         (("--kv-budget", "0.5", "--calib-tokens", "10000000"), "--calib-tokens asks for"),
+        (("--removal-rate", "0.1", "--schedule", "auto"), "--schedule auto allocates a --kv-budget"),
+        (("--kv-budget", "0.01", "--schedule", "auto"), "below what zack can reach"),
     ],
 )
 def test_bad_input_is_one_line(tokenized_model_dir, tmp_path, args, message):
@@ -218,3 +220,99 @@ def _attention_weights(source):
     adapter = adapter_for(source.config)
     names = adapter.attention_names_by_layer(source.tensor_names())
     return [adapter.read_attention({k: source.get(v) for k, v in names[i].items()}) for i in sorted(names)]
+
+
+def _synthetic_bases(layers: int, kv_heads: int, dk: int):
+    """HeadBases whose every head has the spectrum dk, dk−1, …, 1 (identity rotations)."""
+    from kvconvert.methods.zack import HeadBases
+
+    spectrum = torch.arange(dk, 0, -1, dtype=torch.float64)
+    eye = torch.eye(dk, dtype=torch.float64)
+
+    def grid(x):
+        return [[x.clone() for _ in range(kv_heads)] for _ in range(layers)]
+
+    return HeadBases(grid(eye), grid(spectrum), grid(eye), grid(spectrum))
+
+
+def test_widths_by_loss_meet_the_budget_and_follow_the_measured_kl():
+    """plan_by_loss: Σ widths = the budget to one dim; alike heads with alike probes get alike widths; a
+    layer side whose probe KL is 100× larger gets wider (every one of its heads), the others narrower."""
+    from kvconvert.methods.zack import plan_by_loss, plan_for_budget
+
+    bases = _synthetic_bases(layers=3, kv_heads=2, dk=8)
+    probe = plan_for_budget(bases, 0.5, 8)
+    even = {"k": [0.1] * 3, "v": [0.1] * 3}
+    plan = plan_by_loss(bases, 0.5, 8, "kv", probe, even)
+    assert plan.removal_rate is None and plan.budget == 0.5
+    assert {w for layer in plan.rank_k + plan.rank_v for w in layer} == {4}
+    louder = {"k": [0.1, 10.0, 0.1], "v": [0.1] * 3}
+    skewed = plan_by_loss(bases, 0.5, 8, "kv", probe, louder)
+    assert skewed.budget == 0.5 and skewed.probe_kl == louder
+    assert all(w > 4 for w in skewed.rank_k[1])
+    assert all(w <= 4 for i, layer in enumerate(skewed.rank_k + skewed.rank_v) if i != 1 for w in layer)
+    assert plan_by_loss(bases, 1.0, 8, "kv", plan_for_budget(bases, 1.0, 8), even).budget == 1.0
+    k_only = plan_by_loss(bases, 0.75, 8, "k", plan_for_budget(bases, 0.75, 8, "k"), {"k": [0.1] * 3})
+    assert all(w == 8 for layer in k_only.rank_v for w in layer) and k_only.budget == 0.75
+
+
+def test_auto_schedule_converts_by_measured_loss(tokenized_model_dir, tmp_path):
+    """--schedule auto: every layer side's probe KL is recorded, the widths meet the budget as measured
+    from the live cache and are not one removal rate's, and the checkpoint generates in every mode."""
+    from helpers import generate_in_every_mode
+
+    src = tokenized_model_dir("llama_gqa")
+    report = _zack(src, tmp_path / "zack", "--kv-budget", "0.5", "--schedule", "auto", "--value-basis", "output")
+    layers = report["layers"]
+    assert report["plan"]["removal_rate"] is None and report["plan"]["calibration"]["probe"]["chunks"] >= 1
+    assert all(r["k_probe_kl"] > 0 and r["v_probe_kl"] > 0 for r in layers)
+    cached = sum(sum(r["rank_k"]) + sum(r["rank_v"]) for r in layers)
+    assert cached == round(0.5 * 2 * len(layers) * 2 * 16)  # 2 KV heads of 16 dims
+    converted = load_converted(tmp_path / "zack")
+    assert abs(kv_budget(load_reference(src), converted, torch.randint(3, 90, (2, 64))) - 0.5) < 0.01
+    generate_in_every_mode(converted)
+
+
+def test_auto_schedule_at_full_budget_reproduces_the_source(tokenized_model_dir, tmp_path):
+    src = tokenized_model_dir("qwen2_gqa")
+    report = _zack(src, tmp_path / "zack", "--kv-budget", "1", "--schedule", "auto")
+    assert all(w == 16 for r in report["layers"] for w in r["rank_k"] + r["rank_v"])
+    assert_equivalent(load_reference(src), load_converted(tmp_path / "zack"),
+                      *left_padded(length=20, pad=6, seed=3, high=97))  # fmt: skip
+
+
+def test_probe_branches_measure_what_a_lone_truncation_costs(tokenized_model_dir):
+    """The probes share one branching pass; each branch's KL must equal the KL between two plain runs of
+    the source (no branches): as is, and with only that layer side truncated at the paper's widths."""
+    import contextlib
+
+    from kvconvert.arch import adapter_for
+    from kvconvert.calib.search import projectors_for, truncated_attention
+    from kvconvert.calib.sequential import run_layer_by_layer
+    from kvconvert.calib.text import calibration_set
+    from kvconvert.io.source import open_source
+    from kvconvert.methods.zack import ZackMethod, plan_for_budget
+
+    src = tokenized_model_dir("llama_gqa")
+    source = open_source(str(src))
+    adapter = adapter_for(source.config)
+    layout = adapter.layout()
+    method = ZackMethod(ZackConfig(kv_budget=0.5, schedule="auto", calib_tokens=2048), progress=False)
+    method.plan(layout, _attention_weights(source), source)
+    assert method.bases is not None and method.plan_ is not None
+    chunks = calibration_set(src, None, 2048, min(512, layout.context), 0).held_out[:4]
+    projectors = projectors_for(method.bases, plan_for_budget(method.bases, 0.5, layout.head_dim))
+
+    def log_probs(observe) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        run_layer_by_layer(source, adapter, chunks, observe, progress=False,
+                           logits=lambda c, x: out.append(torch.log_softmax(x.float(), -1)))  # fmt: skip
+        return out
+
+    plain = log_probs(contextlib.nullcontext)
+    for layer, side in ((1, "v"), (2, "k")):
+        p_k, p_v = projectors[layer]
+        lone = (p_k, None) if side == "k" else (None, p_v)
+        cut = log_probs(lambda model, layer=layer, lone=lone: truncated_attention(model, {layer: lone}.get))
+        kl = sum(float((p.exp() * (p - q)).sum()) for p, q in zip(plain, cut, strict=True)) / chunks.numel()
+        assert kl > 0 and method.plan_.probe_kl[side][layer] == pytest.approx(kl, rel=1e-4, abs=1e-8)

@@ -29,17 +29,26 @@ def _projector(basis: torch.Tensor, rank: int, dtype: torch.dtype, out: torch.Te
     return (kept @ (kept if out is None else out[:, :rank]).T).to(dtype)
 
 
+HeadProjectors = tuple[torch.Tensor | None, torch.Tensor | None]  # (P_k, P_v) [Hkv, dk, dk]; None: side exact
+
+
 @contextlib.contextmanager
-def truncated_attention(model: Any, projectors: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+def truncated_attention(model: Any, select: Callable[[int], HeadProjectors | None]) -> Iterator[None]:
     """Inside the block ``model`` computes what ZACK's checkpoint would: per layer
-    ``projectors[layer] = (P_k [Hkv, dk, dk], P_v [Hkv, dk, dk])``, P = B Bᵀ of each head's kept dims."""
+    ``select(layer) = (P_k, P_v)``, P = B Bᵀ of each head's kept dims (None, or a None side: exact).
+    ``select`` is asked at every layer, so each branch of a probing pass can truncate its own."""
 
     def truncate(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
-        p_k, p_v = projectors[module.layer_idx]
-        b, heads, n, dk = query.shape
-        kv_heads = key.shape[1]
-        grouped = query.reshape(b, kv_heads, heads // kv_heads, n, dk) @ p_k[None, :, None]
-        return grouped.reshape(b, heads, n, dk), key @ p_k[None], value @ p_v[None]
+        chosen = select(int(module.layer_idx))
+        if chosen is None:
+            return None
+        p_k, p_v = chosen
+        if p_k is not None:
+            b, heads, n, dk = query.shape
+            kv_heads = key.shape[1]
+            query = (query.reshape(b, kv_heads, heads // kv_heads, n, dk) @ p_k[None, :, None]).reshape(query.shape)
+            key = key @ p_k[None]
+        return query, key, value if p_v is None else value @ p_v[None]
 
     with observed_attention(model, truncate):
         yield
@@ -103,7 +112,7 @@ def search_removal_rate(
     def probe(rate: float) -> tuple[Any, float]:
         plan = plan_for_rate(bases, rate, layout.head_dim, compress)
         projectors = projectors_for(bases, plan)
-        predicted = top1(source, chunks, lambda model: truncated_attention(model, projectors))
+        predicted = top1(source, chunks, lambda model: truncated_attention(model, projectors.__getitem__))
         return plan, (predicted == reference).float().mean().item()
 
     log: list[dict[str, float]] = []

@@ -31,6 +31,7 @@ from kvconvert.errors import KVConvertError
 from kvconvert.methods.base import LayerOutput, Method
 
 Schedule = Literal["progressive", "uniform", "auto"]
+Affine = tuple[torch.Tensor, torch.Tensor]  # (Π, c): x ↦ Π·x + c, ``calib.search.projected_kv``
 Target = Literal["kv", "k", "v"]
 
 
@@ -51,6 +52,9 @@ class LorcConfig:
     chunk_len: int = 512
     seed: int = 0
     probe_chunks: int = 4  # schedule="auto": held-out chunks each sensitivity probe is scored on
+    # schedule="auto": rounds of probes; each later round re-measures every side at the rank the last
+    # allocation gave it and refits its loss curve through both measurements (``linalg.loss_curve``)
+    probe_rounds: int = 1
     # Extension: Adam steps per layer on the attention output's error after the closed form (implies calibrate)
     refine_steps: int = 0
     refine_chunks: int = 8  # calibration chunks each layer's refinement fits
@@ -68,6 +72,10 @@ class LorcConfig:
             object.__setattr__(self, "calibrate", True)  # its losses are measured on calibration text
         if self.probe_chunks < 1:
             raise KVConvertError(f"probe_chunks must be >= 1, got {self.probe_chunks}")
+        if self.probe_rounds < 1:
+            raise KVConvertError(f"probe_rounds must be >= 1, got {self.probe_rounds}")
+        if self.probe_rounds > 1 and self.schedule != "auto":
+            raise KVConvertError("--probe-rounds belongs to --schedule auto")
         if self.refine_steps < 0 or self.refine_chunks < 1:
             raise KVConvertError(f"refine_steps must be >= 0 and refine_chunks >= 1, got {self.refine_steps} "
                                  f"and {self.refine_chunks}")  # fmt: skip
@@ -138,6 +146,8 @@ class LorcPlan:
     probe_kl_k: list[float | None] = field(default_factory=list)
     probe_kl_v: list[float | None] = field(default_factory=list)
     probe_rank: int | None = None
+    # every probe per side and layer, (rank, KL), in the order measured (probe_rounds > 1: later rounds)
+    probes: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
 
 
 def probe_rank(config: LorcConfig, layers: int, width: int) -> int:
@@ -288,17 +298,26 @@ class LorcMethod(Method):
                     spectra[side].append(linalg.weighted_truncation(weight, 1, right, left)[2])
                     if config.schedule == "auto":
                         projectors[side].append(_affine(weight, r0, right, left, w.k_bias if side == "k" else w.v_bias))
-        losses = None
-        probe_kl: dict[str, list[float]] = {}
-        if config.schedule == "auto":
+        if config.schedule != "auto":
+            self.plan_ = plan_ranks(config, kappa_k, kappa_v, layout.kv_width)
+        else:
             assert calib is not None
-            losses, probe_kl = self._losses(source, layout, calib, spectra, projectors, r0)
-        self.plan_ = plan_ranks(config, kappa_k, kappa_v, layout.kv_width, losses)
-        if probe_kl:
+            jobs = {(i, side): affine for side in factored for i, affine in enumerate(projectors[side])}
+            first = self._probe(source, layout, calib, jobs)
+            probes = {side: [[(r0, first[i, side])] for i in range(layout.num_layers)] for side in factored}
+            plan: LorcPlan | None = None
+            for _ in range(config.probe_rounds):
+                if plan is not None:
+                    self._probe_again(source, layout, calib, plan, probes)
+                losses = {side: [linalg.loss_curve(linalg.tail_energy(spectra[side][i]), probes[side][i])
+                                 for i in range(layout.num_layers)] for side in factored}  # fmt: skip
+                plan = plan_ranks(config, kappa_k, kappa_v, layout.kv_width, losses)
+            assert plan is not None
             none: list[float | None] = [None] * layout.num_layers
-            self.plan_.probe_kl_k = list(probe_kl.get("k", none))
-            self.plan_.probe_kl_v = list(probe_kl.get("v", none))
-            self.plan_.probe_rank = r0
+            plan.probe_kl_k = [p[0][1] for p in probes["k"]] if "k" in probes else none
+            plan.probe_kl_v = [p[0][1] for p in probes["v"]] if "v" in probes else none
+            plan.probe_rank, plan.probes = r0, probes
+            self.plan_ = plan
         if config.refine_steps:
             assert calib is not None
             self._refine(source, layout, calib.chunks[: config.refine_chunks])
@@ -336,38 +355,60 @@ class LorcMethod(Method):
         self.calibration["refine"] = {"steps": self.config.refine_steps, "chunks": int(chunks.shape[0]),
                                       "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
 
-    def _losses(
-        self, source: Any, layout: AttentionLayout, calib: Any, spectra: dict[str, list[torch.Tensor]],
-        projectors: dict[str, list[tuple[torch.Tensor, torch.Tensor]]], r0: int,
-    ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[float]]]:  # fmt: skip
-        """Loss curves for the allocation: side s of layer l at rank r costs ``c_ls · E_ls(r)``, with
-        E the whitened tail energy (``linalg.tail_energy``) and ``c_ls = KL_ls / E_ls(r0)`` from one
-        probe: the source run on held-out calibration chunks with only that side truncated at r0
-        (simulated exactly, ``calib.search.projected_kv``). KL is quadratic in a small perturbation,
-        like E, so the model is first-order right and exact at the probe."""
+    def _probe(
+        self, source: Any, layout: AttentionLayout, calib: Any, jobs: dict[tuple[int, str], Affine]
+    ) -> dict[tuple[int, str], float]:  # fmt: skip
+        """KL to the source on held-out calibration chunks with only one (layer, side) truncated, for
+        every job: the source run with that side's affine map (simulated exactly, ``calib.search.projected_kv``),
+        all jobs in one branching pass (``calib.search.branch_kls``)."""
         from kvconvert.calib.search import branch_kls, projected_kv
         from kvconvert.calib.sequential import active_branch
 
         chunks = calib.held_out if calib.held_out.shape[0] else calib.chunks
         chunks = chunks[: self.config.probe_chunks]
-        jobs = [(layer, side) for side in spectra for layer in range(layout.num_layers)]
-        probes = [{job: projectors[job[1]][job[0]]} for job in jobs]  # branch b truncates jobs[b] alone
+        order = list(jobs)
+        branches = [{job: jobs[job]} for job in order]  # branch b truncates order[b] alone
 
-        def select() -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        def select() -> dict[tuple[int, str], Affine]:
             branch = active_branch()
-            return {} if branch is None else probes[branch]
+            return {} if branch is None else branches[branch]
 
-        kls = branch_kls(source, chunks, [layer for layer, _ in jobs],
+        kls = branch_kls(source, chunks, [layer for layer, _ in order],
                          lambda model: projected_kv(model, select, layout.rotary_module), self.progress)  # fmt: skip
-        losses: dict[str, list[torch.Tensor]] = {side: [] for side in spectra}
-        probe_kl: dict[str, list[float]] = {side: [] for side in spectra}
-        for (layer, side), kl in zip(jobs, kls, strict=True):
-            energy = linalg.tail_energy(spectra[side][layer])
-            # a probe lost in the noise (KL <= 0) still ranks the side by its energy, at a tiny weight
-            losses[side].append(max(kl, 1e-9) / max(float(energy[r0]), 1e-12) * energy)
-            probe_kl[side].append(kl)
-        self.calibration["probe"] = {"rank": r0, "chunks": int(chunks.shape[0]), "chunk_len": int(chunks.shape[1])}
-        return losses, probe_kl
+        self.calibration["probe"] = {"rank": probe_rank(self.config, layout.num_layers, layout.kv_width),
+                                     "rounds": self.config.probe_rounds, "chunks": int(chunks.shape[0]),
+                                     "chunk_len": int(chunks.shape[1])}  # fmt: skip
+        return dict(zip(order, kls, strict=True))
+
+    def _probe_again(
+        self, source: Any, layout: AttentionLayout, calib: Any, plan: LorcPlan,
+        probes: dict[str, list[list[tuple[int, float]]]],
+    ) -> None:  # fmt: skip
+        """One more round: every factored side probed at the rank ``plan`` gives it (the layers
+        read again from the checkpoint, one at a time), appended to ``probes``. A side already probed
+        at that rank, or kept at full width, repeats its last measurement."""
+        from kvconvert.arch import adapter_for
+
+        adapter = adapter_for(source.config)
+        names = adapter.attention_names_by_layer(source.tensor_names())
+
+        def rank_of(layer: int, side: str) -> int:
+            rank = plan.rank_k[layer] if side == "k" else plan.rank_v[layer]
+            assert rank is not None, "auto factors every layer of a probed side"
+            return rank
+
+        jobs: dict[tuple[int, str], Affine] = {}
+        for layer in range(layout.num_layers):
+            w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
+            for side, (weight, right, left) in self._targets(layer, w).items():
+                rank = rank_of(layer, side) if side in probes else layout.kv_width
+                if rank < layout.kv_width and rank != probes[side][layer][-1][0]:
+                    jobs[layer, side] = _affine(weight, rank, right, left, w.k_bias if side == "k" else w.v_bias)
+        measured = self._probe(source, layout, calib, jobs) if jobs else {}
+        for side, layers in probes.items():
+            for layer, points in enumerate(layers):
+                job = (layer, side)
+                points.append((rank_of(layer, side), measured[job]) if job in measured else points[-1])
 
     def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         plan, layout = self.plan_, self.layout
@@ -383,6 +424,9 @@ class LorcMethod(Method):
         for side, kls in (("k", plan.probe_kl_k), ("v", plan.probe_kl_v)):
             if kls and kls[layer] is not None:
                 report[f"{side}_probe_kl"] = kls[layer]
+        for side, points in plan.probes.items():
+            if len(points[layer]) > 1:  # later rounds: (rank, KL) as measured
+                report[f"{side}_probes"] = [list(p) for p in points[layer]]
         for key, value in self.refine_log.get(layer, {}).items():
             report[f"refine_{key}"] = value
         if not plan.compressed[layer]:

@@ -6,6 +6,9 @@ their shared K) and R_VW from V‖W_Oʰᵀ. Scores are invariant to a rotation s
 rotation of V is undone inside W_O, so truncating the rotated coordinates compresses the cache
 without ever decompressing it (lemmas 1–2). One singular-value removal rate r shared by all heads
 sets each head's width (eq. 6); ``kv_budget`` finds the r that meets a cache budget (the paper's f).
+``schedule="auto"`` (kvconvert's extension) instead sets every head's width per side by measured
+loss: one KL probe per layer and side scales its heads' spectra into loss curves, and one greedy
+pass over all of them meets the budget (``plan_by_loss``), as ``lorc --schedule auto`` does for ranks.
 
 V/O: R_VW is folded into W_V and W_O. Q/K: without RoPE R_QK is folded into W_Q and W_K; with
 RoPE q and k are rotated after RoPE at run time (§5.1 "Rotary embedding") and the cache holds the
@@ -43,6 +46,10 @@ class ZackConfig:
     # "paper": R_VW from V‖W_Oᵀ stacked (§4.3). "output" (extension): the V basis that minimises the
     # error of what W_O makes of the values on calibration text (V's Gram weighted by W_Oᵀ W_O).
     value_basis: Literal["paper", "output"] = "paper"
+    # "rate": the paper's one removal rate for every head (eq. 6). "auto" (extension, with kv_budget):
+    # widths per head and side by measured loss (``plan_by_loss``).
+    schedule: Literal["rate", "auto"] = "rate"
+    probe_chunks: int = 4  # schedule="auto": held-out chunks each sensitivity probe is scored on
 
     def __post_init__(self) -> None:
         chosen = [n for n in ("kv_budget", "removal_rate", "target_agreement") if getattr(self, n) is not None]
@@ -58,6 +65,13 @@ class ZackConfig:
             raise KVConvertError(f"compress must be kv, k or v, got {self.compress!r}")
         if self.value_basis not in ("paper", "output"):
             raise KVConvertError(f"value_basis must be paper or output, got {self.value_basis!r}")
+        if self.schedule not in ("rate", "auto"):
+            raise KVConvertError(f"schedule must be rate or auto, got {self.schedule!r}")
+        if self.schedule == "auto" and self.kv_budget is None:
+            raise KVConvertError("--schedule auto allocates a --kv-budget by measured loss; pass --kv-budget "
+                                 "instead of --removal-rate or --target-agreement")  # fmt: skip
+        if self.probe_chunks < 1:
+            raise KVConvertError(f"probe_chunks must be >= 1, got {self.probe_chunks}")
 
 
 @dataclass
@@ -80,10 +94,12 @@ class HeadBases:
 
 @dataclass
 class ZackPlan:
-    removal_rate: float
+    removal_rate: float | None  # None: widths by measured loss (schedule "auto")
     rank_k: list[list[int]]  # [layer][kv head]
     rank_v: list[list[int]]
     budget: float = field(default=0.0)
+    # schedule "auto": per layer, KL to the source with only that side truncated at the probe widths
+    probe_kl: dict[str, list[float]] = field(default_factory=dict)
 
 
 def output_gram(o_weight: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
@@ -161,6 +177,47 @@ def plan_for_budget(bases: HeadBases, kv_budget: float, head_dim: int, compress:
     return plan_for_rate(bases, high, head_dim, compress)
 
 
+def plan_by_loss(
+    bases: HeadBases, kv_budget: float, head_dim: int, compress: str, probe: ZackPlan, probe_kl: dict[str, list[float]]
+) -> ZackPlan:  # fmt: skip
+    """Widths per KV head and side that meet ``kv_budget`` at the least predicted loss (extension).
+
+    Head g of layer l, side s, at width r is predicted to cost ``c_ls · T_lsg(r)``: T the energy its
+    basis leaves out (``Σ_{i≥r} s_i²``, not normalised per head, so the heads of a layer compare) and
+    ``c_ls = KL_ls / Σ_g T_lsg(probe width)`` from one probe, the source run with only that layer's
+    side truncated at ``probe``'s widths (the paper's plan at this budget). KL is quadratic in a small
+    perturbation, like T, so the model is first-order right and exact at the probe. One greedy pass
+    over every curve (``linalg.allocate_ranks``) then meets the budget; an untruncated side keeps d."""
+    layers, kv_heads = len(bases.qk), len(bases.qk[0])
+    sides = [side for side in "kv" if side in compress]
+    spectra = {"k": bases.qk_spectrum, "v": bases.vw_spectrum}
+    widths_at_probe = {"k": probe.rank_k, "v": probe.rank_v}
+    curves: list[torch.Tensor] = []
+    for side in sides:
+        tails = [[linalg.tail_energy(s) * float(s.to(linalg.F64).pow(2).sum()) for s in layer]
+                 for layer in spectra[side]]  # fmt: skip
+        at_probe = [sum(float(t[r]) for t, r in zip(layer, widths, strict=True))
+                    for layer, widths in zip(tails, widths_at_probe[side], strict=True)]  # fmt: skip
+        # a probe that truncated nothing measures nothing: such a layer gets its side's largest scale
+        scales = [max(kl, 1e-9) / e if e > 0 else None for kl, e in zip(probe_kl[side], at_probe, strict=True)]
+        fallback = max((c for c in scales if c is not None), default=1.0)
+        for layer, scale in zip(tails, scales, strict=True):
+            curves.extend((fallback if scale is None else scale) * t for t in layer)
+    full = 2 * layers * kv_heads * head_dim
+    free = round(kv_budget * full) - (2 - len(sides)) * layers * kv_heads * head_dim
+    if free < len(curves):
+        floor = ((2 - len(sides)) * layers * kv_heads * head_dim + len(curves)) / full
+        raise KVConvertError(f"kv_budget {kv_budget} is below what zack can reach with compress={compress} "
+                             f"({floor:.4f}: one dim per truncated head)")  # fmt: skip
+    flat = linalg.allocate_ranks(curves, min(free, len(curves) * head_dim))
+    full_widths = [[head_dim] * kv_heads for _ in range(layers)]
+    chosen = {side: [flat[(j * layers + i) * kv_heads : (j * layers + i + 1) * kv_heads] for i in range(layers)]
+              for j, side in enumerate(sides)}  # fmt: skip
+    rank_k, rank_v = chosen.get("k", full_widths), chosen.get("v", full_widths)
+    kept = sum(map(sum, rank_k)) + sum(map(sum, rank_v))
+    return ZackPlan(None, rank_k, rank_v, budget=kept / full, probe_kl=probe_kl)
+
+
 def calibrate_bases(
     source: Any,
     layout: AttentionLayout,
@@ -233,6 +290,10 @@ class ZackMethod(Method):
             self.plan_ = plan_for_rate(self.bases, config.removal_rate, layout.head_dim, config.compress)
         elif config.kv_budget is not None:
             self.plan_ = plan_for_budget(self.bases, config.kv_budget, layout.head_dim, config.compress)
+            if config.schedule == "auto":
+                probe_kl = self._probe(source, layout, calib, self.plan_)
+                self.plan_ = plan_by_loss(self.bases, config.kv_budget, layout.head_dim, config.compress,
+                                          self.plan_, probe_kl)  # fmt: skip
         else:
             from kvconvert.calib.search import search_removal_rate
 
@@ -240,6 +301,32 @@ class ZackMethod(Method):
             self.plan_, self.calibration["search"] = search_removal_rate(
                 source, layout, self.bases, calib.held_out, config.target_agreement, config.compress, self.progress
             )
+
+    def _probe(self, source: Any, layout: AttentionLayout, calib: Any, probe: ZackPlan) -> dict[str, list[float]]:
+        """Per truncated side and layer: KL to the source on held-out calibration chunks with only that
+        layer's side truncated at ``probe``'s widths (simulated exactly, ``calib.search.truncated_attention``;
+        one branching pass, ``calib.search.branch_kls``)."""
+        from kvconvert.calib.search import branch_kls, projectors_for, truncated_attention
+        from kvconvert.calib.sequential import active_branch
+
+        assert self.bases is not None
+        chunks = (calib.held_out if calib.held_out.shape[0] else calib.chunks)[: self.config.probe_chunks]
+        projectors = projectors_for(self.bases, probe)
+        jobs = [(layer, side) for side in "kv" if side in self.config.compress for layer in range(layout.num_layers)]
+
+        def select(layer: int) -> Any:
+            branch = active_branch()
+            if branch is None or jobs[branch][0] != layer:
+                return None
+            p_k, p_v = projectors[layer]
+            return (p_k, None) if jobs[branch][1] == "k" else (None, p_v)
+
+        kls = branch_kls(source, chunks, [layer for layer, _ in jobs],
+                         lambda model: truncated_attention(model, select), self.progress)  # fmt: skip
+        self.calibration["probe"] = {"removal_rate": probe.removal_rate, "budget": probe.budget,
+                                     "chunks": int(chunks.shape[0]), "chunk_len": int(chunks.shape[1])}  # fmt: skip
+        return {side: [kl for (_, s), kl in zip(jobs, kls, strict=True) if s == side] for side in "kv"
+                if side in self.config.compress}  # fmt: skip
 
     def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         plan, layout, bases = self.plan_, self.layout, self.bases
@@ -254,6 +341,8 @@ class ZackMethod(Method):
             "removed_k": [_removed(s, r) for s, r in zip(bases.qk_spectrum[layer], rank_k, strict=True)],
             "removed_v": [_removed(s, r) for s, r in zip(bases.vw_spectrum[layer], rank_v, strict=True)],
         }
+        for side, kls in plan.probe_kl.items():
+            report[f"{side}_probe_kl"] = kls[layer]
         return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
 
     def summary(self) -> dict[str, Any]:
