@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,52 @@ def peak_conversion(src: Path, dst: Path) -> dict[str, float]:
 def seconds_of(row: dict[str, Any]) -> str:
     """A row's conversion time for the table (rows written before it was recorded have none)."""
     return f"{row['convert_seconds']:.0f}" if "convert_seconds" in row else ""
+
+
+def newest_lorc_rows() -> list[dict[str, Any]]:
+    """Rows of the newest full ``make bench-lorc`` run on wikitext-2 (``lorc-<date>.json``; not a subset of
+    rows, not TinyStories)."""
+    full = sorted(f for f in RESULTS.glob("lorc-*.json") if re.fullmatch(r"lorc-\d{4}-\d{2}-\d{2}\.json", f.name))
+    return list(json.loads(full[-1].read_text())["rows"]) if full else []
+
+
+def render(rows: list[dict[str, Any]], base_ppl: float, budgets: list[float], max_tokens: int,
+           cost: dict[str, float]) -> str:  # fmt: skip
+    """The Markdown table: these ZACK rows, then bench-lorc's 16-bit rows at the same budgets."""
+    lorc = newest_lorc_rows()
+    table_rows = []
+    for r in rows:
+        variant = r["value_basis"] + (" (paper)" if r["value_basis"] == "paper" else " (ext.)")
+        if r.get("schedule") == "auto":
+            variant += ", --schedule auto (ext.)"
+        head = ["zack", r["target"], r["compress"], variant]
+        if "refused" in r:
+            table_rows.append([*head, "—", "refused", "", "", "", "", ""])
+            continue
+        setting = "widths by loss" if r["removal_rate"] is None else f"r={r['removal_rate']:.4f}"
+        table_rows.append([
+            *head, setting, f"{r['kv_budget_measured']:.3f}",
+            f"{r['ppl']:.2f}", f"{100 * (r['ppl'] / base_ppl - 1):+.1f}%", f"{r['kl_mean']:.3f}",
+            f"{r['top1_agreement']:.3f}", seconds_of(r),
+        ])  # fmt: skip
+    for r in lorc:  # bench-lorc's 16-bit rows at these budgets, for comparison
+        if r.get("kv_bits") is None and r.get("lorc_budget") in budgets and "refused" not in r:
+            table_rows.append([
+                "lorc", r["lorc_budget"], r["options"].get("compress", "kv"), r["variant"], "",
+                f"{r['kv_budget_measured']:.3f}", f"{r['ppl']:.2f}", f"{100 * (r['ppl'] / base_ppl - 1):+.1f}%",
+                f"{r['kl_mean']:.3f}", f"{r['top1_agreement']:.3f}", seconds_of(r),
+            ])  # fmt: skip
+    table = markdown_table(
+        ["method", "target", "truncated", "V basis / variant", "setting", "measured budget", "ppl", "Δppl", "KL",
+         "top-1", "convert s"], table_rows,
+    )  # fmt: skip
+    table += (
+        f"\n\nSmolLM2-135M fp32 reference ppl {base_ppl:.3f} (wikitext-2 test, first {max_tokens} tokens, "
+        f"ctx 1024). ZACK calibrated on calib_data/ (16 384 tokens); the agreement rows search r on held-out "
+        f"calib_data chunks, then are scored on wikitext like the others. One conversion (budget 0.75, "
+        f"calibration included): {cost['seconds']:.1f} s, peak RSS {cost['peak_rss_mib']:.0f} MiB."
+    )
+    return table
 
 
 def main() -> None:
@@ -98,40 +145,7 @@ def main() -> None:
                 row["search"] = first["calibration"]["search"]
             rows.append(row)
             print({k: v for k, v in row.items() if k != "search"}, flush=True)
-    lorc_files = sorted(RESULTS.glob("lorc-*.json"))
-    lorc = json.loads(lorc_files[-1].read_text())["rows"] if lorc_files else []
-    table_rows = []
-    for r in rows:
-        variant = r["value_basis"] + (" (paper)" if r["value_basis"] == "paper" else " (ext.)")
-        if r.get("schedule") == "auto":
-            variant += ", --schedule auto (ext.)"
-        head = ["zack", r["target"], r["compress"], variant]
-        if "refused" in r:
-            table_rows.append([*head, "—", "refused", "", "", "", "", ""])
-            continue
-        setting = "widths by loss" if r["removal_rate"] is None else f"r={r['removal_rate']:.4f}"
-        table_rows.append([
-            *head, setting, f"{r['kv_budget_measured']:.3f}",
-            f"{r['ppl']:.2f}", f"{100 * (r['ppl'] / base['ppl'] - 1):+.1f}%", f"{r['kl_mean']:.3f}",
-            f"{r['top1_agreement']:.3f}", seconds_of(r),
-        ])  # fmt: skip
-    for r in lorc:  # bench-lorc's 16-bit rows at these budgets, for comparison
-        if r.get("kv_bits") is None and r.get("lorc_budget") in args.budgets and "refused" not in r:
-            table_rows.append([
-                "lorc", r["lorc_budget"], r["options"].get("compress", "kv"), r["variant"], "",
-                f"{r['kv_budget_measured']:.3f}", f"{r['ppl']:.2f}", f"{100 * (r['ppl'] / base['ppl'] - 1):+.1f}%",
-                f"{r['kl_mean']:.3f}", f"{r['top1_agreement']:.3f}", seconds_of(r),
-            ])  # fmt: skip
-    table = markdown_table(
-        ["method", "target", "truncated", "V basis / variant", "setting", "measured budget", "ppl", "Δppl", "KL",
-         "top-1", "convert s"], table_rows,
-    )  # fmt: skip
-    table += (
-        f"\n\nSmolLM2-135M fp32 reference ppl {base['ppl']:.3f} (wikitext-2 test, first {args.max_tokens} tokens, "
-        f"ctx 1024). ZACK calibrated on calib_data/ (16 384 tokens); the agreement rows search r on held-out "
-        f"calib_data chunks, then are scored on wikitext like the others. One conversion (budget 0.75, "
-        f"calibration included): {cost['seconds']:.1f} s, peak RSS {cost['peak_rss_mib']:.0f} MiB."
-    )
+    table = render(rows, base["ppl"], args.budgets, args.max_tokens, cost)
     payload = {"benchmark": "zack", "machine": machine(), "reference_ppl": base["ppl"], "conversion": cost,
                "rows": rows, "seconds": time.perf_counter() - started}  # fmt: skip
     write_results(args.name, payload, table)
