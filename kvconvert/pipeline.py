@@ -17,7 +17,7 @@ from kvconvert.arch import adapter_for
 from kvconvert.errors import KVConvertError
 from kvconvert.io.model_card import write_model_card
 from kvconvert.io.source import TOKENIZER_FILES, SourceCheckpoint
-from kvconvert.io.writer import ShardedSafetensorsWriter, atomic_output_dir
+from kvconvert.io.writer import ShardedSafetensorsWriter, atomic_output_dir, refuse_existing
 from kvconvert.methods.base import Method
 from kvconvert.recipe import recipe_text
 from kvconvert.runtime.kvconvert_spec import RuntimeSpec, minimum_spec_version
@@ -127,6 +127,7 @@ def convert(
 
     Peak memory: one layer's attention tensors plus the largest single non-attention tensor.
     """
+    refuse_existing(out, replace)  # before calibration, which can take minutes
     checkpoint = plan_conversion(source, method, dtype)
     adapter, layout, target = checkpoint.adapter, checkpoint.layout, checkpoint.target
     passthrough, prefixes, read_layer = checkpoint.passthrough, checkpoint.prefixes, checkpoint.read_layer

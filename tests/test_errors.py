@@ -11,6 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from kvconvert.cli import main
+from kvconvert.errors import KVConvertError
 from tests.helpers import assert_equivalent, load_converted, load_reference
 
 
@@ -311,3 +312,19 @@ def test_written_spec_round_trips_through_the_typed_spec(tiny_model_dir, tmp_pat
     # version 1 is enough to describe it, so runtimes older than the token layout still load it
     assert spec.spec_version == 1 < SPEC_VERSION and spec.kv_quant == {"bits": 4, "group": 64, "residual": 128}
     assert "lorc_layers" in spec.extra and spec.to_dict() == section
+
+
+def test_existing_output_is_refused_before_calibration(tokenized_model_dir, tmp_path):
+    """A conversion into an existing --out stops before it plans (calibration can take minutes)."""
+    from kvconvert.io.source import open_source
+    from kvconvert.methods.zack import ZackConfig, ZackMethod
+    from kvconvert.pipeline import convert
+
+    class Unplanned(ZackMethod):
+        def plan(self, *args, **kwargs):
+            raise AssertionError("planned before checking --out")
+
+    (tmp_path / "out").mkdir()
+    src = tokenized_model_dir("llama_gqa")
+    with pytest.raises(KVConvertError, match="already exists"):
+        convert(open_source(str(src)), Unplanned(ZackConfig(kv_budget=0.5), progress=False), tmp_path / "out")

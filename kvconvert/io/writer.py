@@ -84,6 +84,12 @@ def output_lock(out: Path) -> Iterator[None]:
         lock.unlink(missing_ok=True)
 
 
+def refuse_existing(out: Path, replace: bool) -> None:
+    """An existing ``out`` is refused unless ``replace`` (checked again under the lock when writing)."""
+    if out.exists() and not replace:
+        raise KVConvertError(f"output directory {out.resolve()} already exists; choose another --out or pass --force")
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: Path, replace: bool, sources: Sequence[Path] = ()) -> Iterator[Path]:
     """Yield a temporary sibling of ``out``; rename it to ``out`` only if the block succeeds.
@@ -97,8 +103,7 @@ def atomic_output_dir(out: Path, replace: bool, sources: Sequence[Path] = ()) ->
     refuse_overlap(out, sources)
     out.parent.mkdir(parents=True, exist_ok=True)
     with output_lock(out):
-        if out.exists() and not replace:
-            raise KVConvertError(f"output directory {out} already exists; choose another --out or pass --force")
+        refuse_existing(out, replace)
         remove_stale_temporaries(out)
         with _temporary_sibling(out) as tmp:
             yield tmp
