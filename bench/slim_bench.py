@@ -7,6 +7,7 @@ Random weights are fine for timing (slim's cost does not depend on their values)
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,7 +82,15 @@ def decode_speed(model, context: int, new_tokens: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 4096])
+    parser.add_argument(
+        "--contexts",
+        type=int,
+        nargs="*",
+        default=[512, 2048, 4096],
+        help="decode contexts; none (a bare --contexts) times the conversion only",
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="conversions timed (best kept)")
+    parser.add_argument("--name", default="slim", help="results file stem")
     parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()
 
@@ -90,10 +99,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "src", Path(tmp) / "slim"
         size = build_source(src, args.layers)
-        # RSS floor: imports, config and shard index — everything a conversion does except converting.
-        _, floor_rss = peak_rss_of("bench._import_floor", str(src))
-        wall, rss = peak_rss_of("kvconvert.cli", "slim", "--model", str(src), "--out", str(dst), "--quiet")
-        largest_tensor = max(p.numel() * p.element_size() for p in LlamaForCausalLM.from_pretrained(src).parameters())
+        # Floor: imports, config and shard index — everything a conversion does except converting.
+        # Best of --repeats for both (the page cache's writeback makes single runs noisy).
+        floor_wall, floor_rss = min(peak_rss_of("bench._import_floor", str(src)) for _ in range(args.repeats))
+        runs = []
+        for _ in range(args.repeats):
+            shutil.rmtree(dst, ignore_errors=True)
+            runs.append(peak_rss_of("kvconvert.cli", "slim", "--model", str(src), "--out", str(dst), "--quiet"))
+        wall, rss = min(runs)
+        params = dict(LlamaForCausalLM.from_pretrained(src).named_parameters())
+        largest_tensor = max(p.numel() * p.element_size() for p in params.values())
+        layer_bytes = sum(p.numel() * p.element_size() for n, p in params.items() if ".layers.0." in n)
+        del params
 
         original = LlamaForCausalLM.from_pretrained(src).eval()
         slim = AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True).eval()
@@ -108,16 +125,22 @@ def main() -> None:
         "model_bytes": size,
         "layers": args.layers,
         "wall_seconds": wall,
+        "import_floor_seconds": floor_wall,
+        "conversion_mb_per_s": size / 1e6 / (wall - floor_wall),
+        "wall_mb_per_s": size / 1e6 / wall,
         "peak_rss_bytes": rss,
         "import_floor_rss_bytes": floor_rss,
         "largest_tensor_bytes": largest_tensor,
+        "layer_bytes": layer_bytes,
     }
     payload = {"benchmark": "slim", "machine": machine(), "conversion": conversion, "decode": speed}
     mb = 1024**2
     conv_table = markdown_table(
-        ["model size", "conversion wall", "peak RSS", "RSS without converting", "largest tensor"],
-        [[f"{size / mb:.0f} MiB", f"{wall:.1f} s", f"{rss / mb:.0f} MiB", f"{floor_rss / mb:.0f} MiB",
-          f"{largest_tensor / mb:.0f} MiB"]],
+        ["model size", "`kvconvert slim` wall", "start-up (imports, config, index)", "conversion MB/s (after start-up)",
+         "MB/s (whole command)", "peak RSS", "RSS without converting", "one layer", "largest tensor"],
+        [[f"{size / mb:.0f} MiB", f"{wall:.2f} s", f"{floor_wall:.2f} s", f"{conversion['conversion_mb_per_s']:.0f}",
+          f"{conversion['wall_mb_per_s']:.0f}", f"{rss / mb:.0f} MiB", f"{floor_rss / mb:.0f} MiB",
+          f"{layer_bytes / mb:.0f} MiB", f"{largest_tensor / mb:.0f} MiB"]],
     )  # fmt: skip
     rows = []
     for context in args.contexts:
@@ -133,8 +156,8 @@ def main() -> None:
          "KV B/token orig", "KV B/token slim", "KV ratio"],
         rows,
     )  # fmt: skip
-    table = f"{conv_table}\n\n{speed_table}\n\nMachine: {payload['machine']}"
-    write_results("slim", payload, table)
+    table = f"{conv_table}\n\n{speed_table if rows else ''}\n\nMachine: {payload['machine']}"
+    write_results(args.name, payload, table)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,7 @@ import kvconvert
 from kvconvert.arch import adapter_for
 from kvconvert.errors import KVConvertError
 from kvconvert.io.model_card import write_model_card
-from kvconvert.io.source import TOKENIZER_FILES, SourceCheckpoint
+from kvconvert.io.source import TOKENIZER_FILES, SourceCheckpoint, StoredTensor
 from kvconvert.io.writer import ShardedSafetensorsWriter, atomic_output_dir, refuse_existing
 from kvconvert.methods.base import Method
 from kvconvert.recipe import recipe_text
@@ -25,6 +29,68 @@ from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 RUNTIME_DIR = Path(__file__).parent / "runtime"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_FLOAT_NAMES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}  # safetensors dtypes that --dtype converts
+
+
+def header_reserve(source: SourceCheckpoint, max_shard_bytes: int) -> int:
+    """Bytes to reserve for each output shard's safetensors header, so the data is written once (see
+    ``ShardedSafetensorsWriter``). An entry is its name plus ≈ 90 bytes (dtype, shape, offsets); methods
+    rename and add tensors, hence 1.5× the source's entries; a shard holds about its share of them
+    (twice that: --dtype float16 halves the bytes per tensor). Too small only costs the old copy."""
+    whole = sum(len(name) + 96 for name in source.tensor_names()) * 3 // 2 + 1024
+    model_bytes = max(1, sum(path.stat().st_size for path in source.weight_files))
+    return int(whole * min(1.0, 2 * max_shard_bytes / model_bytes)) + 1024
+
+
+@contextlib.contextmanager
+def _source_digests(source: SourceCheckpoint) -> Iterator[Future[dict[str, str]]]:
+    """``source.sha256()`` on a background thread: it reads the whole source once more, so it runs
+    while the conversion does; a conversion that fails abandons it within one 16 MiB block."""
+    stop = threading.Event()
+    with ThreadPoolExecutor(1, thread_name_prefix="kvconvert-sha256") as pool:
+        try:
+            yield pool.submit(source.sha256, stop)
+        finally:
+            stop.set()
+
+
+class _BackgroundWrites:
+    """The writer's work on one background thread, in order, one job at a time: a layer is written
+    (and untouched source tensors copied) while the next one is converted. ``submit`` first waits for
+    the job before, so memory holds at most the layer being written and the one being computed, and a
+    failed write surfaces at the next submit or on leaving the block."""
+
+    def __init__(self, writer: ShardedSafetensorsWriter):
+        self._writer = writer
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvconvert-write")
+        self._pending: Future[None] | None = None
+
+    def submit(self, items: list[tuple[str, torch.Tensor | StoredTensor]]) -> None:
+        self.wait()
+        if items:
+            self._pending = self._pool.submit(self._write, list(items))
+
+    def _write(self, items: list[tuple[str, torch.Tensor | StoredTensor]]) -> None:
+        for name, item in items:
+            if isinstance(item, StoredTensor):
+                self._writer.add_file_range(name, *item)
+            else:
+                self._writer.add(name, item)
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def __enter__(self) -> _BackgroundWrites:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            if exc_info[0] is None:
+                self.wait()
+        finally:
+            self._pool.shutdown(wait=True)  # never leave a write running into a directory being removed
 
 
 @dataclass
@@ -132,30 +198,42 @@ def convert(
     adapter, layout, target = checkpoint.adapter, checkpoint.layout, checkpoint.target
     passthrough, prefixes, read_layer = checkpoint.passthrough, checkpoint.prefixes, checkpoint.read_layer
 
-    with atomic_output_dir(out, replace, sources=[source.path]) as tmp:
-        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes)
-        for name in passthrough:
-            tensor = source.get(name)
-            writer.add(name, tensor.to(target) if tensor.is_floating_point() and dtype != "auto" else tensor)
-            del tensor
-            source.release()
+    with atomic_output_dir(out, replace, sources=[source.path]) as tmp, _source_digests(source) as digests:
+        header_bytes = header_reserve(source, max_shard_bytes)
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes, header_bytes=header_bytes)
+        with _BackgroundWrites(writer) as writes:
+            unchanged: list[tuple[str, torch.Tensor | StoredTensor]] = []
+            for name in passthrough:
+                stored = source.stored(name)
+                if stored is not None and (dtype == "auto" or stored.dtype not in _FLOAT_NAMES):
+                    unchanged.append((name, stored))  # unchanged bytes: a kernel copy, never loaded
+                    continue
+                writes.submit(unchanged)
+                tensor = source.get(name)
+                unchanged = [(name, tensor.to(target) if tensor.is_floating_point() and dtype != "auto" else tensor)]
+                del tensor
+                source.release()
+            writes.submit(unchanged)
 
-        reports: list[dict[str, Any]] = []
-        tensor_names: list[list[str]] = []  # per layer; the tensors themselves are already on disk
-        layers = tqdm(range(layout.num_layers), desc=method.name, unit="layer", disable=not progress, file=sys.stderr)
-        for layer in layers:
-            local = read_layer(layer)
-            result = method.convert_layer(layer, adapter.read_attention(local), target)
-            produced = {**local, **result.tensors} if result.passthrough else result.tensors
-            for local_name in sorted(produced):
-                tensor = produced[local_name]
-                if result.passthrough and local_name in local and tensor.is_floating_point() and dtype != "auto":
-                    tensor = tensor.to(target)
-                writer.add(prefixes[layer] + local_name, tensor)
-            reports.append(result.report)
-            tensor_names.append(sorted(produced))
-            del local, result, produced
-            source.release()
+            reports: list[dict[str, Any]] = []
+            tensor_names: list[list[str]] = []  # per layer; the tensors themselves are already on disk
+            layers = tqdm(range(layout.num_layers), desc=method.name, unit="layer", disable=not progress,
+                          file=sys.stderr)  # fmt: skip
+            for layer in layers:
+                local = read_layer(layer)
+                result = method.convert_layer(layer, adapter.read_attention(local), target)
+                produced = {**local, **result.tensors} if result.passthrough else result.tensors
+                items: list[tuple[str, torch.Tensor | StoredTensor]] = []
+                for local_name in sorted(produced):
+                    tensor = produced[local_name]
+                    if result.passthrough and local_name in local and tensor.is_floating_point() and dtype != "auto":
+                        tensor = tensor.to(target)
+                    items.append((prefixes[layer] + local_name, tensor))
+                writes.submit(items)  # written while the next layer is converted
+                reports.append(result.report)
+                tensor_names.append(sorted(produced))
+                del local, result, produced, items
+                source.release()
         method.finish(reports)
         weight_files = writer.close()
 
@@ -207,7 +285,7 @@ def convert(
             "source": {
                 "model": source.model_id,
                 "revision": source.revision,
-                "sha256": source.sha256(),
+                "sha256": digests.result(),
             },
             "dtype": str(target).removeprefix("torch."),
             "kv_budget_expected": method.expected_kv_budget(layout),

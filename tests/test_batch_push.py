@@ -115,7 +115,7 @@ def test_batch_killed_mid_job_resumes(tiny_model_dir, tmp_path):
     # kill once job 2 is observably mid-write (its temporary directory holds part of a shard), not after a sleep
     deadline = time.time() + 120
     while time.time() < deadline and not any(
-        part.stat().st_size > 0 for part in (tmp_path / "out").glob(".second.tmp-*/.shard-*.payload")
+        part.stat().st_size > 0 for part in (tmp_path / "out").glob(".second.tmp-*/.shard-*")
     ):
         time.sleep(0.005)
     process.send_signal(signal.SIGKILL)

@@ -137,6 +137,21 @@ def test_refused_condition_number_leaves_nothing(tiny_model_dir, tmp_path):
     assert json.loads((out / "kvconvert.json").read_text())["params"]["accept_v_error"] is True
 
 
+def test_singular_key_projection_is_refused(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "singular"
+    src.mkdir()
+    for item in tiny_model_dir("llama").iterdir():
+        (src / item.name).write_bytes(item.read_bytes())
+    weights = load_file(src / "model.safetensors")
+    weights["model.layers.1.self_attn.k_proj.weight"][3] = 0.0  # one key channel reads nothing: W_K has no inverse
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "slim"
+    assert_user_error(run("slim", "--model", str(src), "--out", str(out)), "layer 1: W_K is singular")
+    assert_nothing_written(out)
+
+
 def test_model_path_is_a_file(tmp_path):
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"x")

@@ -65,6 +65,89 @@ def test_sharded_roundtrip_with_index(tmp_path):
             assert name in f.keys()
 
 
+def _file_ranges(path):
+    """Every tensor's (dtype, shape, start, nbytes) in a safetensors file, from its header."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return {k: (v["dtype"], v["shape"], 8 + length + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
+            for k, v in header.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_file_ranges_write_the_same_bytes_as_tensors(tmp_path, monkeypatch, kernel_copy):
+    """Copying a tensor's stored bytes (kernel copy, or the block loop where copy_file_range is missing)
+    gives the file that adding the loaded tensors gives, sharded or not."""
+    tensors = sample_tensors()
+    src = tmp_path / "src"
+    src.mkdir()
+    writer = ShardedSafetensorsWriter(src)
+    for name, t in tensors.items():
+        writer.add(name, t)
+    writer.close()
+    if not kernel_copy:
+        monkeypatch.delattr("os.copy_file_range")
+    for shard_bytes in (1 << 30, 64):
+        by_tensor, by_range = tmp_path / f"t{shard_bytes}", tmp_path / f"r{shard_bytes}"
+        by_tensor.mkdir()
+        by_range.mkdir()
+        plain = ShardedSafetensorsWriter(by_tensor, max_shard_bytes=shard_bytes)
+        copied = ShardedSafetensorsWriter(by_range, max_shard_bytes=shard_bytes)
+        ranges = _file_ranges(src / "model.safetensors")
+        for name, t in tensors.items():
+            plain.add(name, t)
+            dtype, shape, start, nbytes = ranges[name]
+            copied.add_file_range(name, dtype, shape, src / "model.safetensors", start, nbytes)
+        assert plain.close() == copied.close()
+        for path in by_tensor.iterdir():
+            assert path.read_bytes() == (by_range / path.name).read_bytes(), path.name
+
+
+def test_reserved_header_writes_each_byte_once(tmp_path, monkeypatch):
+    """With room reserved for the header, data streams into the shard file and is never moved; the
+    header is the minimal one padded with spaces. Too little room falls back to moving the data, which
+    gives the minimal file, byte for byte."""
+    import kvconvert.io.writer as writer_module
+
+    def write(directory, header_bytes, shard_bytes):
+        directory.mkdir()
+        writer = ShardedSafetensorsWriter(directory, max_shard_bytes=shard_bytes, header_bytes=header_bytes)
+        for name, t in sample_tensors().items():
+            writer.add(name, t)
+        return writer.close()
+
+    for shard_bytes in (1 << 30, 64):
+        minimal = tmp_path / f"minimal-{shard_bytes}"
+        names = write(minimal, 0, shard_bytes)
+        assert write(tmp_path / f"small-{shard_bytes}", 8, shard_bytes) == names  # outgrown: moved
+        for name in names:
+            assert (minimal / name).read_bytes() == (tmp_path / f"small-{shard_bytes}" / name).read_bytes()
+        with monkeypatch.context() as patch:
+            patch.setattr(writer_module, "copy_range", lambda *a: pytest.fail("data moved despite the reservation"))
+            assert write(tmp_path / f"reserved-{shard_bytes}", 1000, shard_bytes) == names
+        for name in names:
+            reserved = (tmp_path / f"reserved-{shard_bytes}" / name).read_bytes()
+            small = (minimal / name).read_bytes()
+            assert int.from_bytes(reserved[:8], "little") == 1000  # 1000 is already a multiple of 8
+            assert reserved[8:1008].rstrip(b" ") == small[8 : 8 + int.from_bytes(small[:8], "little")].rstrip(b" ")
+            assert reserved[1008:] == small[8 + int.from_bytes(small[:8], "little") :]
+        loaded = read_all(tmp_path / f"reserved-{shard_bytes}")
+        assert all(torch.equal(loaded[k], t) for k, t in sample_tensors().items())
+
+
+def test_file_range_past_the_end_or_of_the_wrong_size_is_an_error(tmp_path):
+    from kvconvert.errors import KVConvertError
+
+    src = tmp_path / "blob.bin"
+    src.write_bytes(bytes(range(64)))
+    writer = ShardedSafetensorsWriter(tmp_path)
+    with pytest.raises(KVConvertError, match="declares 12 bytes"):
+        writer.add_file_range("x", "F32", [4], src, 0, 12)
+    with pytest.raises(KVConvertError, match="ends 16 bytes before"):
+        writer.add_file_range("y", "F32", [8], src, 48, 32)  # 16 bytes short
+
+
 def test_duplicate_tensor_name_is_an_error(tmp_path):
     writer = ShardedSafetensorsWriter(tmp_path)
     writer.add("x", torch.zeros(1))
@@ -96,3 +179,38 @@ def test_sharded_conversion_loads(tiny_model_dir, tmp_path):
     convert_slim(src, tmp_path / "sharded", "--max-shard-size", "20KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     assert_equivalent(load_reference(src), load_converted(tmp_path / "sharded"), torch.randint(3, 90, (1, 10)))
+
+
+@pytest.mark.parametrize("extra", [(), ("--dtype", "float16")])
+def test_conversion_copies_untouched_tensors_to_the_same_bytes(tiny_model_dir, tmp_path, monkeypatch, extra):
+    """Source tensors the method leaves alone are kernel-copied from the source file (never loaded) and
+    layers are written on a background thread: the files equal those of loading and writing each tensor
+    in turn. With --dtype the untouched floats are converted, so they are loaded as before."""
+    from kvconvert.io.source import SourceCheckpoint
+
+    src = tiny_model_dir("llama")
+    convert_slim(src, tmp_path / "copied", *extra)
+    monkeypatch.setattr(SourceCheckpoint, "stored", lambda self, name: None)
+    convert_slim(src, tmp_path / "loaded", *extra)
+    for name in ("model.safetensors", "config.json", "kvconvert.json"):
+        assert (tmp_path / "copied" / name).read_bytes() == (tmp_path / "loaded" / name).read_bytes(), name
+    report = json.loads((tmp_path / "copied" / "kvconvert.json").read_text())
+    digest = hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()
+    assert report["source"]["sha256"] == {"model.safetensors": digest}  # hashed on its own thread
+
+
+def test_a_failed_background_write_fails_the_conversion_and_leaves_nothing(tiny_model_dir, tmp_path, monkeypatch):
+    from tests.helpers import run_cli
+
+    original = ShardedSafetensorsWriter.add
+
+    def failing_add(self, name, tensor):
+        if ".layers.1." in name:
+            raise OSError(28, "No space left on device")
+        original(self, name, tensor)
+
+    monkeypatch.setattr(ShardedSafetensorsWriter, "add", failing_add)
+    out = tmp_path / "out"
+    result = run_cli("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--quiet")
+    assert result.exit_code != 0 and "No space left on device" in result.output
+    assert not out.exists() and not list(tmp_path.glob(".out*"))

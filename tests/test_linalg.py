@@ -53,6 +53,32 @@ def test_condition_number():
     assert linalg.condition_number(torch.zeros(2, 2)) == float("inf")
 
 
+@pytest.mark.parametrize("decades", [0, 3, 6])
+def test_condition_number_from_lu_matches_the_svd(decades):
+    """Lanczos on AᵀA and (AᵀA)⁻¹ through the LU factor: the SVD's κ to 1e-9, from well- to badly-conditioned."""
+    g = torch.Generator().manual_seed(decades)
+    n = 96
+    left, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=F64))
+    right, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=F64))
+    spectrum = torch.logspace(0, decades, n, dtype=F64) * (1 + torch.rand(n, generator=g, dtype=F64))
+    a = left @ torch.diag(spectrum) @ right.T
+    a = a + torch.randn(n, n, generator=g, dtype=F64) * (decades == 0)  # a plain random matrix too
+    exact = linalg.condition_number(a)
+    assert linalg.condition_number_from_lu(a, linalg.lu_factor(a)) == pytest.approx(exact, rel=1e-9)
+
+
+def test_largest_eigenvalue_of_an_operator():
+    spectrum = torch.linspace(0.1, 5.0, 300, dtype=F64)
+    assert linalg.largest_eigenvalue(lambda v: spectrum * v, 300) == pytest.approx(5.0, rel=1e-10)
+
+
+def test_key_to_value_map_with_a_shared_factor_is_the_same_bits():
+    wk, wv = torch.randn(32, 32, dtype=F64), torch.randn(32, 32, dtype=F64)
+    shared = linalg.key_to_value_map(wk, wv, linalg.lu_factor(wk.T))
+    assert torch.equal(shared, linalg.key_to_value_map(wk, wv))
+    assert torch.equal(shared, torch.linalg.solve(wk.T, wv.T).T)  # what slim wrote before the factor was shared
+
+
 def _anisotropic_inputs(n: int, d: int, seed: int) -> torch.Tensor:
     """Inputs whose channels differ in scale by 10³, as hidden states do (a few outlier channels)."""
     g = torch.Generator().manual_seed(seed)

