@@ -602,6 +602,11 @@ def _print_layers(report: dict[str, Any], columns: list[tuple[str, str, str]]) -
     help="Comma-separated KV budgets: also run `lorc --schedule auto`'s probes on --calib and draw its ranks per layer "
          "and side at each (runs the model).",
 )  # fmt: skip
+@click.option(
+    "--allocation-method", "allocation_methods", type=click.Choice(["lorc", "zack"]), multiple=True,
+    default=("lorc",), show_default=True,
+    help="Whose --schedule auto --allocation draws (repeatable): LoRC's ranks, ZACK's widths per KV head.",
+)  # fmt: skip
 @_calibration_options
 @_user_errors
 def analyze(
@@ -617,14 +622,15 @@ def analyze(
     compare_calib: str | None,
     layer_similarity: bool,
     allocation: str | None,
+    allocation_methods: tuple[str, ...],
     calib: str | None,
     calib_tokens: int,
     seed: int,
 ) -> None:
     """Spectra and condition numbers of W_K/W_V per layer, LoRC rank plans, (--heads) echo and
     induction scores of every head, (--rotations) ZACK head spectra, plans and calibration
-    agreement, (--layer-similarity) adjacent-layer K/V similarity, (--allocation) LoRC's ranks by
-    measured loss: analysis.json + PNG plots."""
+    agreement, (--layer-similarity) adjacent-layer K/V similarity, (--allocation) LoRC's ranks or
+    ZACK's widths by measured loss: analysis.json + PNG plots."""
     import json
 
     from kvconvert.analysis.plots import (
@@ -633,6 +639,7 @@ def analyze(
         plot_layer_similarity,
         plot_ranks,
         plot_spectra,
+        plot_zack_allocation,
     )
     from kvconvert.devices import computing_on, resolve_device
     from kvconvert.io.source import open_source
@@ -645,8 +652,10 @@ def analyze(
     with compute:
         analysis = _analysis(source, heads, profile_tokens, rotations, compare_calib, layer_similarity, calib,
                              calib_tokens, seed)  # fmt: skip
-        if budgets:
+        if budgets and "lorc" in allocation_methods:
             analysis["lorc_auto"] = _auto_allocation(source, budgets, calib, calib_tokens, seed)
+        if budgets and "zack" in allocation_methods:
+            analysis["zack_auto"] = _zack_allocation(source, budgets, calib, calib_tokens, seed)
     with atomic_output_dir(out, replace=force, sources=[source.path]) as tmp:
         (tmp / "analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
         plot_spectra(analysis, tmp / "spectra.png")
@@ -656,6 +665,8 @@ def analyze(
             plot_head_scores(analysis["heads"]["echo"], analysis["heads"]["induction"], tmp / "heads.png")
         if layer_similarity:
             plot_layer_similarity(analysis["layer_similarity"], tmp / "layer_similarity.png")
+        if "zack_auto" in analysis:
+            plot_zack_allocation(analysis["zack_auto"], tmp / "zack_allocation.png")
     click.echo(f"{'layer':>5}  {'κ(W_K)':>9}  {'κ(W_V)':>9}  {'log10 κ̃':>8}  {'K err@50%':>9}  {'V err@50%':>9}")
     for row in analysis["layers"]:
         click.echo(
@@ -666,10 +677,12 @@ def analyze(
         _print_rotations(analysis["rotations"])
     if layer_similarity:
         _print_layer_similarity(analysis["layer_similarity"])
-    if budgets:
+    if "lorc_auto" in analysis:
         _print_allocation(analysis["lorc_auto"])
+    if "zack_auto" in analysis:
+        _print_zack_allocation(analysis["zack_auto"])
     pngs = ["spectra.png", "condition.png", "ranks.png"] + ["heads.png"] * heads
-    pngs += ["layer_similarity.png"] * layer_similarity
+    pngs += ["layer_similarity.png"] * layer_similarity + ["zack_allocation.png"] * ("zack_auto" in analysis)
     click.echo(f"wrote {out}/analysis.json, " + ", ".join(pngs))
 
 
@@ -726,6 +739,32 @@ def _auto_allocation(source: Any, budgets: list[float], calib: str | None, calib
                                  "probe_rank": plan.probe_rank, "probe_kl_k": plan.probe_kl_k,
                                  "probe_kl_v": plan.probe_kl_v}  # fmt: skip
     return result
+
+
+def _zack_allocation(source: Any, budgets: list[float], calib: str | None, calib_tokens: int,
+                     seed: int) -> dict[str, Any]:  # fmt: skip
+    """``zack --schedule auto``'s widths per layer and KV head at each budget, as its ``kvconvert.json`` has them."""
+    from kvconvert.methods.zack import ZackConfig, ZackMethod
+    from kvconvert.pipeline import plan_conversion
+
+    result = {}
+    for budget in budgets:
+        config = ZackConfig(kv_budget=budget, schedule="auto", calib=calib, calib_tokens=calib_tokens, seed=seed)
+        method = ZackMethod(config)
+        head_dim = plan_conversion(source, method).layout.head_dim
+        plan = method.plan_
+        assert plan is not None, "plan_conversion runs the plan"
+        result[f"{budget:g}"] = {"budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v,
+                                 "probe_kl": plan.probe_kl, "head_dim": head_dim}  # fmt: skip
+    return result
+
+
+def _print_zack_allocation(result: dict[str, Any]) -> None:
+    click.echo("ZACK --schedule auto (widths by measured loss; per layer, K heads | V heads):")
+    for budget, plan in result.items():
+        click.echo(f"  budget {budget} (achieved {plan['budget']:.3f}, of {plan['head_dim']} per head):")
+        for layer, (k, v) in enumerate(zip(plan["rank_k"], plan["rank_v"], strict=True)):
+            click.echo(f"    {layer:>3}  {' '.join(map(str, k))} | {' '.join(map(str, v))}")
 
 
 def _print_allocation(result: dict[str, Any]) -> None:

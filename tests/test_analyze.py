@@ -72,6 +72,27 @@ def test_analyze_draws_the_auto_allocation_lorc_writes(tokenized_model_dir, tmp_
     assert plan["probe_kl_k"] == pytest.approx([r["k_probe_kl"] for r in layers])
 
 
+def test_analyze_draws_the_widths_zack_auto_writes(tokenized_model_dir, tmp_path):
+    """--allocation-method zack: the widths per KV head analyze reports (and draws) are the ones
+    `zack --schedule auto` writes at that budget, with the same probe KLs."""
+    src = tokenized_model_dir("llama_gqa")
+    out = tmp_path / "analysis"
+    result = run_cli("analyze", "--model", str(src), "--out", str(out), "--allocation", "0.6", "--allocation-method",
+                     "zack", "--calib-tokens", "2048")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    analysis = json.loads((out / "analysis.json").read_text())
+    assert "lorc_auto" not in analysis and (out / "zack_allocation.png").read_bytes().startswith(PNG_MAGIC)
+    plan = analysis["zack_auto"]["0.6"]
+    assert "ZACK --schedule auto" in result.output and "budget 0.6" in result.output
+    converted = run_cli("zack", "--model", str(src), "--out", str(tmp_path / "zack"), "--kv-budget", "0.6",
+                        "--schedule", "auto", "--calib-tokens", "2048", "--quiet")  # fmt: skip
+    assert converted.exit_code == 0, converted.output
+    written = json.loads((tmp_path / "zack" / "config.json").read_text())["kvconvert"]["zack_layers"]
+    assert plan["rank_k"] == [layer["rank_k"] for layer in written]
+    assert plan["rank_v"] == [layer["rank_v"] for layer in written]
+    assert len(set(map(tuple, plan["rank_k"]))) > 1 or len(set(map(tuple, plan["rank_v"]))) > 1  # not uniform
+
+
 def test_analyze_refuses_a_bad_allocation(tiny_model_dir, tmp_path):
     result = run_cli("analyze", "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "a"),
                      "--allocation", "0.5,1.5")  # fmt: skip

@@ -86,6 +86,27 @@ def plot_ranks(analysis: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_zack_allocation(result: dict[str, Any], path: Path) -> None:
+    """ZACK ``--schedule auto``'s widths as heat maps (layers × KV heads), K and V side by side, one row
+    per budget; the colour scale is the head dimension (full width) down to zero."""
+    plt = _pyplot()
+    rows = len(result)
+    layers = len(next(iter(result.values()))["rank_k"])
+    fig, axes = plt.subplots(rows, 2, figsize=(8, rows * (0.22 * layers + 1.6)), squeeze=False)
+    for row, (budget, plan) in enumerate(result.items()):
+        for ax, side in zip(axes[row], ("k", "v"), strict=True):
+            image = ax.imshow(plan[f"rank_{side}"], aspect="auto", cmap="viridis", origin="upper", vmin=0,
+                              vmax=plan["head_dim"])  # fmt: skip
+            ax.set_title(f"{side.upper()} widths @ {budget} (achieved {plan['budget']:.3f})", fontsize=9)
+            ax.set_xticks(range(len(plan[f"rank_{side}"][0])))
+            ax.set_xlabel("KV head")
+            ax.set_ylabel("layer")
+            fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_head_scores(echo: list[list[float]], induction: list[list[float]], path: Path) -> None:
     """Heat maps (layers × heads) of RazorAttention's echo and induction scores."""
     plt = _pyplot()
