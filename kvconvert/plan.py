@@ -43,6 +43,8 @@ CANDIDATES: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "razor": [
         ("razor (paper)", {**PROFILE}),
         ("razor + 4-bit, sink 4 + rotated values (ext.)", {"kv_bits": 4, "kv_residual": 32, **SINK_ROTATE, **PROFILE}),
+        ("razor + 4-bit token layout, sink 4 (ext.)", {"kv_bits": 4, "kv_residual": 0, "kv_sink": 4,
+                                                       "kv_layout": "token", **PROFILE}),
         ("razor + 3-bit, sink 4 + rotated values (ext.)", {"kv_bits": 3, "kv_residual": 32, **SINK_ROTATE, **PROFILE}),
         ("razor + 2-bit, sink 4 + rotated values (ext.)", {"kv_bits": 2, "kv_residual": 32, **SINK_ROTATE, **PROFILE}),
     ],
