@@ -235,6 +235,30 @@ def test_store_keeps_recent_tokens_exact_and_ages_them_block_by_block():
     torch.testing.assert_close(store.read(), read[:, :, 70:], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("width", [64, 37])
+def test_reading_the_cache_into_one_tensor_is_reading_and_concatenating(per_channel, width):
+    """A decode step reads the whole cache with this step's tokens behind it into one new tensor
+    (dequantized in place, no concatenated copies): the same values as dequantizing, then concatenating
+    the float tail and the new tokens, with a sink, after dropping from the front, rotated or not."""
+    torch.manual_seed(width)
+    x = torch.randn(2, 3, 150, width) * torch.linspace(0.1, 8, width)
+    new = torch.randn(2, 3, 1, width)
+    for rotate, dropped in ((False, 0), (True, 0), (False, 5), (True, 5)):
+        store = TokenStore(QuantSpec(4, group=32, residual=8, sink=4, rotate=rotate), per_channel=per_channel)
+        store.append(x)
+        store.take_front(dropped)  # razor's sliding window drops from the first block (and the sink with it)
+        blocks = dequantize_tokens(store.blocks, 4, 32, width, per_channel, torch.float32, store.rotate)
+        expected = torch.cat([blocks[..., store.offset :, :], store.tail, new], dim=-2)
+        if not dropped:
+            expected[..., :4, :] = x[..., :4, :]  # the sink, exact
+        buffer = torch.full((2, 3, store.quantized_tokens + 2, width), float("nan"))
+        dequantize_tokens(store.blocks, 4, 32, width, per_channel, torch.float32, store.rotate, buffer[..., 1:-1, :])
+        assert torch.equal(buffer[..., 1:-1, :], blocks) and buffer[..., [0, -1], :].isnan().all()  # only its range
+        assert torch.equal(store.read(then=new), expected)
+        assert torch.equal(store.extend(new), expected) and len(store) == 151 - dropped
+
+
 def test_bits_16_store_is_a_plain_tensor():
     store = TokenStore(QuantSpec(16), per_channel=True)
     x = torch.randn(1, 5, 8)
