@@ -146,6 +146,8 @@ def test_file_range_past_the_end_or_of_the_wrong_size_is_an_error(tmp_path):
         writer.add_file_range("x", "F32", [4], src, 0, 12)
     with pytest.raises(KVConvertError, match="ends 16 bytes before"):
         writer.add_file_range("y", "F32", [8], src, 48, 32)  # 16 bytes short
+    with pytest.raises(KVConvertError, match="'F3', which safetensors does not define"):
+        writer.add_file_range("z", "F3", [8], src, 0, 32)
 
 
 def test_duplicate_tensor_name_is_an_error(tmp_path):
@@ -182,21 +184,29 @@ def test_sharded_conversion_loads(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("extra", [(), ("--dtype", "float16")])
-def test_conversion_copies_untouched_tensors_to_the_same_bytes(tiny_model_dir, tmp_path, monkeypatch, extra):
+@pytest.mark.parametrize("sharded_source", [False, True])
+def test_conversion_copies_untouched_tensors_to_the_same_bytes(tiny_model_dir, tmp_path, monkeypatch, extra,
+                                                               sharded_source):  # fmt: skip
     """Source tensors the method leaves alone are kernel-copied from the source file (never loaded) and
     layers are written on a background thread: the files equal those of loading and writing each tensor
     in turn. With --dtype the untouched floats are converted, so they are loaded as before."""
     from kvconvert.io.source import SourceCheckpoint
 
     src = tiny_model_dir("llama")
+    if sharded_source:  # tensors spread over several input files
+        from transformers import LlamaForCausalLM
+
+        LlamaForCausalLM.from_pretrained(src).save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+        src = tmp_path / "sharded"
+        assert len(list(src.glob("*.safetensors"))) > 1
     convert_slim(src, tmp_path / "copied", *extra)
     monkeypatch.setattr(SourceCheckpoint, "stored", lambda self, name: None)
     convert_slim(src, tmp_path / "loaded", *extra)
     for name in ("model.safetensors", "config.json", "kvconvert.json"):
         assert (tmp_path / "copied" / name).read_bytes() == (tmp_path / "loaded" / name).read_bytes(), name
     report = json.loads((tmp_path / "copied" / "kvconvert.json").read_text())
-    digest = hashlib.sha256((src / "model.safetensors").read_bytes()).hexdigest()
-    assert report["source"]["sha256"] == {"model.safetensors": digest}  # hashed on its own thread
+    digests = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in src.glob("*.safetensors")}
+    assert report["source"]["sha256"] == digests  # hashed on its own thread
 
 
 def test_a_failed_background_write_fails_the_conversion_and_leaves_nothing(tiny_model_dir, tmp_path, monkeypatch):

@@ -36,8 +36,9 @@ _DTYPE_NAMES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-             "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+# bytes per element of every safetensors dtype a source may hold (copied as bytes, never interpreted)
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+             "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8}  # fmt: skip
 
 
 def copy_range(src: BinaryIO, dst: BinaryIO, start: int, nbytes: int) -> None:
@@ -215,6 +216,8 @@ class ShardedSafetensorsWriter:
     def add_file_range(self, name: str, dtype: str, shape: list[int], path: Path, start: int, nbytes: int) -> None:
         """Add a tensor whose bytes lie, already in safetensors' layout, in ``path`` from ``start``
         (a source tensor passed through unchanged): copied by the kernel, never loaded."""
+        if dtype not in _ITEMSIZE:
+            raise KVConvertError(f"{path.name}: tensor {name!r} has dtype {dtype!r}, which safetensors does not define")
         if nbytes != math.prod(shape) * _ITEMSIZE[dtype]:
             raise KVConvertError(f"{path.name}: tensor {name!r} declares {nbytes} bytes for {dtype}{shape}")
         payload = self._payload_for(name, nbytes)
