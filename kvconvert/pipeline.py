@@ -202,18 +202,21 @@ def convert(
         header_bytes = header_reserve(source, max_shard_bytes)
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes, header_bytes=header_bytes)
         with _BackgroundWrites(writer) as writes:
-            unchanged: list[tuple[str, torch.Tensor | StoredTensor]] = []
+            # tensors the method does not touch, in order: byte ranges batched into one job, each loaded
+            # (dtype-converted) tensor closing a batch so that at most one of them waits in memory
+            batch: list[tuple[str, torch.Tensor | StoredTensor]] = []
             for name in passthrough:
                 stored = source.stored(name)
                 if stored is not None and (dtype == "auto" or stored.dtype not in _FLOAT_NAMES):
-                    unchanged.append((name, stored))  # unchanged bytes: a kernel copy, never loaded
+                    batch.append((name, stored))  # unchanged bytes: a kernel copy, never loaded
                     continue
-                writes.submit(unchanged)
                 tensor = source.get(name)
-                unchanged = [(name, tensor.to(target) if tensor.is_floating_point() and dtype != "auto" else tensor)]
+                batch.append((name, tensor.to(target) if tensor.is_floating_point() and dtype != "auto" else tensor))
+                writes.submit(batch)
+                batch = []
                 del tensor
                 source.release()
-            writes.submit(unchanged)
+            writes.submit(batch)
 
             reports: list[dict[str, Any]] = []
             tensor_names: list[list[str]] = []  # per layer; the tensors themselves are already on disk
