@@ -722,41 +722,45 @@ def _budget_list(text: str | None) -> list[float]:
     return budgets
 
 
-def _auto_allocation(source: Any, budgets: list[float], calib: str | None, calib_tokens: int,
-                     seed: int) -> dict[str, Any]:  # fmt: skip
-    """``lorc --schedule auto``'s decisions at each budget, as ``kvconvert.json`` would record them."""
-    from kvconvert.methods.lorc import LorcConfig, LorcMethod
+def _planned(source: Any, budgets: list[float], build: Any, record: Any) -> dict[str, Any]:
+    """``record(plan, layout)`` of the method ``build(budget)`` makes, planned (not converted) at each budget."""
     from kvconvert.pipeline import plan_conversion
 
     result = {}
     for budget in budgets:
-        config = LorcConfig(kv_budget=budget, schedule="auto", calib=calib, calib_tokens=calib_tokens, seed=seed)
-        method = LorcMethod(config)
-        plan_conversion(source, method)
-        plan = method.plan_
-        assert plan is not None, "plan_conversion runs the plan"
-        result[f"{budget:g}"] = {"budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v,
-                                 "probe_rank": plan.probe_rank, "probe_kl_k": plan.probe_kl_k,
-                                 "probe_kl_v": plan.probe_kl_v}  # fmt: skip
+        method = build(budget)
+        layout = plan_conversion(source, method).layout
+        assert method.plan_ is not None, "plan_conversion runs the plan"
+        result[f"{budget:g}"] = record(method.plan_, layout)
     return result
+
+
+def _auto_allocation(source: Any, budgets: list[float], calib: str | None, calib_tokens: int,
+                     seed: int) -> dict[str, Any]:  # fmt: skip
+    """``lorc --schedule auto``'s decisions at each budget, as ``kvconvert.json`` would record them."""
+    from kvconvert.methods.lorc import LorcConfig, LorcMethod
+
+    def build(budget: float) -> LorcMethod:
+        return LorcMethod(LorcConfig(kv_budget=budget, schedule="auto", calib=calib, calib_tokens=calib_tokens,
+                                     seed=seed))  # fmt: skip
+
+    return _planned(source, budgets, build, lambda plan, layout: {
+        "budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v, "probe_rank": plan.probe_rank,
+        "probe_kl_k": plan.probe_kl_k, "probe_kl_v": plan.probe_kl_v})  # fmt: skip
 
 
 def _zack_allocation(source: Any, budgets: list[float], calib: str | None, calib_tokens: int,
                      seed: int) -> dict[str, Any]:  # fmt: skip
     """``zack --schedule auto``'s widths per layer and KV head at each budget, as its ``kvconvert.json`` has them."""
     from kvconvert.methods.zack import ZackConfig, ZackMethod
-    from kvconvert.pipeline import plan_conversion
 
-    result = {}
-    for budget in budgets:
-        config = ZackConfig(kv_budget=budget, schedule="auto", calib=calib, calib_tokens=calib_tokens, seed=seed)
-        method = ZackMethod(config)
-        head_dim = plan_conversion(source, method).layout.head_dim
-        plan = method.plan_
-        assert plan is not None, "plan_conversion runs the plan"
-        result[f"{budget:g}"] = {"budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v,
-                                 "probe_kl": plan.probe_kl, "head_dim": head_dim}  # fmt: skip
-    return result
+    def build(budget: float) -> ZackMethod:
+        return ZackMethod(ZackConfig(kv_budget=budget, schedule="auto", calib=calib, calib_tokens=calib_tokens,
+                                     seed=seed))  # fmt: skip
+
+    return _planned(source, budgets, build, lambda plan, layout: {
+        "budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v, "probe_kl": plan.probe_kl,
+        "head_dim": layout.head_dim})  # fmt: skip
 
 
 def _print_zack_allocation(result: dict[str, Any]) -> None:
