@@ -77,8 +77,8 @@ def condition_number_from_lu(square: torch.Tensor, factor: tuple[torch.Tensor, t
         w = torch.linalg.lu_solve(lu, pivots, v[:, None], adjoint=True)
         return torch.linalg.lu_solve(lu, pivots, w)[:, 0]
 
-    pivots_u = lu.diagonal()
-    if not bool(torch.isfinite(pivots_u).all()) or bool((pivots_u == 0).any()):
+    u_diagonal = lu.diagonal()  # U's diagonal: a zero or non-finite entry means A is singular (or not finite)
+    if not bool(torch.isfinite(u_diagonal).all()) or bool((u_diagonal == 0).any()):
         return float("inf")
     largest = largest_eigenvalue(lambda v: a.T @ (a @ v), a.shape[1])
     inverse_smallest = largest_eigenvalue(inverse_gram, a.shape[1], seed=1)
