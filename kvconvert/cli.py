@@ -722,13 +722,15 @@ def _budget_list(text: str | None) -> list[float]:
     return budgets
 
 
-def _planned(source: Any, budgets: list[float], build: Any, record: Any) -> dict[str, Any]:
-    """``record(plan, layout)`` of the method ``build(budget)`` makes, planned (not converted) at each budget."""
+def _planned(source: Any, budgets: list[float], method_class: Any, config_class: Any, record: Any,
+             **options: Any) -> dict[str, Any]:  # fmt: skip
+    """``record(plan, layout)`` of ``method_class(config_class(kv_budget=b, schedule="auto", **options))``,
+    planned (not converted) at each budget b: what the conversion would write to ``kvconvert.json``."""
     from kvconvert.pipeline import plan_conversion
 
     result = {}
     for budget in budgets:
-        method = build(budget)
+        method = method_class(config_class(kv_budget=budget, schedule="auto", **options))
         layout = plan_conversion(source, method).layout
         assert method.plan_ is not None, "plan_conversion runs the plan"
         result[f"{budget:g}"] = record(method.plan_, layout)
@@ -737,30 +739,24 @@ def _planned(source: Any, budgets: list[float], build: Any, record: Any) -> dict
 
 def _auto_allocation(source: Any, budgets: list[float], calib: str | None, calib_tokens: int,
                      seed: int) -> dict[str, Any]:  # fmt: skip
-    """``lorc --schedule auto``'s decisions at each budget, as ``kvconvert.json`` would record them."""
+    """``lorc --schedule auto``'s ranks per layer and side at each budget."""
     from kvconvert.methods.lorc import LorcConfig, LorcMethod
 
-    def build(budget: float) -> LorcMethod:
-        return LorcMethod(LorcConfig(kv_budget=budget, schedule="auto", calib=calib, calib_tokens=calib_tokens,
-                                     seed=seed))  # fmt: skip
-
-    return _planned(source, budgets, build, lambda plan, layout: {
+    return _planned(source, budgets, LorcMethod, LorcConfig, lambda plan, layout: {
         "budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v, "probe_rank": plan.probe_rank,
-        "probe_kl_k": plan.probe_kl_k, "probe_kl_v": plan.probe_kl_v})  # fmt: skip
+        "probe_kl_k": plan.probe_kl_k, "probe_kl_v": plan.probe_kl_v,
+    }, calib=calib, calib_tokens=calib_tokens, seed=seed)  # fmt: skip
 
 
 def _zack_allocation(source: Any, budgets: list[float], calib: str | None, calib_tokens: int,
                      seed: int) -> dict[str, Any]:  # fmt: skip
-    """``zack --schedule auto``'s widths per layer and KV head at each budget, as its ``kvconvert.json`` has them."""
+    """``zack --schedule auto``'s widths per layer, KV head and side at each budget."""
     from kvconvert.methods.zack import ZackConfig, ZackMethod
 
-    def build(budget: float) -> ZackMethod:
-        return ZackMethod(ZackConfig(kv_budget=budget, schedule="auto", calib=calib, calib_tokens=calib_tokens,
-                                     seed=seed))  # fmt: skip
-
-    return _planned(source, budgets, build, lambda plan, layout: {
+    return _planned(source, budgets, ZackMethod, ZackConfig, lambda plan, layout: {
         "budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v, "probe_kl": plan.probe_kl,
-        "head_dim": layout.head_dim})  # fmt: skip
+        "head_dim": layout.head_dim,
+    }, calib=calib, calib_tokens=calib_tokens, seed=seed)  # fmt: skip
 
 
 def _print_zack_allocation(result: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from kvconvert.arch import adapter_for
 from kvconvert.errors import KVConvertError
 from kvconvert.io.model_card import write_model_card
 from kvconvert.io.source import TOKENIZER_FILES, SourceCheckpoint, StoredTensor
-from kvconvert.io.writer import ShardedSafetensorsWriter, atomic_output_dir, refuse_existing
+from kvconvert.io.writer import FLOAT_NAMES, ShardedSafetensorsWriter, atomic_output_dir, refuse_existing
 from kvconvert.methods.base import Method
 from kvconvert.recipe import recipe_text
 from kvconvert.runtime.kvconvert_spec import RuntimeSpec, minimum_spec_version
@@ -29,7 +29,6 @@ from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 RUNTIME_DIR = Path(__file__).parent / "runtime"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_FLOAT_NAMES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}  # safetensors dtypes that --dtype converts
 
 
 def header_reserve(source: SourceCheckpoint, max_shard_bytes: int) -> int:
@@ -207,7 +206,7 @@ def convert(
             batch: list[tuple[str, torch.Tensor | StoredTensor]] = []
             for name in passthrough:
                 stored = source.stored(name)
-                if stored is not None and (dtype == "auto" or stored.dtype not in _FLOAT_NAMES):
+                if stored is not None and (dtype == "auto" or stored.dtype not in FLOAT_NAMES):
                     batch.append((name, stored))  # unchanged bytes: a kernel copy, never loaded
                     continue
                 tensor = source.get(name)

@@ -153,19 +153,13 @@ def branch_kls(
     return [total / chunks.numel() for total in totals]
 
 
-def single_side_kls(
-    source: Any, chunks: torch.Tensor, jobs: list[tuple[int, str]], simulate: Any, progress: bool = True
-) -> list[float]:
-    """``branch_kls`` with branch b changing one (layer, side) job, ``jobs[b]``, and nothing else: the
-    loss probes of the ``--schedule auto`` allocations. ``simulate(model, active)`` changes what the
-    model computes; ``active()`` is the running branch's job, or None on the reference stream."""
+def active_job(jobs: list[tuple[int, str]]) -> tuple[int, str] | None:
+    """The (layer, side) job the running ``branch_kls`` branch changes when branch b changes ``jobs[b]``
+    alone (the loss probes of the ``--schedule auto`` allocations); None on the reference stream."""
     from kvconvert.calib.sequential import active_branch
 
-    def active() -> tuple[int, str] | None:
-        branch = active_branch()
-        return None if branch is None else jobs[branch]
-
-    return branch_kls(source, chunks, [layer for layer, _ in jobs], lambda model: simulate(model, active), progress)
+    branch = active_branch()
+    return None if branch is None else jobs[branch]
 
 
 def rotary_tables(

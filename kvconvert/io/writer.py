@@ -36,9 +36,12 @@ _DTYPE_NAMES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
-# bytes per element of every safetensors dtype a source may hold (copied as bytes, never interpreted)
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
-             "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8}  # fmt: skip
+# safetensors dtypes that --dtype converts (the floating ones the writer knows)
+FLOAT_NAMES = frozenset(name for dtype, name in _DTYPE_NAMES.items() if dtype.is_floating_point)
+# bytes per element of every safetensors dtype a source may hold (copied as bytes, never interpreted):
+# the writer's own, and those torch does not write here
+_ITEMSIZE = {**{name: dtype.itemsize for dtype, name in _DTYPE_NAMES.items()},
+             "U64": 8, "U32": 4, "U16": 2, "F8_E8M0": 1, "C64": 8}  # fmt: skip
 
 
 def copy_range(src: BinaryIO, dst: BinaryIO, start: int, nbytes: int) -> None:

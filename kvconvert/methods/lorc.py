@@ -361,20 +361,18 @@ class LorcMethod(Method):
         """KL to the source on held-out calibration chunks with only one (layer, side) truncated, for
         every job: the source run with that side's affine map (simulated exactly, ``calib.search.projected_kv``),
         all jobs in one branching pass (``calib.search.branch_kls``)."""
-        from kvconvert.calib.search import projected_kv, single_side_kls
+        from kvconvert.calib.search import active_job, branch_kls, projected_kv
 
         chunks = calib.held_out if calib.held_out.shape[0] else calib.chunks
         chunks = chunks[: self.config.probe_chunks]
         order = list(jobs)
 
-        def simulate(model: Any, active: Any) -> Any:
-            def select() -> dict[tuple[int, str], Affine]:  # the running probe's map alone
-                job = active()
-                return {} if job is None else {job: jobs[job]}
+        def select() -> dict[tuple[int, str], Affine]:  # the running probe's map alone
+            job = active_job(order)
+            return {} if job is None else {job: jobs[job]}
 
-            return projected_kv(model, select, layout.rotary_module)
-
-        kls = single_side_kls(source, chunks, order, simulate, self.progress)
+        kls = branch_kls(source, chunks, [layer for layer, _ in order],
+                         lambda model: projected_kv(model, select, layout.rotary_module), self.progress)  # fmt: skip
         self.calibration["probe"] = {"rank": probe_rank(self.config, layout.num_layers, layout.kv_width),
                                      "rounds": self.config.probe_rounds, "chunks": int(chunks.shape[0]),
                                      "chunk_len": int(chunks.shape[1])}  # fmt: skip

@@ -306,24 +306,22 @@ class ZackMethod(Method):
         """Per truncated side and layer: KL to the source on held-out calibration chunks with only that
         layer's side truncated at ``probe``'s widths (simulated exactly, ``calib.search.truncated_attention``;
         one branching pass, ``calib.search.branch_kls``)."""
-        from kvconvert.calib.search import projectors_for, single_side_kls, truncated_attention
+        from kvconvert.calib.search import active_job, branch_kls, projectors_for, truncated_attention
 
         assert self.bases is not None
         chunks = (calib.held_out if calib.held_out.shape[0] else calib.chunks)[: self.config.probe_chunks]
         projectors = projectors_for(self.bases, probe)
         jobs = [(layer, side) for side in "kv" if side in self.config.compress for layer in range(layout.num_layers)]
 
-        def simulate(model: Any, active: Any) -> Any:
-            def select(layer: int) -> Any:  # the running probe's side at its layer, nothing elsewhere
-                job = active()
-                if job is None or job[0] != layer:
-                    return None
-                p_k, p_v = projectors[layer]
-                return (p_k, None) if job[1] == "k" else (None, p_v)
+        def select(layer: int) -> Any:  # the running probe's side at its layer, nothing elsewhere
+            job = active_job(jobs)
+            if job is None or job[0] != layer:
+                return None
+            p_k, p_v = projectors[layer]
+            return (p_k, None) if job[1] == "k" else (None, p_v)
 
-            return truncated_attention(model, select)
-
-        kls = single_side_kls(source, chunks, jobs, simulate, self.progress)
+        kls = branch_kls(source, chunks, [layer for layer, _ in jobs],
+                         lambda model: truncated_attention(model, select), self.progress)  # fmt: skip
         self.calibration["probe"] = {"removal_rate": probe.removal_rate, "budget": probe.budget,
                                      "chunks": int(chunks.shape[0]), "chunk_len": int(chunks.shape[1])}  # fmt: skip
         return {side: [kl for (_, s), kl in zip(jobs, kls, strict=True) if s == side] for side in "kv"
