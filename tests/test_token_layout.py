@@ -8,6 +8,9 @@ dequantize-then-SDPA path."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,28 +18,87 @@ from helpers import convert, generate_in_every_mode, left_padded, load_converted
 
 import kvconvert
 from kvconvert.eval.memory import kv_bytes_per_token
-from kvconvert.runtime import kvconvert_quant, kvconvert_razor
+from kvconvert.runtime import kvconvert_quant, kvconvert_razor, kvconvert_storage
 from kvconvert.runtime.kvconvert_storage import (
+    INT4_ROW_LAYOUTS,
+    Int4Rows,
     QuantSpec,
     TokenLayoutStore,
-    int4_pack_rows,
-    int4_unpack_rows,
+    cpu_int4_rows,
     rotation,
     token_group_size,
 )
 
-HAS_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="this torch has no CPU int4 matmul kernel")
+MACHINE = cpu_int4_rows()
+needs_kernel = pytest.mark.skipif(MACHINE is None, reason="this torch has no CPU int4 kernel whose layout we know")
 TOKEN = ("--kv-bits", "4", "--kv-group", "32", "--kv-residual", "8", "--kv-layout", "token")
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows, cols", [(32, 64), (96, 32), (64, 256)])
+@pytest.mark.parametrize("rows, cols", [(32, 64), (96, 32), (64, 256), (160, 64)])
 def test_int4_rows_are_torchs_own_packing(rows, cols):
+    assert MACHINE is not None
     codes = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows))
-    packed = int4_pack_rows(codes)
+    packed = MACHINE.pack(codes)
     assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1))
-    assert torch.equal(int4_unpack_rows(packed), codes)
+    assert torch.equal(MACHINE.unpack(packed), codes)
+
+
+def reference_pack(codes: torch.Tensor, layout: Int4Rows) -> torch.Tensor:
+    """ATen's packer, as its source comment describes it, one byte at a time: blocks of ``block`` rows
+    (a shorter last block pairwise), each ``K × nb/2`` bytes; byte (k, j) of a block holds rows (j, j + nb/2)
+    (halves) or (2j, 2j + 1) (pairs), the first in the low nibble."""
+    n, k = codes.shape
+    out = torch.zeros(n * k // 2, dtype=torch.uint8)
+    for start in range(0, n, layout.block):
+        nb = min(layout.block, n - start)
+        halves = layout.halves and nb == layout.block
+        for kk in range(k):
+            for j in range(nb // 2):
+                low, high = (j, j + nb // 2) if halves else (2 * j, 2 * j + 1)
+                out[start * k // 2 + kk * nb // 2 + j] = codes[start + low, kk] | (codes[start + high, kk] << 4)
+    return out.reshape(n, k // 2)
+
+
+@pytest.mark.parametrize("layout", INT4_ROW_LAYOUTS, ids=lambda r: f"{r.block}-{'halves' if r.halves else 'pairs'}")
+@pytest.mark.parametrize("rows", [32, 96, 160])
+def test_every_int4_layout_packs_as_defined_and_unpacks(layout, rows):
+    codes = torch.randint(0, 16, (2, rows, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows))
+    packed = layout.pack(codes)
+    assert torch.equal(packed[1], reference_pack(codes[1], layout))
+    assert torch.equal(layout.unpack(packed), codes)
+
+
+@pytest.mark.parametrize("machine", [Int4Rows(64, True), Int4Rows(32, False), None], ids=["avx512", "plain", "none"])
+@pytest.mark.parametrize("width, group", [(64, 32), (128, 64), (96, 32), (96, 128)])
+def test_stores_follow_the_machines_layout(monkeypatch, machine, width, group):
+    """On a CPU whose kernel packs otherwise (AVX-512's 64-row blocks, the plain loop's pairs), the stores
+    write that layout — key blocks appended 32 tokens at a time packed as if packed at once, value groups
+    the kernel cannot read as one matrix (96 rows in 64-row blocks) in the stores' own — and read back
+    what the AVX2 layout reads: the layout changes bytes, never values."""
+    generator = torch.Generator().manual_seed(width + group)
+    x = torch.randn(2, 2, 4 * group + 5, width, generator=generator)
+    spec = QuantSpec(4, group, residual=0, layout="token")
+
+    def filled(keys: bool) -> TokenLayoutStore:
+        store = TokenLayoutStore(spec, keys=keys)
+        for start in range(0, x.shape[-2], group):  # block by block, as decoding fills it
+            store.append(x[..., start : start + group, :])
+        return store
+
+    avx2 = {keys: filled(keys) for keys in (True, False)}
+    monkeypatch.setattr(kvconvert_storage, "cpu_int4_rows", lambda: machine)
+    for keys in (True, False):
+        store = filled(keys)
+        size = token_group_size(width, group)
+        fits = machine is not None and (keys or size % machine.block == 0 or size < machine.block)
+        assert store.rows == (machine if fits else INT4_ROW_LAYOUTS[0]) and store.kernel_reads() == fits
+        assert store.blocks is not None and avx2[keys].blocks is not None
+        codes = store.rows.unpack(store.blocks.codes) if keys else None
+        if keys:  # the appended blocks are exactly what packing all codes at once gives
+            assert torch.equal(store.blocks.codes, store.rows.pack(codes))
+            assert torch.equal(codes, INT4_ROW_LAYOUTS[0].unpack(avx2[keys].blocks.codes))
+        assert torch.equal(store.read(), avx2[keys].read())
 
 
 def test_token_group_size():
@@ -158,7 +220,7 @@ def decode_both_ways(runtime, directory, monkeypatch, new_tokens: int = 32) -> t
     monkeypatch.setattr(runtime, "token_decode", counted)
     kernel_logits, kernel_tokens = run()
     assert calls, "the codes were never read"
-    monkeypatch.setattr(runtime, "int4_kernel_available", lambda device: False)
+    monkeypatch.setattr(kvconvert_quant, "int4_kernel_available", lambda device: False)
     calls.clear()
     float_logits, float_tokens = run()
     assert not calls
@@ -221,3 +283,27 @@ def test_token_layout_refusals(tiny_model_dir, tokenized_model_dir, tmp_path):
                      "token")  # fmt: skip
     assert result.exit_code == 2 and "the token layout is 4-bit storage" in result.output
     assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_machine_layout_is_the_one_its_capability_packs():
+    """The layouts ATen's packer writes on the CPUs this suite can see (AVX2 here; the plain loop under
+    ``ATEN_CPU_CAPABILITY=default``, the next test)."""
+    expected = {"AVX2": Int4Rows(32, True), "DEFAULT": Int4Rows(32, False)}
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in expected or not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
+        pytest.skip(f"no expectation written for {capability}")
+    assert expected[capability] == MACHINE
+
+
+@needs_kernel
+def test_decode_from_the_codes_under_another_cpu_capability():
+    """The same kernel-path tests in a process whose ATen runs its plain loop (``ATEN_CPU_CAPABILITY=default``:
+    another int4 packing). Before the layout was found at run time, this CPU decoded garbage."""
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this process already runs the plain loop")
+    tests = "torchs_own or machine_layout or kernel_decode_equals or decodes_from_the_codes_like"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+                            env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "12 passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]

@@ -8,8 +8,9 @@ The token layout (``--kv-layout token``, a kvconvert extension): keys and values
 stored as torch's int4 matrix layout (``TokenLayoutStore``). A registered attention function then
 computes a decode step's scores and outputs from the codes with ``aten._weight_int4pack_mm_for_cpu``
 (``token_decode``) instead of dequantizing the cache: on a CPU that reads 4-bit codes where stock
-attention reads 32-bit floats. Every other case (prefill, other devices, a torch without the kernel)
-takes the dequantize-then-SDPA path, which computes the same thing in float32.
+attention reads 32-bit floats. Every other case (prefill, other devices, a torch without the kernel, a
+CPU whose int4 packing is none the stores know) takes the dequantize-then-SDPA path, which computes the
+same thing in float32.
 
 Copied verbatim into every output directory; imports only torch and transformers.
 """
@@ -25,14 +26,20 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of
-from .kvconvert_storage import QuantizedLayer, QuantSpec, TokenLayoutStore, rotation, sliding_layer
+from .kvconvert_storage import QuantizedLayer, QuantSpec, TokenLayoutStore, cpu_int4_rows, rotation, sliding_layer
 
 IMPLEMENTATION = "kvconvert_quant"
 
 
 def int4_kernel_available(device: torch.device) -> bool:
-    """torch's CPU int4 matrix-vector kernel is there (torch ≥ 2.6) and the tensors are on the CPU."""
-    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    """torch's CPU int4 matrix-vector kernel is there (torch ≥ 2.6), its layout is one the stores can
+    write (``cpu_int4_rows``), and the tensors are on the CPU."""
+    return device.type == "cpu" and cpu_int4_rows() is not None
+
+
+def decodes_from_codes(keys: TokenLayoutStore, values: TokenLayoutStore, device: torch.device) -> bool:
+    """A decode step can be computed from the stores' codes (``token_decode``)."""
+    return keys.blocks is not None and int4_kernel_available(device) and keys.kernel_reads() and values.kernel_reads()
 
 
 _UNIT_SCALES: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -142,7 +149,7 @@ class TokenLayoutLayer(QuantizedLayer):
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
         keys, values = self.key_store, self.value_store
-        if query.shape[2] == 1 and keys.blocks is not None and int4_kernel_available(query.device):
+        if query.shape[2] == 1 and decodes_from_codes(keys, values, query.device):
             total = len(keys) + 1
             bias = additive_mask(attention_mask, 1, total, torch.float32, query.device)
             out = token_decode(query, key, value, bias, keys, values, scaling).to(query.dtype)

@@ -19,7 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
-from .kvconvert_quant import int4_kernel_available, token_decode
+from .kvconvert_quant import decodes_from_codes, token_decode
 from .kvconvert_storage import KVLayer, QuantSpec, TokenLayoutStore, TokenStore, sliding_layer
 
 IMPLEMENTATION = "kvconvert_razor"
@@ -126,8 +126,9 @@ class RazorLayer(KVLayer):
 
     def reads_codes(self, device: torch.device) -> bool:
         """A decode step can score the retrieval heads' past from its 4-bit codes (``token_decode``)."""
-        return isinstance(self.full_k, TokenLayoutStore) and self.full_k.blocks is not None and (
-            int4_kernel_available(device))  # fmt: skip
+        full_k, full_v = self.full_k, self.full_v
+        return isinstance(full_k, TokenLayoutStore) and isinstance(full_v, TokenLayoutStore) and (
+            decodes_from_codes(full_k, full_v, device))  # fmt: skip
 
     def extend(self, new_k: torch.Tensor, new_v: torch.Tensor, read_full: bool = True) -> tuple[Any, Any]:
         """Store this step's keys/values ``[b, Hkv, q, d]``; nothing is dropped yet (``evict`` does that

@@ -421,18 +421,18 @@ class TokenStore:
             aged[..., : spec.sink, :] = aged[..., spec.sink : spec.sink + 1, :]
         block = self._quantize(aged)
         self.tail = self.tail[..., ready:, :].clone()  # a slice would keep the float tokens alive
-        if self.blocks is None:
-            self.blocks = block
-        else:
-            code_dim, scale_dim = self._token_dims()
-            old = self.blocks
-            self.blocks = QuantizedBlock(
-                torch.cat([old.codes, block.codes], dim=code_dim),
-                torch.cat([old.scale, block.scale], dim=scale_dim),
-                torch.cat([old.zero, block.zero], dim=scale_dim),
-                None if old.center is None or block.center is None else torch.cat([old.center, block.center], dim=-2),
-            )
+        self.blocks = block if self.blocks is None else self._concat(self.blocks, block)
         self.quantized_tokens += ready
+
+    def _concat(self, old: QuantizedBlock, new: QuantizedBlock) -> QuantizedBlock:
+        """``old`` followed by ``new`` (later tokens)."""
+        code_dim, scale_dim = self._token_dims()
+        return QuantizedBlock(
+            torch.cat([old.codes, new.codes], dim=code_dim),
+            torch.cat([old.scale, new.scale], dim=scale_dim),
+            torch.cat([old.zero, new.zero], dim=scale_dim),
+            None if old.center is None or new.center is None else torch.cat([old.center, new.center], dim=-2),
+        )
 
     def _quantize(self, tokens: torch.Tensor) -> QuantizedBlock:
         spec = self.quant
@@ -533,10 +533,12 @@ class TokenStore:
 # a scale and zero per group along the reduced axis): decode scores ``q·Kᵀ`` and outputs ``p·V`` are
 # computed from the codes without dequantizing the cache (``kvconvert_quant.token_decode``).
 #
-# torch's CPU int4 layout of a matrix ``W [N, K]`` (N a multiple of 32): each block of 32 rows is
-# ``K × 16`` bytes, byte (k, i) = W[i, k] | W[i + 16, k] << 4. Keys are ``W = K [n, d]`` (rows are
-# tokens); values ``W = Vᵀ [d, n]`` (rows are channels), stored as ``[..., d/32, n, 16]`` so that
-# tokens stay on dim -2 and appending a block is one ``cat``.
+# torch's CPU int4 layout of a matrix ``W [N, K]`` (N a multiple of 32) depends on the kernel the CPU
+# runs (ATen's ``weight_to_int4pack_kernel``, chosen by the CPU capability: AVX2, AVX-512, or the plain
+# loop): ``Int4Rows`` below. Keys are ``W = K [n, d]`` (rows are tokens); values ``W = Vᵀ [size, n]`` per
+# channel group (rows are channels), stored as ``[..., d/r, n, r/2]`` so that tokens stay on dim -2 and
+# appending a block is one ``cat``. The layout is found once per process by packing a probe with torch's
+# own packer (``cpu_int4_rows``); a machine whose layout matches none decodes by dequantizing.
 
 
 def token_group_size(width: int, group: int) -> int | None:
@@ -546,19 +548,83 @@ def token_group_size(width: int, group: int) -> int | None:
     return sizes[-1] if sizes else None
 
 
-def int4_pack_rows(codes: torch.Tensor) -> torch.Tensor:
-    """``codes [..., N, K]`` (uint8 < 16, N % 32 == 0) -> torch's CPU int4 layout ``[..., N, K/2]``."""
+@dataclass(frozen=True)
+class Int4Rows:
+    """One of torch's CPU int4 layouts of ``W [N, K]``: rows in blocks of ``block``, each block stored as
+    ``K × block/2`` bytes; byte j of a block's column k holds rows (j, j + block/2) when ``halves`` (AVX2:
+    32, AVX-512: 64), rows (2j, 2j + 1) otherwise (the plain loop), the first in the low nibble. A last
+    block shorter than ``block`` rows is always stored pairwise (what torch's packer does)."""
+
+    block: int
+    halves: bool
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """``codes [..., N, K]`` (uint8 < 16, N and K even) -> ``[..., N, K/2]``."""
+        full = codes.shape[-2] // self.block * self.block
+        parts = [_pack_blocks(codes[..., :full, :], self.block, self.halves)] if full else []
+        if full < codes.shape[-2]:
+            parts.append(_pack_blocks(codes[..., full:, :], codes.shape[-2] - full, halves=False))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``pack``."""
+        full = packed.shape[-2] // self.block * self.block
+        parts = [_unpack_blocks(packed[..., :full, :], self.block, self.halves)] if full else []
+        if full < packed.shape[-2]:
+            parts.append(_unpack_blocks(packed[..., full:, :], packed.shape[-2] - full, halves=False))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+
+def _pack_blocks(codes: torch.Tensor, block: int, halves: bool) -> torch.Tensor:
     *lead, n, k = codes.shape
-    halves = codes.reshape(*lead, n // 32, 2, 16, k)
-    packed = halves[..., 0, :, :] | (halves[..., 1, :, :] << 4)  # [..., N/32, 16, K]
+    x = codes.reshape(*lead, n // block, block, k)
+    low, high = (x[..., : block // 2, :], x[..., block // 2 :, :]) if halves else (x[..., 0::2, :], x[..., 1::2, :])
+    packed = low | (high << 4)  # [..., N/block, block/2, K]
     return packed.transpose(-1, -2).reshape(*lead, n, k // 2)
 
 
-def int4_unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``int4_pack_rows``."""
+def _unpack_blocks(packed: torch.Tensor, block: int, halves: bool) -> torch.Tensor:
     *lead, n, half = packed.shape
-    blocks = packed.reshape(*lead, n // 32, 2 * half, 16).transpose(-1, -2)  # [..., N/32, 16, K]
-    return torch.stack([blocks & 15, blocks >> 4], dim=-3).reshape(*lead, n, 2 * half)
+    b = packed.reshape(*lead, n // block, 2 * half, block // 2).transpose(-1, -2)  # [..., N/block, block/2, K]
+    low, high = b & 15, b >> 4
+    rows = torch.cat([low, high], dim=-2) if halves else torch.stack([low, high], dim=-2)
+    return rows.reshape(*lead, n, 2 * half)
+
+
+# Every layout torch's packer is known to produce (AVX2, AVX-512, the plain loop at two vector widths);
+# the first is the one stores use where the machine's kernel cannot read them (dequantized anyway).
+INT4_ROW_LAYOUTS = (Int4Rows(32, True), Int4Rows(64, True), Int4Rows(32, False), Int4Rows(16, False),
+                    Int4Rows(64, False))  # fmt: skip
+
+
+@functools.cache
+def cpu_int4_rows() -> Int4Rows | None:
+    """The layout this process's CPU int4 kernel reads, or None (no kernel, or an unknown layout).
+
+    Found, not assumed: a probe of 96 × 64 codes (a 64-row block and a short one) is packed by torch's
+    own ``_convert_weight_to_int4pack_for_cpu`` and compared with each known layout, and the matching
+    layout must then give ``_weight_int4pack_mm_for_cpu`` the product of the dequantized probe. So a
+    CPU whose packing differs decodes by dequantizing instead of misreading the codes."""
+    aten = torch.ops.aten
+    if not (hasattr(aten, "_convert_weight_to_int4pack_for_cpu") and hasattr(aten, "_weight_int4pack_mm_for_cpu")):
+        return None
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (96, 64), dtype=torch.uint8, generator=generator)
+    try:
+        packed = aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+    except RuntimeError:
+        return None
+    for layout in INT4_ROW_LAYOUTS:
+        if packed.shape == (96, 32) and torch.equal(layout.pack(codes), packed):
+            x = torch.randn(2, 64, generator=generator).to(torch.bfloat16)
+            pairs = torch.rand(2, 96, 2, generator=generator).to(torch.bfloat16)  # (scale, zero) per group of 32
+            got = aten._weight_int4pack_mm_for_cpu(x, packed, 32, pairs).float()
+            w = (codes.float() - 8).reshape(96, 2, 32) * pairs[..., 0].T.float()[..., None]
+            w = w + pairs[..., 1].T.float()[..., None]
+            expected = x.float() @ w.reshape(96, 64).T
+            ok = torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+            return layout if ok else None
+    return None
 
 
 def _token_layout_groups(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -570,16 +636,18 @@ class TokenLayoutStore(TokenStore):
     """``TokenStore`` in the token layout (see above), 4-bit.
 
     Keys: ``center [..., n/B, d]`` float16 (each block's per-channel mean), codes ``[..., n, d/2]``
-    (torch's int4 rows) and ``scale``/``zero [..., G, n]`` bfloat16 in the kernel's convention
-    ``x − center ≈ (code − 8)·scale + zero``. Values: codes ``[..., d/32, n, 16]`` (``Vᵀ``'s int4
-    rows), ``scale``/``zero [..., n, G]`` float16 with ``x ≈ code·scale + zero`` (the scale multiplies
-    attention probabilities, not the codes, so it stays float16). Both rotated per group of ``size``
-    channels. Sinks, residual tokens, cropping and row selection as in ``TokenStore``; dropping from
-    the front (razor, sliding windows) is not supported."""
+    (int4 rows) and ``scale``/``zero [..., G, n]`` bfloat16 in the kernel's convention
+    ``x − center ≈ (code − 8)·scale + zero``. Values: codes ``[..., d/r, n, r/2]`` (``Vᵀ``'s int4
+    rows per channel group, r rows per block), ``scale``/``zero [..., n, G]`` float16 with
+    ``x ≈ code·scale + zero`` (the scale multiplies attention probabilities, not the codes, so it stays
+    float16). Both rotated per group of ``size`` channels. ``rows``: the int4 layout, the machine's
+    kernel's where it can hold this store (``kernel_reads``). Sinks, residual tokens, cropping and row
+    selection as in ``TokenStore``; dropping from the front (razor, sliding windows) is not supported."""
 
     def __init__(self, quant: QuantSpec, keys: bool):
         super().__init__(quant, per_channel=False)
         self.keys, self.rotate = keys, True
+        self.rows: Int4Rows | None = None  # chosen at the first block, when the width is known
 
     def group_size(self) -> int:
         size = token_group_size(self.width, self.quant.group)
@@ -587,13 +655,30 @@ class TokenLayoutStore(TokenStore):
             raise ValueError(f"the token layout needs a head width that is a multiple of 32, got {self.width}")
         return size
 
+    def kernel_reads(self) -> bool:
+        """The codes are in the layout this machine's int4 kernel reads."""
+        return self.rows is not None and self.rows == cpu_int4_rows()
+
+    def _layout(self) -> Int4Rows:
+        if self.rows is None:
+            machine, size = cpu_int4_rows(), self.group_size()
+            # a value group's rows are one matrix per group: whole blocks, or one short (pairwise) block
+            fits = machine is not None and (self.keys or size % machine.block == 0 or size < machine.block)
+            self.rows = machine if machine is not None and fits else INT4_ROW_LAYOUTS[0]
+        return self.rows
+
+    def _value_block(self, size: int) -> int:
+        """Rows per stored block of a value group: the layout's block, or the whole group if shorter."""
+        return min(self._layout().block, size)
+
     def _quantize(self, tokens: torch.Tensor) -> QuantizedBlock:
-        size = self.group_size()
+        size, rows = self.group_size(), self._layout()
         if not self.keys:
             x = _token_layout_groups(tokens, size)  # [..., n, G, size]
             codes, scale, zero = quantize_groups(x, 4)
-            packed = int4_pack_rows(codes.flatten(-2).transpose(-1, -2))  # Vᵀ: [..., d, n/2]
-            return QuantizedBlock(packed.reshape(*packed.shape[:-2], -1, tokens.shape[-2], 16), scale, zero)
+            packed = rows.pack(codes.permute(*range(codes.dim() - 3), -2, -1, -3))  # Vᵀ per group: [..., G, size, n/2]
+            r = self._value_block(size)
+            return QuantizedBlock(packed.reshape(*packed.shape[:-3], -1, tokens.shape[-2], r // 2), scale, zero)
         *lead, n, width = tokens.shape
         blocks = tokens.float().reshape(*lead, n // self.quant.group, self.quant.group, width)
         center = blocks.mean(-2).half()  # [..., n/B, d]
@@ -602,27 +687,35 @@ class TokenLayoutStore(TokenStore):
         scale = _round_up((high - low) / 15, torch.bfloat16)
         zero = (low + 8 * scale.float()).to(torch.bfloat16)  # the kernel's zero: the value of code 8
         codes = ((x - zero.float()[..., None]) / scale.float()[..., None] + 8).round_().clamp_(0, 15)
-        packed = int4_pack_rows(codes.to(torch.uint8).flatten(-2))
+        packed = rows.pack(codes.to(torch.uint8).flatten(-2))
         return QuantizedBlock(packed, scale.transpose(-1, -2).contiguous(), zero.transpose(-1, -2).contiguous(), center)
+
+    def _concat(self, old: QuantizedBlock, new: QuantizedBlock) -> QuantizedBlock:
+        rows = self._layout()
+        start = old.codes.shape[-2] // rows.block * rows.block
+        if self.keys and start < old.codes.shape[-2]:  # the last key block was short (pairwise): pack it anew
+            merged = torch.cat([rows.unpack(old.codes[..., start:, :]), rows.unpack(new.codes)], dim=-2)
+            old = dataclasses.replace(old, codes=old.codes[..., :start, :])
+            new = dataclasses.replace(new, codes=rows.pack(merged))
+        return super()._concat(old, new)
 
     def _token_dims(self) -> tuple[int, int]:
         return -2, (-1 if self.keys else -2)
 
     def _dequantize(self, blocks: QuantizedBlock, dtype: torch.dtype) -> torch.Tensor:
-        size = self.group_size()
+        size, rows = self.group_size(), self._layout()
         if self.keys:
-            codes = int4_unpack_rows(blocks.codes).float()  # [..., n, d]
+            codes = rows.unpack(blocks.codes).float()  # [..., n, d]
             scale, zero = blocks.scale.transpose(-1, -2).float(), blocks.zero.transpose(-1, -2).float()
             x = (codes.reshape(*codes.shape[:-1], -1, size) - 8) * scale[..., None] + zero[..., None]
             assert blocks.center is not None
             centers = blocks.center.float().repeat_interleave(self.quant.group, dim=-2)  # [..., n, d]
             return ((x @ rotation(size, x.device).T).flatten(-2) + centers).to(dtype)
-        *lead, blocks32, n, _ = blocks.codes.shape
-        codes = int4_unpack_rows(blocks.codes.reshape(*lead, 32 * blocks32, n // 2)).transpose(-1, -2).float()
-        x = (
-            codes.reshape(*codes.shape[:-1], -1, size) * blocks.scale.float()[..., None]
-            + blocks.zero.float()[..., None]
-        )
+        *lead, stored, n, _ = blocks.codes.shape
+        groups = stored * self._value_block(size) // size
+        codes = rows.unpack(blocks.codes.reshape(*lead, groups, size, n // 2))  # [..., G, size, n]
+        codes = codes.permute(*range(len(lead)), -1, -3, -2).float()  # [..., n, G, size]
+        x = codes * blocks.scale.float()[..., None] + blocks.zero.float()[..., None]
         return (x @ rotation(size, x.device).T).flatten(-2).to(dtype)
 
     def _dequantize_into(self, blocks: QuantizedBlock, out: torch.Tensor) -> None:
