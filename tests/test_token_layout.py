@@ -75,7 +75,7 @@ def test_stores_follow_the_machines_layout(monkeypatch, machine, width, group):
     """On a CPU whose kernel packs otherwise (AVX-512's 64-row blocks, the plain loop's pairs), the stores
     write that layout — key blocks appended 32 tokens at a time packed as if packed at once, value groups
     the kernel cannot read as one matrix (96 rows in 64-row blocks) in the stores' own — and read back
-    what the AVX2 layout reads: the layout changes bytes, never values."""
+    what this machine's layout reads: the layout changes bytes, never values."""
     generator = torch.Generator().manual_seed(width + group)
     x = torch.randn(2, 2, 4 * group + 5, width, generator=generator)
     spec = QuantSpec(4, group, residual=0, layout="token")
@@ -86,19 +86,20 @@ def test_stores_follow_the_machines_layout(monkeypatch, machine, width, group):
             store.append(x[..., start : start + group, :])
         return store
 
-    avx2 = {keys: filled(keys) for keys in (True, False)}
+    here = {keys: filled(keys) for keys in (True, False)}  # this machine's layout
     monkeypatch.setattr(kvconvert_storage, "cpu_int4_rows", lambda: machine)
     for keys in (True, False):
         store = filled(keys)
         size = token_group_size(width, group)
         fits = machine is not None and (keys or size % machine.block == 0 or size < machine.block)
         assert store.rows == (machine if fits else INT4_ROW_LAYOUTS[0]) and store.kernel_reads() == fits
-        assert store.blocks is not None and avx2[keys].blocks is not None
-        codes = store.rows.unpack(store.blocks.codes) if keys else None
+        ours, theirs, their_rows = store.blocks, here[keys].blocks, here[keys].rows
+        assert ours is not None and theirs is not None and store.rows is not None and their_rows is not None
         if keys:  # the appended blocks are exactly what packing all codes at once gives
-            assert torch.equal(store.blocks.codes, store.rows.pack(codes))
-            assert torch.equal(codes, INT4_ROW_LAYOUTS[0].unpack(avx2[keys].blocks.codes))
-        assert torch.equal(store.read(), avx2[keys].read())
+            codes = store.rows.unpack(ours.codes)
+            assert torch.equal(ours.codes, store.rows.pack(codes))
+            assert torch.equal(codes, their_rows.unpack(theirs.codes))
+        assert torch.equal(store.read(), here[keys].read())
 
 
 def test_token_group_size():
