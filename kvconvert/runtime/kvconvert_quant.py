@@ -109,10 +109,11 @@ def token_decode(
     probs = torch.softmax(scores, dim=-1)
     p_q = probs[..., :n_q]
     out = probs[..., n_q:] @ v_exact  # [b, Hkv, G, d]
-    # p·(code·s + z) = (p⊙s)·(code − 8) + p·(z + 8s), per channel group j
-    weighted = p_q[:, :, None] * vb.scale.float().transpose(-1, -2)[:, :, :, None]  # [b, Hkv, G', G, n_q]
-    offsets = (p_q @ vb.zero.float()) + 8 * weighted.sum(-1).transpose(-1, -2)  # [b, Hkv, G, G']
-    weighted = weighted.to(torch.bfloat16).contiguous().reshape(batch * kv_heads * groups, group, n_q)
+    # p·(code·s + z) = (p⊙s)·(code − 8) + p·(z + 8s), per channel group j; value scales are [b, Hkv, G', n_q]
+    weighted = torch.empty(batch, kv_heads, groups, group, n_q, dtype=torch.bfloat16, device=query.device)
+    torch.mul(p_q[:, :, None], vb.scale[:, :, :, None], out=weighted)  # [b, Hkv, G', G, n_q], the kernel's input
+    offsets = p_q @ torch.add(vb.zero.float(), vb.scale.float(), alpha=8).transpose(-1, -2)  # [b, Hkv, G, G']
+    weighted = weighted.reshape(batch * kv_heads * groups, group, n_q)
     unit = _unit_scales(n_q, size, query.device)
     # Vᵀ's int4 rows, one [size, n_q/2] matrix per (row, KV head, channel group)
     value_codes = vb.codes.reshape(batch * kv_heads * groups, size, n_q // 2)

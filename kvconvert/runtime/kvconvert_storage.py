@@ -638,7 +638,7 @@ class TokenLayoutStore(TokenStore):
     Keys: ``center [..., n/B, d]`` float16 (each block's per-channel mean), codes ``[..., n, d/2]``
     (int4 rows) and ``scale``/``zero [..., G, n]`` bfloat16 in the kernel's convention
     ``x − center ≈ (code − 8)·scale + zero``. Values: codes ``[..., d/r, n, r/2]`` (``Vᵀ``'s int4
-    rows per channel group, r rows per block), ``scale``/``zero [..., n, G]`` float16 with
+    rows per channel group, r rows per block), ``scale``/``zero [..., G, n]`` float16 with
     ``x ≈ code·scale + zero`` (the scale multiplies attention probabilities, not the codes, so it stays
     float16). Both rotated per group of ``size`` channels. ``rows``: the int4 layout, the machine's
     kernel's where it can hold this store (``kernel_reads``). Sinks, residual tokens, cropping and row
@@ -678,7 +678,9 @@ class TokenLayoutStore(TokenStore):
             codes, scale, zero = quantize_groups(x, 4)
             packed = rows.pack(codes.permute(*range(codes.dim() - 3), -2, -1, -3))  # Vᵀ per group: [..., G, size, n/2]
             r = self._value_block(size)
-            return QuantizedBlock(packed.reshape(*packed.shape[:-3], -1, tokens.shape[-2], r // 2), scale, zero)
+            codes = packed.reshape(*packed.shape[:-3], -1, tokens.shape[-2], r // 2)
+            # scales token-last, as the keys': a decode step multiplies them into [.., G, n] probabilities
+            return QuantizedBlock(codes, scale.transpose(-1, -2).contiguous(), zero.transpose(-1, -2).contiguous())
         *lead, n, width = tokens.shape
         blocks = tokens.float().reshape(*lead, n // self.quant.group, self.quant.group, width)
         center = blocks.mean(-2).half()  # [..., n/B, d]
@@ -700,7 +702,7 @@ class TokenLayoutStore(TokenStore):
         return super()._concat(old, new)
 
     def _token_dims(self) -> tuple[int, int]:
-        return -2, (-1 if self.keys else -2)
+        return -2, -1
 
     def _dequantize(self, blocks: QuantizedBlock, dtype: torch.dtype) -> torch.Tensor:
         size, rows = self.group_size(), self._layout()
@@ -715,7 +717,8 @@ class TokenLayoutStore(TokenStore):
         groups = stored * self._value_block(size) // size
         codes = rows.unpack(blocks.codes.reshape(*lead, groups, size, n // 2))  # [..., G, size, n]
         codes = codes.permute(*range(len(lead)), -1, -3, -2).float()  # [..., n, G, size]
-        x = codes * blocks.scale.float()[..., None] + blocks.zero.float()[..., None]
+        scale, zero = blocks.scale.transpose(-1, -2).float(), blocks.zero.transpose(-1, -2).float()
+        x = codes * scale[..., None] + zero[..., None]
         return (x @ rotation(size, x.device).T).flatten(-2).to(dtype)
 
     def _dequantize_into(self, blocks: QuantizedBlock, out: torch.Tensor) -> None:
