@@ -8,14 +8,17 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvconvert import __version__
 from kvconvert.errors import KVConvertError
+from kvconvert.io.outdir import refuse_existing
 from kvconvert.plan import CANDIDATES as PLAN_CANDIDATES
-from kvconvert.runtime.kvconvert_storage import QuantSpec
+
+if TYPE_CHECKING:  # torch and transformers load with the command that needs them, not for --help
+    from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 
 def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -114,6 +117,7 @@ def _conversion_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(**kwargs: Any) -> Any:
         options = ConversionOptions(**{name: kwargs.pop(name) for name in names})
+        _user_errors(refuse_existing)(options.out, options.force)  # in 0.3 s: before torch and the source load
         return fn(options=options, **kwargs)
 
     return _source_options(_output_options(wrapper))
@@ -642,8 +646,8 @@ def analyze(
         plot_zack_allocation,
     )
     from kvconvert.devices import computing_on, resolve_device
+    from kvconvert.io.outdir import atomic_output_dir
     from kvconvert.io.source import open_source
-    from kvconvert.io.writer import atomic_output_dir
 
     budgets = _budget_list(allocation)
     compute = computing_on(resolve_device(device))

@@ -20,8 +20,9 @@ import kvconvert
 from kvconvert.arch import adapter_for
 from kvconvert.errors import KVConvertError
 from kvconvert.io.model_card import write_model_card
+from kvconvert.io.outdir import atomic_output_dir, refuse_existing
 from kvconvert.io.source import TOKENIZER_FILES, SourceCheckpoint, StoredTensor
-from kvconvert.io.writer import FLOAT_NAMES, ShardedSafetensorsWriter, atomic_output_dir, refuse_existing
+from kvconvert.io.writer import FLOAT_NAMES, ShardedSafetensorsWriter
 from kvconvert.methods.base import Method
 from kvconvert.recipe import recipe_text
 from kvconvert.runtime.kvconvert_spec import RuntimeSpec, minimum_spec_version

@@ -18,12 +18,14 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import yaml
 
 from kvconvert.errors import KVConvertError
+
+if TYPE_CHECKING:  # torch loads when a plan runs: ``kvconvert --help`` imports this module for its method list
+    import torch
 
 # method -> (label, recipe) candidates; labels say which are extensions beyond the paper's default
 SINK_ROTATE = {"kv_sink": 4, "kv_rotate": True}
@@ -130,6 +132,8 @@ def smallest_within(rows: list[dict[str, Any]], max_dppl: float) -> dict[str, An
 
 def scoring_ids(source_path: Path, config: PlanConfig) -> tuple[torch.Tensor, str]:
     """``[windows × (context + continuation)]`` token ids to score on, and where they come from."""
+    import torch
+
     from kvconvert.calib.text import load_tokenizer, read_calibration_text
     from kvconvert.eval.data import load_text
 
@@ -163,8 +167,8 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
     from kvconvert.devices import computing_on, resolve_device
     from kvconvert.eval.quality import evaluate_quality
     from kvconvert.eval.runner import EvalConfig, budget_vs_16bit, load_model, model_context
+    from kvconvert.io.outdir import atomic_output_dir
     from kvconvert.io.source import open_source
-    from kvconvert.io.writer import atomic_output_dir
     from kvconvert.methods import build_method
     from kvconvert.pipeline import convert
     from kvconvert.recipe import parse_recipe, recipe_text

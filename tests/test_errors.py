@@ -343,3 +343,21 @@ def test_existing_output_is_refused_before_calibration(tokenized_model_dir, tmp_
     src = tokenized_model_dir("llama_gqa")
     with pytest.raises(KVConvertError, match="already exists"):
         convert(open_source(str(src)), Unplanned(ZackConfig(kv_budget=0.5), progress=False), tmp_path / "out")
+
+
+def test_help_and_an_existing_out_answer_before_torch_loads(tmp_path):
+    """``kvconvert --help`` and the refusal of an existing ``--out`` import neither torch nor transformers
+    (3.8 s and 8 s on 2 cores before; 0.3 s now)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "out").mkdir()
+    code = (
+        "import sys\nfrom kvconvert.cli import main\n"
+        "for args in (['--help'], ['slim', '--model', 'no/model', '--out', sys.argv[1]]):\n"
+        "    try:\n        main(args)\n    except SystemExit as exc:\n        print('exit', exc.code)\n"
+        "print('loaded', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], capture_output=True, text=True)
+    assert "exit 0" in result.stdout and "exit 2" in result.stdout, result.stdout + result.stderr
+    assert "already exists" in result.stderr and "loaded []" in result.stdout

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kvconvert.io.writer import ShardedSafetensorsWriter, atomic_output_dir
+from kvconvert.io.outdir import atomic_output_dir
+from kvconvert.io.writer import ShardedSafetensorsWriter
 from tests.helpers import convert_slim
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from kvconvert.errors import KVConvertError
-from kvconvert.io.writer import ShardedSafetensorsWriter, atomic_output_dir
+from kvconvert.io.outdir import atomic_output_dir
+from kvconvert.io.writer import ShardedSafetensorsWriter
 
 
 def import_gguf(gguf_file: Path, out: Path, replace: bool = False) -> Path:

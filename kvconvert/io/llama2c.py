@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from kvconvert.errors import KVConvertError
-from kvconvert.io.writer import ShardedSafetensorsWriter, atomic_output_dir
+from kvconvert.io.outdir import atomic_output_dir
+from kvconvert.io.writer import ShardedSafetensorsWriter
 
 
 def interleaved_to_half_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
