@@ -57,6 +57,8 @@ VARIANTS: list[tuple[str, str, float, dict[str, Any], int | None]] = [
         {"schedule": "auto", "probe_rounds": 2, "refine_steps": 100},
         None,
     ),
+    # does refinement keep paying with more steps? (the step's cosine decay stretches over all of them)
+    ("--schedule auto --refine-steps 300", EXT, 0.5, {"schedule": "auto", "refine_steps": 300}, None),
 ]
 
 

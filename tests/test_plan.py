@@ -14,8 +14,8 @@ from kvconvert.plan import best_within, pareto_front, smallest_within
 from tests.helpers import run_cli
 
 
-def row(label: str, method: str, budget: float, dppl: float) -> dict:
-    return {"label": label, "method": method, "kv_budget": budget, "dppl": dppl}
+def row(label: str, method: str, budget: float, dppl: float, kl: float | None = None) -> dict:
+    return {"label": label, "method": method, "kv_budget": budget, "dppl": dppl, "kl": dppl / 100 if kl is None else kl}
 
 
 def dominated(a: dict, b: dict) -> bool:
@@ -53,6 +53,16 @@ def test_winner_runner_up_and_smallest_within():
     assert best_within(rows, 0.1) is None
     assert smallest_within(rows, 1.0)["label"] == "q3"
     assert smallest_within(rows, 0.1) is None
+
+
+def test_winner_is_ranked_by_kl_not_by_noisy_dppl():
+    """Two 4-bit layouts whose Δppl differ by noise (the frontier bench's numbers): the lower KL wins."""
+    rows = [row("kivi", "quant", 0.284, -0.04, kl=0.0039), row("token", "quant", 0.292, 0.02, kl=0.0014),
+            row("razor", "razor", 0.18, 3.9, kl=0.027)]  # fmt: skip
+    pick = best_within(rows, 0.3)
+    assert pick is not None and pick["winner"] == "token" and pick["kl"] == 0.0014
+    assert pick["runner_up"] == "razor" and pick["margin_kl"] == pytest.approx(0.0256)
+    assert best_within(rows, 0.29)["winner"] == "kivi"  # the token layout does not fit
 
 
 def test_plan_agrees_with_eval_of_the_recipe_it_writes(tokenized_model_dir, tmp_path):
