@@ -610,21 +610,18 @@ def cpu_int4_rows() -> Int4Rows | None:
         return None
     generator = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (96, 64), dtype=torch.uint8, generator=generator)
+    x = torch.randn(2, 64, generator=generator).to(torch.bfloat16)
+    pairs = torch.rand(2, 96, 2, generator=generator).to(torch.bfloat16)  # (scale, zero) per row and group of 32
     try:
         packed = aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+        got = aten._weight_int4pack_mm_for_cpu(x, packed, 32, pairs).float()
     except RuntimeError:
         return None
-    for layout in INT4_ROW_LAYOUTS:
-        if packed.shape == (96, 32) and torch.equal(layout.pack(codes), packed):
-            x = torch.randn(2, 64, generator=generator).to(torch.bfloat16)
-            pairs = torch.rand(2, 96, 2, generator=generator).to(torch.bfloat16)  # (scale, zero) per group of 32
-            got = aten._weight_int4pack_mm_for_cpu(x, packed, 32, pairs).float()
-            w = (codes.float() - 8).reshape(96, 2, 32) * pairs[..., 0].T.float()[..., None]
-            w = w + pairs[..., 1].T.float()[..., None]
-            expected = x.float() @ w.reshape(96, 64).T
-            ok = torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
-            return layout if ok else None
-    return None
+    layout = next((rows for rows in INT4_ROW_LAYOUTS if torch.equal(rows.pack(codes), packed)), None)
+    scale, zero = pairs.float().unbind(-1)  # [2, 96] each
+    weight = (codes.float() - 8).view(96, 2, 32) * scale.T[..., None] + zero.T[..., None]
+    expected = x.float() @ weight.view(96, 64).T
+    return layout if torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item()) else None
 
 
 def _token_layout_groups(x: torch.Tensor, size: int) -> torch.Tensor:
