@@ -653,6 +653,7 @@ def analyze(
     compute = computing_on(resolve_device(device))
     source = open_source(model, revision=revision, allow_pickle=allow_pickle)
     out = out or Path(f"{Path(source.model_id).name}-analysis")
+    refuse_existing(out, force)  # before the analysis, which takes minutes (checked again when writing)
     with compute:
         analysis = _analysis(source, heads, profile_tokens, rotations, compare_calib, layer_similarity, calib,
                              calib_tokens, seed)  # fmt: skip
@@ -907,6 +908,7 @@ def plan(model: str, out: Path, budgets: str, max_dppl: float | None, methods: s
     that wins at each budget (build it with `kvconvert run PLAN/recipes/budget-B.yaml`)."""
     from kvconvert.plan import PlanConfig, format_report, run_plan
 
+    refuse_existing(out, force)  # before the source and the reference model load
     try:
         budget_values = tuple(float(b) for b in budgets.split(","))
     except ValueError:

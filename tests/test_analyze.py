@@ -39,9 +39,13 @@ def test_analyze_writes_json_and_plots(tiny_model_dir, tmp_path):
     assert "κ(W_K)" in result.output
 
 
-def test_analyze_refuses_existing_out(tiny_model_dir, tmp_path):
+def test_analyze_refuses_existing_out(tiny_model_dir, tmp_path, monkeypatch):
+    """Before the analysis runs (with --heads or --allocation it takes minutes), not after."""
+    import kvconvert.cli
+
+    monkeypatch.setattr(kvconvert.cli, "_analysis", lambda *args: pytest.fail("analysed before refusing"))
     (tmp_path / "a").mkdir()
-    result = run_cli("analyze", "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "a"))
+    result = run_cli("analyze", "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "a"), "--heads")
     assert result.exit_code == 2 and "already exists" in result.stderr
 
 
