@@ -117,7 +117,7 @@ def _conversion_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(**kwargs: Any) -> Any:
         options = ConversionOptions(**{name: kwargs.pop(name) for name in names})
-        _user_errors(refuse_existing)(options.out, options.force)  # in 0.3 s: before torch and the source load
+        _user_errors(refuse_existing)(options.out, options.force)  # at once: before torch and the source load
         return fn(options=options, **kwargs)
 
     return _source_options(_output_options(wrapper))
