@@ -286,6 +286,17 @@ def test_token_layout_refusals(tiny_model_dir, tokenized_model_dir, tmp_path):
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
+@needs_kernel
+def test_a_kernel_that_computes_otherwise_is_not_trusted(monkeypatch):
+    """The probe checks the kernel's product too: a packing that matches is not enough (a torch whose
+    kernel read the codes another way would decode by dequantizing, not misread them)."""
+    real = torch.ops.aten._weight_int4pack_mm_for_cpu
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda x, b, g, s: real(x, b, g, s) * 2)
+    assert kvconvert_storage.cpu_int4_rows.__wrapped__() is None
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", real)
+    assert kvconvert_storage.cpu_int4_rows.__wrapped__() == MACHINE
+
+
 def test_machine_layout_is_the_one_its_capability_packs():
     """The layouts ATen's packer writes on the CPUs this suite can see (AVX2 here; the plain loop under
     ``ATEN_CPU_CAPABILITY=default``, the next test)."""
