@@ -95,16 +95,22 @@ def plot_zack_allocation(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(rows, 2, figsize=(8, rows * (0.22 * layers + 1.6)), squeeze=False)
     for row, (budget, plan) in enumerate(result.items()):
         for ax, side in zip(axes[row], ("k", "v"), strict=True):
-            image = ax.imshow(plan[f"rank_{side}"], aspect="auto", cmap="viridis", origin="upper", vmin=0,
-                              vmax=plan["head_dim"])  # fmt: skip
-            ax.set_title(f"{side.upper()} widths @ {budget} (achieved {plan['budget']:.3f})", fontsize=9)
+            title = f"{side.upper()} widths @ {budget} (achieved {plan['budget']:.3f})"
+            _heat_map(fig, ax, plan[f"rank_{side}"], title, "KV head", cmap="viridis", vmin=0, vmax=plan["head_dim"])
+            ax.title.set_fontsize(9)
             ax.set_xticks(range(len(plan[f"rank_{side}"][0])))
-            ax.set_xlabel("KV head")
-            ax.set_ylabel("layer")
-            fig.colorbar(image, ax=ax, fraction=0.046)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _heat_map(fig: Any, ax: Any, data: Any, title: str, xlabel: str, **imshow: Any) -> None:
+    """One layers × heads heat map with its colour bar."""
+    image = ax.imshow(data, aspect="auto", origin="upper", **imshow)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("layer")
+    fig.colorbar(image, ax=ax, fraction=0.046)
 
 
 def plot_head_scores(echo: list[list[float]], induction: list[list[float]], path: Path) -> None:
@@ -112,11 +118,7 @@ def plot_head_scores(echo: list[list[float]], induction: list[list[float]], path
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.25 * len(echo) + 2.5))
     for ax, data, title in ((axes[0], echo, "echo score"), (axes[1], induction, "induction score")):
-        image = ax.imshow(data, aspect="auto", cmap="magma", origin="upper")
-        ax.set_title(title)
-        ax.set_xlabel("query head")
-        ax.set_ylabel("layer")
-        fig.colorbar(image, ax=ax, fraction=0.046)
+        _heat_map(fig, ax, data, title, "query head", cmap="magma")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

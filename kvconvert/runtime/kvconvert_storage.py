@@ -560,18 +560,18 @@ class Int4Rows:
 
     def pack(self, codes: torch.Tensor) -> torch.Tensor:
         """``codes [..., N, K]`` (uint8 < 16, N and K even) -> ``[..., N, K/2]``."""
-        full = codes.shape[-2] // self.block * self.block
-        parts = [_pack_blocks(codes[..., :full, :], self.block, self.halves)] if full else []
-        if full < codes.shape[-2]:
-            parts.append(_pack_blocks(codes[..., full:, :], codes.shape[-2] - full, halves=False))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+        return self._by_blocks(codes, _pack_blocks)
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """Inverse of ``pack``."""
-        full = packed.shape[-2] // self.block * self.block
-        parts = [_unpack_blocks(packed[..., :full, :], self.block, self.halves)] if full else []
-        if full < packed.shape[-2]:
-            parts.append(_unpack_blocks(packed[..., full:, :], packed.shape[-2] - full, halves=False))
+        return self._by_blocks(packed, _unpack_blocks)
+
+    def _by_blocks(self, rows: torch.Tensor, fn: Any) -> torch.Tensor:
+        """``fn(rows, block, halves)`` over the whole blocks, then pairwise over a shorter last block."""
+        full = rows.shape[-2] // self.block * self.block
+        parts = [fn(rows[..., :full, :], self.block, self.halves)] if full else []
+        if full < rows.shape[-2]:
+            parts.append(fn(rows[..., full:, :], rows.shape[-2] - full, False))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
 
 
