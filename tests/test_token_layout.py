@@ -165,6 +165,66 @@ def test_store_holds_the_reference_quantization(keys, width, group):
     assert 0 < (expected - x[..., : 5 * group, :]).abs().mean() < 0.1
 
 
+@needs_kernel
+@pytest.mark.parametrize("width, group, sink, dropped", [(64, 32, 3, 40), (64, 32, 0, 70), (128, 64, 4, 130)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_kernel_decode_after_dropping_from_the_front(width, group, sink, dropped, padded):
+    """Razor's windows: tokens dropped from the front are masked in their block (or freed with it), and
+    ``extra`` exact tokens with their own logits join the softmax — float attention over what is held."""
+    batch, kv_heads, heads, n = 2, 2, 6, 5 * group + 9
+    keys, values, generator = _filled(batch, kv_heads, n, width, group, sink, seed=width + dropped)
+    before_k, before_v = keys.read(), values.read()
+    torch.testing.assert_close(keys.take_front(dropped), before_k[..., :dropped, :], rtol=0, atol=0)
+    values.take_front(dropped)
+    unit = max(group, 64)
+    assert keys.offset == values.offset == dropped % unit
+    assert keys.quantized_tokens == values.quantized_tokens == 5 * group - dropped // unit * unit
+    assert torch.equal(keys.read(), before_k[..., dropped:, :])
+    assert torch.equal(values.read(), before_v[..., dropped:, :])
+    held = n - dropped
+    query = torch.randn(batch, heads, 1, width, generator=generator)
+    key, value = torch.randn(batch, kv_heads, 1, width, generator=generator), torch.randn(batch, kv_heads, 1, width)
+    extra_k = torch.randn(batch, kv_heads, 3, width, generator=generator)
+    extra_v = torch.randn(batch, kv_heads, 3, width, generator=generator)
+    logits = torch.tensor([0.0, -1.0, 2.5]).expand(batch, kv_heads, 1, 3).clone()
+    logits[1, 0, 0, 0] = torch.finfo(torch.float32).min
+    bias = None
+    if padded:  # row 1's first 5 held tokens are padding
+        bias = torch.zeros(batch, 1, 1, held + 1)
+        bias[1, ..., :5] = torch.finfo(torch.float32).min
+    out = kvconvert_quant.token_decode(query, key, value, bias, keys, values, width**-0.5, (extra_k, extra_v, logits))
+    group_of = heads // kv_heads
+    k_all = torch.cat([extra_k, keys.read(), key], 2).repeat_interleave(group_of, 1)
+    v_all = torch.cat([extra_v, values.read(), value], 2).repeat_interleave(group_of, 1)
+    full_bias = torch.cat([logits, torch.zeros(batch, kv_heads, 1, held + 1) if bias is None else bias.expand(
+        batch, kv_heads, 1, -1)], dim=-1).repeat_interleave(group_of, 1)  # fmt: skip
+    expected = torch.softmax(query @ k_all.transpose(-1, -2) * width**-0.5 + full_bias, -1) @ v_all
+    torch.testing.assert_close(out, expected, rtol=0, atol=3e-2)
+    assert (out - expected).abs().mean() < 4e-3
+
+
+@pytest.mark.parametrize("machine", [Int4Rows(64, True), Int4Rows(32, False)], ids=["avx512", "plain"])
+def test_dropping_from_the_front_keeps_the_machines_layout(monkeypatch, machine):
+    """On AVX-512 a key block of 64 rows pairs rows j and j + 32: dropping whole 32-token groups would cut
+    pairs apart, so tokens leave in 64-token units, and the rest stays packed as packing at once gives."""
+    monkeypatch.setattr(kvconvert_storage, "cpu_int4_rows", lambda: machine)
+    x = torch.randn(1, 2, 200, 64, generator=torch.Generator().manual_seed(1))
+    for keys in (True, False):
+        store = TokenLayoutStore(QuantSpec(4, 32, residual=0, layout="token"), keys=keys)
+        store.append(x[..., :96, :])
+        store.append(x[..., 96:192, :])
+        reference = store.read()
+        front = torch.cat([store.take_front(40), store.take_front(30)], dim=-2)  # 70: one 64-token unit freed
+        assert store.quantized_tokens == 192 - 64 and store.offset == 6 and store.rows == machine
+        torch.testing.assert_close(front, reference[..., :70, :], rtol=0, atol=0)
+        assert torch.equal(store.read(), reference[..., 70:, :])
+        store.append(x[..., 192:, :])
+        assert len(store) == 130 and torch.equal(store.read()[..., :-8, :], reference[..., 70:, :])
+        if keys:
+            assert store.blocks is not None and torch.equal(machine.pack(machine.unpack(store.blocks.codes)),
+                                                            store.blocks.codes)  # fmt: skip
+
+
 def _filled(batch: int, kv_heads: int, n: int, width: int, group: int, sink: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
     spec = QuantSpec(4, group, residual=0, sink=sink, layout="token")
@@ -199,11 +259,11 @@ def test_kernel_decode_equals_float_attention_over_the_dequantized_cache(width, 
     assert (out - expected).abs().mean() < 4e-3
 
 
-def decode_both_ways(runtime, directory, monkeypatch, new_tokens: int = 32) -> torch.Tensor:
+def decode_both_ways(runtime, directory, monkeypatch, new_tokens: int = 32, length: int = 24) -> torch.Tensor:
     """Prefill and ``new_tokens`` greedy steps of a left-padded batch through ``directory``, once reading
     the 4-bit codes (``runtime.token_decode``, counted) and once with the int4 kernel unavailable (the
     dequantizing path): the same tokens, logits within bf16 rounding. Returns the dequantizing path's logits."""
-    ids, mask = left_padded()
+    ids, mask = left_padded(length)
     calls = []
     original = runtime.token_decode
 
@@ -251,12 +311,40 @@ def test_converted_model_decodes_from_the_codes_like_its_dequantized_path(tokeni
 @needs_kernel
 def test_razor_retrieval_heads_decode_from_the_codes(tokenized_model_dir, tmp_path, monkeypatch):
     """Razor in the token layout: its retrieval heads' full stores are read from the codes at each decode
-    step (the windows stay in KIVI's layout), like its dequantizing path; it generates in every mode."""
+    step (the windows too once they hold a quantized block), like its dequantizing path; it generates in
+    every mode."""
     src = tokenized_model_dir("llama_gqa64")
     convert("razor", src, tmp_path / "r", "--kv-budget", "0.5", "--profile-tokens", "16", "--window", "8", *TOKEN,
             "--kv-sink", "2")  # fmt: skip
     decode_both_ways(kvconvert_razor, tmp_path / "r", monkeypatch, new_tokens=40)
     generate_in_every_mode(load_converted(tmp_path / "r"))
+
+
+@needs_kernel
+def test_razor_windows_decode_from_the_codes_while_they_slide(tokenized_model_dir, tmp_path, monkeypatch):
+    """Windows of 40 tokens in 32-token blocks: tokens leave from the front of a quantized block every
+    step (masked in their block until a whole 64-token unit is gone, then freed), and the windows are read
+    from the codes with razor's sink and compensation token — the same tokens and logits as dequantizing."""
+    src = tokenized_model_dir("llama_gqa64")
+    convert("razor", src, tmp_path / "r", "--kv-budget", "0.5", "--profile-tokens", "16", "--window", "40", *TOKEN,
+            "--kv-sink", "2")  # fmt: skip
+    windows, freed = [], []
+    original, evict = kvconvert_razor.token_decode, kvconvert_razor.RazorLayer.evict
+
+    def recorded(*args, **kwargs):
+        if len(args) > 7 or "extra" in kwargs:
+            windows.append(args[4].offset)  # tokens dropped but still held in the first block
+        return original(*args, **kwargs)
+
+    def counted(layer, valid):
+        before = layer.recent_k.quantized_tokens
+        evict(layer, valid)
+        freed.append(before > layer.recent_k.quantized_tokens)
+
+    monkeypatch.setattr(kvconvert_razor, "token_decode", recorded)
+    monkeypatch.setattr(kvconvert_razor.RazorLayer, "evict", counted)
+    decode_both_ways(kvconvert_razor, tmp_path / "r", monkeypatch, new_tokens=40, length=100)
+    assert windows and max(windows) > 0 and any(freed)
 
 
 def test_generate_and_measured_bytes(tokenized_model_dir, tmp_path):

@@ -62,6 +62,7 @@ def _unit_scales(tokens: int, channels: int, device: torch.device) -> torch.Tens
 def token_decode(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
     keys: TokenLayoutStore, values: TokenLayoutStore, scaling: float,
+    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One decode step over a token-layout cache, from the codes.
 
@@ -70,20 +71,22 @@ def token_decode(
     Scores of quantized tokens: ``(q·R)·((codes − 8)·s + z)`` per group in one kernel call per
     (row, KV head), plus ``q·center`` of their block; outputs: ``(p·s)·(codes − 8) + p·(z + 8s)`` per group,
     rotated back by ``Rᵀ``. The sink, the float tail and this step's tokens are exact: the sink's
-    stand-ins in the first block are masked out and its exact copy attended instead. Returns
-    ``[b, H, 1, d]`` float32."""
+    stand-ins in the first block are masked out and its exact copy attended instead, as are tokens
+    dropped from the front whose block is still held (``keys.offset``). ``extra``: more exact tokens
+    attended in the same softmax, ``(keys, values) [b, Hkv, t, d]`` and their additive logits
+    ``[b, Hkv, 1, t]`` (razor's sink and compensation token). Returns ``[b, H, 1, d]`` float32."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
     size = keys.group_size()
     groups = dim // size
     rot = rotation(size, query.device)
-    kb, vb = keys.blocks, values.blocks
-    assert kb is not None and kb.center is not None and vb is not None
     assert keys.tail is not None and values.tail is not None
     n_q = keys.quantized_tokens
     q = query.float().reshape(batch, kv_heads, group, dim)  # [b, Hkv, G, d]
     q_rot = (q.reshape(batch, kv_heads, group, groups, size) @ rot).reshape(batch * kv_heads, group, dim)
+    kb, vb = keys.blocks, values.blocks
+    assert kb is not None and kb.center is not None and vb is not None
     key_scales = torch.stack([kb.scale, kb.zero], dim=-1).flatten(0, 1)  # [b·Hkv, G', n_q, 2]: the kernel's pairs
     int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     # one kernel call per (row, KV head); unbind makes the per-head views in one op
@@ -94,18 +97,30 @@ def token_decode(
     ]).float().reshape(batch, kv_heads, group, n_q)  # fmt: skip
     block_offsets = q @ kb.center.float().transpose(-1, -2)  # [b, Hkv, G, n_q/B]
     scores_q = (scores_q.reshape(*block_offsets.shape, -1) + block_offsets[..., None]).flatten(-2)
-    sink = 0 if keys.head is None else keys.head.shape[-2]
+    sink, dropped = (0 if keys.head is None else keys.head.shape[-2]), keys.offset
     exact_k, exact_v = [keys.tail, key], [values.tail, value]
-    if sink:  # the first block holds stand-ins for the sink: mask them, attend to the exact copies
+    if sink:  # the first block holds stand-ins for the sink: attend to the exact copies instead
         assert keys.head is not None and values.head is not None
-        scores_q[..., :sink] = -math.inf
         exact_k.insert(0, keys.head)
         exact_v.insert(0, values.head)
+    if extra is not None:
+        exact_k.insert(0, extra[0])
+        exact_v.insert(0, extra[1])
     k_exact, v_exact = torch.cat(exact_k, dim=-2).float(), torch.cat(exact_v, dim=-2).float()  # [b, Hkv, t, d]
-    scores = torch.cat([scores_q, q @ k_exact.transpose(-1, -2)], dim=-1) * scaling  # [b, Hkv, G, n (+ sink)]
-    if bias is not None:  # bias [b|1, 1, 1, n]: the sink's exact copies take the mask of their positions
-        bias = bias.float().reshape(bias.shape[0], 1, 1, -1)
-        scores = scores + (torch.cat([bias[..., :n_q], bias[..., :sink], bias[..., n_q:]], dim=-1) if sink else bias)
+    scores_x = (q @ k_exact.transpose(-1, -2)) * scaling  # [b, Hkv, G, t]: extra, sink, tail, this step
+    scores_q = scores_q * scaling
+    if sink or dropped:  # the sink's stand-ins and the dropped tokens
+        scores_q[..., : dropped + sink] = -math.inf
+    first = 0 if extra is None else extra[0].shape[-2]  # the sink's first column in scores_x
+    if extra is not None:
+        scores_x[..., :first] += extra[2].float()
+    if bias is not None:  # bias [b|1, 1, 1, n] over the held tokens: the quantized ones, then the tail and this step
+        bias = bias.float()
+        held = n_q - dropped
+        scores_q[..., dropped:] += bias[..., :held]
+        scores_x[..., first : first + sink] += bias[..., :sink]  # the sink's copies: the mask of its positions
+        scores_x[..., first + sink :] += bias[..., held:]
+    scores = torch.cat([scores_q, scores_x], dim=-1)
     probs = torch.softmax(scores, dim=-1)
     p_q = probs[..., :n_q]
     out = probs[..., n_q:] @ v_exact  # [b, Hkv, G, d]

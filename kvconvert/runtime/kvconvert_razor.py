@@ -77,12 +77,14 @@ class RazorLayer(KVLayer):
     def reset(self) -> None:
         self.seen = 0
         keys, values = self.quant.side(self.layer, keys=True), self.quant.side(self.layer, keys=False)
-        if self.quant.layout == "token":  # decoded from the codes (``token_decode``); windows slide, so KIVI's
+        if self.quant.layout == "token":  # decoded from the codes (``token_decode``), windows included
             self.full_k: TokenStore = TokenLayoutStore(keys, keys=True)
             self.full_v: TokenStore = TokenLayoutStore(values, keys=False)
+            self.recent_k: TokenStore = TokenLayoutStore(keys, keys=True)
+            self.recent_v: TokenStore = TokenLayoutStore(values, keys=False)
         else:
             self.full_k, self.full_v = TokenStore(keys, True), TokenStore(values, False)
-        self.recent_k, self.recent_v = TokenStore(keys, True), TokenStore(values, False)
+            self.recent_k, self.recent_v = TokenStore(keys, True), TokenStore(values, False)
         # tensors once the layer has seen its first tokens (None before); Any keeps the state terse
         self.sink_k: Any = None
         self.sink_v: Any = None
@@ -124,19 +126,22 @@ class RazorLayer(KVLayer):
             values.append(self.recent_v.read())
         return keys, values
 
-    def reads_codes(self, device: torch.device) -> bool:
-        """A decode step can score the retrieval heads' past from its 4-bit codes (``token_decode``)."""
-        full_k, full_v = self.full_k, self.full_v
-        return isinstance(full_k, TokenLayoutStore) and isinstance(full_v, TokenLayoutStore) and (
-            decodes_from_codes(full_k, full_v, device))  # fmt: skip
+    def reads_codes(self, device: torch.device, full: bool = True) -> bool:
+        """A decode step can attend over the retrieval heads' past (``full``; else the other heads' windows)
+        from its 4-bit codes (``token_decode``)."""
+        keys, values = (self.full_k, self.full_v) if full else (self.recent_k, self.recent_v)
+        return isinstance(keys, TokenLayoutStore) and isinstance(values, TokenLayoutStore) and (
+            decodes_from_codes(keys, values, device))  # fmt: skip
 
-    def extend(self, new_k: torch.Tensor, new_v: torch.Tensor, read_full: bool = True) -> tuple[Any, Any]:
+    def extend(self, new_k: torch.Tensor, new_v: torch.Tensor, read_full: bool = True,
+               read_short: bool = True) -> tuple[Any, Any]:  # fmt: skip
         """Store this step's keys/values ``[b, Hkv, q, d]``; nothing is dropped yet (``evict`` does that
         once the step has attended). Returns what the step attends to, the new tokens exact: the
         retrieval heads' ``(keys, values) [b, R, n, d]`` and the other heads' ``(sink, recent)`` key and
         value pairs ``[b, N, ·, d]`` (None for a kind of head the layer lacks). Unquantized stores hand
-        out their own tensors: no copy of the cache beyond the append. ``read_full=False``: the retrieval heads'
-        tokens are only stored (their step was attended from the codes), and None is returned for them."""
+        out their own tensors: no copy of the cache beyond the append. ``read_full=False`` (``read_short``):
+        the retrieval heads' (other heads') tokens are only stored (their step was attended from the
+        codes), and None is returned for them."""
         q_len = new_k.shape[2]
         r, o = self.retrieval, self.others
         full = short = None
@@ -148,7 +153,8 @@ class RazorLayer(KVLayer):
         if o:
             k, v = new_k[:, o], new_v[:, o]
             if self.sink_k is None:
-                self.sink_k, self.sink_v = k[:, :, :0], v[:, :, :0]
+                # empty copies: an empty view would keep this step's whole tensor alive with no sink to hold
+                self.sink_k, self.sink_v = k[:, :, :0].clone(), v[:, :, :0].clone()
                 self.comp_k_sum = torch.zeros_like(k[:, :, :1], dtype=torch.float32)
                 self.comp_v_sum = torch.zeros_like(v[:, :, :1], dtype=torch.float32)
                 self.comp_count = torch.zeros(k.shape[0], dtype=torch.float32, device=k.device)
@@ -156,13 +162,17 @@ class RazorLayer(KVLayer):
             if take:
                 self.sink_k = torch.cat([self.sink_k, k[:, :, :take]], dim=2)
                 self.sink_v = torch.cat([self.sink_v, v[:, :, :take]], dim=2)
-            if take < q_len:
-                recent = self.recent_k.extend(k[:, :, take:]), self.recent_v.extend(v[:, :, take:])
-            elif len(self.recent_k):
-                recent = self.recent_k.read(), self.recent_v.read()
+            if not read_short:
+                self.recent_k.append(k[:, :, take:])
+                self.recent_v.append(v[:, :, take:])
             else:
-                recent = k[:, :, :0], v[:, :, :0]
-            short = (self.sink_k, recent[0]), (self.sink_v, recent[1])
+                if take < q_len:
+                    recent = self.recent_k.extend(k[:, :, take:]), self.recent_v.extend(v[:, :, take:])
+                elif len(self.recent_k):
+                    recent = self.recent_k.read(), self.recent_v.read()
+                else:
+                    recent = k[:, :, :0], v[:, :, :0]
+                short = (self.sink_k, recent[0]), (self.sink_v, recent[1])
         self.seen += q_len
         return full, short
 
@@ -258,27 +268,34 @@ def _attend(
         out = softmax_rows(scores, value.dtype) @ value
         return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
     # comp state before this step (the step's drops are compensated from the next step on)
-    comp = None if layer.comp_count is None else (layer.comp_k_sum, layer.comp_v_sum, layer.comp_count)
+    comp_k, comp_v, count = _compensation(layer, key, value)
+    kept = None if bias is None or not layer.others else _kept_index(layer, total, query.device)
+    kept_bias = None if kept is None or bias is None else bias.index_select(-1, kept)
     from_codes = q_len == 1 and layer.reads_codes(query.device)
     if from_codes:  # retrieval heads in the token layout: scores and outputs from the 4-bit codes
         r = layer.retrieval
-        heads_r = [g * group + j for g in r for j in range(group)]
-        decoded = token_decode(query[:, heads_r], key[:, r], value[:, r], bias, layer.full_k, layer.full_v, scale)
-        out[:, r] = decoded.to(query.dtype).view(batch, len(r), group, dim)  # q_len 1: [b, R, G, d]
-    full, short = layer.extend(key, value, read_full=not from_codes)
+        at, heads_at = _span(r), _span(_query_heads(r, group))
+        decoded = token_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale)
+        out[:, at] = decoded.to(query.dtype).view(batch, len(r), group, dim)  # q_len 1: [b, R, G, d]
+    window_codes = q_len == 1 and bool(layer.others) and layer.reads_codes(query.device, full=False)
+    if window_codes:  # the other heads' windows too; the sink and the compensation token join as exact tokens
+        o, sink = layer.others, layer.sink_k.shape[2]
+        log_count = torch.where(count > 0, count.clamp(min=1).log(), torch.finfo(torch.float32).min)
+        sink_bias = torch.zeros(1, 1, 1, sink, device=query.device) if kept_bias is None else kept_bias[..., :sink]
+        logits = torch.cat([sink_bias.float().expand(batch, len(o), 1, sink),
+                            log_count.view(-1, 1, 1, 1).expand(batch, len(o), 1, 1)], dim=-1)  # fmt: skip
+        extra = torch.cat([layer.sink_k, comp_k], dim=2), torch.cat([layer.sink_v, comp_v], dim=2), logits
+        window_bias = None if kept_bias is None else kept_bias[..., sink:]
+        at, heads_at = _span(o), _span(_query_heads(o, group))
+        decoded = token_decode(query[:, heads_at], key[:, at], value[:, at], window_bias, layer.recent_k,
+                               layer.recent_v, scale, extra)  # fmt: skip
+        out[:, at] = decoded.to(query.dtype).view(batch, len(o), group, dim)
+    full, short = layer.extend(key, value, read_full=not from_codes, read_short=not window_codes)
     if full is not None:
         scores = _grouped_scores(grouped_query[:, layer.retrieval], full[0], bias, scale, group)
         out[:, layer.retrieval] = softmax_rows(scores, value.dtype) @ full[1]
     if short is not None:
         (sink_k, recent_k), (sink_v, recent_v) = short
-        if comp is None:
-            comp_k = comp_v = torch.zeros_like(key[:, layer.others, :1])
-            count = torch.zeros(batch, device=query.device)
-        else:
-            denominator = comp[2].clamp(min=1).view(-1, 1, 1, 1)
-            comp_k, comp_v = (comp[0] / denominator).to(key.dtype), (comp[1] / denominator).to(value.dtype)
-            count = comp[2]
-        kept_bias = None if bias is None else bias.index_select(-1, _kept_index(layer, total, query.device))
         rows = grouped_query[:, layer.others]
         # sink and window scored apart: concatenating the window's keys would copy it every step
         scores = torch.cat([rows @ sink_k.transpose(-1, -2), rows @ recent_k.transpose(-1, -2)], dim=-1) * scale
@@ -288,6 +305,29 @@ def _attend(
                                                      comp_v, count, scale)  # fmt: skip
     layer.evict(valid)
     return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+def _compensation(layer: RazorLayer, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The other heads' compensation token before this step: mean key and value ``[b, N, 1, d]`` of the
+    dropped tokens (zeros before any) and their count ``[b]``."""
+    batch, o = key.shape[0], layer.others
+    if layer.comp_count is None:
+        zeros = torch.zeros_like(key[:, o, :1])
+        return zeros, zeros, torch.zeros(batch, device=key.device)
+    denominator = layer.comp_count.clamp(min=1).view(-1, 1, 1, 1)
+    return ((layer.comp_k_sum / denominator).to(key.dtype), (layer.comp_v_sum / denominator).to(value.dtype),
+            layer.comp_count)  # fmt: skip
+
+
+def _query_heads(kv_heads: list[int], group: int) -> list[int]:
+    """The query heads that read ``kv_heads`` (G adjacent query heads per KV head)."""
+    return [g * group + j for g in kv_heads for j in range(group)]
+
+
+def _span(heads: list[int]) -> slice | list[int]:
+    """``heads`` as a slice when they are consecutive: indexing then makes a view, not a copy (a decode
+    step's transient tensors only; stores get copies, so they never keep a whole step's tensor alive)."""
+    return slice(heads[0], heads[-1] + 1) if heads == list(range(heads[0], heads[-1] + 1)) else heads
 
 
 def _grouped_scores(

@@ -351,6 +351,7 @@ class TokenStore:
         self.offset = 0
         self.tail: torch.Tensor | None = None
         self.width = 0
+        self._front: torch.Tensor | None = None  # the first unit dequantized (``_front_tokens``)
 
     # --- reading
     def __len__(self) -> int:
@@ -466,9 +467,7 @@ class TokenStore:
         quantized_left = self.quantized_tokens - self.offset
         from_blocks = min(count, quantized_left)
         if from_blocks:
-            blocks = -(-(self.offset + from_blocks) // self.quant.group)
-            past = self._dequantize(self._blocks(0, blocks), self.tail.dtype)
-            front.append(past[..., self.offset : self.offset + from_blocks, :])
+            front.append(self._front_tokens(self.offset + from_blocks)[..., self.offset :, :])
             self.offset += from_blocks
         if count > from_blocks:
             cut = count - from_blocks
@@ -483,25 +482,45 @@ class TokenStore:
             self.head = self.head[..., count:, :].clone() if count < self.head.shape[-2] else None
         return taken
 
+    def _front_unit(self) -> int:
+        """Tokens freed (and dequantized from the front) at a time: whole blocks."""
+        return self.quant.group
+
+    def _front_tokens(self, count: int) -> torch.Tensor:
+        """The first ``count`` quantized tokens, dequantized, dropped ones included. A sliding window drops
+        a token or two per step from the same block, and dequantizing it again each time would cost more
+        than the step's attention: the first unit (``_front_unit``) stays dequantized in ``_front`` until it
+        is freed (its bytes are part of the cache: one unit per store). A larger ``count`` (a prefill's
+        drop) is dequantized once, not kept."""
+        assert self.blocks is not None and self.tail is not None
+        unit = self._front_unit()  # whole units only: a token-layout key block may pair rows across groups
+        if self._front is not None and self._front.shape[-2] >= count:
+            return self._front[..., :count, :]
+        blocks = -(-count // unit) * (unit // self.quant.group)
+        front = self._dequantize(self._blocks(0, blocks), self.tail.dtype)
+        if count <= unit and front.shape[-2] == unit:  # a whole unit: its tokens will not change
+            self._front = front
+        return front[..., :count, :]
+
     def _free_dropped_blocks(self) -> None:
         if self.blocks is None:
             return
-        group = self.quant.group
-        whole = self.offset // group  # blocks whose every token was dropped
-        if whole == 0:
+        tokens = self.offset // self._front_unit() * self._front_unit()  # in blocks whose every token was dropped
+        if tokens == 0:
             return
-        if self.quantized_tokens - whole * group == 0:
+        self._front = None
+        if self.quantized_tokens == tokens:
             self.blocks, self.quantized_tokens, self.offset = None, 0, 0
             return
-        tokens = whole * group
-        kept = self._blocks(whole, None)  # copies: slices would keep the dropped blocks' storage alive
-        self.blocks = QuantizedBlock(kept.codes.clone(), kept.scale.clone(), kept.zero.clone())
+        kept = self._blocks(tokens // self.quant.group, None)
+        self.blocks = kept.map(torch.clone)  # copies: slices would keep the dropped blocks' storage alive
         self.quantized_tokens -= tokens
         self.offset -= tokens
 
     # --- cache protocol
     def apply(self, fn: Any) -> None:
         """Apply ``fn`` (row selection, device move) to every tensor; dim 0 is the batch row."""
+        self._front = None
         if self.head is not None:
             self.head = fn(self.head)
         if self.tail is not None:
@@ -638,8 +657,9 @@ class TokenLayoutStore(TokenStore):
     rows per channel group, r rows per block), ``scale``/``zero [..., G, n]`` float16 with
     ``x ≈ code·scale + zero`` (the scale multiplies attention probabilities, not the codes, so it stays
     float16). Both rotated per group of ``size`` channels. ``rows``: the int4 layout, the machine's
-    kernel's where it can hold this store (``kernel_reads``). Sinks, residual tokens, cropping and row
-    selection as in ``TokenStore``; dropping from the front (razor, sliding windows) is not supported."""
+    kernel's where it can hold this store (``kernel_reads``). Sinks, residual tokens, cropping, row
+    selection and dropping from the front (razor's windows) as in ``TokenStore``: dropped tokens stay in
+    their block, masked by ``token_decode``, until the whole block (``_front_unit``) is dropped."""
 
     def __init__(self, quant: QuantSpec, keys: bool):
         super().__init__(quant, per_channel=False)
@@ -721,8 +741,18 @@ class TokenLayoutStore(TokenStore):
     def _dequantize_into(self, blocks: QuantizedBlock, out: torch.Tensor) -> None:
         out.copy_(self._dequantize(blocks, out.dtype))
 
-    def take_front(self, count: int) -> torch.Tensor:
-        raise NotImplementedError("the token layout does not drop tokens from the front")
+    def _front_unit(self) -> int:
+        # key rows are packed in blocks of up to 64 tokens (AVX-512 pairs rows j and j + 32): a cut falls on
+        # both a block mean's and any packing block's boundary, the same for keys and values (one token count)
+        return math.lcm(self.quant.group, max(rows.block for rows in INT4_ROW_LAYOUTS))
+
+    def _blocks(self, start: int, stop: int | None) -> QuantizedBlock:
+        assert self.blocks is not None
+        b, group = self.blocks, self.quant.group
+        rows = slice(start * group, None if stop is None else stop * group)
+        assert b.center is not None or not self.keys
+        return QuantizedBlock(b.codes[..., rows, :], b.scale[..., rows], b.zero[..., rows],
+                              None if b.center is None else b.center[..., start:stop, :])  # fmt: skip
 
 
 def select_rows_fn(index: torch.Tensor) -> Any:
