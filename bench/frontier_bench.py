@@ -21,7 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import RESULTS, machine, markdown_table, write_results  # noqa: E402
 from bench.models import eval_texts, prepare_models  # noqa: E402
-from kvconvert.plan import PlanConfig, format_report, run_plan  # noqa: E402
+from kvconvert.plan import CANDIDATES, PlanConfig, format_report, run_plan  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +31,16 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--methods", default=None, help="comma-separated (default: every method)")
     parser.add_argument("--data", default=None, help="wikitext2 or tinystories (default: both)")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="only candidates whose label contains this text (a rerun of "
+        "some rows: results go to frontier-<data>-only-<date>.*, the frontier picture is not redrawn)",
+    )
     args = parser.parse_args()
+    if args.only:
+        for method, candidates in CANDIDATES.items():
+            CANDIDATES[method] = [c for c in candidates if args.only in c[0]]
     started = time.perf_counter()
     src = prepare_models()["smollm2-135m"]
     results: dict[str, Any] = {}
@@ -50,7 +59,8 @@ def main() -> None:
             result = run_plan(str(src), out, config)
             print(format_report(result), flush=True)
             RESULTS.mkdir(parents=True, exist_ok=True)
-            shutil.copy(out / "frontier.png", RESULTS / f"frontier-{data}-{stamp}.png")
+            if not args.only:
+                shutil.copy(out / "frontier.png", RESULTS / f"frontier-{data}-{stamp}.png")
             results[data] = result
             front = set(result["pareto"])
             rows = sorted(result["candidates"], key=lambda r: r["kv_budget"])
@@ -65,7 +75,8 @@ def main() -> None:
               f"context tokens into the cache, the next {args.continuation} scored through it; budget = bytes held "
               "after the context ÷ a 16-bit stock cache's (both measured). Every candidate really converted.\n\n"
               )  # fmt: skip
-    write_results("frontier" if not args.data else f"frontier-{args.data}", payload, header + "\n\n".join(tables))
+    name = "frontier" + (f"-{args.data}" if args.data else "") + ("-only" if args.only else "")
+    write_results(name, payload, header + "\n\n".join(tables))
 
 
 if __name__ == "__main__":

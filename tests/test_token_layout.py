@@ -225,6 +225,17 @@ def test_dropping_from_the_front_keeps_the_machines_layout(monkeypatch, machine)
                                                             store.blocks.codes)  # fmt: skip
 
 
+def test_windows_slide_by_whole_units():
+    """What razor's window may drop from a token-layout store: whole 64-token units of the quantized part
+    (tokens short of a unit stay), or everything quantized and some of the float tail."""
+    store = TokenLayoutStore(QuantSpec(4, 32, residual=0, layout="token"), keys=True)
+    store.append(torch.randn(1, 1, 170, 64))  # 160 quantized (2.5 units), 10 in the tail
+    assert [store.whole_front(n) for n in (10, 63, 64, 100, 159)] == [0, 0, 64, 64, 128]
+    assert store.whole_front(160) == 160 and store.whole_front(165) == 165
+    store.take_front(64)
+    assert store.quantized_tokens == 96 and store.offset == 0 and store.whole_front(70) == 64
+
+
 def _filled(batch: int, kv_heads: int, n: int, width: int, group: int, sink: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
     spec = QuantSpec(4, group, residual=0, sink=sink, layout="token")
@@ -322,29 +333,29 @@ def test_razor_retrieval_heads_decode_from_the_codes(tokenized_model_dir, tmp_pa
 
 @needs_kernel
 def test_razor_windows_decode_from_the_codes_while_they_slide(tokenized_model_dir, tmp_path, monkeypatch):
-    """Windows of 40 tokens in 32-token blocks: tokens leave from the front of a quantized block every
-    step (masked in their block until a whole 64-token unit is gone, then freed), and the windows are read
-    from the codes with razor's sink and compensation token — the same tokens and logits as dequantizing."""
+    """Windows of 40 tokens in 32-token blocks: the windows are read from the codes with razor's sink and
+    compensation token, like the dequantizing path (same tokens and logits); they slide by whole 64-token
+    units (freed as they leave), so a window holds between L and L + 63 tokens."""
     src = tokenized_model_dir("llama_gqa64")
     convert("razor", src, tmp_path / "r", "--kv-budget", "0.5", "--profile-tokens", "16", "--window", "40", *TOKEN,
             "--kv-sink", "2")  # fmt: skip
-    windows, freed = [], []
+    windows, freed, lengths = [], [], []
     original, evict = kvconvert_razor.token_decode, kvconvert_razor.RazorLayer.evict
 
     def recorded(*args, **kwargs):
-        if len(args) > 7 or "extra" in kwargs:
-            windows.append(args[4].offset)  # tokens dropped but still held in the first block
+        windows.append(len(args) > 7 or "extra" in kwargs)
         return original(*args, **kwargs)
 
     def counted(layer, valid):
         before = layer.recent_k.quantized_tokens
         evict(layer, valid)
         freed.append(before > layer.recent_k.quantized_tokens)
+        lengths.append(len(layer.recent_k) - layer.recent_budget(layer.seen))
 
     monkeypatch.setattr(kvconvert_razor, "token_decode", recorded)
     monkeypatch.setattr(kvconvert_razor.RazorLayer, "evict", counted)
     decode_both_ways(kvconvert_razor, tmp_path / "r", monkeypatch, new_tokens=40, length=100)
-    assert windows and max(windows) > 0 and any(freed)
+    assert any(windows) and any(freed) and min(lengths) >= 0 and max(lengths) < 64
 
 
 def test_generate_and_measured_bytes(tokenized_model_dir, tmp_path):

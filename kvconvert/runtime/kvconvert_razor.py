@@ -91,6 +91,7 @@ class RazorLayer(KVLayer):
         self.comp_k_sum: Any = None
         self.comp_v_sum: Any = None
         self.comp_count: Any = None
+        self._derived: Any = None  # ``derived``'s tensors until the next drop or sink token
         self.is_initialized = False
 
     def get_seq_length(self) -> int:
@@ -160,6 +161,7 @@ class RazorLayer(KVLayer):
                 self.comp_count = torch.zeros(k.shape[0], dtype=torch.float32, device=k.device)
             take = max(0, min(self.sink - self.sink_k.shape[2], q_len))
             if take:
+                self._derived = None
                 self.sink_k = torch.cat([self.sink_k, k[:, :, :take]], dim=2)
                 self.sink_v = torch.cat([self.sink_v, v[:, :, :take]], dim=2)
             if not read_short:
@@ -180,6 +182,8 @@ class RazorLayer(KVLayer):
         """Move what fell out of the window into the compensation sums. ``valid [b, seen]``: False for
         padding tokens (never compensated)."""
         drop = max(0, len(self.recent_k) - self.recent_budget(self.seen)) if self.others else 0
+        if isinstance(self.recent_k, TokenLayoutStore):  # its windows slide by whole blocks
+            drop = self.recent_k.whole_front(drop)
         if drop:
             first = self.seen - len(self.recent_k)  # logical index of the oldest recent token
             weight = valid[:, first : first + drop].to(torch.float32)[:, None, :, None]  # [b, 1, drop, 1]
@@ -187,6 +191,28 @@ class RazorLayer(KVLayer):
             self.comp_k_sum = self.comp_k_sum + (dropped_k.float() * weight).sum(2, keepdim=True)
             self.comp_v_sum = self.comp_v_sum + (dropped_v.float() * weight).sum(2, keepdim=True)
             self.comp_count = self.comp_count + weight.sum((1, 2, 3))
+            self._derived = None
+
+    def derived(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The other heads' compensation token before this step — mean key and value ``[b, N, 1, d]`` of
+        the dropped tokens (zeros before any) and their count ``[b]`` — then the sink and that token as one
+        ``[b, N, sink + 1, d]`` pair with the token's logit ``ln N_d`` ``[b]`` (``token_decode``'s extra
+        tokens). Kept until the next drop or sink token: in the token layout a window drops a whole block
+        every 64 steps, and the other steps would recompute the same means. ``key``/``value``: this step's
+        ``[b, Hkv, q, d]``, for dtype and shape."""
+        if self.comp_count is None:  # nothing stored yet
+            zeros = torch.zeros_like(key[:, self.others, :1])
+            count = torch.zeros(key.shape[0], device=key.device)
+            return zeros, zeros, count, zeros, zeros, torch.full_like(count, torch.finfo(torch.float32).min)
+        if self._derived is None:
+            count = self.comp_count
+            denominator = count.clamp(min=1).view(-1, 1, 1, 1)
+            comp_k = (self.comp_k_sum / denominator).to(key.dtype)
+            comp_v = (self.comp_v_sum / denominator).to(value.dtype)
+            log_count = torch.where(count > 0, count.clamp(min=1).log(), torch.finfo(torch.float32).min)
+            self._derived = (comp_k, comp_v, count, torch.cat([self.sink_k, comp_k], dim=2),
+                             torch.cat([self.sink_v, comp_v], dim=2), log_count)  # fmt: skip
+        return self._derived
 
     def commit(self, new_k: torch.Tensor, new_v: torch.Tensor, valid: torch.Tensor) -> None:
         """``extend`` then ``evict``: for a step that attended without the stores' help (the kernel's)."""
@@ -201,6 +227,7 @@ class RazorLayer(KVLayer):
         return 0
 
     def apply(self, fn: Any) -> None:
+        self._derived = None
         for store in (self.full_k, self.full_v, self.recent_k, self.recent_v):
             store.apply(fn)
         if self.sink_k is not None:
@@ -268,9 +295,10 @@ def _attend(
         out = softmax_rows(scores, value.dtype) @ value
         return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
     # comp state before this step (the step's drops are compensated from the next step on)
-    comp_k, comp_v, count = _compensation(layer, key, value)
-    kept = None if bias is None or not layer.others else _kept_index(layer, total, query.device)
-    kept_bias = None if kept is None or bias is None else bias.index_select(-1, kept)
+    comp_k, comp_v, count, extra_k, extra_v, log_count = layer.derived(key, value)
+    kept_bias = None  # the mask of the positions the other heads hold
+    if bias is not None and layer.others:
+        kept_bias = bias.index_select(-1, _kept_index(layer, total, query.device))
     from_codes = q_len == 1 and layer.reads_codes(query.device)
     if from_codes:  # retrieval heads in the token layout: scores and outputs from the 4-bit codes
         r = layer.retrieval
@@ -280,11 +308,10 @@ def _attend(
     window_codes = q_len == 1 and bool(layer.others) and layer.reads_codes(query.device, full=False)
     if window_codes:  # the other heads' windows too; the sink and the compensation token join as exact tokens
         o, sink = layer.others, layer.sink_k.shape[2]
-        log_count = torch.where(count > 0, count.clamp(min=1).log(), torch.finfo(torch.float32).min)
         sink_bias = torch.zeros(1, 1, 1, sink, device=query.device) if kept_bias is None else kept_bias[..., :sink]
         logits = torch.cat([sink_bias.float().expand(batch, len(o), 1, sink),
                             log_count.view(-1, 1, 1, 1).expand(batch, len(o), 1, 1)], dim=-1)  # fmt: skip
-        extra = torch.cat([layer.sink_k, comp_k], dim=2), torch.cat([layer.sink_v, comp_v], dim=2), logits
+        extra = extra_k, extra_v, logits
         window_bias = None if kept_bias is None else kept_bias[..., sink:]
         at, heads_at = _span(o), _span(_query_heads(o, group))
         decoded = token_decode(query[:, heads_at], key[:, at], value[:, at], window_bias, layer.recent_k,
@@ -305,18 +332,6 @@ def _attend(
                                                      comp_v, count, scale)  # fmt: skip
     layer.evict(valid)
     return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
-
-
-def _compensation(layer: RazorLayer, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The other heads' compensation token before this step: mean key and value ``[b, N, 1, d]`` of the
-    dropped tokens (zeros before any) and their count ``[b]``."""
-    batch, o = key.shape[0], layer.others
-    if layer.comp_count is None:
-        zeros = torch.zeros_like(key[:, o, :1])
-        return zeros, zeros, torch.zeros(batch, device=key.device)
-    denominator = layer.comp_count.clamp(min=1).view(-1, 1, 1, 1)
-    return ((layer.comp_k_sum / denominator).to(key.dtype), (layer.comp_v_sum / denominator).to(value.dtype),
-            layer.comp_count)  # fmt: skip
 
 
 def _query_heads(kv_heads: list[int], group: int) -> list[int]:

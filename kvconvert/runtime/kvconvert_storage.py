@@ -351,7 +351,6 @@ class TokenStore:
         self.offset = 0
         self.tail: torch.Tensor | None = None
         self.width = 0
-        self._front: torch.Tensor | None = None  # the first unit dequantized (``_front_tokens``)
 
     # --- reading
     def __len__(self) -> int:
@@ -467,7 +466,10 @@ class TokenStore:
         quantized_left = self.quantized_tokens - self.offset
         from_blocks = min(count, quantized_left)
         if from_blocks:
-            front.append(self._front_tokens(self.offset + from_blocks)[..., self.offset :, :])
+            unit = self._front_unit()  # whole units only: a token-layout key block may pair rows across groups
+            blocks = -(-(self.offset + from_blocks) // unit) * (unit // self.quant.group)
+            past = self._dequantize(self._blocks(0, blocks), self.tail.dtype)
+            front.append(past[..., self.offset : self.offset + from_blocks, :])
             self.offset += from_blocks
         if count > from_blocks:
             cut = count - from_blocks
@@ -486,29 +488,12 @@ class TokenStore:
         """Tokens freed (and dequantized from the front) at a time: whole blocks."""
         return self.quant.group
 
-    def _front_tokens(self, count: int) -> torch.Tensor:
-        """The first ``count`` quantized tokens, dequantized, dropped ones included. A sliding window drops
-        a token or two per step from the same block, and dequantizing it again each time would cost more
-        than the step's attention: the first unit (``_front_unit``) stays dequantized in ``_front`` until it
-        is freed (its bytes are part of the cache: one unit per store). A larger ``count`` (a prefill's
-        drop) is dequantized once, not kept."""
-        assert self.blocks is not None and self.tail is not None
-        unit = self._front_unit()  # whole units only: a token-layout key block may pair rows across groups
-        if self._front is not None and self._front.shape[-2] >= count:
-            return self._front[..., :count, :]
-        blocks = -(-count // unit) * (unit // self.quant.group)
-        front = self._dequantize(self._blocks(0, blocks), self.tail.dtype)
-        if count <= unit and front.shape[-2] == unit:  # a whole unit: its tokens will not change
-            self._front = front
-        return front[..., :count, :]
-
     def _free_dropped_blocks(self) -> None:
         if self.blocks is None:
             return
         tokens = self.offset // self._front_unit() * self._front_unit()  # in blocks whose every token was dropped
         if tokens == 0:
             return
-        self._front = None
         if self.quantized_tokens == tokens:
             self.blocks, self.quantized_tokens, self.offset = None, 0, 0
             return
@@ -520,7 +505,6 @@ class TokenStore:
     # --- cache protocol
     def apply(self, fn: Any) -> None:
         """Apply ``fn`` (row selection, device move) to every tensor; dim 0 is the batch row."""
-        self._front = None
         if self.head is not None:
             self.head = fn(self.head)
         if self.tail is not None:
@@ -658,8 +642,9 @@ class TokenLayoutStore(TokenStore):
     ``x ≈ code·scale + zero`` (the scale multiplies attention probabilities, not the codes, so it stays
     float16). Both rotated per group of ``size`` channels. ``rows``: the int4 layout, the machine's
     kernel's where it can hold this store (``kernel_reads``). Sinks, residual tokens, cropping, row
-    selection and dropping from the front (razor's windows) as in ``TokenStore``: dropped tokens stay in
-    their block, masked by ``token_decode``, until the whole block (``_front_unit``) is dropped."""
+    selection and dropping from the front as in ``TokenStore``: dropped tokens stay in their block,
+    masked by ``token_decode``, until the whole unit (``_front_unit``) is dropped; razor's windows drop
+    whole units only (``whole_front``)."""
 
     def __init__(self, quant: QuantSpec, keys: bool):
         super().__init__(quant, per_channel=False)
@@ -745,6 +730,19 @@ class TokenLayoutStore(TokenStore):
         # key rows are packed in blocks of up to 64 tokens (AVX-512 pairs rows j and j + 32): a cut falls on
         # both a block mean's and any packing block's boundary, the same for keys and values (one token count)
         return math.lcm(self.quant.group, max(rows.block for rows in INT4_ROW_LAYOUTS))
+
+    def whole_front(self, count: int) -> int:
+        """How many of the oldest ``count`` tokens to drop so that only whole units leave the quantized part."""
+        # Razor's windows in this layout slide by whole units: a token leaving one by one would be
+        # dequantized from its block at every step (the unit's ~25 small ops per store, a third of a
+        # window's decode), or its unit kept dequantized in float (more bytes than the window's codes
+        # at 1.5K tokens). So up to a unit − 1 tokens stay attended past the window's length L, exact
+        # as stored, and a unit is dequantized once, into the compensation token, when it leaves.
+        quantized_left = self.quantized_tokens - self.offset
+        if count >= quantized_left:  # everything quantized goes (and some of the float tail): blocks freed
+            return count
+        unit = self._front_unit()
+        return max(0, (self.offset + count) // unit * unit - self.offset)
 
     def _blocks(self, start: int, stop: int | None) -> QuantizedBlock:
         assert self.blocks is not None
