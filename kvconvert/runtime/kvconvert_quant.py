@@ -81,12 +81,12 @@ def token_decode(
     size = keys.group_size()
     groups = dim // size
     rot = rotation(size, query.device)
+    kb, vb = keys.blocks, values.blocks
+    assert kb is not None and kb.center is not None and vb is not None
     assert keys.tail is not None and values.tail is not None
     n_q = keys.quantized_tokens
     q = query.float().reshape(batch, kv_heads, group, dim)  # [b, Hkv, G, d]
     q_rot = (q.reshape(batch, kv_heads, group, groups, size) @ rot).reshape(batch * kv_heads, group, dim)
-    kb, vb = keys.blocks, values.blocks
-    assert kb is not None and kb.center is not None and vb is not None
     key_scales = torch.stack([kb.scale, kb.zero], dim=-1).flatten(0, 1)  # [b·Hkv, G', n_q, 2]: the kernel's pairs
     int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     # one kernel call per (row, KV head); unbind makes the per-head views in one op
