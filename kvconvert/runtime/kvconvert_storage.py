@@ -445,15 +445,21 @@ class TokenStore:
 
     def _blocks(self, start: int, stop: int | None) -> QuantizedBlock:
         """Quantized blocks ``start:stop`` (block indices): codes [..., n/B, w, ·] and scale/zero
-        [..., n/B, w] per channel; codes, scale, zero [..., n, ·] per token (a block is ``group`` rows)."""
+        [..., n/B, w] per channel; per token, the tokens of those blocks along ``_token_dims`` (a block is
+        ``group`` tokens) and the token layout's block means ``center [..., n/B, d]``."""
         assert self.blocks is not None
         b, group = self.blocks, self.quant.group
         if self.per_channel:
             return QuantizedBlock(
                 b.codes[..., start:stop, :, :], b.scale[..., start:stop, :], b.zero[..., start:stop, :]
             )
-        rows = slice(start * group, None if stop is None else stop * group)
-        return QuantizedBlock(b.codes[..., rows, :], b.scale[..., rows, :], b.zero[..., rows, :])
+        code_dim, scale_dim = self._token_dims()  # the token layout's scales are token-last
+        first = start * group
+        end = self.quantized_tokens if stop is None else min(stop * group, self.quantized_tokens)
+        count = end - first
+        return QuantizedBlock(b.codes.narrow(code_dim, first, count), b.scale.narrow(scale_dim, first, count),
+                              b.zero.narrow(scale_dim, first, count),
+                              None if b.center is None else b.center[..., start:stop, :])  # fmt: skip
 
     def take_front(self, count: int) -> torch.Tensor:
         """Remove and return the oldest ``count`` tokens ``[..., count, w]`` (as stored: dequantized).
@@ -491,7 +497,8 @@ class TokenStore:
     def _free_dropped_blocks(self) -> None:
         if self.blocks is None:
             return
-        tokens = self.offset // self._front_unit() * self._front_unit()  # in blocks whose every token was dropped
+        unit = self._front_unit()
+        tokens = self.offset // unit * unit  # in blocks whose every token was dropped
         if tokens == 0:
             return
         if self.quantized_tokens == tokens:
@@ -743,14 +750,6 @@ class TokenLayoutStore(TokenStore):
             return count
         unit = self._front_unit()
         return max(0, (self.offset + count) // unit * unit - self.offset)
-
-    def _blocks(self, start: int, stop: int | None) -> QuantizedBlock:
-        assert self.blocks is not None
-        b, group = self.blocks, self.quant.group
-        rows = slice(start * group, None if stop is None else stop * group)
-        assert b.center is not None or not self.keys
-        return QuantizedBlock(b.codes[..., rows, :], b.scale[..., rows], b.zero[..., rows],
-                              None if b.center is None else b.center[..., start:stop, :])  # fmt: skip
 
 
 def select_rows_fn(index: torch.Tensor) -> Any:
