@@ -5,7 +5,8 @@ wikitext-2 test (or ``--data tinystories``), first 4096 tokens, ctx 1024. Rows, 
 ranks), ``--schedule auto`` (activation-aware + loss-aware allocation), K-only variants, two
 compositions with 8-bit storage (budgets quoted against a 16-bit cache; scored through the cache,
 ``--chunk 128``), ``--refine-steps 100`` (layer-wise output refinement) and, last, ``--probe-rounds 2``
-(auto's loss curves re-measured where the first allocation put each side). A pure LoRC cache
+(auto's loss curves re-measured where the first allocation put each side) and ``--latent joint`` (one
+latent per layer that K and V are both rebuilt from). A pure LoRC cache
 is an exact linear function of the hidden states, so its rows are teacher-forced; the stored rows are
 not. Writes bench/results/lorc-<date>[-<data>].{json,md}.
 """
@@ -59,6 +60,14 @@ VARIANTS: list[tuple[str, str, float, dict[str, Any], int | None]] = [
     ),
     # does refinement keep paying with more steps? (the step's cosine decay stretches over all of them)
     ("--schedule auto --refine-steps 300", EXT, 0.5, {"schedule": "auto", "refine_steps": 300}, None),
+    # one latent shared by K and V, each side's error weighted by its measured loss (MLA-style)
+    ("--schedule auto --latent joint", EXT, 0.75, {"schedule": "auto", "latent": "joint"}, None),
+    ("--schedule auto --latent joint", EXT, 0.5, {"schedule": "auto", "latent": "joint"}, None),
+    ("--schedule auto --latent joint", EXT, 0.3, {"schedule": "auto", "latent": "joint"}, None),
+    ("--schedule auto --latent joint + 4-bit", EXT, 0.75, {"schedule": "auto", "latent": "joint"}, 4),
+    ("--schedule auto --latent joint + 4-bit", EXT, 0.5, {"schedule": "auto", "latent": "joint"}, 4),
+    ("--schedule auto --latent joint --refine-steps 100", EXT, 0.5,
+     {"schedule": "auto", "latent": "joint", "refine_steps": 100}, None),
 ]
 
 

@@ -231,6 +231,11 @@ def _calib_source(calib: str | None) -> str | None:
     help="--schedule auto: rounds of loss probes; each later round re-measures every side at the rank the last "
     "allocation gave it and refits its loss curve through both measurements (extension).",
 )  # fmt: skip
+@click.option(
+    "--latent", type=click.Choice(["separate", "joint"]), default="separate", show_default=True,
+    help="One latent per layer for K and one for V (the paper), or joint: one latent both are rebuilt from, "
+    "K's and V's errors weighted by their measured loss (extension, MLA-style; needs --schedule auto).",
+)  # fmt: skip
 @_optional_calibration(
     "Factor to minimise the error of the keys and values (through W_O) on this text, not of the weights "
     "(extension; bare --calib: the shipped calib_data/)."
@@ -244,6 +249,7 @@ def lorc(
     compress: str,
     refine_steps: int,
     probe_rounds: int,
+    latent: str,
     calib: str | None,
     calib_tokens: int,
     seed: int,
@@ -254,7 +260,7 @@ def lorc(
     config = LorcConfig(
         kv_budget=kv_budget, schedule=schedule, threshold=threshold, compress=compress,  # type: ignore[arg-type]
         calibrate=calib is not None, calib=_calib_source(calib), calib_tokens=calib_tokens, seed=seed,
-        refine_steps=refine_steps, probe_rounds=probe_rounds,
+        refine_steps=refine_steps, probe_rounds=probe_rounds, latent=latent,  # type: ignore[arg-type]
     )  # fmt: skip
     report = _convert(LorcMethod(config, progress=not options.quiet), options)
     if not options.quiet:
@@ -263,9 +269,11 @@ def lorc(
                                ("log10 κ̃", "log10_kappa_cum", ".1f"), ("rank K", "rank_k", ""),
                                ("rank V", "rank_v", ""), ("K error", f"k_{error}", ".3f"),
                                ("V error", f"v_{error}", ".3f"),
+                               *([("K+V error", "kv_rel_output_error", ".3f")] if latent == "joint" else []),
                                *([("refine loss", "refine_loss_before", ".4f"),
                                   ("→ refined", "refine_loss_after", ".4f")] if refine_steps else [])])  # fmt: skip
-    click.echo(f"wrote {options.out} (lorc {schedule}, KV budget {report['kv_budget_expected']:.3f})")
+    kind = f"{schedule}, joint latent" if latent == "joint" else schedule
+    click.echo(f"wrote {options.out} (lorc {kind}, KV budget {report['kv_budget_expected']:.3f})")
 
 
 @main.command()

@@ -183,6 +183,44 @@ def weighted_truncation(
     return up.contiguous(), (u_r.T @ (left.to(F64).T @ w)).contiguous(), s
 
 
+def joint_truncation(
+    weights: list[torch.Tensor], scales: list[float], rank: int, right: torch.Tensor | None = None,
+    lefts: list[torch.Tensor | None] | None = None,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """One rank-``rank`` latent for several outputs of the same input (keys and values, MLA-style):
+    ``W_i [m_i, n] ≈ up_i @ down`` with a single ``down [r, n]``, minimising
+    ``Σ_i scales_i·‖L_iᵀ(W_i − up_i·down)R‖²_F`` — ``weighted_truncation`` of the stacked
+    ``[W_1; W_2; …]`` with the block-diagonal left factor ``blockdiag(√scales_i·L_i)`` (``None``: identity).
+    Where the outputs read the same directions of the input, one latent serves them all: the optimum is
+    never worse than separate latents whose ranks sum to ``rank`` (those are one feasible stacked
+    factorisation). Returns ``([up_i [m_i, r]], down [r, n], σ of the stacked weighted matrix)``."""
+    stacked, left = stacked_weights(weights, scales, lefts)
+    up, down, singular_values = weighted_truncation(stacked, rank, right, left)
+    return list(up.split([w.shape[0] for w in weights])), down, singular_values
+
+
+def stacked_weights(
+    weights: list[torch.Tensor], scales: list[float], lefts: list[torch.Tensor | None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([W_1; W_2; …], blockdiag(√scales_i·L_i))`` float64: the matrix and left factor whose
+    ``weighted_truncation`` is ``joint_truncation`` (``truncation_factors`` of them: its ``Π`` on the
+    stacked outputs)."""
+    lefts = lefts or [None] * len(weights)
+    blocks = [(torch.eye(w.shape[0], dtype=F64) if left is None else left.to(F64)) * math.sqrt(scale)
+              for w, left, scale in zip(weights, lefts, scales, strict=True)]  # fmt: skip
+    return torch.cat([w.to(F64) for w in weights]), torch.block_diag(*blocks)
+
+
+def loss_per_energy(singular_values: torch.Tensor, probes: list[tuple[int, float]]) -> float | None:
+    """A side's measured loss per unit of the weighted energy its truncation leaves out, ``loss/Σ_{i≥r}σᵢ²``
+    at its first probe ``(r, loss)`` (``loss_curve``'s first-order scale, in absolute energy): the weight
+    that puts several sides' truncation errors into one loss (``joint_truncation``'s ``scales``). None
+    when the probe left nothing out or measured no loss."""
+    rank, loss = probes[0]
+    left_out = float((singular_values.to(F64)[rank:] ** 2).sum())
+    return loss / left_out if left_out > 0 and loss > 0 else None
+
+
 def truncation_factors(
     weight: torch.Tensor, rank: int, right: torch.Tensor | None = None, left: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

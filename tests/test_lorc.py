@@ -269,3 +269,128 @@ def test_probe_rounds_need_the_auto_schedule(tokenized_model_dir, tmp_path):
                      "--kv-budget", "0.6", "--probe-rounds", "2")  # fmt: skip
     assert result.exit_code == 2 and "--probe-rounds belongs to --schedule auto" in result.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_joint_truncation_is_the_least_squares_optimum_and_beats_every_split():
+    """``linalg.joint_truncation``: its weighted output error on the calibration inputs equals the
+    Eckart–Young optimum of the stacked matrix, each ``up`` is the explicit least-squares solve for the
+    shared ``down``, and no split of the rank into separate K and V latents does better."""
+    torch.manual_seed(0)
+    f64 = torch.float64
+    weights = [torch.randn(12, 20, dtype=f64), torch.randn(12, 20, dtype=f64)]
+    x = torch.randn(300, 20, dtype=f64) @ torch.randn(20, 20, dtype=f64)  # correlated inputs [N, D]
+    right = linalg.gram_factor(x.T @ x)
+    lefts = [torch.linalg.cholesky(a @ a.T + torch.eye(12, dtype=f64)) for a in torch.randn(2, 12, 12, dtype=f64)]
+    scales = [0.3, 2.0]
+
+    def error(side: int, approx: torch.Tensor) -> float:  # scale·‖Lᵀ(W − Ŵ)Xᵀ‖²
+        return scales[side] * float(torch.linalg.norm(lefts[side].T @ (weights[side] - approx) @ x.T) ** 2)
+
+    for rank in (3, 9, 16):
+        ups, down, sigma = linalg.joint_truncation(weights, scales, rank, right, lefts)
+        joint = sum(error(i, ups[i] @ down) for i in range(2))
+        assert math.isclose(joint, float((sigma[rank:] ** 2).sum()), rel_tol=1e-9)
+        z = down @ x.T  # the latent on the inputs [r, N]
+        for i in range(2):  # up_i = argmin ‖W_i Xᵀ − U Z‖: (W_i Xᵀ Zᵀ)(Z Zᵀ)⁻¹
+            solved = torch.linalg.solve(z @ z.T, z @ (weights[i] @ x.T).T).T
+            assert torch.allclose(ups[i], solved, atol=1e-8), (ups[i] - solved).abs().max()
+        for rank_k in range(1, rank):
+            separate = 0.0
+            for i, r in enumerate((rank_k, rank - rank_k)):
+                if r <= 12:
+                    up, dn, _ = linalg.weighted_truncation(weights[i], r, right, lefts[i])
+                    separate += error(i, up @ dn)
+                else:  # a side cannot use more than its width: the split is not feasible
+                    separate = math.inf
+            assert joint <= separate * (1 + 1e-9), (rank, rank_k, joint, separate)
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2_gqa", "gpt2"])
+def test_joint_latent_at_full_budget_reproduces_transformers(kind, tokenized_model_dir, tmp_path):
+    """--latent joint at budget 1.0: the shared latent at full rank (2·Hkv·dk, or the hidden width when
+    that is smaller) rebuilds K and V exactly — with RoPE (keys re-rotated), biases (Qwen2) and absorbed
+    keys (GPT-2, no RoPE). Its cache holds the one latent."""
+    src = tokenized_model_dir(kind)
+    report = convert_lorc(src, tmp_path / "lorc", "--kv-budget", "1.0", "--schedule", "auto", "--latent", "joint",
+                          *CALIB)  # fmt: skip
+    config = json.loads((tmp_path / "lorc" / "config.json").read_text())["kvconvert"]
+    width, hidden = config["num_kv_heads"] * config["head_dim"], 64
+    for layer in report["layers"]:
+        assert layer["rank_k"] == layer["rank_v"] == min(2 * width, hidden) and layer["kv_rel_output_error"] < 1e-9
+    assert all(layer["joint"] for layer in config["lorc_layers"])
+    reference, converted = load_reference(src), load_converted(tmp_path / "lorc")
+    assert_equivalent(reference, converted, *left_padded(length=20, pad=6, seed=3, high=97))
+    measured = kv_budget(reference, converted, torch.randint(3, 90, (2, 64)))
+    # (a RoPE model's cache also keeps each token's position: a few bytes, less than one rank step)
+    assert abs(measured - min(2 * width, hidden) / (2 * width)) <= 1 / (len(report["layers"]) * width)
+
+
+def test_joint_latent_meets_the_budget_and_generates(tokenized_model_dir, tmp_path):
+    """--latent joint at 0.5: one rank per layer, allocated by loss (not uniform), summing to the budget
+    in latent columns that each replace a K and a V column; the cache measurably holds that, every
+    layer reports its weighted error and the two sides' loss weights, and generate works in every mode."""
+    from tests.helpers import generate_in_every_mode
+
+    src = tokenized_model_dir("llama_gqa")
+    report = convert_lorc(src, tmp_path / "lorc", "--kv-budget", "0.5", "--schedule", "auto", "--latent", "joint",
+                          *CALIB)  # fmt: skip
+    layers, width = report["layers"], 2 * 16
+    assert sum(r["rank_k"] for r in layers) == round(0.5 * 2 * len(layers) * width)
+    assert all(r["rank_k"] == r["rank_v"] for r in layers) and len({r["rank_k"] for r in layers}) > 1
+    assert all(0 < r["kv_rel_output_error"] < 1 and min(r["kv_scales"]) > 0 for r in layers)
+    converted = load_converted(tmp_path / "lorc")
+    assert abs(kv_budget(load_reference(src), converted, torch.randint(3, 90, (2, 64))) - 0.5) <= 1 / (
+        len(layers) * 2 * width)  # fmt: skip
+    generate_in_every_mode(converted)
+
+
+def test_joint_latent_user_errors(tokenized_model_dir, tmp_path):
+    for args, fragment in [
+        (["--latent", "joint"], "--latent joint needs --schedule auto"),
+        (["--latent", "joint", "--schedule", "auto", "--compress", "k"], "it needs --compress kv"),
+        (["--latent", "joint", "--schedule", "auto", "--probe-rounds", "2"], "does not combine with --probe-rounds"),
+    ]:
+        result = run_cli("lorc", "--model", str(tokenized_model_dir("llama")), "--out", str(tmp_path / "o"),
+                         "--kv-budget", "0.5", *args)  # fmt: skip
+        assert result.exit_code == 2 and fragment in result.stderr, result.stderr
+        assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2_gqa"])
+def test_joint_refinement_lowers_the_output_error_and_the_checkpoint_computes_it(kind, tokenized_model_dir,
+                                                                                tmp_path):  # fmt: skip
+    """--latent joint --refine-steps: the shared latent's Π on the stacked [k; v] is fitted like a side's
+    (losses never rise, they fall overall), and the checkpoint computes what that Π does inside the source
+    (``projected_kv`` side "kv": keys un-rotated, stacked with the values, projected, split, re-rotated;
+    Qwen2's biases kept)."""
+    from kvconvert.arch import adapter_for
+    from kvconvert.calib.search import projected_kv
+    from kvconvert.io.source import open_source
+    from kvconvert.methods.lorc import LorcMethod
+    from kvconvert.pipeline import convert as convert_checkpoint
+
+    src = tokenized_model_dir(kind)
+    config = LorcConfig(kv_budget=0.5, schedule="auto", latent="joint", calib_tokens=2048, refine_steps=40)
+    method = LorcMethod(config, progress=False)
+    report = convert_checkpoint(open_source(str(src)), method, tmp_path / "lorc", progress=False).report
+    layers = report["layers"]
+    assert all(set(method.refined[r["layer"]]) == {"kv"} for r in layers)
+    assert all(r["refine_loss_after"] <= r["refine_loss_before"] for r in layers)
+    assert sum(r["refine_loss_after"] for r in layers) < 0.9 * sum(r["refine_loss_before"] for r in layers)
+    source = open_source(str(src))
+    adapter = adapter_for(source.config)
+    names = adapter.attention_names_by_layer(source.tensor_names())
+    projectors = {}
+    for layer, sides in method.refined.items():
+        weights = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
+        a, b = sides["kv"]
+        projector = (a @ b).float()
+        bias = torch.cat([torch.zeros(32) if x is None else x.float() for x in (weights.k_bias, weights.v_bias)])
+        projectors[layer, "kv"] = (projector, bias - projector @ bias)
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5))
+    reference = load_reference(src)
+    with torch.no_grad(), projected_kv(reference, lambda: projectors, method.layout.rotary_module):
+        simulated = reference(ids).logits
+    converted = load_converted(tmp_path / "lorc")(ids).logits
+    assert torch.allclose(simulated, converted, atol=2e-4, rtol=1e-4), (simulated - converted).abs().max()
+    assert (reference(ids).logits - converted).abs().max() > 1e-2  # budget 0.5 really truncates

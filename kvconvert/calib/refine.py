@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from kvconvert.calib.hooks import observed_attention
 from kvconvert.runtime.kvconvert_common import apply_rotary
 
-Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]  # side "k" / "v" -> (A [e, r], B [r, e]), Π = A·B
+# side "k" / "v" -> (A [e, r], B [r, e]), Π = A·B; "kv" (a latent shared by both): on [k; v], e = 2·Hkv·dk
+Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]
 # What to fit at a layer: (factors, offsets {side: bias [e] or zeros}, W_O [D, H·dk]); None: leave it
 Job = tuple[Factors, dict[str, torch.Tensor], torch.Tensor]
 
@@ -84,6 +85,9 @@ def refine_layer(capture: Capture, job: Job, steps: int, seed: int = 0) -> tuple
 
     def loss(params: dict[str, list[torch.Tensor]], rows: Any) -> torch.Tensor:
         key, value = capture.key[rows], capture.value[rows]
+        if "kv" in params:  # one latent for both: Π on the stacked [k; v]
+            both = project(torch.cat([key, value], dim=1), (params["kv"][0], params["kv"][1]), offset["kv"])
+            key, value = both[:, : key.shape[1]], both[:, key.shape[1] :]
         if "k" in params:
             key = project(key, (params["k"][0], params["k"][1]), offset["k"])
         if "v" in params:

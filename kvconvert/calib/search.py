@@ -181,7 +181,8 @@ def project_kv(
     projectors: dict[tuple[int, str], Affine],
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``key``/``value`` (``[b, Hkv, n, dk]``, keys after RoPE) of ``layer`` with ``projectors[layer, side]
-    = (Π [Hkv·dk, Hkv·dk], c [Hkv·dk])`` applied as ``Π·x + c`` on the concatenated heads before RoPE:
+    = (Π [Hkv·dk, Hkv·dk], c [Hkv·dk])`` applied as ``Π·x + c`` on the concatenated heads before RoPE
+    (side "kv": ``Π [2·Hkv·dk, 2·Hkv·dk]`` on keys and values stacked, a latent shared by both):
     what a truncated projection ``Π·W`` with its bias b kept computes (``c = b − Π·b``;
     ``linalg.truncation_projector``). Keys are rotated back (positions 0..n-1: one unpadded sequence
     per row, as calibration runs), projected and rotated again."""
@@ -197,6 +198,13 @@ def project_kv(
         x = flat.view(b, n, kv_heads, dk).transpose(1, 2)
         return x if cos is None or sin is None else apply_rotary(x, cos, sin)
 
+    if (layer, "kv") in projectors:  # one latent for both (``lorc --latent joint``): Π acts on [k; v]
+        kv_heads = key.shape[1]
+        cos, sin = rotary_tables(model, rotary_module, key)
+        plain = key if cos is None or sin is None else apply_rotary(key, cos, -sin)
+        both = projected(torch.cat([plain, value], dim=1), projectors[layer, "kv"], rotate=False)
+        key, value = both[:, :kv_heads], both[:, kv_heads:]
+        return (key if cos is None or sin is None else apply_rotary(key, cos, sin)), value
     if (layer, "k") in projectors:
         key = projected(key, projectors[layer, "k"], rotate=True)
     if (layer, "v") in projectors:
@@ -213,7 +221,7 @@ def projected_kv(model: Any, select: Callable[[], dict[tuple[int, str], Affine]]
 
     def project(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
         layer, projectors = int(module.layer_idx), select()
-        if (layer, "k") not in projectors and (layer, "v") not in projectors:
+        if not any((layer, side) in projectors for side in ("k", "v", "kv")):
             return None
         return query, *project_kv(model, rotary_module, layer, key, value, projectors)
 

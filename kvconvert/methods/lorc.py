@@ -13,7 +13,11 @@ Gram (SVD-LLM/Palu), values also weighted by what W_O makes of them — with the
 ``schedule="auto"`` allocates ranks per layer and side by measured loss: each (layer, side)'s KL to
 the source when truncated alone at a probe rank, scaled by its whitened tail energy, then greedy;
 ``refine_steps`` then fits each layer's truncation by a few Adam steps on the error of its attention
-output, softmax included (``calib.refine``), layer by layer.
+output, softmax included (``calib.refine``), layer by layer; ``latent="joint"`` (with ``auto``) caches
+one latent per layer that both K and V are rebuilt from, as MLA does (DeepSeek-V2; TransMLA and MHA2MLA
+convert to it): the stacked ``[W_K; W_V]`` factored at once, each side's error weighted by the KL its
+probe measured per unit of error (``linalg.joint_truncation``), so the directions of the input that both
+read are cached once.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from kvconvert.methods.base import LayerOutput, Method
 Schedule = Literal["progressive", "uniform", "auto"]
 Affine = tuple[torch.Tensor, torch.Tensor]  # (Π, c): x ↦ Π·x + c, ``calib.search.projected_kv``
 Target = Literal["kv", "k", "v"]
+Latent = Literal["separate", "joint"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,8 @@ class LorcConfig:
     # Extension: Adam steps per layer on the attention output's error after the closed form (implies calibrate)
     refine_steps: int = 0
     refine_chunks: int = 8  # calibration chunks each layer's refinement fits
+    # Extension: one latent per layer shared by K and V ("joint", needs schedule="auto") or one each (the paper)
+    latent: Latent = "separate"
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_budget <= 1:
@@ -81,6 +88,17 @@ class LorcConfig:
                                  f"and {self.refine_chunks}")  # fmt: skip
         if self.refine_steps:
             object.__setattr__(self, "calibrate", True)  # it fits on calibration activations
+        if self.latent not in ("separate", "joint"):
+            raise KVConvertError(f"latent must be separate or joint, got {self.latent!r}")
+        if self.latent == "joint":
+            if self.compress != "kv":
+                raise KVConvertError("--latent joint shares one latent between K and V: it needs --compress kv")
+            if self.schedule != "auto":
+                raise KVConvertError("--latent joint needs --schedule auto (its K/V weights and ranks come from "
+                                     "auto's loss probes)")  # fmt: skip
+            if self.probe_rounds > 1:
+                raise KVConvertError("--latent joint does not combine with --probe-rounds yet (its probes measure "
+                                     "one side at a time)")  # fmt: skip
 
 
 def _largest_remainder(values: list[float], total: int, low: int, high: int) -> list[int]:
@@ -148,6 +166,9 @@ class LorcPlan:
     probe_rank: int | None = None
     # every probe per side and layer, (rank, KL), in the order measured (probe_rounds > 1: later rounds)
     probes: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
+    # latent="joint": per layer, the weights of K's and V's errors in the shared latent (loss per unit of
+    # weighted error energy); rank_k[i] == rank_v[i] is then the one latent's rank
+    joint_scales: list[tuple[float, float]] | None = None
 
 
 def probe_rank(config: LorcConfig, layers: int, width: int) -> int:
@@ -307,6 +328,9 @@ class LorcMethod(Method):
             probes = {side: [[(r0, first[i, side])] for i in range(layout.num_layers)] for side in factored}
             plan: LorcPlan | None = None
             for _ in range(config.probe_rounds):
+                if config.latent == "joint":
+                    plan = self._joint_plan(source, layout, spectra, probes, kappa_k, kappa_v)
+                    break
                 if plan is not None:
                     self._probe_again(source, layout, calib, plan, probes)
                 losses = {side: [linalg.loss_curve(linalg.tail_energy(spectra[side][i]), probes[side][i])
@@ -340,6 +364,16 @@ class LorcMethod(Method):
                 return None
             w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
             factors, offsets = {}, {}
+            if plan.joint_scales is not None:  # one latent: Π on the stacked [k; v]
+                targets, rank = self._targets(layer, w), plan.rank_k[layer]
+                assert rank is not None
+                stacked, left = linalg.stacked_weights([targets["k"][0], targets["v"][0]],
+                                                       list(plan.joint_scales[layer]),
+                                                       [targets["k"][2], targets["v"][2]])  # fmt: skip
+                factors["kv"] = linalg.truncation_factors(stacked, rank, targets["k"][1], left)
+                offsets["kv"] = torch.cat([torch.zeros(t[0].shape[0]) if b is None else b.float()
+                                           for t, b in ((targets["k"], w.k_bias), (targets["v"], w.v_bias))])  # fmt: skip
+                return factors, offsets, w.o_weight
             for side, (weight, right, left) in self._targets(layer, w).items():
                 rank = plan.rank_k[layer] if side == "k" else plan.rank_v[layer]
                 if rank is None:
@@ -354,6 +388,44 @@ class LorcMethod(Method):
                                                       self.config.refine_steps, self.progress)  # fmt: skip
         self.calibration["refine"] = {"steps": self.config.refine_steps, "chunks": int(chunks.shape[0]),
                                       "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
+
+    def _joint_plan(
+        self, source: Any, layout: AttentionLayout, spectra: dict[str, list[torch.Tensor]],
+        probes: dict[str, list[list[tuple[int, float]]]], kappa_k: list[float], kappa_v: list[float],
+    ) -> LorcPlan:  # fmt: skip
+        """``latent="joint"``: per layer, K's and V's weighted errors put into one loss by what their probes
+        measured per unit of error (``linalg.loss_per_energy``), the stacked matrix's left-out energy as
+        that layer's loss curve, then the ranks by greedy allocation (one latent column counts once: it
+        replaces a column of K and one of V). The layers are read again, one at a time."""
+        from kvconvert.arch import adapter_for
+
+        adapter = adapter_for(source.config)
+        names = adapter.attention_names_by_layer(source.tensor_names())
+        scales: list[tuple[float, float]] = []
+        curves: list[torch.Tensor] = []
+        for layer in range(layout.num_layers):
+            energy = [float((spectra[side][layer].to(linalg.F64) ** 2).sum()) for side in "kv"]
+            measured = [linalg.loss_per_energy(spectra[side][layer], probes[side][layer]) for side in "kv"]
+            # a side whose probe measured nothing: the other's loss per unit of *relative* energy (both
+            # when neither measured anything: every side's relative error counts the same)
+            per_share = [m * e for m, e in zip(measured, energy, strict=True) if m is not None] or [1.0]
+            pair = tuple(m if m is not None else per_share[0] / max(e, 1e-300)
+                         for m, e in zip(measured, energy, strict=True))  # fmt: skip
+            scales.append((pair[0], pair[1]))
+            w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
+            targets = self._targets(layer, w)
+            sigma = linalg.joint_truncation([targets["k"][0], targets["v"][0]], list(pair), 1, targets["k"][1],
+                                            [targets["k"][2], targets["v"][2]])[2]  # fmt: skip
+            curves.append(linalg.tail_energy(sigma) * float((sigma**2).sum()))  # predicted KL at each rank
+        layers, width = layout.num_layers, layout.kv_width
+        total = min(round(self.config.kv_budget * 2 * layers * width), sum(len(c) - 1 for c in curves))
+        if total < layers:
+            raise KVConvertError(f"kv_budget {self.config.kv_budget} is below what a joint latent can reach "
+                                 f"({1 / (2 * width):.4f}: rank 1 per layer)")  # fmt: skip
+        ranks: list[int | None] = list(linalg.allocate_ranks(curves, total))
+        log10_cum = [v / math.log(10) for v in linalg.log_cumulative_condition(kappa_k, kappa_v)]
+        return LorcPlan(kappa_k, kappa_v, log10_cum, [True] * layers, ranks, list(ranks),
+                        budget=total / (2 * layers * width), joint_scales=scales)  # fmt: skip
 
     def _probe(
         self, source: Any, layout: AttentionLayout, calib: Any, jobs: dict[tuple[int, str], Affine]
@@ -430,9 +502,18 @@ class LorcMethod(Method):
         if not plan.compressed[layer]:
             return LayerOutput(tensors={}, report=report, passthrough=True)
         targets = self._targets(layer, weights)
+        joint = None if plan.joint_scales is None else plan.joint_scales[layer]
         tensors = factor_attention(weights, layout, plan.rank_k[layer], plan.rank_v[layer],
                                    right=targets["k"][1], left_k=targets["k"][2], left_v=targets["v"][2],
-                                   refined=self.refined.get(layer, {}))  # fmt: skip
+                                   refined=self.refined.get(layer, {}), joint=joint)  # fmt: skip
+        if joint is not None:  # one latent: the stacked, loss-weighted matrix's relative error
+            rank = plan.rank_k[layer]
+            assert rank is not None
+            svals = linalg.joint_truncation([targets["k"][0], targets["v"][0]], list(joint), 1, targets["k"][1],
+                                            [targets["k"][2], targets["v"][2]])[2]  # fmt: skip
+            report["kv_rel_output_error"] = linalg.relative_frobenius_error(svals, rank)
+            report["kv_scales"] = list(joint)
+            return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
         for side, rank in (("k", plan.rank_k[layer]), ("v", plan.rank_v[layer])):
             if rank is None:
                 continue
@@ -458,6 +539,7 @@ class LorcMethod(Method):
             layers.append({
                 "rank_k": self.plan_.rank_k[i], "rank_v": self.plan_.rank_v[i],
                 "biases": sorted(n.removesuffix(".bias") for n in names if n.endswith(".bias")),
+                **({"joint": True} if self.plan_.joint_scales is not None else {}),
             })  # fmt: skip
         return {"lorc_layers": layers}
 
@@ -488,6 +570,7 @@ def factor_attention(
     w: AttentionWeights, layout: AttentionLayout, rank_k: int | None, rank_v: int | None,
     right: torch.Tensor | None = None, left_k: torch.Tensor | None = None, left_v: torch.Tensor | None = None,
     refined: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    joint: tuple[float, float] | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """LoRC's rewritten projections for one layer, float64, names local to the attention module.
 
@@ -497,6 +580,8 @@ def factor_attention(
     ``v_down [r_v, D]`` and ``o_proj [D, H·r_v]`` with U_V folded in (V bias folded into the O bias).
     ``right``, ``left_k``, ``left_v``: the factors of ``linalg.weighted_truncation`` (None: plain SVD, the paper).
     ``refined[side] = (A, B)``: a side's truncation fitted by ``calib.refine`` instead (up = A, down = B·W).
+    ``joint = (scale_k, scale_v)``: one latent for both (``rank_k == rank_v``), ``kv_down [r, D]`` in place
+    of ``k_down`` and ``v_down``, factored by ``linalg.joint_truncation`` with these weights.
     """
     refined = refined or {}
 
@@ -511,13 +596,29 @@ def factor_attention(
     heads, kv_heads = layout.num_heads, layout.num_kv_heads
     group = heads // kv_heads
     out: dict[str, torch.Tensor] = {}
+    factors: dict[str, tuple[Any, Any]] = {}  # side -> (up [e, r], down [r, D])
+    if joint is not None:
+        assert rank_k is not None and rank_k == rank_v, "a joint latent has one rank"
+        if "kv" in refined:  # fitted on the stacked [k; v] (``calib.refine``)
+            a, b = refined["kv"]
+            up, down = a.to(f64), b.to(f64) @ torch.cat([w.k_weight.to(f64), w.v_weight.to(f64)])
+            ups = list(up.split([w.k_weight.shape[0], w.v_weight.shape[0]]))
+        else:
+            ups, down, _ = linalg.joint_truncation([w.k_weight, w.v_weight], list(joint), rank_k, right,
+                                                   [left_k, left_v])  # fmt: skip
+        factors = {"k": (ups[0], down), "v": (ups[1], down)}
+        _linear(out, "kv_down", down, None)
+    else:
+        for side, weight, rank, left in (("k", w.k_weight, rank_k, left_k), ("v", w.v_weight, rank_v, left_v)):
+            if rank is not None:
+                factors[side] = truncate(side, weight, rank, left)
+                _linear(out, f"{side}_down", factors[side][1], None)
 
     if rank_k is None:
         _linear(out, "k_proj", w.k_weight, w.k_bias)
         _linear(out, "q_proj", w.q_weight, w.q_bias)
     else:
-        up, down = truncate("k", w.k_weight, rank_k, left_k)  # [e, r], [r, D]
-        _linear(out, "k_down", down, None)
+        up = factors["k"][0]
         if layout.rotary:
             _linear(out, "k_up", up, w.k_bias)
             _linear(out, "q_proj", w.q_weight, w.q_bias)
@@ -536,8 +637,7 @@ def factor_attention(
         _linear(out, "o_proj", w.o_weight, w.o_bias)
     else:
         o_w = w.o_weight.to(f64)  # [D, H·dk]
-        up, down = truncate("v", w.v_weight, rank_v, left_v)
-        _linear(out, "v_down", down, None)
+        up = factors["v"][0]
         up_heads = _head_blocks(up, kv_heads)  # Hkv × [dk, r]
         o_heads = _head_blocks(o_w.T.contiguous(), heads)  # H × [dk, D]
         o_weight = torch.cat([o_heads[i].T @ up_heads[i // group] for i in range(heads)], dim=1)

@@ -5,6 +5,8 @@ Values are never rebuilt: U_V is folded into the output projection, so each quer
 attention-weighted latent goes straight into ``o_proj``. Keys: without RoPE, U_K is folded into
 the query projection and scores are taken against the latent directly; with RoPE, per-head keys
 are rebuilt from the latent (``k_up``) and rotated at read time (positions come from the cache).
+A joint layer (kvconvert's extension, MLA-style) caches one latent ``c = x·W_downᵀ`` that serves as both:
+keys are rebuilt from it (or scored against it) and every head's weighted latent goes into ``o_proj``.
 Layers the conversion left uncompressed keep transformers' own attention and a stock cache layer.
 Copied verbatim into every lorc output directory; imports only torch and transformers.
 """
@@ -37,6 +39,7 @@ class LorcAttention(LatentAttention):
     K factored: ``k_down [r_k, d]``, and with RoPE ``k_up [Hkv·dk, r_k]`` + ``q_proj [H·dk, d]``,
     without RoPE ``q_proj [H·r_k, d]`` (U_K absorbed); K kept: ``k_proj``, ``q_proj`` as usual.
     V factored: ``v_down [r_v, d]``, ``o_proj [d, H·r_v]``; V kept: ``v_proj``, ``o_proj [d, H·dk]``.
+    Joint (``r_k == r_v``): ``kv_down [r, d]`` in place of ``k_down`` and ``v_down``; the cache holds keys only.
     """
 
     def __init__(self, spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None):
@@ -49,6 +52,7 @@ class LorcAttention(LatentAttention):
         )
         self.scaling = float(spec["scaling"][layer_idx])
         self.rank_k, self.rank_v = layer["rank_k"], layer["rank_v"]
+        self.joint = bool(layer.get("joint", False))
         biases = set(layer["biases"])
         hidden, kv_width = int(spec["hidden_size"]), self.kv_heads * self.head_dim
         self.absorbed_keys = self.rank_k is not None and rotary is None
@@ -57,12 +61,15 @@ class LorcAttention(LatentAttention):
         if self.rank_k is None:
             self.k_proj = nn.Linear(hidden, kv_width, bias="k_proj" in biases)
         else:
-            self.k_down = nn.Linear(hidden, self.rank_k, bias=False)
+            if self.joint:
+                self.kv_down = nn.Linear(hidden, self.rank_k, bias=False)
+            else:
+                self.k_down = nn.Linear(hidden, self.rank_k, bias=False)
             if rotary is not None:
                 self.k_up = nn.Linear(self.rank_k, kv_width, bias="k_up" in biases)
         if self.rank_v is None:
             self.v_proj = nn.Linear(hidden, kv_width, bias="v_proj" in biases)
-        else:
+        elif not self.joint:
             self.v_down = nn.Linear(hidden, self.rank_v, bias=False)
         self.o_proj = nn.Linear(self.heads * (self.rank_v or self.head_dim), hidden, bias="o_proj" in biases)
 
@@ -91,9 +98,13 @@ class LorcAttention(LatentAttention):
         h, hkv = self.heads, self.kv_heads
         group = h // hkv
         rotary = self.rotary
-        new_keys = self.k_proj(hidden_states) if self.rank_k is None else self.k_down(hidden_states)  # pre-RoPE
-        new_values = self.v_proj(hidden_states) if self.rank_v is None else self.v_down(hidden_states)
+        if self.joint:  # one latent, stored once, read as both
+            new_keys, new_values = self.kv_down(hidden_states), None
+        else:
+            new_keys = self.k_proj(hidden_states) if self.rank_k is None else self.k_down(hidden_states)  # pre-RoPE
+            new_values = self.v_proj(hidden_states) if self.rank_v is None else self.v_down(hidden_states)
         keys, values, position_ids, key_positions = self.append_step(cache, new_keys, new_values, position_ids)
+        values = keys if self.joint else values
         assert values is not None
         kv_len = keys.shape[1]
 
