@@ -37,6 +37,7 @@ def main() -> None:
         help="only candidates whose label contains this text (a rerun of "
         "some rows: results go to frontier-<data>-only-<date>.*, the frontier picture is not redrawn)",
     )
+    parser.add_argument("--name", default=None, help="results file stem instead (bench/results/NAME-<date>.*)")
     args = parser.parse_args()
     if args.only:
         for method, candidates in CANDIDATES.items():
@@ -75,7 +76,7 @@ def main() -> None:
               f"context tokens into the cache, the next {args.continuation} scored through it; budget = bytes held "
               "after the context ÷ a 16-bit stock cache's (both measured). Every candidate really converted.\n\n"
               )  # fmt: skip
-    name = "frontier" + (f"-{args.data}" if args.data else "") + ("-only" if args.only else "")
+    name = args.name or "frontier" + (f"-{args.data}" if args.data else "") + ("-only" if args.only else "")
     write_results(name, payload, header + "\n\n".join(tables))
 
 

@@ -66,8 +66,13 @@ VARIANTS: list[tuple[str, str, float, dict[str, Any], int | None]] = [
     ("--schedule auto --latent joint", EXT, 0.3, {"schedule": "auto", "latent": "joint"}, None),
     ("--schedule auto --latent joint + 4-bit", EXT, 0.75, {"schedule": "auto", "latent": "joint"}, 4),
     ("--schedule auto --latent joint + 4-bit", EXT, 0.5, {"schedule": "auto", "latent": "joint"}, 4),
-    ("--schedule auto --latent joint --refine-steps 100", EXT, 0.5,
-     {"schedule": "auto", "latent": "joint", "refine_steps": 100}, None),
+    (
+        "--schedule auto --latent joint --refine-steps 100",
+        EXT,
+        0.5,
+        {"schedule": "auto", "latent": "joint", "refine_steps": 100},
+        None,
+    ),
 ]
 
 

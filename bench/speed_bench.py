@@ -41,6 +41,8 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     # the projection and eviction runtimes: decode speed depends on the ranks / head counts, not on how
     # they were chosen, so the uncalibrated conversions stand in for the calibrated ones (same layout)
     ("lorc 0.5 uniform", {"method": "lorc", "kv_budget": 0.5, "schedule": "uniform"}),
+    # one latent for K and V: its ranks come only from the calibrated allocation (minutes of probes)
+    ("lorc 0.5 joint latent (ext.)", {"method": "lorc", "kv_budget": 0.5, "schedule": "auto", "latent": "joint"}),
     ("zack 0.5", {"method": "zack", "kv_budget": 0.5}),
     # razor: which heads keep everything changes nothing here; a short profile keeps the bench fast
     ("razor 0.5", {"method": "razor", "kv_budget": 0.5, "profile_tokens": 64}),

@@ -186,7 +186,7 @@ def weighted_truncation(
 def joint_truncation(
     weights: list[torch.Tensor], scales: list[float], rank: int, right: torch.Tensor | None = None,
     lefts: list[torch.Tensor | None] | None = None,
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:  # fmt: skip
     """One rank-``rank`` latent for several outputs of the same input (keys and values, MLA-style):
     ``W_i [m_i, n] ≈ up_i @ down`` with a single ``down [r, n]``, minimising
     ``Σ_i scales_i·‖L_iᵀ(W_i − up_i·down)R‖²_F`` — ``weighted_truncation`` of the stacked

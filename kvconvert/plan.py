@@ -52,9 +52,12 @@ CANDIDATES: dict[str, list[tuple[str, dict[str, Any]]]] = {
     ],
     "lorc": [
         ("lorc 0.5, progressive ranks (paper)", {"kv_budget": 0.5}),
-        ("lorc 0.5, activation-aware, ranks by measured loss (ext.)", {"kv_budget": 0.5, "schedule": "auto"}),
-        ("lorc K 0.75, activation-aware + 4-bit (ext.)", {"kv_budget": 0.75, "schedule": "uniform", "compress": "k",
-                                                          "calibrate": True, "kv_bits": 4, "kv_residual": 0}),
+        # one latent for K and V, activation-aware, ranks by measured loss: better than separate latents
+        # at every budget measured (docs/lorc.md), so the planner tries it instead
+        ("lorc 0.5, one K/V latent, ranks by measured loss (ext.)",
+         {"kv_budget": 0.5, "schedule": "auto", "latent": "joint"}),
+        ("lorc 0.75, one K/V latent + 4-bit (ext.)",
+         {"kv_budget": 0.75, "schedule": "auto", "latent": "joint", "kv_bits": 4, "kv_residual": 0}),
     ],
     "zack": [
         ("zack 0.5 (paper)", {"kv_budget": 0.5}),

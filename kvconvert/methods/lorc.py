@@ -254,6 +254,12 @@ class LorcMethod(Method):
         how = "weighted by calibration activations" if params.get("calibrate") else "by SVD"
         if params.get("refine_steps"):
             how += f", refined by {params['refine_steps']} steps per layer on the attention output"
+        if params.get("latent") == "joint":
+            return (
+                f"LoRC extended to one cached latent per layer that K and V are both rebuilt from (low-rank "
+                f"[W_K; W_V] {how}, each side's error weighted by its measured loss; U_V folded into W_O). "
+                f"Schedule {params['schedule']}; latent ranks per layer: {ranks}."
+            )
         return (
             f"LoRC caches rank-d_c latents of K and V (low-rank W_K, W_V {how}; U_V folded into W_O). "
             f"Schedule {params['schedule']}, factored {params['compress']}; K ranks per layer: {ranks}."
@@ -327,15 +333,15 @@ class LorcMethod(Method):
             first = self._probe(source, layout, calib, jobs)
             probes = {side: [[(r0, first[i, side])] for i in range(layout.num_layers)] for side in factored}
             plan: LorcPlan | None = None
-            for _ in range(config.probe_rounds):
-                if config.latent == "joint":
-                    plan = self._joint_plan(source, layout, spectra, probes, kappa_k, kappa_v)
-                    break
-                if plan is not None:
-                    self._probe_again(source, layout, calib, plan, probes)
-                losses = {side: [linalg.loss_curve(linalg.tail_energy(spectra[side][i]), probes[side][i])
-                                 for i in range(layout.num_layers)] for side in factored}  # fmt: skip
-                plan = plan_ranks(config, kappa_k, kappa_v, layout.kv_width, losses)
+            if config.latent == "joint":
+                plan = self._joint_plan(source, layout, spectra, probes, kappa_k, kappa_v)
+            else:
+                for _ in range(config.probe_rounds):
+                    if plan is not None:
+                        self._probe_again(source, layout, calib, plan, probes)
+                    losses = {side: [linalg.loss_curve(linalg.tail_energy(spectra[side][i]), probes[side][i])
+                                     for i in range(layout.num_layers)] for side in factored}  # fmt: skip
+                    plan = plan_ranks(config, kappa_k, kappa_v, layout.kv_width, losses)
             assert plan is not None
             none: list[float | None] = [None] * layout.num_layers
             plan.probe_kl_k = [p[0][1] for p in probes["k"]] if "k" in probes else none
@@ -365,14 +371,12 @@ class LorcMethod(Method):
             w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
             factors, offsets = {}, {}
             if plan.joint_scales is not None:  # one latent: Π on the stacked [k; v]
-                targets, rank = self._targets(layer, w), plan.rank_k[layer]
+                rank = plan.rank_k[layer]
                 assert rank is not None
-                stacked, left = linalg.stacked_weights([targets["k"][0], targets["v"][0]],
-                                                       list(plan.joint_scales[layer]),
-                                                       [targets["k"][2], targets["v"][2]])  # fmt: skip
-                factors["kv"] = linalg.truncation_factors(stacked, rank, targets["k"][1], left)
-                offsets["kv"] = torch.cat([torch.zeros(t[0].shape[0]) if b is None else b.float()
-                                           for t, b in ((targets["k"], w.k_bias), (targets["v"], w.v_bias))])  # fmt: skip
+                stacked, left, right = self._stacked(layer, w, plan.joint_scales[layer])
+                factors["kv"] = linalg.truncation_factors(stacked, rank, right, left)
+                sides = ((w.k_weight, w.k_bias), (w.v_weight, w.v_bias))
+                offsets["kv"] = torch.cat([torch.zeros(m.shape[0]) if b is None else b.float() for m, b in sides])
                 return factors, offsets, w.o_weight
             for side, (weight, right, left) in self._targets(layer, w).items():
                 rank = plan.rank_k[layer] if side == "k" else plan.rank_v[layer]
@@ -388,6 +392,15 @@ class LorcMethod(Method):
                                                       self.config.refine_steps, self.progress)  # fmt: skip
         self.calibration["refine"] = {"steps": self.config.refine_steps, "chunks": int(chunks.shape[0]),
                                       "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
+
+    def _stacked(self, layer: int, w: AttentionWeights, scales: tuple[float, float]) -> tuple[torch.Tensor, ...]:
+        """``latent="joint"``: ``(stacked [W_K; W_V], its left factor, right factor)`` for
+        ``linalg.weighted_truncation`` / ``truncation_factors``: each side's ``_targets`` weighting, scaled
+        by ``scales`` (``linalg.stacked_weights``)."""
+        targets = self._targets(layer, w)
+        stacked, left = linalg.stacked_weights([targets["k"][0], targets["v"][0]], list(scales),
+                                               [targets["k"][2], targets["v"][2]])  # fmt: skip
+        return stacked, left, targets["k"][1]
 
     def _joint_plan(
         self, source: Any, layout: AttentionLayout, spectra: dict[str, list[torch.Tensor]],
@@ -413,9 +426,8 @@ class LorcMethod(Method):
                          for m, e in zip(measured, energy, strict=True))  # fmt: skip
             scales.append((pair[0], pair[1]))
             w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
-            targets = self._targets(layer, w)
-            sigma = linalg.joint_truncation([targets["k"][0], targets["v"][0]], list(pair), 1, targets["k"][1],
-                                            [targets["k"][2], targets["v"][2]])[2]  # fmt: skip
+            stacked, left, right = self._stacked(layer, w, scales[-1])
+            sigma = linalg.weighted_truncation(stacked, 1, right, left)[2]
             curves.append(linalg.tail_energy(sigma) * float((sigma**2).sum()))  # predicted KL at each rank
         layers, width = layout.num_layers, layout.kv_width
         total = min(round(self.config.kv_budget * 2 * layers * width), sum(len(c) - 1 for c in curves))
@@ -509,8 +521,8 @@ class LorcMethod(Method):
         if joint is not None:  # one latent: the stacked, loss-weighted matrix's relative error
             rank = plan.rank_k[layer]
             assert rank is not None
-            svals = linalg.joint_truncation([targets["k"][0], targets["v"][0]], list(joint), 1, targets["k"][1],
-                                            [targets["k"][2], targets["v"][2]])[2]  # fmt: skip
+            stacked, left, right = self._stacked(layer, weights, joint)
+            svals = linalg.weighted_truncation(stacked, 1, right, left)[2]
             report["kv_rel_output_error"] = linalg.relative_frobenius_error(svals, rank)
             report["kv_scales"] = list(joint)
             return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
