@@ -36,7 +36,8 @@ def test_run_recipe_writes_repeatable_recipe(tiny_model_dir, tmp_path):
     saved = yaml.safe_load((tmp_path / "a" / "recipe.yaml").read_text())
     assert saved == {"method": "lorc", "kv_budget": 0.75, "schedule": "uniform", "threshold": None, "compress": "kv",
                      "calibrate": False, "calib": None, "calib_tokens": 16384, "chunk_len": 512, "seed": 0,
-                     "probe_chunks": 4, "probe_rounds": 1, "refine_steps": 0, "refine_chunks": 8}  # fmt: skip
+                     "probe_chunks": 4, "probe_rounds": 1, "refine_steps": 0, "refine_chunks": 8,
+                     "latent": "separate"}  # fmt: skip
     again = run_cli("run", str(tmp_path / "a" / "recipe.yaml"), "--model", str(src), "--out", str(tmp_path / "b"))
     assert again.exit_code == 0, again.output
     assert sha(tmp_path / "a" / "model.safetensors") == sha(tmp_path / "b" / "model.safetensors")
@@ -50,7 +51,7 @@ def test_run_bad_recipe_is_one_line(tiny_model_dir, tmp_path):
     assert result.stderr.strip() == (
         f"kvconvert: error: {recipe}: unknown key 'ranks' for lorc; allowed: calib, calib_tokens, calibrate, "
         "chunk_len, compress, kv_bits, kv_budget, kv_group, kv_include_local, kv_layout, kv_residual, kv_rotate, "
-        "kv_sink, probe_chunks, probe_rounds, refine_chunks, refine_steps, schedule, seed, threshold"
+        "kv_sink, latent, probe_chunks, probe_rounds, refine_chunks, refine_steps, schedule, seed, threshold"
     )
 
 
