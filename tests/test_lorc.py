@@ -201,13 +201,21 @@ def test_refinement_at_full_budget_reproduces_transformers(tokenized_model_dir, 
     assert_equivalent(reference, converted, *left_padded(length=20, pad=6, seed=3, high=97))
 
 
-@pytest.mark.parametrize(("kind", "compress"), [("llama_gqa", "kv"), ("qwen2_gqa", "k"), ("gpt_neox", "v")])
-def test_refinement_lowers_the_output_error_and_the_checkpoint_computes_it(kind, compress, tokenized_model_dir,
+UNIFORM = {"kv_budget": 0.6, "schedule": "uniform"}
+JOINT = {"kv_budget": 0.5, "schedule": "auto", "latent": "joint"}
+
+
+@pytest.mark.parametrize(("kind", "options"), [
+    ("llama_gqa", {**UNIFORM, "compress": "kv"}), ("qwen2_gqa", {**UNIFORM, "compress": "k"}),
+    ("gpt_neox", {**UNIFORM, "compress": "v"}), ("llama_gqa", JOINT), ("qwen2_gqa", JOINT),
+])  # fmt: skip
+def test_refinement_lowers_the_output_error_and_the_checkpoint_computes_it(kind, options, tokenized_model_dir,
                                                                           tmp_path):  # fmt: skip
     """--refine-steps: every refined layer's attention-output loss on its calibration chunks is below the
     closed form's (never above: the better is kept), the factors really moved, and the checkpoint computes
     what the refined truncation does inside the source (``projected_kv`` with Π = A·B; RoPE, partial
-    rotary and biases included)."""
+    rotary and biases included). ``--latent joint``: one Π on the stacked [k; v] (side "kv": keys
+    un-rotated, stacked with the values, projected, split, re-rotated)."""
     from kvconvert.arch import adapter_for
     from kvconvert.calib.search import projected_kv
     from kvconvert.io.source import open_source
@@ -215,23 +223,26 @@ def test_refinement_lowers_the_output_error_and_the_checkpoint_computes_it(kind,
     from kvconvert.pipeline import convert as convert_checkpoint
 
     src = tokenized_model_dir(kind)
-    config = LorcConfig(kv_budget=0.6, schedule="uniform", compress=compress, calib_tokens=2048, refine_steps=40)
+    config = LorcConfig(**options, calib_tokens=2048, refine_steps=40)
     method = LorcMethod(config, progress=False)
     report = convert_checkpoint(open_source(str(src)), method, tmp_path / "lorc", progress=False).report
     assert config.calibrate and report["plan"]["calibration"]["refine"]["steps"] == 40
     layers = report["layers"]
+    sides = {"kv"} if "latent" in options else set(options["compress"])
+    assert all(set(method.refined[r["layer"]]) == sides for r in layers)
     assert all(r["refine_loss_after"] <= r["refine_loss_before"] for r in layers)
     assert sum(r["refine_loss_after"] for r in layers) < 0.9 * sum(r["refine_loss_before"] for r in layers)
     source = open_source(str(src))
     adapter = adapter_for(source.config)
     names = adapter.attention_names_by_layer(source.tensor_names())
     projectors = {}
-    for layer, sides in method.refined.items():
+    for layer, refined in method.refined.items():
         weights = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
-        for side, (a, b) in sides.items():
+        for side, (a, b) in refined.items():
             projector = (a @ b).float()
-            bias = getattr(weights, f"{side}_bias")
-            bias = torch.zeros(projector.shape[0]) if bias is None else bias.float()
+            width = projector.shape[0] // len(side)  # "kv": keys and values stacked, each side's bias kept
+            bias = torch.cat([torch.zeros(width) if x is None else x.float()
+                              for x in (getattr(weights, f"{one}_bias") for one in side)])  # fmt: skip
             projectors[layer, side] = (projector, bias - projector @ bias)
     ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5))
     reference = load_reference(src)
@@ -239,6 +250,7 @@ def test_refinement_lowers_the_output_error_and_the_checkpoint_computes_it(kind,
         simulated = reference(ids).logits
     converted = load_converted(tmp_path / "lorc")(ids).logits
     assert torch.allclose(simulated, converted, atol=2e-4, rtol=1e-4), (simulated - converted).abs().max()
+    assert (reference(ids).logits - converted).abs().max() > 1e-2  # the budget really truncates
 
 
 def test_second_probe_round_measures_each_side_where_the_first_allocation_put_it(tokenized_model_dir, tmp_path):
@@ -354,43 +366,3 @@ def test_joint_latent_user_errors(tokenized_model_dir, tmp_path):
                          "--kv-budget", "0.5", *args)  # fmt: skip
         assert result.exit_code == 2 and fragment in result.stderr, result.stderr
         assert not (tmp_path / "o").exists()
-
-
-@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2_gqa"])
-def test_joint_refinement_lowers_the_output_error_and_the_checkpoint_computes_it(kind, tokenized_model_dir,
-                                                                                tmp_path):  # fmt: skip
-    """--latent joint --refine-steps: the shared latent's Π on the stacked [k; v] is fitted like a side's
-    (losses never rise, they fall overall), and the checkpoint computes what that Π does inside the source
-    (``projected_kv`` side "kv": keys un-rotated, stacked with the values, projected, split, re-rotated;
-    Qwen2's biases kept)."""
-    from kvconvert.arch import adapter_for
-    from kvconvert.calib.search import projected_kv
-    from kvconvert.io.source import open_source
-    from kvconvert.methods.lorc import LorcMethod
-    from kvconvert.pipeline import convert as convert_checkpoint
-
-    src = tokenized_model_dir(kind)
-    config = LorcConfig(kv_budget=0.5, schedule="auto", latent="joint", calib_tokens=2048, refine_steps=40)
-    method = LorcMethod(config, progress=False)
-    report = convert_checkpoint(open_source(str(src)), method, tmp_path / "lorc", progress=False).report
-    layers = report["layers"]
-    assert all(set(method.refined[r["layer"]]) == {"kv"} for r in layers)
-    assert all(r["refine_loss_after"] <= r["refine_loss_before"] for r in layers)
-    assert sum(r["refine_loss_after"] for r in layers) < 0.9 * sum(r["refine_loss_before"] for r in layers)
-    source = open_source(str(src))
-    adapter = adapter_for(source.config)
-    names = adapter.attention_names_by_layer(source.tensor_names())
-    projectors = {}
-    for layer, sides in method.refined.items():
-        weights = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
-        a, b = sides["kv"]
-        projector = (a @ b).float()
-        bias = torch.cat([torch.zeros(32) if x is None else x.float() for x in (weights.k_bias, weights.v_bias)])
-        projectors[layer, "kv"] = (projector, bias - projector @ bias)
-    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5))
-    reference = load_reference(src)
-    with torch.no_grad(), projected_kv(reference, lambda: projectors, method.layout.rotary_module):
-        simulated = reference(ids).logits
-    converted = load_converted(tmp_path / "lorc")(ids).logits
-    assert torch.allclose(simulated, converted, atol=2e-4, rtol=1e-4), (simulated - converted).abs().max()
-    assert (reference(ids).logits - converted).abs().max() > 1e-2  # budget 0.5 really truncates
