@@ -593,7 +593,7 @@ def factor_attention(
     ``right``, ``left_k``, ``left_v``: the factors of ``linalg.weighted_truncation`` (None: plain SVD, the paper).
     ``refined[side] = (A, B)``: a side's truncation fitted by ``calib.refine`` instead (up = A, down = B·W).
     ``joint = (scale_k, scale_v)``: one latent for both (``rank_k == rank_v``), ``kv_down [r, D]`` in place
-    of ``k_down`` and ``v_down``, factored by ``linalg.joint_truncation`` with these weights.
+    of ``k_down`` and ``v_down``, factored by ``linalg.joint_truncation`` with these weights (refined: side "kv").
     """
     refined = refined or {}
 
@@ -611,14 +611,11 @@ def factor_attention(
     factors: dict[str, tuple[Any, Any]] = {}  # side -> (up [e, r], down [r, D])
     if joint is not None:
         assert rank_k is not None and rank_k == rank_v, "a joint latent has one rank"
-        if "kv" in refined:  # fitted on the stacked [k; v] (``calib.refine``)
-            a, b = refined["kv"]
-            up, down = a.to(f64), b.to(f64) @ torch.cat([w.k_weight.to(f64), w.v_weight.to(f64)])
-            ups = list(up.split([w.k_weight.shape[0], w.v_weight.shape[0]]))
-        else:
-            ups, down, _ = linalg.joint_truncation([w.k_weight, w.v_weight], list(joint), rank_k, right,
-                                                   [left_k, left_v])  # fmt: skip
-        factors = {"k": (ups[0], down), "v": (ups[1], down)}
+        # the stacked [W_K; W_V] is truncated like one side (closed form: ``linalg.joint_truncation``)
+        stacked, left_kv = linalg.stacked_weights([w.k_weight, w.v_weight], list(joint), [left_k, left_v])
+        up, down = truncate("kv", stacked, rank_k, left_kv)
+        up_k, up_v = up.split([w.k_weight.shape[0], w.v_weight.shape[0]])
+        factors = {"k": (up_k, down), "v": (up_v, down)}
         _linear(out, "kv_down", down, None)
     else:
         for side, weight, rank, left in (("k", w.k_weight, rank_k, left_k), ("v", w.v_weight, rank_v, left_v)):
