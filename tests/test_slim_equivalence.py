@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -93,3 +94,27 @@ def test_dtype_option_casts_output(tiny_model_dir, tmp_path):
     assert model.model.layers[0].self_attn.kv_proj.weight.dtype == torch.bfloat16
     out = model.generate(torch.randint(3, 90, (1, 8)), max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 12)
+
+
+def test_value_error_check_measures_the_cached_dtype_and_conditioning():
+    """slim's V-error check: exact (≈ 1e-15) with float64 keys whatever the biases, the checkpoint dtype's
+    rounding with a well-conditioned W_K, and growing with κ(W_K) (what it exists to catch)."""
+    from kvconvert import linalg
+    from kvconvert.methods.slim import SlimMethod
+
+    gen = torch.Generator().manual_seed(0)
+    d = 64
+    basis, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    v_weight = torch.randn(d, d, generator=gen, dtype=torch.float64) / 8
+    k_bias, v_bias = torch.randn(d, generator=gen, dtype=torch.float64), torch.randn(d, generator=gen, dtype=torch.float64)
+    method = SlimMethod()
+
+    def errors(kappa: float, dtype: torch.dtype) -> tuple[float, float]:
+        k_weight = basis * torch.logspace(0, -math.log10(kappa), d, dtype=torch.float64)  # σ from 1 to 1/κ
+        kv_weight = linalg.key_to_value_map(k_weight, v_weight)
+        return method._value_error(0, k_weight, v_weight, k_bias, v_bias, kv_weight, dtype)
+
+    assert errors(1e3, torch.float64)[0] < 1e-12  # biases taken off and put back exactly
+    well, stored = errors(1.0, torch.bfloat16)
+    assert 0.1 * stored < well < 10 * stored  # bf16 keys: bf16-sized error, no more
+    assert errors(1e4, torch.bfloat16)[0] > 30 * well
