@@ -106,7 +106,7 @@ def test_value_error_check_measures_the_cached_dtype_and_conditioning():
     d = 64
     basis, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
     v_weight = torch.randn(d, d, generator=gen, dtype=torch.float64) / 8
-    k_bias, v_bias = torch.randn(d, generator=gen, dtype=torch.float64), torch.randn(d, generator=gen, dtype=torch.float64)
+    k_bias, v_bias = torch.randn(2, d, generator=gen, dtype=torch.float64)
     method = SlimMethod()
 
     def errors(kappa: float, dtype: torch.dtype) -> tuple[float, float]:
