@@ -7,6 +7,7 @@ Random weights are fine for timing (slim's cost does not depend on their values)
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -105,11 +106,13 @@ def main() -> None:
         runs = []
         for _ in range(args.repeats):
             shutil.rmtree(dst, ignore_errors=True)
+            os.sync()  # the last run's output is flushed before this one starts, not while it runs
             runs.append(peak_rss_of("kvconvert.cli", "slim", "--model", str(src), "--out", str(dst), "--quiet"))
         wall, rss = min(runs)
         converting = []  # the conversion alone, timed in its process after imports and opening the source
         for _ in range(args.repeats):
             shutil.rmtree(dst, ignore_errors=True)
+            os.sync()
             done = subprocess.run([sys.executable, "-m", "bench._timed_conversion", str(src), str(dst)], check=True,
                                   capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
             converting.append(float(done.stdout.strip().splitlines()[-1]))
