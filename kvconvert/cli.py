@@ -615,9 +615,10 @@ def _print_layers(report: dict[str, Any], columns: list[tuple[str, str, str]]) -
          "and side at each (runs the model).",
 )  # fmt: skip
 @click.option(
-    "--allocation-method", "allocation_methods", type=click.Choice(["lorc", "zack"]), multiple=True,
+    "--allocation-method", "allocation_methods", type=click.Choice(["lorc", "lorc-joint", "zack"]), multiple=True,
     default=("lorc",), show_default=True,
-    help="Whose --schedule auto --allocation draws (repeatable): LoRC's ranks, ZACK's widths per KV head.",
+    help="Whose --schedule auto --allocation draws (repeatable): LoRC's ranks, LoRC --latent joint's one latent "
+         "per layer, ZACK's widths per KV head.",
 )  # fmt: skip
 @_calibration_options
 @_user_errors
@@ -667,6 +668,8 @@ def analyze(
                              calib_tokens, seed)  # fmt: skip
         if budgets and "lorc" in allocation_methods:
             analysis["lorc_auto"] = _auto_allocation(source, budgets, calib, calib_tokens, seed)
+        if budgets and "lorc-joint" in allocation_methods:
+            analysis["lorc_joint"] = _auto_allocation(source, budgets, calib, calib_tokens, seed, latent="joint")
         if budgets and "zack" in allocation_methods:
             analysis["zack_auto"] = _zack_allocation(source, budgets, calib, calib_tokens, seed)
     with atomic_output_dir(out, replace=force, sources=[source.path]) as tmp:
@@ -692,6 +695,8 @@ def analyze(
         _print_layer_similarity(analysis["layer_similarity"])
     if "lorc_auto" in analysis:
         _print_allocation(analysis["lorc_auto"])
+    if "lorc_joint" in analysis:
+        _print_joint_allocation(analysis["lorc_joint"])
     if "zack_auto" in analysis:
         _print_zack_allocation(analysis["zack_auto"])
     pngs = ["spectra.png", "condition.png", "ranks.png"] + ["heads.png"] * heads
@@ -751,14 +756,16 @@ def _planned(source: Any, budgets: list[float], method_class: Any, config_class:
 
 
 def _auto_allocation(source: Any, budgets: list[float], calib: str | None, calib_tokens: int,
-                     seed: int) -> dict[str, Any]:  # fmt: skip
-    """``lorc --schedule auto``'s ranks per layer and side at each budget."""
+                     seed: int, latent: str = "separate") -> dict[str, Any]:  # fmt: skip
+    """``lorc --schedule auto [--latent joint]``'s ranks per layer and side at each budget (joint: the one
+    latent's rank twice, and the weights of K's and V's errors in it)."""
     from kvconvert.methods.lorc import LorcConfig, LorcMethod
 
     return _planned(source, budgets, LorcMethod, LorcConfig, lambda plan, layout: {
         "budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v, "probe_rank": plan.probe_rank,
         "probe_kl_k": plan.probe_kl_k, "probe_kl_v": plan.probe_kl_v,
-    }, calib=calib, calib_tokens=calib_tokens, seed=seed)  # fmt: skip
+        **({"joint_scales": plan.joint_scales} if plan.joint_scales is not None else {}),
+    }, calib=calib, calib_tokens=calib_tokens, seed=seed, latent=latent)  # fmt: skip
 
 
 def _zack_allocation(source: Any, budgets: list[float], calib: str | None, calib_tokens: int,
@@ -785,6 +792,13 @@ def _print_allocation(result: dict[str, Any]) -> None:
     for budget, plan in result.items():
         ranks = " ".join(f"{k}/{v}" for k, v in zip(plan["rank_k"], plan["rank_v"], strict=True))
         click.echo(f"  budget {budget} (achieved {plan['budget']:.3f}, probed at rank {plan['probe_rank']}): {ranks}")
+
+
+def _print_joint_allocation(result: dict[str, Any]) -> None:
+    click.echo("LoRC --latent joint (one latent per layer for K and V, its rank by measured loss):")
+    for budget, plan in result.items():
+        ranks = " ".join("-" if r is None else str(r) for r in plan["rank_k"])
+        click.echo(f"  budget {budget} (achieved {plan['budget']:.3f}): {ranks}")
 
 
 def _print_layer_similarity(result: dict[str, Any], merged: set[tuple[int, ...]] | None = None) -> None:

@@ -76,6 +76,27 @@ def test_analyze_draws_the_auto_allocation_lorc_writes(tokenized_model_dir, tmp_
     assert plan["probe_kl_k"] == pytest.approx([r["k_probe_kl"] for r in layers])
 
 
+def test_analyze_draws_the_joint_latent_lorc_writes(tokenized_model_dir, tmp_path):
+    """--allocation-method lorc-joint: the one latent's rank per layer that analyze reports (and draws) is
+    the one `lorc --schedule auto --latent joint` writes at that budget, with the same error weights."""
+    src = tokenized_model_dir("llama_gqa")
+    out = tmp_path / "analysis"
+    result = run_cli("analyze", "--model", str(src), "--out", str(out), "--allocation", "0.6", "--allocation-method",
+                     "lorc-joint", "--calib-tokens", "2048")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    analysis = json.loads((out / "analysis.json").read_text())
+    assert "lorc_auto" not in analysis and "LoRC --latent joint" in result.output
+    plan = analysis["lorc_joint"]["0.6"]
+    converted = run_cli("lorc", "--model", str(src), "--out", str(tmp_path / "lorc"), "--kv-budget", "0.6",
+                        "--schedule", "auto", "--latent", "joint", "--calib-tokens", "2048", "--quiet")  # fmt: skip
+    assert converted.exit_code == 0, converted.output
+    written = json.loads((tmp_path / "lorc" / "kvconvert.json").read_text())
+    assert plan["rank_k"] == [r["rank_k"] for r in written["layers"]] == plan["rank_v"]
+    scales = [c for layer in plan["joint_scales"] for c in layer]
+    assert scales == pytest.approx([c for r in written["layers"] for c in r["kv_scales"]])
+    assert (out / "ranks.png").read_bytes().startswith(PNG_MAGIC)
+
+
 def test_analyze_draws_the_widths_zack_auto_writes(tokenized_model_dir, tmp_path):
     """--allocation-method zack: the widths per KV head analyze reports (and draws) are the ones
     `zack --schedule auto` writes at that budget, with the same probe KLs."""

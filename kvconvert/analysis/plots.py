@@ -59,7 +59,8 @@ def plot_condition(analysis: dict[str, Any], path: Path) -> None:
 
 def plot_ranks(analysis: dict[str, Any], path: Path) -> None:
     """LoRC's per-layer ranks, progressive (solid) vs uniform (dashed), at each budget; with
-    ``analysis["lorc_auto"]`` also auto's K (circles) and V (squares) ranks, dotted."""
+    ``analysis["lorc_auto"]`` also auto's K (circles) and V (squares) ranks, dotted; with
+    ``analysis["lorc_joint"]`` the joint latent's rank per layer (triangles, dash-dotted)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 4))
     colours = plt.get_cmap("tab10")
@@ -75,6 +76,11 @@ def plot_ranks(analysis: dict[str, Any], path: Path) -> None:
             ranks = [analysis["kv_width"] if r is None else r for r in plan[f"rank_{side}"]]
             ax.plot(range(len(ranks)), ranks, ":", marker=marker, ms=3, color=colour,
                     label=f"auto {side.upper()} @ {budget}")  # fmt: skip
+    shown = len(budgets) + len(analysis.get("lorc_auto", {}))
+    for i, (budget, plan) in enumerate(analysis.get("lorc_joint", {}).items()):
+        ranks = [2 * analysis["kv_width"] if r is None else r for r in plan["rank_k"]]
+        ax.plot(range(len(ranks)), ranks, "-.", marker="^", ms=3, color=colours(shown + i),
+                label=f"joint K+V latent @ {budget}")  # fmt: skip
     ax.axhline(analysis["kv_width"], color="grey", lw=0.8)
     ax.set_xlabel("layer")
     ax.set_ylabel("rank")
