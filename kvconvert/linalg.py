@@ -20,6 +20,25 @@ def condition_number(weight: torch.Tensor) -> float:
     return float("inf") if smallest == 0.0 else float(singular_values[0]) / smallest
 
 
+def kappa(weight: torch.Tensor) -> float:
+    """κ(W) like ``condition_number``, by the cheapest exact-enough route (a method's plan reads it for
+    every layer and side: on 2 cores the SVD of a 1024 × 4096 weight takes 1.4 s). Square: Lanczos through
+    the LU factor (``condition_number_from_lu``, 1e-9). Otherwise the eigenvalues of the Gram of the
+    shorter side, κ² = λ_max/λ_min, while λ_min > 1e-8·λ_max (κ ≤ 1e4; their rounding, ~√n·1e-16·λ_max,
+    then moves κ by ≤ 1e-6 relative), else the SVD."""
+    w = weight.to(F64)
+    if w.shape[0] == w.shape[1]:
+        try:
+            return condition_number_from_lu(w, lu_factor(w))
+        except RuntimeError:  # an exactly zero pivot
+            return float("inf")
+    eigenvalues = torch.linalg.eigvalsh(w @ w.T if w.shape[0] < w.shape[1] else w.T @ w)
+    smallest, largest = float(eigenvalues[0]), float(eigenvalues[-1])
+    if smallest > 1e-8 * largest:
+        return math.sqrt(largest / smallest)
+    return condition_number(w)
+
+
 def largest_eigenvalue(
     apply: Callable[[torch.Tensor], torch.Tensor], n: int, seed: int = 0, rtol: float = 1e-10, max_steps: int = 200
 ) -> float:
@@ -156,6 +175,36 @@ def gram_factor(gram: torch.Tensor) -> torch.Tensor:
     return vectors * eigenvalues.clamp(min=0).sqrt()
 
 
+def left_singular(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U [m, k], σ [k])`` of ``matrix [m, n]``, float64, σ descending, ``k = min(m, n)``: all a
+    truncation needs. A wide or square matrix (every K/V weight: outputs ≤ hidden size) takes the
+    eigen-decomposition of its Gram ``M Mᵀ [m, m]`` — 2× faster than the SVD at 1024 × 1024 and 6× at
+    1024 × 4096 on 2 cores; in float64 the kept directions move by ~1e-16·σ₁²/(σ_r² − σ_{r+1}²) and σ is
+    exact to ~1e-8·σ₁ (tested against the SVD). A tall one (a stacked K+V latent wider than the hidden
+    size) is decomposed directly: U from its Gram's other side would need 1/σ."""
+    if matrix.shape[0] > matrix.shape[1]:
+        u, s, _ = torch.linalg.svd(matrix, full_matrices=False)
+        return u, s
+    eigenvalues, vectors = torch.linalg.eigh(matrix @ matrix.T)  # ascending; reads the lower triangle
+    return vectors.flip(-1), eigenvalues.flip(-1).clamp(min=0).sqrt()
+
+
+def weighted_singular_values(
+    weight: torch.Tensor, right: torch.Tensor | None = None, left: torch.Tensor | None = None
+) -> torch.Tensor:
+    """σ of ``Lᵀ W R`` (``weighted_truncation``'s spectrum, without its vectors), descending, float64."""
+    m = _weighted(weight.to(F64), right, left)
+    if m.shape[0] > m.shape[1]:
+        return torch.linalg.svdvals(m)
+    return torch.linalg.eigvalsh(m @ m.T).flip(-1).clamp(min=0).sqrt()
+
+
+def _weighted(w: torch.Tensor, right: torch.Tensor | None, left: torch.Tensor | None) -> torch.Tensor:
+    """``Lᵀ W R`` (a missing factor: the identity)."""
+    m = w if left is None else left.to(F64).T @ w
+    return m if right is None else m @ right.to(F64)
+
+
 def weighted_truncation(
     weight: torch.Tensor, rank: int, right: torch.Tensor | None = None, left: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -171,9 +220,7 @@ def weighted_truncation(
     ``‖W x − up down x‖ ≤ σ_{r+1}‖x‖`` (LoRC thm. 1).
     """
     w = weight.to(F64)
-    m = w if left is None else left.to(F64).T @ w
-    m = m if right is None else m @ right.to(F64)
-    u, s, _ = torch.linalg.svd(m, full_matrices=False)
+    u, s = left_singular(_weighted(w, right, left))
     if not 1 <= rank <= s.numel():
         raise ValueError(f"rank {rank} outside [1, {s.numel()}]")
     u_r = u[:, :rank]
@@ -228,10 +275,7 @@ def truncation_factors(
     right, left)``: ``A = L⁻ᵀ U_r``, ``B = U_rᵀ Lᵀ`` (``U_r`` and ``U_rᵀ`` without ``left``). The truncation
     acts on the outputs ``Wx`` as ``Π = A·B``, so a search can simulate it inside the source and a
     refinement can adjust it there (``calib.refine``)."""
-    w = weight.to(F64)
-    m = w if left is None else left.to(F64).T @ w
-    m = m if right is None else m @ right.to(F64)
-    u_r = torch.linalg.svd(m, full_matrices=False)[0][:, :rank]
+    u_r = left_singular(_weighted(weight.to(F64), right, left))[0][:, :rank]
     if left is None:
         return u_r.contiguous(), u_r.T.contiguous()
     return torch.linalg.solve(left.to(F64).T, u_r), (u_r.T @ left.to(F64).T).contiguous()

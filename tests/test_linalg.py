@@ -176,3 +176,40 @@ def test_loss_curve_is_exact_at_its_probes():
     assert steep[2] == pytest.approx(10.0) and steep[6] > 1e-6
     assert torch.equal(linalg.loss_curve(energy, [(12, 0.3), (6, float(true[6]))]), one)
     assert bool((linalg.loss_curve(energy, [(6, 0.0)]) < 1e-8).all())
+
+
+@pytest.mark.parametrize("shape", [(48, 160), (96, 96), (160, 48)])
+def test_left_singular_matches_the_svd(shape):
+    """Wide and square through the Gram's eigen-decomposition, tall by the SVD: the same σ and the
+    same kept subspaces as torch's SVD, also for a matrix of lower rank (a dead input channel)."""
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(*shape, generator=gen, dtype=torch.float64) * torch.logspace(0, -5, shape[1], dtype=torch.float64)
+    m[:, 3] = 0.0
+    u, s = linalg.left_singular(m)
+    u_ref, s_ref, _ = torch.linalg.svd(m, full_matrices=False)
+    assert torch.allclose(s, s_ref, rtol=0, atol=1e-7 * float(s_ref[0]))
+    assert torch.allclose(linalg.weighted_singular_values(m), s_ref, rtol=0, atol=1e-7 * float(s_ref[0]))
+    assert torch.allclose(u.T @ u, torch.eye(u.shape[1], dtype=torch.float64), atol=1e-12)
+    for rank in (1, min(shape) // 3, min(shape) - 2):
+        projector = u[:, :rank] @ u[:, :rank].T
+        # optimal: it leaves out exactly the tail energy (to float64 rounding of σ₁²), however close σ_r, σ_r+1
+        left_out = float(((m - projector @ m) ** 2).sum())
+        assert left_out == pytest.approx(float((s_ref[rank:] ** 2).sum()), rel=1e-6, abs=1e-13 * float(s_ref[0]) ** 2)
+        if s_ref[rank - 1] > 1e-3 * s_ref[0]:  # well above rounding: the same directions as the SVD's
+            assert torch.allclose(projector, u_ref[:, :rank] @ u_ref[:, :rank].T, atol=1e-9)
+
+
+@pytest.mark.parametrize("shape", [(96, 96), (48, 160), (160, 48)])
+@pytest.mark.parametrize("decades", [0, 3, 6])
+def test_kappa_matches_the_svd(shape, decades):
+    """``kappa``'s cheaper routes (LU + Lanczos when square, the Gram's eigenvalues up to κ = 1e4, else the
+    SVD) give the SVD's κ, also past where the Gram would lose it, and inf for a singular weight."""
+    g = torch.Generator().manual_seed(decades)
+    m, n = shape
+    left, _ = torch.linalg.qr(torch.randn(m, min(m, n), generator=g, dtype=F64))
+    right, _ = torch.linalg.qr(torch.randn(n, min(m, n), generator=g, dtype=F64))
+    spectrum = torch.logspace(0, -decades, min(m, n), dtype=F64) * (1 + torch.rand(min(m, n), generator=g, dtype=F64))
+    a = left @ torch.diag(spectrum) @ right.T
+    assert linalg.kappa(a) == pytest.approx(linalg.condition_number(a), rel=1e-6)
+    a[:, :] = a[:1, :] if m <= n else a[:, :1]  # rank one
+    assert linalg.kappa(a) > 1e12 or linalg.kappa(a) == float("inf")

@@ -316,13 +316,13 @@ class LorcMethod(Method):
         spectra: dict[str, list[torch.Tensor]] = {side: [] for side in factored}
         projectors: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {side: [] for side in factored}
         for i, w in enumerate(layers):
-            kappa_k.append(linalg.condition_number(w.k_weight))
-            kappa_v.append(linalg.condition_number(w.v_weight))
+            kappa_k.append(linalg.kappa(w.k_weight))
+            kappa_v.append(linalg.kappa(w.v_weight))
             if self.input_grams is None:
                 continue
             for side, (weight, right, left) in self._targets(i, w).items():
                 if side in factored:
-                    spectra[side].append(linalg.weighted_truncation(weight, 1, right, left)[2])
+                    spectra[side].append(linalg.weighted_singular_values(weight, right, left))
                     if config.schedule == "auto":
                         projectors[side].append(_affine(weight, r0, right, left, w.k_bias if side == "k" else w.v_bias))
         if config.schedule != "auto":
@@ -427,7 +427,7 @@ class LorcMethod(Method):
             scales.append((pair[0], pair[1]))
             w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
             stacked, left, right = self._stacked(layer, w, scales[-1])
-            sigma = linalg.weighted_truncation(stacked, 1, right, left)[2]
+            sigma = linalg.weighted_singular_values(stacked, right, left)
             curves.append(linalg.tail_energy(sigma) * float((sigma**2).sum()))  # predicted KL at each rank
         layers, width = layout.num_layers, layout.kv_width
         total = min(round(self.config.kv_budget * 2 * layers * width), sum(len(c) - 1 for c in curves))
@@ -515,22 +515,24 @@ class LorcMethod(Method):
             return LayerOutput(tensors={}, report=report, passthrough=True)
         targets = self._targets(layer, weights)
         joint = None if plan.joint_scales is None else plan.joint_scales[layer]
+        spectra: dict[str, torch.Tensor] = {}  # σ of the closed-form truncations (refined sides: computed below)
         tensors = factor_attention(weights, layout, plan.rank_k[layer], plan.rank_v[layer],
                                    right=targets["k"][1], left_k=targets["k"][2], left_v=targets["v"][2],
-                                   refined=self.refined.get(layer, {}), joint=joint)  # fmt: skip
+                                   refined=self.refined.get(layer, {}), joint=joint, spectra=spectra)  # fmt: skip
         if joint is not None:  # one latent: the stacked, loss-weighted matrix's relative error
             rank = plan.rank_k[layer]
             assert rank is not None
-            stacked, left, right = self._stacked(layer, weights, joint)
-            svals = linalg.weighted_truncation(stacked, 1, right, left)[2]
-            report["kv_rel_output_error"] = linalg.relative_frobenius_error(svals, rank)
+            if "kv" not in spectra:
+                stacked, left, right = self._stacked(layer, weights, joint)
+                spectra["kv"] = linalg.weighted_singular_values(stacked, right, left)
+            report["kv_rel_output_error"] = linalg.relative_frobenius_error(spectra["kv"], rank)
             report["kv_scales"] = list(joint)
             return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
         for side, rank in (("k", plan.rank_k[layer]), ("v", plan.rank_v[layer])):
             if rank is None:
                 continue
             weight, right, left = targets[side]
-            svals = linalg.weighted_truncation(weight, 1, right, left)[2]
+            svals = spectra[side] if side in spectra else linalg.weighted_singular_values(weight, right, left)
             # calibrated: the relative error of what the side produces on the calibration inputs
             key = "rel_output_error" if right is not None else "rel_frobenius_error"
             report[f"{side}_{key}"] = linalg.relative_frobenius_error(svals, rank)
@@ -582,7 +584,7 @@ def factor_attention(
     w: AttentionWeights, layout: AttentionLayout, rank_k: int | None, rank_v: int | None,
     right: torch.Tensor | None = None, left_k: torch.Tensor | None = None, left_v: torch.Tensor | None = None,
     refined: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-    joint: tuple[float, float] | None = None,
+    joint: tuple[float, float] | None = None, spectra: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """LoRC's rewritten projections for one layer, float64, names local to the attention module.
 
@@ -594,6 +596,7 @@ def factor_attention(
     ``refined[side] = (A, B)``: a side's truncation fitted by ``calib.refine`` instead (up = A, down = B·W).
     ``joint = (scale_k, scale_v)``: one latent for both (``rank_k == rank_v``), ``kv_down [r, D]`` in place
     of ``k_down`` and ``v_down``, factored by ``linalg.joint_truncation`` with these weights (refined: side "kv").
+    ``spectra``: filled with each closed-form truncation's σ by side ("k", "v" or "kv"), for the report.
     """
     refined = refined or {}
 
@@ -601,7 +604,9 @@ def factor_attention(
         if side in refined:
             a, b = refined[side]
             return a.to(f64), b.to(f64) @ weight.to(f64)
-        up, down, _ = linalg.weighted_truncation(weight, rank, right, left)  # [e, r], [r, D]
+        up, down, sigma = linalg.weighted_truncation(weight, rank, right, left)  # [e, r], [r, D]
+        if spectra is not None:
+            spectra[side] = sigma
         return up, down
 
     f64 = linalg.F64

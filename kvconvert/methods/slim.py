@@ -91,7 +91,7 @@ class SlimMethod(Method):
             kappa = linalg.condition_number_from_lu(k64.T, factor)
         else:
             kv_weight = linalg.key_to_value_map(k64, v64)  # [e_v, e] float64, right inverse
-            kappa = linalg.condition_number(k64)
+            kappa = linalg.kappa(k64)
         o_bias = linalg.fold_value_bias(w.v_bias, w.k_bias, kv_weight, w.o_weight, w.o_bias)
         v_error, dtype_error = self._value_error(layer, k64, v64, w.k_bias, w.v_bias, kv_weight, dtype)
 
