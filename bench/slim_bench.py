@@ -1,4 +1,5 @@
-"""Slim attention benchmark: conversion cost and decode speed/memory on a >= 300 MB MHA model.
+"""Slim attention benchmark: conversion cost and decode speed/memory on a >= 300 MB MHA model
+(``--method lorc``: LoRC's conversion, budget 0.5, uniform ranks, on the same model).
 
 Random weights are fine for timing (slim's cost does not depend on their values). Run with
 ``make bench-slim`` or ``python bench/slim_bench.py``; writes bench/results/slim-<date>.{json,md}.
@@ -91,14 +92,21 @@ def main() -> None:
         help="decode contexts; none (a bare --contexts) times the conversion only",
     )
     parser.add_argument("--repeats", type=int, default=2, help="conversions timed (best kept)")
-    parser.add_argument("--name", default="slim", help="results file stem")
+    parser.add_argument("--name", default=None, help="results file stem (default: the method)")
+    parser.add_argument(
+        "--method",
+        choices=["slim", "lorc"],
+        default="slim",
+        help="lorc: --kv-budget 0.5 --schedule uniform (its conversion speed, issue #18)",
+    )
     parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "src", Path(tmp) / "slim"
+        src, dst = Path(tmp) / "src", Path(tmp) / "converted"
+        command = ["slim"] if args.method == "slim" else ["lorc", "--kv-budget", "0.5", "--schedule", "uniform"]
         size = build_source(src, args.layers)
         # Floor: imports, config and shard index — everything a conversion does except converting.
         # Best of --repeats for both (the page cache's writeback makes single runs noisy).
@@ -107,14 +115,15 @@ def main() -> None:
         for _ in range(args.repeats):
             shutil.rmtree(dst, ignore_errors=True)
             os.sync()  # the last run's output is flushed before this one starts, not while it runs
-            runs.append(peak_rss_of("kvconvert.cli", "slim", "--model", str(src), "--out", str(dst), "--quiet"))
+            runs.append(peak_rss_of("kvconvert.cli", *command, "--model", str(src), "--out", str(dst), "--quiet"))
         wall, rss = min(runs)
         converting = []  # the conversion alone, timed in its process after imports and opening the source
         for _ in range(args.repeats):
             shutil.rmtree(dst, ignore_errors=True)
             os.sync()
-            done = subprocess.run([sys.executable, "-m", "bench._timed_conversion", str(src), str(dst)], check=True,
-                                  capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+            timed = [sys.executable, "-m", "bench._timed_conversion", str(src), str(dst), args.method]
+            done = subprocess.run(timed, check=True, capture_output=True, text=True,
+                                  cwd=Path(__file__).resolve().parents[1])  # fmt: skip
             converting.append(float(done.stdout.strip().splitlines()[-1]))
         convert_seconds = min(converting)
         params = dict(LlamaForCausalLM.from_pretrained(src).named_parameters())
@@ -123,10 +132,10 @@ def main() -> None:
         del params
 
         original = LlamaForCausalLM.from_pretrained(src).eval()
-        slim = AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True).eval()
+        converted = AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True).eval()
         speed = []
         for context in args.contexts:
-            for name, model in (("original", original), ("slim", slim)):
+            for name, model in (("original", original), (args.method, converted)):
                 row = {"model": name, "context": context, **decode_speed(model, context, args.new_tokens)}
                 print(row, flush=True)
                 speed.append(row)
@@ -144,10 +153,10 @@ def main() -> None:
         "largest_tensor_bytes": largest_tensor,
         "layer_bytes": layer_bytes,
     }
-    payload = {"benchmark": "slim", "machine": machine(), "conversion": conversion, "decode": speed}
+    payload = {"benchmark": args.method, "machine": machine(), "conversion": conversion, "decode": speed}
     mb = 1024**2
     conv_table = markdown_table(
-        ["model size", "`kvconvert slim` wall", "start-up (imports, config, index)", "conversion alone",
+        ["model size", f"`kvconvert {' '.join(command)}` wall", "start-up (imports, config, index)", "conversion alone",
          "MB/s (conversion)", "MB/s (whole command)", "peak RSS", "RSS without converting", "one layer",
          "largest tensor"],
         [[f"{size / mb:.0f} MiB", f"{wall:.2f} s", f"{floor_wall:.2f} s", f"{convert_seconds:.2f} s",
@@ -157,7 +166,8 @@ def main() -> None:
     )  # fmt: skip
     rows = []
     for context in args.contexts:
-        o, s = (next(r for r in speed if r["model"] == m and r["context"] == context) for m in ("original", "slim"))
+        o, s = (next(r for r in speed if r["model"] == m and r["context"] == context)
+                for m in ("original", args.method))  # fmt: skip
         rows.append([
             context, f"{o['decode_tokens_per_s']:.1f}", f"{s['decode_tokens_per_s']:.1f}",
             f"{o['prefill_tokens_per_s']:.0f}", f"{s['prefill_tokens_per_s']:.0f}",
@@ -165,12 +175,12 @@ def main() -> None:
             f"{s['kv_bytes_per_token'] / o['kv_bytes_per_token']:.3f}",
         ])  # fmt: skip
     speed_table = markdown_table(
-        ["context", "decode tok/s orig", "decode tok/s slim", "prefill tok/s orig", "prefill tok/s slim",
-         "KV B/token orig", "KV B/token slim", "KV ratio"],
+        ["context", "decode tok/s orig", f"decode tok/s {args.method}", "prefill tok/s orig",
+         f"prefill tok/s {args.method}", "KV B/token orig", f"KV B/token {args.method}", "KV ratio"],
         rows,
     )  # fmt: skip
     table = f"{conv_table}\n\n{speed_table if rows else ''}\n\nMachine: {payload['machine']}"
-    write_results(args.name, payload, table)
+    write_results(args.name or args.method, payload, table)
 
 
 if __name__ == "__main__":
