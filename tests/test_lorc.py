@@ -26,10 +26,11 @@ def convert_lorc(src, dst, *extra: str) -> dict:
     return convert("lorc", src, dst, *extra)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama_gqa", "qwen2_gqa", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "llama_gqa", "qwen2_gqa", "gpt_neox", "gpt2", "qwen3", "olmo2"])
 @pytest.mark.parametrize("compress", ["kv", "k", "v"])
 def test_full_rank_reproduces_transformers(kind, compress, tiny_model_dir, tmp_path):
-    """Budget 1.0 factors every layer at full rank: the SVD/folding path runs and must be exact."""
+    """Budget 1.0 factors every layer at full rank: the SVD/folding path runs and must be exact (QK-norm,
+    per head in Qwen3 and over all heads in OLMo 2, applied to the rebuilt or the kept keys)."""
     src = tiny_model_dir(kind)
     report = convert_lorc(src, tmp_path / "lorc", "--kv-budget", "1.0", "--compress", compress)
     assert all(r["rank_k" if compress != "v" else "rank_v"] is not None for r in report["layers"])
@@ -365,4 +366,28 @@ def test_joint_latent_user_errors(tokenized_model_dir, tmp_path):
         result = run_cli("lorc", "--model", str(tokenized_model_dir("llama")), "--out", str(tmp_path / "o"),
                          "--kv-budget", "0.5", *args)  # fmt: skip
         assert result.exit_code == 2 and fragment in result.stderr, result.stderr
+        assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "olmo2"])
+def test_qk_norm_models_convert_calibrated_and_generate(kind, tokenized_model_dir, tmp_path):
+    """QK-norm families (Qwen3: per head; OLMo 2: over all heads) at 0.5, calibrated: the checkpoint
+    normalises its rebuilt keys as the source does, the cache holds half, and generation works. The
+    paths that simulate a truncation inside the source (auto's probes, refinement) are refused: they
+    see keys after the norm, whose per-head scales a truncation before it would change."""
+    from tests.helpers import generate_in_every_mode
+
+    src = tokenized_model_dir(kind)
+    report = convert_lorc(src, tmp_path / "lorc", "--kv-budget", "0.5", "--schedule", "uniform", "--calib", *CALIB)
+    assert all(0 < r["k_rel_output_error"] < 1 for r in report["layers"])
+    config = json.loads((tmp_path / "lorc" / "config.json").read_text())["kvconvert"]
+    assert config["qk_norm"]["per_head"] == (kind == "qwen3")
+    reference, converted = load_reference(src), load_converted(tmp_path / "lorc")
+    width = config["num_kv_heads"] * config["head_dim"]
+    measured = kv_budget(reference, converted, torch.randint(3, 90, (2, 64)))
+    assert abs(measured - 0.5) <= 1 / (len(report["layers"]) * width)
+    generate_in_every_mode(converted)
+    for args in (["--schedule", "auto"], ["--refine-steps", "10"]):
+        result = run_cli("lorc", "--model", str(src), "--out", str(tmp_path / "o"), "--kv-budget", "0.5", *args)
+        assert result.exit_code == 2 and "cannot simulate a truncation before this model's QK-norm" in result.stderr
         assert not (tmp_path / "o").exists()

@@ -29,6 +29,8 @@ class AttentionLayout:
     context: int  # longest sequence the model was trained for
     # attention features of post-2024 families (each method says which it supports: FEATURES)
     qk_norm: bool = False  # an RMSNorm on queries and keys between projection and RoPE
+    qk_norm_eps: float | None = None  # its epsilon (with qk_norm)
+    qk_norm_per_head: bool = True  # over each head's dk channels (Qwen3, Gemma 3), or over all heads (OLMo 2)
     local_layers: tuple[int, ...] = ()  # sliding-window layers interleaved with global ones
     sliding_window: int | None = None  # their window (tokens)
     softcap: float | None = None  # attention-logit soft-capping: scores = c·tanh(scores / c)
@@ -66,7 +68,9 @@ class AttentionWeights:
     """One layer's attention projections in ``nn.Linear`` convention (``y = x @ W.T + b``).
 
     Shapes: q ``[H·dk, d]``, k ``[Hkv·dk, d]``, v ``[Hkv·dk, d]``, o ``[d, H·dk]``; biases are
-    the matching output widths, or None when the architecture has none.
+    the matching output widths, or None when the architecture has none. QK-norm weights (RMSNorm after
+    the projection, before RoPE): ``[dk]`` per head (Qwen3) or ``[H·dk]``/``[Hkv·dk]`` over all heads
+    (OLMo 2), or None.
     """
 
     q_weight: torch.Tensor
@@ -77,6 +81,8 @@ class AttentionWeights:
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

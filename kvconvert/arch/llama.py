@@ -39,6 +39,8 @@ class LlamaAdapter(ArchAdapter):
             rotary_module="model.rotary_emb",
             context=c.max_position_embeddings,
             qk_norm=self.qk_norm(),
+            qk_norm_eps=float(c.rms_norm_eps) if self.qk_norm() else None,
+            qk_norm_per_head=c.model_type != "olmo2",
             local_layers=local,
             sliding_window=window,
             softcap=getattr(c, "attn_logit_softcapping", None),
@@ -63,6 +65,8 @@ class LlamaAdapter(ArchAdapter):
             k_bias=tensors.get("k_proj.bias"),
             v_bias=tensors.get("v_proj.bias"),
             o_bias=tensors.get("o_proj.bias"),
+            q_norm=tensors.get("q_norm.weight"),
+            k_norm=tensors.get("k_norm.weight"),
         )
 
 

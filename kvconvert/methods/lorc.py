@@ -228,8 +228,6 @@ class LorcMethod(Method):
     # calibrated keys: weight their error by the queries (True) or by the inputs alone (the ablation)
     query_weighted_keys: ClassVar[bool] = True
     unsupported: ClassVar[dict[str, str]] = {
-        "qk_norm": "its keys are RMS-normalised per head before RoPE (QK-norm): keys rebuilt from a low-rank latent "
-                   "would need the norm applied after the up-projection (not implemented); use quant or razor",
         "local_layers": "its sliding-window layers need a cache that forgets beyond the window (not implemented for "
                         "lorc); use quant or razor",
         "softcap": "lorc's attention does not apply attention-logit soft-capping; use quant",
@@ -267,6 +265,18 @@ class LorcMethod(Method):
 
     def params(self) -> dict[str, Any]:
         return asdict(self.config)
+
+    def check(self, layout: AttentionLayout) -> None:
+        if not layout.qk_norm:
+            return
+        if not layout.rotary:  # keys scored on the latent: no full-width key to normalise
+            raise KVConvertError("lorc supports QK-norm only with RoPE (its keys are rebuilt, then normalised)")
+        if self.config.schedule == "auto" or self.config.refine_steps:
+            # both simulate the truncation on the keys the attention receives, normalised per head: the
+            # checkpoint truncates before the norm, and a per-head norm's scales cannot be undone after Π
+            raise KVConvertError("lorc --schedule auto and --refine-steps cannot simulate a truncation before this "
+                                 "model's QK-norm (not implemented); use --schedule uniform or progressive, "
+                                 "calibrated with --calib if you like")
 
     def expected_kv_budget(self, layout: AttentionLayout) -> float:
         assert self.plan_ is not None
@@ -555,7 +565,10 @@ class LorcMethod(Method):
                 "biases": sorted(n.removesuffix(".bias") for n in names if n.endswith(".bias")),
                 **({"joint": True} if self.plan_.joint_scales is not None else {}),
             })  # fmt: skip
-        return {"lorc_layers": layers}
+        spec: dict[str, Any] = {"lorc_layers": layers}
+        if layout.qk_norm:  # per head (Qwen3: a [dk] weight) or over all heads at once (OLMo 2)
+            spec["qk_norm"] = {"eps": layout.qk_norm_eps, "per_head": layout.qk_norm_per_head}
+        return spec
 
 
 def _affine(
@@ -663,4 +676,7 @@ def factor_attention(
                 o_bias if o_bias is not None else torch.zeros(o_w.shape[0], dtype=f64)
             ) + o_w @ v_bias_per_query_head
         _linear(out, "o_proj", o_weight, o_bias)
+    for name, norm in (("q_norm", w.q_norm), ("k_norm", w.k_norm)):  # QK-norm: applied as the source does
+        if norm is not None:
+            out[f"{name}.weight"] = norm
     return out

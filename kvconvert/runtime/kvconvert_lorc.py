@@ -32,6 +32,18 @@ from .kvconvert_kernels import use_kernels
 from .kvconvert_storage import QuantSpec, stock_layer
 
 
+class HeadNorm(nn.Module):
+    """The source's QK-norm: an RMSNorm over the last ``width`` channels (one head's, or all heads' at once)."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(width)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 class LorcAttention(LatentAttention):
     """Attention over a low-rank K/V cache (GQA-aware: query head i uses KV group i // G).
 
@@ -40,6 +52,8 @@ class LorcAttention(LatentAttention):
     without RoPE ``q_proj [H·r_k, d]`` (U_K absorbed); K kept: ``k_proj``, ``q_proj`` as usual.
     V factored: ``v_down [r_v, d]``, ``o_proj [d, H·r_v]``; V kept: ``v_proj``, ``o_proj [d, H·dk]``.
     Joint (``r_k == r_v``): ``kv_down [r, d]`` in place of ``k_down`` and ``v_down``; the cache holds keys only.
+    QK-norm (``spec["qk_norm"]``, RoPE models only): ``q_norm``/``k_norm`` applied to the projected queries and
+    the rebuilt keys before RoPE, per head or over all heads, as the source applies them to its own.
     """
 
     def __init__(self, spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None):
@@ -72,6 +86,21 @@ class LorcAttention(LatentAttention):
         elif not self.joint:
             self.v_down = nn.Linear(hidden, self.rank_v, bias=False)
         self.o_proj = nn.Linear(self.heads * (self.rank_v or self.head_dim), hidden, bias="o_proj" in biases)
+        norm = spec.get("qk_norm")
+        self.norm_per_head = norm is not None and bool(norm["per_head"])
+        if norm is not None:
+            self.q_norm = HeadNorm(self.head_dim if self.norm_per_head else self.heads * self.head_dim, norm["eps"])
+            self.k_norm = HeadNorm(self.head_dim if self.norm_per_head else kv_width, norm["eps"])
+
+    def _normed(self, x: torch.Tensor, norm_name: str, heads: int) -> torch.Tensor:
+        """``x [b, n, heads·dk]`` through the QK-norm ``norm_name`` if the model has one."""
+        norm = getattr(self, norm_name, None)
+        if norm is None:
+            return x
+        if not self.norm_per_head:
+            return norm(x)
+        b, n, _ = x.shape
+        return norm(x.view(b, n, heads, self.head_dim)).view(b, n, -1)
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """``[b, n, Hkv·dk]`` -> ``[b, Hkv, n, dk]``."""
@@ -108,9 +137,11 @@ class LorcAttention(LatentAttention):
         assert values is not None
         kv_len = keys.shape[1]
 
-        query = self.q_proj(hidden_states).view(batch, q_len, h, -1).transpose(1, 2)  # [b, h, q, dk or r_k]
+        query = self._normed(self.q_proj(hidden_states), "q_norm", h)
+        query = query.view(batch, q_len, h, -1).transpose(1, 2)  # [b, h, q, dk or r_k]
         if not self.absorbed_keys:
-            key_heads = self._grouped(keys if self.rank_k is None else self.k_up(keys))  # [b, Hkv, n, dk]
+            full_keys = self._normed(keys if self.rank_k is None else self.k_up(keys), "k_norm", hkv)
+            key_heads = self._grouped(full_keys)  # [b, Hkv, n, dk]
             if rotary is not None:
                 cos, sin = position_embeddings if position_embeddings is not None else rotary(query, position_ids)
                 query = apply_rotary(query, cos, sin)
