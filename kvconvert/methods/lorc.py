@@ -276,7 +276,7 @@ class LorcMethod(Method):
             # checkpoint truncates before the norm, and a per-head norm's scales cannot be undone after Π
             raise KVConvertError("lorc --schedule auto and --refine-steps cannot simulate a truncation before this "
                                  "model's QK-norm (not implemented); use --schedule uniform or progressive, "
-                                 "calibrated with --calib if you like")
+                                 "calibrated with --calib if you like")  # fmt: skip
 
     def expected_kv_budget(self, layout: AttentionLayout) -> float:
         assert self.plan_ is not None
