@@ -125,6 +125,12 @@ class ArchAdapter:
     def attention_module_paths(self) -> list[str]:
         return [self.attention_module_template.format(i=i) for i in range(self.layout().num_layers)]
 
+    def key_norm(self, attention: Any) -> tuple[Any, torch.Tensor, float] | None:
+        """A loaded attention module's QK-norm on keys as ``(key projection module, weight, eps)``: the
+        keys are ``weight · k / √(mean(k²) + eps)`` of the projection's output ``k``, over each head's
+        channels (``weight [dk]``) or all heads' (``[Hkv·dk]``), before RoPE. None without QK-norm."""
+        return None
+
     # -- checkpoint -----------------------------------------------------------------------
     def match_attention_tensor(self, name: str) -> AttentionTensorName | None:
         m = self.attention_name_pattern.match(name)

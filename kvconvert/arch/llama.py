@@ -5,7 +5,7 @@ queries) and Phi-3 (one fused QKV projection)."""
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -51,6 +51,10 @@ class LlamaAdapter(ArchAdapter):
         """An RMSNorm on queries and keys between projection and RoPE?"""
         return False
 
+    def key_norm(self, attention: Any) -> tuple[Any, torch.Tensor, float] | None:
+        norm = getattr(attention, "k_norm", None)  # Qwen3RMSNorm, Olmo2RMSNorm: weight · x / rms(x)
+        return None if norm is None else (attention.k_proj, norm.weight.detach(), float(norm.variance_epsilon))
+
     def layer_rope(self) -> bool:
         """RoPE tables that differ between local and global layers?"""
         return False
@@ -94,6 +98,10 @@ class GemmaAdapter(LlamaAdapter):
 
     def qk_norm(self) -> bool:
         return self.config.model_type == "gemma3_text"
+
+    def key_norm(self, attention: Any) -> tuple[Any, torch.Tensor, float] | None:
+        norm = getattr(attention, "k_norm", None)  # Gemma3RMSNorm scales by (1 + weight)
+        return None if norm is None else (attention.k_proj, 1 + norm.weight.detach().float(), float(norm.eps))
 
     def layer_rope(self) -> bool:
         return self.config.model_type == "gemma3_text"

@@ -178,38 +178,53 @@ def rotary_tables(
 
 def project_kv(
     model: Any, rotary_module: str | None, layer: int, key: torch.Tensor, value: torch.Tensor,
-    projectors: dict[tuple[int, str], Affine],
+    projectors: dict[tuple[int, str], Affine], normed: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``key``/``value`` (``[b, Hkv, n, dk]``, keys after RoPE) of ``layer`` with ``projectors[layer, side]
     = (Π [Hkv·dk, Hkv·dk], c [Hkv·dk])`` applied as ``Π·x + c`` on the concatenated heads before RoPE
     (side "kv": ``Π [2·Hkv·dk, 2·Hkv·dk]`` on keys and values stacked, a latent shared by both):
     what a truncated projection ``Π·W`` with its bias b kept computes (``c = b − Π·b``;
     ``linalg.truncation_projector``). Keys are rotated back (positions 0..n-1: one unpadded sequence
-    per row, as calibration runs), projected and rotated again."""
+    per row, as calibration runs), projected and rotated again. ``normed = (k [b, n, Hkv·dk], weight, eps)``
+    for a QK-norm model (``ArchAdapter.key_norm``): the key projection's own output, which the truncation
+    acts on before the norm — per head, the norm's scales could not be undone after Π mixes heads."""
     from kvconvert.runtime.kvconvert_common import apply_rotary
 
-    def projected(x: torch.Tensor, affine: Affine, rotate: bool) -> torch.Tensor:
-        projector, offset = affine
-        b, kv_heads, n, dk = x.shape  # [b, Hkv, n, dk]
-        cos, sin = rotary_tables(model, rotary_module if rotate else None, x)
-        if cos is not None and sin is not None:
-            x = apply_rotary(x, cos, -sin)  # back to the pre-RoPE key
-        flat = x.transpose(1, 2).reshape(b, n, kv_heads * dk) @ projector.to(x.dtype).T + offset.to(x.dtype)
-        x = flat.view(b, n, kv_heads, dk).transpose(1, 2)
-        return x if cos is None or sin is None else apply_rotary(x, cos, sin)
+    def flat(x: torch.Tensor) -> torch.Tensor:  # [b, H, n, dk] -> [b, n, H·dk]
+        b, heads, n, dk = x.shape
+        return x.transpose(1, 2).reshape(b, n, heads * dk)
 
-    if (layer, "kv") in projectors:  # one latent for both (``lorc --latent joint``): Π acts on [k; v]
-        kv_heads = key.shape[1]
-        cos, sin = rotary_tables(model, rotary_module, key)
-        plain = key if cos is None or sin is None else apply_rotary(key, cos, -sin)
-        both = projected(torch.cat([plain, value], dim=1), projectors[layer, "kv"], rotate=False)
-        key, value = both[:, :kv_heads], both[:, kv_heads:]
-        return (key if cos is None or sin is None else apply_rotary(key, cos, sin)), value
-    if (layer, "k") in projectors:
-        key = projected(key, projectors[layer, "k"], rotate=True)
+    def heads_of(x: torch.Tensor, heads: int) -> torch.Tensor:  # [b, n, H·dk] -> [b, H, n, dk]
+        b, n, width = x.shape
+        return x.view(b, n, heads, width // heads).transpose(1, 2)
+
+    def projected(x: torch.Tensor, affine: Affine) -> torch.Tensor:  # x [b, n, w] -> Π·x + c
+        projector, offset = affine
+        return x @ projector.to(x.dtype).T + offset.to(x.dtype)
+
+    kv_heads = key.shape[1]
     if (layer, "v") in projectors:
-        value = projected(value, projectors[layer, "v"], rotate=False)
-    return key, value
+        value = heads_of(projected(flat(value), projectors[layer, "v"]), kv_heads)
+    joint = (layer, "kv") in projectors
+    if not joint and (layer, "k") not in projectors:
+        return key, value
+    cos, sin = rotary_tables(model, rotary_module, key)
+    if normed is not None:  # the projection's output, before the norm and RoPE
+        plain = normed[0].to(key.dtype)
+    else:
+        plain = flat(key if cos is None or sin is None else apply_rotary(key, cos, -sin))
+    if joint:  # one latent for both (``lorc --latent joint``): Π acts on [k; v]
+        both = projected(torch.cat([plain, flat(value)], dim=-1), projectors[layer, "kv"])
+        plain, value = both[..., : plain.shape[-1]], heads_of(both[..., plain.shape[-1] :], kv_heads)
+    else:
+        plain = projected(plain, projectors[layer, "k"])
+    if normed is not None:  # the model's norm, as the checkpoint applies it to its rebuilt keys
+        _, weight, eps = normed
+        b, n, width = plain.shape
+        per = plain.view(b, n, -1, weight.numel())  # [b, n, Hkv, dk] per head, [b, n, 1, Hkv·dk] over all
+        plain = (per * torch.rsqrt(per.pow(2).mean(-1, keepdim=True) + eps) * weight.to(plain.dtype)).view(b, n, width)
+    key = heads_of(plain, kv_heads)
+    return (key if cos is None or sin is None else apply_rotary(key, cos, sin)), value
 
 
 @contextlib.contextmanager
@@ -217,13 +232,30 @@ def projected_kv(model: Any, select: Callable[[], dict[tuple[int, str], Affine]]
                  ) -> Iterator[None]:  # fmt: skip
     """Inside the block, the keys (side "k") or values ("v") of each ``(layer, side)`` in ``select()``
     (asked at every layer: each branch of a probing pass has its own) are replaced as ``project_kv``
-    does: what the truncated projection computes."""
+    does: what the truncated projection computes. On a QK-norm model each layer's key projection is
+    hooked so that the truncation acts on its output, before the norm, as in the checkpoint."""
+    from kvconvert.arch import adapter_for
+
+    adapter = adapter_for(model.config)
+    raw: dict[int, torch.Tensor] = {}  # layer -> this call's key projection output, [b, n, Hkv·dk]
+    handles = []
+    for layer, path in enumerate(adapter.attention_module_paths()):
+        found = adapter.key_norm(model.get_submodule(path))  # (layer by layer, weights still on "meta" here)
+        if found is not None:
+            handles.append(found[0].register_forward_hook(
+                lambda module, args, out, layer=layer: raw.__setitem__(layer, out.detach().cpu())))  # fmt: skip
 
     def project(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
         layer, projectors = int(module.layer_idx), select()
         if not any((layer, side) in projectors for side in ("k", "v", "kv")):
             return None
-        return query, *project_kv(model, rotary_module, layer, key, value, projectors)
+        found = adapter.key_norm(module)  # the norm's weight as loaded now
+        normed = None if found is None else (raw[layer], found[1].float().cpu(), found[2])
+        return query, *project_kv(model, rotary_module, layer, key, value, projectors, normed)
 
-    with observed_attention(model, project):
-        yield
+    try:
+        with observed_attention(model, project):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -271,12 +271,11 @@ class LorcMethod(Method):
             return
         if not layout.rotary:  # keys scored on the latent: no full-width key to normalise
             raise KVConvertError("lorc supports QK-norm only with RoPE (its keys are rebuilt, then normalised)")
-        if self.config.schedule == "auto" or self.config.refine_steps:
-            # both simulate the truncation on the keys the attention receives, normalised per head: the
+        if self.config.refine_steps:
+            # it fits the truncation on the keys the attention receives, already normalised per head: the
             # checkpoint truncates before the norm, and a per-head norm's scales cannot be undone after Π
-            raise KVConvertError("lorc --schedule auto and --refine-steps cannot simulate a truncation before this "
-                                 "model's QK-norm (not implemented); use --schedule uniform or progressive, "
-                                 "calibrated with --calib if you like")  # fmt: skip
+            raise KVConvertError("lorc --refine-steps cannot fit a truncation before this model's QK-norm (not "
+                                 "implemented); use --schedule auto without it")  # fmt: skip
 
     def expected_kv_budget(self, layout: AttentionLayout) -> float:
         assert self.plan_ is not None
