@@ -211,14 +211,16 @@ JOINT = {"kv_budget": 0.5, "schedule": "auto", "latent": "joint"}
 @pytest.mark.parametrize(("kind", "options"), [
     ("llama_gqa", {**UNIFORM, "compress": "kv"}), ("qwen2_gqa", {**UNIFORM, "compress": "k"}),
     ("gpt_neox", {**UNIFORM, "compress": "v"}), ("llama_gqa", JOINT), ("qwen2_gqa", JOINT),
+    ("qwen3", JOINT), ("olmo2", {**UNIFORM, "compress": "k"}),
 ])  # fmt: skip
 def test_refinement_lowers_the_output_error_and_the_checkpoint_computes_it(kind, options, tokenized_model_dir,
                                                                           tmp_path):  # fmt: skip
     """--refine-steps: every refined layer's attention-output loss on its calibration chunks is below the
     closed form's (never above: the better is kept), the factors really moved, and the checkpoint computes
     what the refined truncation does inside the source (``projected_kv`` with Π = A·B; RoPE, partial
-    rotary and biases included). ``--latent joint``: one Π on the stacked [k; v] (side "kv": keys
-    un-rotated, stacked with the values, projected, split, re-rotated)."""
+    rotary and biases included; QK-norm models fitted on the key projection's output, normalised after Π).
+    ``--latent joint``: one Π on the stacked [k; v] (side "kv": keys un-rotated, stacked with the values,
+    projected, split, re-rotated)."""
     from kvconvert.arch import adapter_for
     from kvconvert.calib.search import projected_kv
     from kvconvert.io.source import open_source
@@ -375,8 +377,7 @@ def test_joint_latent_user_errors(tokenized_model_dir, tmp_path):
 def test_qk_norm_models_convert_by_measured_loss_and_generate(kind, tokenized_model_dir, tmp_path):
     """QK-norm families (Qwen3: per head; OLMo 2: over all heads) at 0.5 with the calibrated allocation:
     the probes measure each side's loss (their simulation is tested above), the checkpoint normalises its
-    rebuilt keys as the source does, the cache holds half, and generation works. Refinement, which fits on
-    keys after the norm, is refused."""
+    rebuilt keys as the source does, the cache holds half, and generation works."""
     from tests.helpers import generate_in_every_mode
 
     src = tokenized_model_dir(kind)
@@ -390,7 +391,39 @@ def test_qk_norm_models_convert_by_measured_loss_and_generate(kind, tokenized_mo
     measured = kv_budget(reference, converted, torch.randint(3, 90, (2, 64)))
     assert abs(measured - 0.5) <= 1 / (len(layers) * width)
     generate_in_every_mode(converted)
-    result = run_cli("lorc", "--model", str(src), "--out", str(tmp_path / "o"), "--kv-budget", "0.5",
-                     "--refine-steps", "10")  # fmt: skip
-    assert result.exit_code == 2 and "cannot fit a truncation before this model's QK-norm" in result.stderr
-    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "olmo2"])
+@torch.no_grad()
+def test_refinement_fits_on_what_the_qk_norm_model_attends_to(kind, tokenized_model_dir):
+    """On a QK-norm model the refinement's capture holds the key projection's output (before the norm),
+    and its attention normalises and rotates it: the same output as the model's own keys give."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from kvconvert.calib.hooks import observed_attention
+    from kvconvert.calib.refine import Capture, attend
+    from kvconvert.calib.search import key_projections, rotary_tables
+
+    model = load_reference(tokenized_model_dir(kind))
+    seen = []
+    with key_projections(model) as normed:
+
+        def observer(module, query, key, value, scaling):
+            if int(module.layer_idx) == 1:
+                raw, weight, eps = normed(module)
+                seen.append((query, key, value, scaling, raw, weight, eps))
+
+        with observed_attention(model, observer):
+            model(torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(0)))
+    query, key, value, scaling, raw, weight, eps = seen[0]
+    kv_heads = key.shape[1]
+    cos, sin = rotary_tables(model, "model.rotary_emb", key)
+    capture = Capture(query=query, key=raw.unflatten(-1, (kv_heads, -1)).transpose(1, 2), value=value, cos=cos,
+                      sin=sin, scaling=scaling, norm=(weight, eps))  # fmt: skip
+    own = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    expected = own.transpose(1, 2).flatten(-2)
+    assert torch.allclose(attend(capture, capture.key, capture.value), expected, atol=1e-5)
+    without_norm = attend(dataclasses.replace(capture, norm=None), capture.key, capture.value)
+    assert not torch.allclose(without_norm, expected, atol=1e-3)  # the norm matters

@@ -176,6 +176,13 @@ def rotary_tables(
     return cos.float().cpu(), sin.float().cpu()
 
 
+def normalise_keys(keys: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A QK-norm applied to ``keys [..., n, Hkv·dk]`` (heads concatenated): ``weight · k / √(mean(k²) + eps)``
+    over each head's channels (``weight [dk]``) or over all heads' (``[Hkv·dk]``)."""
+    per = keys.unflatten(-1, (-1, weight.numel()))  # [..., n, Hkv, dk] per head, [..., n, 1, Hkv·dk] over all
+    return (per * torch.rsqrt(per.pow(2).mean(-1, keepdim=True) + eps) * weight.to(keys.dtype)).flatten(-2)
+
+
 def project_kv(
     model: Any, rotary_module: str | None, layer: int, key: torch.Tensor, value: torch.Tensor,
     projectors: dict[tuple[int, str], Affine], normed: tuple[torch.Tensor, torch.Tensor, float] | None = None,
@@ -219,25 +226,21 @@ def project_kv(
     else:
         plain = projected(plain, projectors[layer, "k"])
     if normed is not None:  # the model's norm, as the checkpoint applies it to its rebuilt keys
-        _, weight, eps = normed
-        b, n, width = plain.shape
-        per = plain.view(b, n, -1, weight.numel())  # [b, n, Hkv, dk] per head, [b, n, 1, Hkv·dk] over all
-        plain = (per * torch.rsqrt(per.pow(2).mean(-1, keepdim=True) + eps) * weight.to(plain.dtype)).view(b, n, width)
+        plain = normalise_keys(plain, normed[1], normed[2])
     key = heads_of(plain, kv_heads)
     return (key if cos is None or sin is None else apply_rotary(key, cos, sin)), value
 
 
 @contextlib.contextmanager
-def projected_kv(model: Any, select: Callable[[], dict[tuple[int, str], Affine]], rotary_module: str | None
-                 ) -> Iterator[None]:  # fmt: skip
-    """Inside the block, the keys (side "k") or values ("v") of each ``(layer, side)`` in ``select()``
-    (asked at every layer: each branch of a probing pass has its own) are replaced as ``project_kv``
-    does: what the truncated projection computes. On a QK-norm model each layer's key projection is
-    hooked so that the truncation acts on its output, before the norm, as in the checkpoint."""
+def key_projections(model: Any) -> Iterator[Callable[[Any], tuple[torch.Tensor, torch.Tensor, float] | None]]:
+    """On a QK-norm model, each layer's key projection hooked for the block's duration; yields
+    ``normed(attention module)``: ``(k [b, n, Hkv·dk], weight, eps)`` for the call being attended — the
+    projection's output before the norm and RoPE, and the norm (``ArchAdapter.key_norm``) — or None for
+    a model without QK-norm. A truncation acts on that output, before the norm (``project_kv``)."""
     from kvconvert.arch import adapter_for
 
     adapter = adapter_for(model.config)
-    raw: dict[int, torch.Tensor] = {}  # layer -> this call's key projection output, [b, n, Hkv·dk]
+    raw: dict[int, torch.Tensor] = {}  # layer -> this call's key projection output
     handles = []
     for layer, path in enumerate(adapter.attention_module_paths()):
         found = adapter.key_norm(model.get_submodule(path))  # (layer by layer, weights still on "meta" here)
@@ -245,17 +248,30 @@ def projected_kv(model: Any, select: Callable[[], dict[tuple[int, str], Affine]]
             handles.append(found[0].register_forward_hook(
                 lambda module, args, out, layer=layer: raw.__setitem__(layer, out.detach().cpu())))  # fmt: skip
 
-    def project(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
-        layer, projectors = int(module.layer_idx), select()
-        if not any((layer, side) in projectors for side in ("k", "v", "kv")):
-            return None
-        found = adapter.key_norm(module)  # the norm's weight as loaded now
-        normed = None if found is None else (raw[layer], found[1].float().cpu(), found[2])
-        return query, *project_kv(model, rotary_module, layer, key, value, projectors, normed)
+    def normed(attention: Any) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        found = adapter.key_norm(attention)  # the norm's weight as loaded now
+        return None if found is None else (raw[int(attention.layer_idx)], found[1].float().cpu(), found[2])
 
     try:
-        with observed_attention(model, project):
-            yield
+        yield normed
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def projected_kv(model: Any, select: Callable[[], dict[tuple[int, str], Affine]], rotary_module: str | None
+                 ) -> Iterator[None]:  # fmt: skip
+    """Inside the block, the keys (side "k") or values ("v") of each ``(layer, side)`` in ``select()``
+    (asked at every layer: each branch of a probing pass has its own) are replaced as ``project_kv``
+    does: what the truncated projection computes (on a QK-norm model, before the norm: ``key_projections``)."""
+    with key_projections(model) as normed:
+
+        def project(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
+            layer, projectors = int(module.layer_idx), select()
+            if not any((layer, side) in projectors for side in ("k", "v", "kv")):
+                return None
+            return query, *project_kv(model, rotary_module, layer, key, value, projectors, normed(module))
+
+        with observed_attention(model, project):
+            yield

@@ -267,15 +267,8 @@ class LorcMethod(Method):
         return asdict(self.config)
 
     def check(self, layout: AttentionLayout) -> None:
-        if not layout.qk_norm:
-            return
-        if not layout.rotary:  # keys scored on the latent: no full-width key to normalise
+        if layout.qk_norm and not layout.rotary:  # keys scored on the latent: no full-width key to normalise
             raise KVConvertError("lorc supports QK-norm only with RoPE (its keys are rebuilt, then normalised)")
-        if self.config.refine_steps:
-            # it fits the truncation on the keys the attention receives, already normalised per head: the
-            # checkpoint truncates before the norm, and a per-head norm's scales cannot be undone after Π
-            raise KVConvertError("lorc --refine-steps cannot fit a truncation before this model's QK-norm (not "
-                                 "implemented); use --schedule auto without it")  # fmt: skip
 
     def expected_kv_budget(self, layout: AttentionLayout) -> float:
         assert self.plan_ is not None
