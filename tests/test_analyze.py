@@ -60,18 +60,27 @@ def test_analyze_heads_heat_map(tiny_model_dir, tmp_path):
     assert all(0 <= x <= 1 for row in heads["induction"] for x in row)
 
 
+def analyze_then_convert(src, tmp_path, allocation: list[str], command: list[str]):
+    """``kvconvert analyze --allocation 0.6 ALLOCATION`` then the conversion ``COMMAND`` at the same budget
+    (both on 2048 calibration tokens): (analyze's result, analysis.json, the conversion's output folder)."""
+    out = tmp_path / "analysis"
+    result = run_cli("analyze", "--model", str(src), "--out", str(out), "--allocation", "0.6", *allocation,
+                     "--calib-tokens", "2048")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    dst = tmp_path / command[0]
+    converted = run_cli(command[0], "--model", str(src), "--out", str(dst), "--kv-budget", "0.6", *command[1:],
+                        "--calib-tokens", "2048", "--quiet")  # fmt: skip
+    assert converted.exit_code == 0, converted.output
+    return result, json.loads((out / "analysis.json").read_text()), dst
+
+
 def test_analyze_draws_the_auto_allocation_lorc_writes(tokenized_model_dir, tmp_path):
     """--allocation: the ranks analyze reports are the ones `lorc --schedule auto` writes at that budget."""
-    src = tokenized_model_dir("llama_gqa")
-    out = tmp_path / "analysis"
-    result = run_cli("analyze", "--model", str(src), "--out", str(out), "--allocation", "0.6", "--calib-tokens", "2048")
-    assert result.exit_code == 0, result.output
-    plan = json.loads((out / "analysis.json").read_text())["lorc_auto"]["0.6"]
-    assert (out / "ranks.png").read_bytes().startswith(PNG_MAGIC) and "budget 0.6" in result.output
-    converted = run_cli("lorc", "--model", str(src), "--out", str(tmp_path / "lorc"), "--kv-budget", "0.6",
-                        "--schedule", "auto", "--calib-tokens", "2048", "--quiet")  # fmt: skip
-    assert converted.exit_code == 0, converted.output
-    layers = json.loads((tmp_path / "lorc" / "kvconvert.json").read_text())["layers"]
+    result, analysis, dst = analyze_then_convert(tokenized_model_dir("llama_gqa"), tmp_path, [],
+                                                 ["lorc", "--schedule", "auto"])  # fmt: skip
+    plan = analysis["lorc_auto"]["0.6"]
+    assert (tmp_path / "analysis" / "ranks.png").read_bytes().startswith(PNG_MAGIC) and "budget 0.6" in result.output
+    layers = json.loads((dst / "kvconvert.json").read_text())["layers"]
     assert plan["rank_k"] == [r["rank_k"] for r in layers] and plan["rank_v"] == [r["rank_v"] for r in layers]
     assert plan["probe_kl_k"] == pytest.approx([r["k_probe_kl"] for r in layers])
 
@@ -79,40 +88,29 @@ def test_analyze_draws_the_auto_allocation_lorc_writes(tokenized_model_dir, tmp_
 def test_analyze_draws_the_joint_latent_lorc_writes(tokenized_model_dir, tmp_path):
     """--allocation-method lorc-joint: the one latent's rank per layer that analyze reports (and draws) is
     the one `lorc --schedule auto --latent joint` writes at that budget, with the same error weights."""
-    src = tokenized_model_dir("llama_gqa")
-    out = tmp_path / "analysis"
-    result = run_cli("analyze", "--model", str(src), "--out", str(out), "--allocation", "0.6", "--allocation-method",
-                     "lorc-joint", "--calib-tokens", "2048")  # fmt: skip
-    assert result.exit_code == 0, result.output
-    analysis = json.loads((out / "analysis.json").read_text())
+    result, analysis, dst = analyze_then_convert(tokenized_model_dir("llama_gqa"), tmp_path,
+                                                 ["--allocation-method", "lorc-joint"],
+                                                 ["lorc", "--schedule", "auto", "--latent", "joint"])  # fmt: skip
     assert "lorc_auto" not in analysis and "LoRC --latent joint" in result.output
     plan = analysis["lorc_joint"]["0.6"]
-    converted = run_cli("lorc", "--model", str(src), "--out", str(tmp_path / "lorc"), "--kv-budget", "0.6",
-                        "--schedule", "auto", "--latent", "joint", "--calib-tokens", "2048", "--quiet")  # fmt: skip
-    assert converted.exit_code == 0, converted.output
-    written = json.loads((tmp_path / "lorc" / "kvconvert.json").read_text())
+    written = json.loads((dst / "kvconvert.json").read_text())
     assert plan["rank_k"] == [r["rank_k"] for r in written["layers"]] == plan["rank_v"]
     scales = [c for layer in plan["joint_scales"] for c in layer]
     assert scales == pytest.approx([c for r in written["layers"] for c in r["kv_scales"]])
-    assert (out / "ranks.png").read_bytes().startswith(PNG_MAGIC)
+    assert (tmp_path / "analysis" / "ranks.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def test_analyze_draws_the_widths_zack_auto_writes(tokenized_model_dir, tmp_path):
     """--allocation-method zack: the widths per KV head analyze reports (and draws) are the ones
     `zack --schedule auto` writes at that budget, with the same probe KLs."""
-    src = tokenized_model_dir("llama_gqa")
-    out = tmp_path / "analysis"
-    result = run_cli("analyze", "--model", str(src), "--out", str(out), "--allocation", "0.6", "--allocation-method",
-                     "zack", "--calib-tokens", "2048")  # fmt: skip
-    assert result.exit_code == 0, result.output
-    analysis = json.loads((out / "analysis.json").read_text())
-    assert "lorc_auto" not in analysis and (out / "zack_allocation.png").read_bytes().startswith(PNG_MAGIC)
+    result, analysis, dst = analyze_then_convert(tokenized_model_dir("llama_gqa"), tmp_path,
+                                                 ["--allocation-method", "zack"],
+                                                 ["zack", "--schedule", "auto"])  # fmt: skip
+    zack_png = tmp_path / "analysis" / "zack_allocation.png"
+    assert "lorc_auto" not in analysis and zack_png.read_bytes().startswith(PNG_MAGIC)
     plan = analysis["zack_auto"]["0.6"]
     assert "ZACK --schedule auto" in result.output and "budget 0.6" in result.output
-    converted = run_cli("zack", "--model", str(src), "--out", str(tmp_path / "zack"), "--kv-budget", "0.6",
-                        "--schedule", "auto", "--calib-tokens", "2048", "--quiet")  # fmt: skip
-    assert converted.exit_code == 0, converted.output
-    written = json.loads((tmp_path / "zack" / "config.json").read_text())["kvconvert"]["zack_layers"]
+    written = json.loads((dst / "config.json").read_text())["kvconvert"]["zack_layers"]
     assert plan["rank_k"] == [layer["rank_k"] for layer in written]
     assert plan["rank_v"] == [layer["rank_v"] for layer in written]
     assert len(set(map(tuple, plan["rank_k"]))) > 1 or len(set(map(tuple, plan["rank_v"]))) > 1  # not uniform

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvconvert.calib.hooks import observed_attention
-from kvconvert.calib.search import normalise_keys
+from kvconvert.calib.search import flat_heads, normalise_keys, split_heads
 from kvconvert.runtime.kvconvert_common import apply_rotary
 
 # side "k" / "v" -> (A [e, r], B [r, e]), Π = A·B; "kv" (a latent shared by both): on [k; v], e = 2·Hkv·dk
@@ -53,10 +53,8 @@ def project(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor], offset:
     """``Π·(x − b) + b`` per token on the concatenated heads of ``x [n, Hkv, T, dk]``, ``Π = A·B``: what a
     truncated projection with its bias b kept computes from the source's ``x = Wx + b``."""
     a, b = factors
-    n, kv_heads, t, dk = x.shape
-    flat = x.transpose(1, 2).reshape(n, t, kv_heads * dk) - offset
-    flat = flat @ b.T @ a.T + offset
-    return flat.view(n, t, kv_heads, dk).transpose(1, 2)
+    flat = flat_heads(x) - offset  # [n, T, Hkv·dk]
+    return split_heads(flat @ b.T @ a.T + offset, x.shape[1])
 
 
 def attend(capture: Capture, key: torch.Tensor, value: torch.Tensor, rows: Any = slice(None)) -> torch.Tensor:
@@ -64,8 +62,7 @@ def attend(capture: Capture, key: torch.Tensor, value: torch.Tensor, rows: Any =
     ``[n, T, H·dk]``, the input of W_O."""
     query = capture.query[rows]
     if capture.norm is not None:  # as the model (and the checkpoint) normalise keys: after the projection
-        key = normalise_keys(key.transpose(1, 2).flatten(-2), *capture.norm).unflatten(-1, (key.shape[1], -1))
-        key = key.transpose(1, 2)
+        key = split_heads(normalise_keys(flat_heads(key), *capture.norm), key.shape[1])
     if capture.cos is not None and capture.sin is not None:
         key = apply_rotary(key, capture.cos, capture.sin)
     out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=capture.scaling,
@@ -164,7 +161,7 @@ def refine_layers(
                 normed = normed_box[0](module)
                 norm = None
                 if normed is not None:  # fit on the key projection's output: the norm comes after the truncation
-                    key, norm = normed[0].unflatten(-1, (key.shape[1], -1)).transpose(1, 2), normed[1:]
+                    key, norm = split_heads(normed[0], key.shape[1]), normed[1:]
                 seen.setdefault(layer, []).append((query.float(), key.float(), value.float(), scaling, norm))
             return None
         # the second run: attend with the fitted truncation (float32, as it was fitted)

@@ -176,6 +176,16 @@ def rotary_tables(
     return cos.float().cpu(), sin.float().cpu()
 
 
+def flat_heads(x: torch.Tensor) -> torch.Tensor:
+    """``[b, H, n, dk]`` -> ``[b, n, H·dk]`` (heads concatenated, as a projection writes them)."""
+    return x.transpose(1, 2).flatten(-2)
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[b, n, H·dk]`` -> ``[b, H, n, dk]`` (``flat_heads`` undone)."""
+    return x.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
 def normalise_keys(keys: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """A QK-norm applied to ``keys [..., n, Hkv·dk]`` (heads concatenated): ``weight · k / √(mean(k²) + eps)``
     over each head's channels (``weight [dk]``) or over all heads' (``[Hkv·dk]``)."""
@@ -197,21 +207,13 @@ def project_kv(
     acts on before the norm — per head, the norm's scales could not be undone after Π mixes heads."""
     from kvconvert.runtime.kvconvert_common import apply_rotary
 
-    def flat(x: torch.Tensor) -> torch.Tensor:  # [b, H, n, dk] -> [b, n, H·dk]
-        b, heads, n, dk = x.shape
-        return x.transpose(1, 2).reshape(b, n, heads * dk)
-
-    def heads_of(x: torch.Tensor, heads: int) -> torch.Tensor:  # [b, n, H·dk] -> [b, H, n, dk]
-        b, n, width = x.shape
-        return x.view(b, n, heads, width // heads).transpose(1, 2)
-
     def projected(x: torch.Tensor, affine: Affine) -> torch.Tensor:  # x [b, n, w] -> Π·x + c
         projector, offset = affine
         return x @ projector.to(x.dtype).T + offset.to(x.dtype)
 
     kv_heads = key.shape[1]
     if (layer, "v") in projectors:
-        value = heads_of(projected(flat(value), projectors[layer, "v"]), kv_heads)
+        value = split_heads(projected(flat_heads(value), projectors[layer, "v"]), kv_heads)
     joint = (layer, "kv") in projectors
     if not joint and (layer, "k") not in projectors:
         return key, value
@@ -219,15 +221,15 @@ def project_kv(
     if normed is not None:  # the projection's output, before the norm and RoPE
         plain = normed[0].to(key.dtype)
     else:
-        plain = flat(key if cos is None or sin is None else apply_rotary(key, cos, -sin))
+        plain = flat_heads(key if cos is None or sin is None else apply_rotary(key, cos, -sin))
     if joint:  # one latent for both (``lorc --latent joint``): Π acts on [k; v]
-        both = projected(torch.cat([plain, flat(value)], dim=-1), projectors[layer, "kv"])
-        plain, value = both[..., : plain.shape[-1]], heads_of(both[..., plain.shape[-1] :], kv_heads)
+        both = projected(torch.cat([plain, flat_heads(value)], dim=-1), projectors[layer, "kv"])
+        plain, value = both[..., : plain.shape[-1]], split_heads(both[..., plain.shape[-1] :], kv_heads)
     else:
         plain = projected(plain, projectors[layer, "k"])
     if normed is not None:  # the model's norm, as the checkpoint applies it to its rebuilt keys
         plain = normalise_keys(plain, normed[1], normed[2])
-    key = heads_of(plain, kv_heads)
+    key = split_heads(plain, kv_heads)
     return (key if cos is None or sin is None else apply_rotary(key, cos, sin)), value
 
 
