@@ -110,8 +110,8 @@ def test_token_group_size():
 def reference_token_layout(x: torch.Tensor, group: int, size: int, keys: bool) -> torch.Tensor:
     """Plain-torch fake quantization of whole blocks ``x [..., n, d]``: (keys) minus each block's
     per-channel mean in float16, rotated per group of ``size`` channels, 4-bit per token and group
-    (keys: bfloat16 scale rounded up and the kernel's zero, the value of code 8; values: float16 scale
-    rounded up, zero rounded down), rotated back."""
+    (a scale rounded up and the kernel's zero, the value of code 8: bfloat16 for keys, float16 for
+    values), rotated back."""
     *lead, n, d = x.shape
     x = x.float()
     center = torch.zeros_like(x)
@@ -121,21 +121,11 @@ def reference_token_layout(x: torch.Tensor, group: int, size: int, keys: bool) -
     r = rotation(size)
     y = (x - center).reshape(*lead, n, d // size, size) @ r
     low, high = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
-    if keys:
-        scale = _up((high - low) / 15, torch.bfloat16)
-        zero = (low + 8 * scale).to(torch.bfloat16).float()
-        y_hat = (((y - zero) / scale + 8).round().clamp(0, 15) - 8) * scale + zero
-    else:
-        zero = _down(low, torch.float16)
-        scale = _up((high - zero) / 15, torch.float16)
-        y_hat = ((y - zero) / scale).round().clamp(0, 15) * scale + zero
+    dtype = torch.bfloat16 if keys else torch.float16
+    scale = _up((high - low) / 15, dtype)
+    zero = (low + 8 * scale).to(dtype).float()
+    y_hat = (((y - zero) / scale + 8).round().clamp(0, 15) - 8) * scale + zero
     return (y_hat @ r.T).reshape(x.shape) + center
-
-
-def _down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The largest ``dtype`` value ≤ x, as float32."""
-    h = x.to(dtype)
-    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, -float("inf"))), h).float()
 
 
 def _up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

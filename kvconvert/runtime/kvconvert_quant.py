@@ -69,35 +69,30 @@ def token_decode(
     ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]`` (exact), ``bias [b|1, 1, 1, n]``
     additive or None; the stores hold the ``n − 1`` earlier tokens, at least one block quantized.
     Scores of quantized tokens: ``(q·R)·((codes − 8)·s + z)`` per group in one kernel call per
-    (row, KV head), plus ``q·center`` of their block; outputs: ``(p·s)·(codes − 8) + p·(z + 8s)`` per group,
+    (row, KV head), plus ``q·center`` of their block; outputs: ``(p·s)·(codes − 8) + p·z`` per group,
     rotated back by ``Rᵀ``. The sink, the float tail and this step's tokens are exact: the sink's
     stand-ins in the first block are masked out and its exact copy attended instead, as are tokens
     dropped from the front whose block is still held (``keys.offset``). ``extra``: more exact tokens
     attended in the same softmax, ``(keys, values) [b, Hkv, t, d]`` and their additive logits
-    ``[b, Hkv, 1, t]`` (razor's sink and compensation token). Returns ``[b, H, 1, d]`` float32."""
+    ``[b, Hkv, 1, t]`` (razor's sink and compensation token). Returns ``[b, H, 1, d]`` float32.
+
+    Every step of every layer runs this, and on a CPU each torch op costs microseconds whatever its
+    size: heads are flattened into one batch axis so that each product is one ``mm``/``bmm``, results
+    are written into their place in ``scores`` instead of concatenated, and the queries are scaled
+    once."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
-    group = heads // kv_heads
+    group, rows = heads // kv_heads, batch * kv_heads
     size = keys.group_size()
     groups = dim // size
     rot = rotation(size, query.device)
     kb, vb = keys.blocks, values.blocks
     assert kb is not None and kb.center is not None and vb is not None
     assert keys.tail is not None and values.tail is not None
-    n_q = keys.quantized_tokens
-    q = query.float().reshape(batch, kv_heads, group, dim)  # [b, Hkv, G, d]
-    q_rot = (q.reshape(batch, kv_heads, group, groups, size) @ rot).reshape(batch * kv_heads, group, dim)
-    key_scales = torch.stack([kb.scale, kb.zero], dim=-1).flatten(0, 1)  # [b·Hkv, G', n_q, 2]: the kernel's pairs
+    n_q, sink, dropped = keys.quantized_tokens, (0 if keys.head is None else keys.head.shape[-2]), keys.offset
     int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-    # one kernel call per (row, KV head); unbind makes the per-head views in one op
-    scores_q = torch.stack([
-        int4_mm(x, codes, size, pairs)
-        for x, codes, pairs in zip(q_rot.to(torch.bfloat16).unbind(0), kb.codes.flatten(0, 1).unbind(0),
-                                   key_scales.unbind(0), strict=True)
-    ]).float().reshape(batch, kv_heads, group, n_q)  # fmt: skip
-    block_offsets = q @ kb.center.float().transpose(-1, -2)  # [b, Hkv, G, n_q/B]
-    scores_q = (scores_q.reshape(*block_offsets.shape, -1) + block_offsets[..., None]).flatten(-2)
-    sink, dropped = (0 if keys.head is None else keys.head.shape[-2]), keys.offset
+    q = query.reshape(rows, group, dim).float() * scaling  # [b·Hkv, G, d]
+    q_rot = torch.mm(q.view(-1, size), rot).to(torch.bfloat16).view(rows, group, dim)
     exact_k, exact_v = [keys.tail, key], [values.tail, value]
     if sink:  # the first block holds stand-ins for the sink: attend to the exact copies instead
         assert keys.head is not None and values.head is not None
@@ -106,39 +101,50 @@ def token_decode(
     if extra is not None:
         exact_k.insert(0, extra[0])
         exact_v.insert(0, extra[1])
-    k_exact, v_exact = torch.cat(exact_k, dim=-2).float(), torch.cat(exact_v, dim=-2).float()  # [b, Hkv, t, d]
-    scores_x = (q @ k_exact.transpose(-1, -2)) * scaling  # [b, Hkv, G, t]: extra, sink, tail, this step
-    scores_q = scores_q * scaling
+    k_exact = torch.cat(exact_k, dim=-2).flatten(0, 1).float()  # [b·Hkv, t, d]: extra, sink, tail, this step
+    v_exact = torch.cat(exact_v, dim=-2).flatten(0, 1).float()
+    scores = torch.empty(rows, group, n_q + k_exact.shape[1], device=query.device)
+    # one kernel call per (row, KV head); unbind makes the per-head views in one op
+    scores_q = torch.stack([
+        int4_mm(x, codes, size, pairs)
+        for x, codes, pairs in zip(q_rot.unbind(0), kb.codes.flatten(0, 1).unbind(0), kb.scale.flatten(0, 1).unbind(0),
+                                   strict=True)
+    ])  # [b·Hkv, G, n_q] bfloat16  # fmt: skip
+    block_offsets = torch.bmm(q, kb.center.flatten(0, 1).float().transpose(1, 2))  # [b·Hkv, G, n_q/B]
+    blocks = block_offsets.shape[-1]
+    torch.add(scores_q.view(rows, group, blocks, -1), block_offsets[..., None],
+              out=scores[..., :n_q].view(rows, group, blocks, -1))  # fmt: skip
+    scores[..., n_q:] = torch.bmm(q, k_exact.transpose(1, 2))
     if sink or dropped:  # the sink's stand-ins and the dropped tokens
-        scores_q[..., : dropped + sink] = -math.inf
-    first = 0 if extra is None else extra[0].shape[-2]  # the sink's first column in scores_x
+        scores[..., : dropped + sink] = -math.inf
+    first = n_q if extra is None else n_q + extra[0].shape[-2]  # the sink's first column
+    by_head = scores.view(batch, kv_heads, group, -1)
     if extra is not None:
-        scores_x[..., :first] += extra[2].float()
+        by_head[..., n_q:first] += extra[2].float()
     if bias is not None:  # bias [b|1, 1, 1, n] over the held tokens: the quantized ones, then the tail and this step
         bias = bias.float()
         held = n_q - dropped
-        scores_q[..., dropped:] += bias[..., :held]
-        scores_x[..., first : first + sink] += bias[..., :sink]  # the sink's copies: the mask of its positions
-        scores_x[..., first + sink :] += bias[..., held:]
-    scores = torch.cat([scores_q, scores_x], dim=-1)
+        by_head[..., dropped:n_q] += bias[..., :held]
+        by_head[..., first : first + sink] += bias[..., :sink]  # the sink's copies: the mask of its positions
+        by_head[..., first + sink :] += bias[..., held:]
     probs = torch.softmax(scores, dim=-1)
     p_q = probs[..., :n_q]
-    out = probs[..., n_q:] @ v_exact  # [b, Hkv, G, d]
-    # p·(code·s + z) = (p⊙s)·(code − 8) + p·(z + 8s), per channel group j; value scales are [b, Hkv, G', n_q]
-    weighted = torch.empty(batch, kv_heads, groups, group, n_q, dtype=torch.bfloat16, device=query.device)
-    torch.mul(p_q[:, :, None], vb.scale[:, :, :, None], out=weighted)  # [b, Hkv, G', G, n_q], the kernel's input
-    offsets = p_q @ torch.add(vb.zero.float(), vb.scale.float(), alpha=8).transpose(-1, -2)  # [b, Hkv, G, G']
-    weighted = weighted.reshape(batch * kv_heads * groups, group, n_q)
+    out = torch.bmm(probs[..., n_q:], v_exact)  # [b·Hkv, G, d]
+    # p·((code − 8)·s + z) = (p⊙s)·(code − 8) + p·z, per channel group j; value scales are [b, Hkv, G', n_q]
+    weighted = torch.empty(rows, groups, group, n_q, dtype=torch.bfloat16, device=query.device)
+    torch.mul(p_q[:, None], vb.scale.flatten(0, 1)[:, :, None], out=weighted)  # [b·Hkv, G', G, n_q], the kernel's input
+    offsets = torch.bmm(p_q, vb.zero.flatten(0, 1).float().transpose(1, 2))  # [b·Hkv, G, G']
     unit = _unit_scales(n_q, size, query.device)
     # Vᵀ's int4 rows, one [size, n_q/2] matrix per (row, KV head, channel group)
-    value_codes = vb.codes.reshape(batch * kv_heads * groups, size, n_q // 2)
+    value_codes = vb.codes.reshape(rows * groups, size, n_q // 2)
     out_rot = torch.stack([
-        int4_mm(x, codes, 32, unit) for x, codes in zip(weighted.unbind(0), value_codes.unbind(0), strict=True)
-    ]).float()  # [b·Hkv·G', G, size]  # fmt: skip
-    out_rot = out_rot.reshape(batch, kv_heads, groups, group, size).transpose(2, 3)  # [b, Hkv, G, G', size]
-    out_rot = out_rot.reshape(batch, kv_heads, group, groups, size) + offsets[..., None]
-    out = out + (out_rot @ rot.T).reshape(batch, kv_heads, group, dim)
-    return out.reshape(batch, heads, 1, dim)
+        int4_mm(x, codes, 32, unit) for x, codes in zip(weighted.flatten(0, 1).unbind(0), value_codes.unbind(0),
+                                                         strict=True)
+    ]).view(rows, groups, group, size) + offsets.transpose(1, 2)[..., None]  # float32  # fmt: skip
+    if groups > 1:
+        out_rot = out_rot.transpose(1, 2).reshape(rows, group, dim)
+    out = torch.addmm(out.view(-1, size), out_rot.view(-1, size), rot.T)  # rotated back, added to the exact part
+    return out.view(batch, heads, 1, dim)
 
 
 class TokenLayoutLayer(QuantizedLayer):

@@ -639,16 +639,30 @@ def _token_layout_groups(x: torch.Tensor, size: int) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], -1, size) @ rotation(size, x.device)
 
 
+def _kernel_groups(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit codes of each row of ``x [..., g]`` (float32) in the int4 kernel's convention
+    ``x ≈ (code − 8)·scale + zero``: codes ``[..., g]`` uint8, ``scale`` rounded up to ``dtype`` (the grid
+    covers the row's range) and ``zero`` the value of code 8, both ``[...]`` in ``dtype``."""
+    low, high = x.amin(-1), x.amax(-1)
+    scale = _round_up((high - low) / 15, dtype)
+    zero = (low + 8 * scale.float()).to(dtype)
+    codes = ((x - zero.float()[..., None]) / scale.float()[..., None] + 8).round_().clamp_(0, 15)
+    return codes.to(torch.uint8), scale, zero
+
+
 class TokenLayoutStore(TokenStore):
     """``TokenStore`` in the token layout (see above), 4-bit.
 
     Keys: ``center [..., n/B, d]`` float16 (each block's per-channel mean), codes ``[..., n, d/2]``
-    (int4 rows) and ``scale``/``zero [..., G, n]`` bfloat16 in the kernel's convention
-    ``x − center ≈ (code − 8)·scale + zero``. Values: codes ``[..., d/r, n, r/2]`` (``Vᵀ``'s int4
-    rows per channel group, r rows per block), ``scale``/``zero [..., G, n]`` float16 with
-    ``x ≈ code·scale + zero`` (the scale multiplies attention probabilities, not the codes, so it stays
-    float16). Both rotated per group of ``size`` channels. ``rows``: the int4 layout, the machine's
-    kernel's where it can hold this store (``kernel_reads``). Sinks, residual tokens, cropping, row
+    (int4 rows) and bfloat16 scales and zeros in the kernel's convention
+    ``x − center ≈ (code − 8)·scale + zero``, held as the kernel reads them: ``scale`` is the
+    ``(scale, zero)`` pairs ``[..., G, n, 2]`` and ``zero`` an empty ``[..., G, n, 0]`` (a decode step
+    would otherwise stack the pairs anew in every layer). Values: codes ``[..., d/r, n, r/2]``
+    (``Vᵀ``'s int4 rows per channel group, r rows per block), ``scale``/``zero [..., G, n]`` float16
+    in the same convention (the scale multiplies attention probabilities, not the codes, so it stays
+    float16; ``zero`` is the value of code 8, which a decode step adds as is). Both rotated per group
+    of ``size`` channels. ``rows``: the int4 layout, the machine's kernel's where it can hold this store
+    (``kernel_reads``). Sinks, residual tokens, cropping, row
     selection and dropping from the front as in ``TokenStore``: dropped tokens stay in their block,
     masked by ``token_decode``, until the whole unit (``_front_unit``) is dropped; razor's windows drop
     whole units only (``whole_front``)."""
@@ -683,8 +697,7 @@ class TokenLayoutStore(TokenStore):
     def _quantize(self, tokens: torch.Tensor) -> QuantizedBlock:
         size, rows = self.group_size(), self._layout()
         if not self.keys:
-            x = _token_layout_groups(tokens, size)  # [..., n, G, size]
-            codes, scale, zero = quantize_groups(x, 4)
+            codes, scale, zero = _kernel_groups(_token_layout_groups(tokens, size), torch.float16)  # [..., n, G, size]
             packed = rows.pack(codes.permute(*range(codes.dim() - 3), -2, -1, -3))  # Vᵀ per group: [..., G, size, n/2]
             r = self._value_block(size)
             codes = packed.reshape(*packed.shape[:-3], -1, tokens.shape[-2], r // 2)
@@ -694,12 +707,9 @@ class TokenLayoutStore(TokenStore):
         blocks = tokens.float().reshape(*lead, n // self.quant.group, self.quant.group, width)
         center = blocks.mean(-2).half()  # [..., n/B, d]
         x = _token_layout_groups((blocks - center.float()[..., None, :]).reshape(*lead, n, width), size)
-        low, high = x.amin(-1), x.amax(-1)
-        scale = _round_up((high - low) / 15, torch.bfloat16)
-        zero = (low + 8 * scale.float()).to(torch.bfloat16)  # the kernel's zero: the value of code 8
-        codes = ((x - zero.float()[..., None]) / scale.float()[..., None] + 8).round_().clamp_(0, 15)
-        packed = rows.pack(codes.to(torch.uint8).flatten(-2))
-        return QuantizedBlock(packed, scale.transpose(-1, -2).contiguous(), zero.transpose(-1, -2).contiguous(), center)
+        codes, scale, zero = _kernel_groups(x, torch.bfloat16)
+        pairs = torch.stack([scale.transpose(-1, -2), zero.transpose(-1, -2)], dim=-1)  # [..., G, n, 2]
+        return QuantizedBlock(rows.pack(codes.flatten(-2)), pairs, pairs[..., :0], center)
 
     def _concat(self, old: QuantizedBlock, new: QuantizedBlock) -> QuantizedBlock:
         rows = self._layout()
@@ -711,13 +721,13 @@ class TokenLayoutStore(TokenStore):
         return super()._concat(old, new)
 
     def _token_dims(self) -> tuple[int, int]:
-        return -2, -1
+        return -2, (-2 if self.keys else -1)
 
     def _dequantize(self, blocks: QuantizedBlock, dtype: torch.dtype) -> torch.Tensor:
         size, rows = self.group_size(), self._layout()
         if self.keys:
             codes = rows.unpack(blocks.codes).float()  # [..., n, d]
-            scale, zero = blocks.scale.transpose(-1, -2).float(), blocks.zero.transpose(-1, -2).float()
+            scale, zero = blocks.scale.transpose(-2, -3).float().unbind(-1)  # the pairs: [..., n, G] each
             x = (codes.reshape(*codes.shape[:-1], -1, size) - 8) * scale[..., None] + zero[..., None]
             assert blocks.center is not None
             centers = blocks.center.float().repeat_interleave(self.quant.group, dim=-2)  # [..., n, d]
@@ -727,7 +737,7 @@ class TokenLayoutStore(TokenStore):
         codes = rows.unpack(blocks.codes.reshape(*lead, groups, size, n // 2))  # [..., G, size, n]
         codes = codes.permute(*range(len(lead)), -1, -3, -2).float()  # [..., n, G, size]
         scale, zero = blocks.scale.transpose(-1, -2).float(), blocks.zero.transpose(-1, -2).float()
-        x = codes * scale[..., None] + zero[..., None]
+        x = (codes - 8) * scale[..., None] + zero[..., None]
         return (x @ rotation(size, x.device).T).flatten(-2).to(dtype)
 
     def _dequantize_into(self, blocks: QuantizedBlock, out: torch.Tensor) -> None:
