@@ -178,16 +178,19 @@ class RazorLayer(KVLayer):
         self.seen += q_len
         return full, short
 
-    def evict(self, valid: torch.Tensor) -> None:
+    def evict(self, valid: torch.Tensor | None) -> None:
         """Move what fell out of the window into the compensation sums. ``valid [b, seen]``: False for
-        padding tokens (never compensated)."""
+        padding tokens (never compensated); None: no padding."""
         drop = max(0, len(self.recent_k) - self.recent_budget(self.seen)) if self.others else 0
         if isinstance(self.recent_k, TokenLayoutStore):  # its windows slide by whole blocks
             drop = self.recent_k.whole_front(drop)
         if drop:
             first = self.seen - len(self.recent_k)  # logical index of the oldest recent token
-            weight = valid[:, first : first + drop].to(torch.float32)[:, None, :, None]  # [b, 1, drop, 1]
             dropped_k, dropped_v = self.recent_k.take_front(drop), self.recent_v.take_front(drop)
+            if valid is None:  # no padding: every dropped token counts
+                weight = torch.ones(dropped_k.shape[0], 1, drop, 1, device=dropped_k.device)
+            else:
+                weight = valid[:, first : first + drop].to(torch.float32)[:, None, :, None]  # [b, 1, drop, 1]
             self.comp_k_sum = self.comp_k_sum + (dropped_k.float() * weight).sum(2, keepdim=True)
             self.comp_v_sum = self.comp_v_sum + (dropped_v.float() * weight).sum(2, keepdim=True)
             self.comp_count = self.comp_count + weight.sum((1, 2, 3))
@@ -196,14 +199,16 @@ class RazorLayer(KVLayer):
     def derived(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The other heads' compensation token before this step — mean key and value ``[b, N, 1, d]`` of
         the dropped tokens (zeros before any) and their count ``[b]`` — then the sink and that token as one
-        ``[b, N, sink + 1, d]`` pair with the token's logit ``ln N_d`` ``[b]`` (``token_decode``'s extra
-        tokens). Kept until the next drop or sink token: in the token layout a window drops a whole block
-        every 64 steps, and the other steps would recompute the same means. ``key``/``value``: this step's
-        ``[b, Hkv, q, d]``, for dtype and shape."""
+        ``[b, N, sink + 1, d]`` pair with the token's logit ``ln N_d`` ``[b]`` and the pair's logits
+        ``[b, N, 1, sink + 1]`` where nothing is masked (``token_decode``'s extra tokens). Kept until the
+        next drop or sink token: in the token layout a window drops a whole block every 64 steps, and the
+        other steps would recompute the same means. ``key``/``value``: this step's ``[b, Hkv, q, d]``, for
+        dtype and shape."""
         if self.comp_count is None:  # nothing stored yet
             zeros = torch.zeros_like(key[:, self.others, :1])
             count = torch.zeros(key.shape[0], device=key.device)
-            return zeros, zeros, count, zeros, zeros, torch.full_like(count, torch.finfo(torch.float32).min)
+            log_count = torch.full_like(count, torch.finfo(torch.float32).min)
+            return zeros, zeros, count, zeros, zeros, log_count, _extra_logits(None, log_count, len(self.others), 0)
         if self._derived is None:
             count = self.comp_count
             denominator = count.clamp(min=1).view(-1, 1, 1, 1)
@@ -211,10 +216,11 @@ class RazorLayer(KVLayer):
             comp_v = (self.comp_v_sum / denominator).to(value.dtype)
             log_count = torch.where(count > 0, count.clamp(min=1).log(), torch.finfo(torch.float32).min)
             self._derived = (comp_k, comp_v, count, torch.cat([self.sink_k, comp_k], dim=2),
-                             torch.cat([self.sink_v, comp_v], dim=2), log_count)  # fmt: skip
+                             torch.cat([self.sink_v, comp_v], dim=2), log_count,
+                             _extra_logits(None, log_count, len(self.others), self.sink_k.shape[2]))  # fmt: skip
         return self._derived
 
-    def commit(self, new_k: torch.Tensor, new_v: torch.Tensor, valid: torch.Tensor) -> None:
+    def commit(self, new_k: torch.Tensor, new_v: torch.Tensor, valid: torch.Tensor | None) -> None:
         """``extend`` then ``evict``: for a step that attended without the stores' help (the kernel's)."""
         self.extend(new_k, new_v)
         self.evict(valid)
@@ -274,12 +280,9 @@ def _attend(
     seen = layer.seen if layer is not None else 0
     total = seen + q_len
     bias = additive_mask(attention_mask, q_len, total, query.dtype, query.device)
-    # bias None: a decode step without padding, every held token visible
-    valid = (
-        torch.ones(batch, total, dtype=torch.bool, device=query.device)
-        if bias is None
-        else (bias[:, 0, -1, :] == 0).expand(batch, total)
-    )  # [b, total]: the last query sees every non-padding token
+    # bias None: a decode step without padding, every held token visible. valid [b, total]: the tokens
+    # the last query sees (None: every token; no padding)
+    valid = None if bias is None else (bias[:, 0, -1, :] == 0).expand(batch, total)
     if q_len == 1 and layer is not None and use_kernels(query):
         if bias is None:
             bias = torch.zeros(1, 1, 1, total, dtype=query.dtype, device=query.device)
@@ -295,7 +298,7 @@ def _attend(
         out = softmax_rows(scores, value.dtype) @ value
         return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
     # comp state before this step (the step's drops are compensated from the next step on)
-    comp_k, comp_v, count, extra_k, extra_v, log_count = layer.derived(key, value)
+    comp_k, comp_v, count, extra_k, extra_v, log_count, extra_logits = layer.derived(key, value)
     kept_bias = None  # the mask of the positions the other heads hold
     if bias is not None and layer.others:
         kept_bias = bias.index_select(-1, _kept_index(layer, total, query.device))
@@ -308,9 +311,7 @@ def _attend(
     window_codes = q_len == 1 and bool(layer.others) and layer.reads_codes(query.device, full=False)
     if window_codes:  # the other heads' windows too; the sink and the compensation token join as exact tokens
         o, sink = layer.others, layer.sink_k.shape[2]
-        sink_bias = torch.zeros(1, 1, 1, sink, device=query.device) if kept_bias is None else kept_bias[..., :sink]
-        logits = torch.cat([sink_bias.float().expand(batch, len(o), 1, sink),
-                            log_count.view(-1, 1, 1, 1).expand(batch, len(o), 1, 1)], dim=-1)  # fmt: skip
+        logits = extra_logits if kept_bias is None else _extra_logits(kept_bias[..., :sink], log_count, len(o), sink)
         extra = extra_k, extra_v, logits
         window_bias = None if kept_bias is None else kept_bias[..., sink:]
         at, heads_at = _span(o), _span(_query_heads(o, group))
@@ -332,6 +333,15 @@ def _attend(
                                                      comp_v, count, scale)  # fmt: skip
     layer.evict(valid)
     return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+def _extra_logits(sink_bias: torch.Tensor | None, log_count: torch.Tensor, heads: int, sink: int) -> torch.Tensor:
+    """Additive logits ``[b, N, 1, sink + 1]`` of the sink's tokens (their mask ``sink_bias [b|1, 1, 1, sink]``,
+    None: nothing masked) and the compensation token (``ln N_d``, ``log_count [b]``)."""
+    batch = log_count.shape[0]
+    sink_logits = log_count.new_zeros(1, 1, 1, sink) if sink_bias is None else sink_bias.float()
+    comp_logits = log_count.view(-1, 1, 1, 1).expand(batch, heads, 1, 1)
+    return torch.cat([sink_logits.expand(batch, heads, 1, sink), comp_logits], dim=-1)
 
 
 def _query_heads(kv_heads: list[int], group: int) -> list[int]:
