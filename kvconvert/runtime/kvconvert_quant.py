@@ -107,8 +107,7 @@ def token_decode(
     # one kernel call per (row, KV head); unbind makes the per-head views in one op
     scores_q = torch.stack([
         int4_mm(x, codes, size, pairs)
-        for x, codes, pairs in zip(q_rot.unbind(0), kb.codes.flatten(0, 1).unbind(0), kb.scale.flatten(0, 1).unbind(0),
-                                   strict=True)
+        for x, (codes, pairs) in zip(q_rot.unbind(0), keys.kernel_operands(), strict=True)
     ])  # [b·Hkv, G, n_q] bfloat16  # fmt: skip
     block_offsets = torch.bmm(q, kb.center.flatten(0, 1).float().transpose(1, 2))  # [b·Hkv, G, n_q/B]
     blocks = block_offsets.shape[-1]
@@ -136,10 +135,9 @@ def token_decode(
     offsets = torch.bmm(p_q, vb.zero.flatten(0, 1).float().transpose(1, 2))  # [b·Hkv, G, G']
     unit = _unit_scales(n_q, size, query.device)
     # Vᵀ's int4 rows, one [size, n_q/2] matrix per (row, KV head, channel group)
-    value_codes = vb.codes.reshape(rows * groups, size, n_q // 2)
     out_rot = torch.stack([
-        int4_mm(x, codes, 32, unit) for x, codes in zip(weighted.flatten(0, 1).unbind(0), value_codes.unbind(0),
-                                                         strict=True)
+        int4_mm(x, codes, 32, unit) for x, (codes,) in zip(weighted.flatten(0, 1).unbind(0), values.kernel_operands(),
+                                                            strict=True)
     ]).view(rows, groups, group, size) + offsets.transpose(1, 2)[..., None]  # float32  # fmt: skip
     if groups > 1:
         out_rot = out_rot.transpose(1, 2).reshape(rows, group, dim)

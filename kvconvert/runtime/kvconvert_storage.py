@@ -346,11 +346,24 @@ class TokenStore:
     def _clear(self) -> None:
         self.head: torch.Tensor | None = None  # exact copies of the first ``sink`` tokens still held
         self.front_dropped = False  # take_front removed the sequence's first tokens: later ones are no sink
-        self.blocks: QuantizedBlock | None = None
+        self.blocks = None
         self.quantized_tokens = 0  # tokens in ``blocks``, the dropped ``offset`` included
         self.offset = 0
         self.tail: torch.Tensor | None = None
         self.width = 0
+
+    @property
+    def blocks(self) -> QuantizedBlock | None:
+        """The quantized tokens (None until a whole block is)."""
+        return self._held
+
+    @blocks.setter
+    def blocks(self, held: QuantizedBlock | None) -> None:
+        self._held = held
+        self._blocks_changed()
+
+    def _blocks_changed(self) -> None:
+        """Called whenever ``blocks`` is replaced: what a subclass derived from the old ones is stale."""
 
     # --- reading
     def __len__(self) -> int:
@@ -668,9 +681,28 @@ class TokenLayoutStore(TokenStore):
     whole units only (``whole_front``)."""
 
     def __init__(self, quant: QuantSpec, keys: bool):
+        self.keys = keys
         super().__init__(quant, per_channel=False)
-        self.keys, self.rotate = keys, True
+        self.rotate = True
         self.rows: Int4Rows | None = None  # chosen at the first block, when the width is known
+
+    def _blocks_changed(self) -> None:
+        self._operands: list[tuple[torch.Tensor, ...]] | None = None
+
+    def kernel_operands(self) -> list[tuple[torch.Tensor, ...]]:
+        """The int4 kernel's operands, views of ``blocks``: keys ``(codes [n, d/2], pairs [G, n, 2])`` per
+        (row, KV head); values ``(Vᵀ codes [size, n/2],)`` per (row, KV head, channel group). Split once
+        per change of the blocks (every ``group`` tokens), not by every layer's decode step."""
+        if self._operands is None:
+            held = self.blocks
+            assert held is not None
+            if self.keys:
+                pairs = held.scale.flatten(0, 1).unbind(0)
+                self._operands = list(zip(held.codes.flatten(0, 1).unbind(0), pairs, strict=True))
+            else:
+                codes = held.codes.reshape(-1, self.group_size(), self.quantized_tokens // 2)
+                self._operands = [(matrix,) for matrix in codes.unbind(0)]
+        return self._operands
 
     def group_size(self) -> int:
         size = token_group_size(self.width, self.quant.group)
