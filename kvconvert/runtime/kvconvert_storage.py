@@ -675,15 +675,13 @@ class TokenLayoutStore(TokenStore):
     in the same convention (the scale multiplies attention probabilities, not the codes, so it stays
     float16; ``zero`` is the value of code 8, which a decode step adds as is). Both rotated per group
     of ``size`` channels. ``rows``: the int4 layout, the machine's kernel's where it can hold this store
-    (``kernel_reads``). Sinks, residual tokens, cropping, row
-    selection and dropping from the front as in ``TokenStore``: dropped tokens stay in their block,
-    masked by ``token_decode``, until the whole unit (``_front_unit``) is dropped; razor's windows drop
-    whole units only (``whole_front``)."""
+    (``kernel_reads``). Sinks, residual tokens, cropping, row selection and dropping from the front as in
+    ``TokenStore``: dropped tokens stay in their block, masked by ``token_decode``, until the whole unit
+    (``_front_unit``) is dropped; razor's windows drop whole units only (``whole_front``)."""
 
     def __init__(self, quant: QuantSpec, keys: bool):
-        self.keys = keys
         super().__init__(quant, per_channel=False)
-        self.rotate = True
+        self.keys, self.rotate = keys, True
         self.rows: Int4Rows | None = None  # chosen at the first block, when the width is known
 
     def _blocks_changed(self) -> None:
@@ -700,7 +698,7 @@ class TokenLayoutStore(TokenStore):
                 pairs = held.scale.flatten(0, 1).unbind(0)
                 self._operands = list(zip(held.codes.flatten(0, 1).unbind(0), pairs, strict=True))
             else:
-                codes = held.codes.reshape(-1, self.group_size(), self.quantized_tokens // 2)
+                codes = held.codes.reshape(-1, self.group_size(), held.codes.shape[-2] // 2)  # [b·Hkv·G, size, n/2]
                 self._operands = [(matrix,) for matrix in codes.unbind(0)]
         return self._operands
 
