@@ -91,7 +91,8 @@ class RazorLayer(KVLayer):
         self.comp_k_sum: Any = None
         self.comp_v_sum: Any = None
         self.comp_count: Any = None
-        self._derived: Any = None  # ``derived``'s tensors until the next drop or sink token
+        self._derived: Any = None  # ``derived``'s and ``extra_tokens``' tensors until the next drop or sink token
+        self._extra: Any = None
         self.is_initialized = False
 
     def get_seq_length(self) -> int:
@@ -161,7 +162,7 @@ class RazorLayer(KVLayer):
                 self.comp_count = torch.zeros(k.shape[0], dtype=torch.float32, device=k.device)
             take = max(0, min(self.sink - self.sink_k.shape[2], q_len))
             if take:
-                self._derived = None
+                self._stale()
                 self.sink_k = torch.cat([self.sink_k, k[:, :, :take]], dim=2)
                 self.sink_v = torch.cat([self.sink_v, v[:, :, :take]], dim=2)
             if not read_short:
@@ -194,31 +195,40 @@ class RazorLayer(KVLayer):
             self.comp_k_sum = self.comp_k_sum + (dropped_k.float() * weight).sum(2, keepdim=True)
             self.comp_v_sum = self.comp_v_sum + (dropped_v.float() * weight).sum(2, keepdim=True)
             self.comp_count = self.comp_count + weight.sum((1, 2, 3))
-            self._derived = None
+            self._stale()
 
-    def derived(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The other heads' compensation token before this step — mean key and value ``[b, N, 1, d]`` of
-        the dropped tokens (zeros before any) and their count ``[b]`` — then the sink and that token as one
-        ``[b, N, sink + 1, d]`` pair with the token's logit ``ln N_d`` ``[b]`` and the pair's logits
-        ``[b, N, 1, sink + 1]`` where nothing is masked (``token_decode``'s extra tokens). Kept until the
-        next drop or sink token: in the token layout a window drops a whole block every 64 steps, and the
-        other steps would recompute the same means. ``key``/``value``: this step's ``[b, Hkv, q, d]``, for
-        dtype and shape."""
+    def derived(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The other heads' compensation token before this step: mean key and value ``[b, N, 1, d]`` of the
+        dropped tokens (zeros before any) and their count ``[b]``. Kept until the next drop or sink token:
+        in the token layout a window drops a whole block every 64 steps, and the other steps would
+        recompute the same means. ``key``/``value``: this step's ``[b, Hkv, q, d]``, for dtype and shape."""
         if self.comp_count is None:  # nothing stored yet
             zeros = torch.zeros_like(key[:, self.others, :1])
-            count = torch.zeros(key.shape[0], device=key.device)
-            log_count = torch.full_like(count, torch.finfo(torch.float32).min)
-            return zeros, zeros, count, zeros, zeros, log_count, _extra_logits(None, log_count, len(self.others), 0)
+            return zeros, zeros, torch.zeros(key.shape[0], device=key.device)
         if self._derived is None:
             count = self.comp_count
             denominator = count.clamp(min=1).view(-1, 1, 1, 1)
             comp_k = (self.comp_k_sum / denominator).to(key.dtype)
             comp_v = (self.comp_v_sum / denominator).to(value.dtype)
-            log_count = torch.where(count > 0, count.clamp(min=1).log(), torch.finfo(torch.float32).min)
-            self._derived = (comp_k, comp_v, count, torch.cat([self.sink_k, comp_k], dim=2),
-                             torch.cat([self.sink_v, comp_v], dim=2), log_count,
-                             _extra_logits(None, log_count, len(self.others), self.sink_k.shape[2]))  # fmt: skip
+            self._derived = comp_k, comp_v, count
         return self._derived
+
+    def extra_tokens(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``token_decode``'s extra tokens for the windows of the token layout: the sink and the compensation
+        token as one ``[b, N, sink + 1, d]`` pair, the token's logit ``ln N_d`` ``[b]`` and the pair's logits
+        ``[b, N, 1, sink + 1]`` where nothing is masked. Kept with ``derived``'s tensors (16-bit windows,
+        which drop a token at every step, never build them)."""
+        if self._extra is None:
+            comp_k, comp_v, count = self.derived(key, value)
+            log_count = torch.where(count > 0, count.clamp(min=1).log(), torch.finfo(torch.float32).min)
+            logits = _extra_logits(None, log_count, len(self.others), self.sink_k.shape[2])
+            self._extra = (torch.cat([self.sink_k, comp_k], dim=2), torch.cat([self.sink_v, comp_v], dim=2),
+                           log_count, logits)  # fmt: skip
+        return self._extra
+
+    def _stale(self) -> None:
+        """The compensation token or the sink changed: forget what ``derived`` and ``extra_tokens`` kept."""
+        self._derived = self._extra = None
 
     def commit(self, new_k: torch.Tensor, new_v: torch.Tensor, valid: torch.Tensor | None) -> None:
         """``extend`` then ``evict``: for a step that attended without the stores' help (the kernel's)."""
@@ -233,7 +243,7 @@ class RazorLayer(KVLayer):
         return 0
 
     def apply(self, fn: Any) -> None:
-        self._derived = None
+        self._stale()
         for store in (self.full_k, self.full_v, self.recent_k, self.recent_v):
             store.apply(fn)
         if self.sink_k is not None:
@@ -298,7 +308,7 @@ def _attend(
         out = softmax_rows(scores, value.dtype) @ value
         return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
     # comp state before this step (the step's drops are compensated from the next step on)
-    comp_k, comp_v, count, extra_k, extra_v, log_count, extra_logits = layer.derived(key, value)
+    comp_k, comp_v, count = layer.derived(key, value)
     kept_bias = None  # the mask of the positions the other heads hold
     if bias is not None and layer.others:
         kept_bias = bias.index_select(-1, _kept_index(layer, total, query.device))
@@ -311,7 +321,9 @@ def _attend(
     window_codes = q_len == 1 and bool(layer.others) and layer.reads_codes(query.device, full=False)
     if window_codes:  # the other heads' windows too; the sink and the compensation token join as exact tokens
         o, sink = layer.others, layer.sink_k.shape[2]
-        logits = extra_logits if kept_bias is None else _extra_logits(kept_bias[..., :sink], log_count, len(o), sink)
+        extra_k, extra_v, log_count, logits = layer.extra_tokens(key, value)
+        if kept_bias is not None:
+            logits = _extra_logits(kept_bias[..., :sink], log_count, len(o), sink)
         extra = extra_k, extra_v, logits
         window_bias = None if kept_bias is None else kept_bias[..., sink:]
         at, heads_at = _span(o), _span(_query_heads(o, group))
