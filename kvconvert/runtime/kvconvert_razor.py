@@ -25,6 +25,12 @@ from .kvconvert_storage import KVLayer, QuantSpec, TokenLayoutStore, TokenStore,
 IMPLEMENTATION = "kvconvert_razor"
 
 
+def count_logit(count: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The compensation token's additive logit ``ln N_d`` per row (``count [b]``): N_d·exp(q·k̂) =
+    exp(q·k̂ + ln N_d); the dtype's lowest value where nothing was dropped (the token takes no weight)."""
+    return torch.where(count > 0, count.clamp(min=1).log(), torch.finfo(dtype).min)
+
+
 def compensated_attention(
     query: torch.Tensor,
     keys: torch.Tensor | tuple[torch.Tensor, ...],
@@ -48,8 +54,7 @@ def compensated_attention(
     values = values if isinstance(values, tuple) else (values,)
     if scores is None:
         scores = torch.cat([query @ part.transpose(-1, -2) for part in keys], dim=-1) * scaling
-    # N_d·exp(q·k̂) = exp(q·k̂ + ln N_d): the count becomes an additive logit
-    log_count = torch.where(comp_count > 0, comp_count.clamp(min=1).log(), torch.finfo(scores.dtype).min)
+    log_count = count_logit(comp_count, scores.dtype)
     comp_scores = (query @ comp_key.transpose(-1, -2)) * scaling + log_count.view(-1, 1, 1, 1).to(scores.dtype)
     probs = softmax_rows(torch.cat([scores, comp_scores], dim=-1), values[0].dtype)
     out, start = probs[..., -1:] * comp_value, 0
@@ -220,7 +225,7 @@ class RazorLayer(KVLayer):
         which drop a token at every step, never build them)."""
         if self._extra is None:
             comp_k, comp_v, count = self.derived(key, value)
-            log_count = torch.where(count > 0, count.clamp(min=1).log(), torch.finfo(torch.float32).min)
+            log_count = count_logit(count)
             logits = _extra_logits(None, log_count, len(self.others), self.sink_k.shape[2])
             self._extra = (torch.cat([self.sink_k, comp_k], dim=2), torch.cat([self.sink_v, comp_v], dim=2),
                            log_count, logits)  # fmt: skip
@@ -414,7 +419,7 @@ def _decode_with_kernel(
             denominator = layer.comp_count.clamp(min=1).view(-1, 1, 1)
             comp_k, comp_v = layer.comp_k_sum[:, :, 0] / denominator, layer.comp_v_sum[:, :, 0] / denominator
             count = layer.comp_count
-        comp_logit = torch.where(count > 0, count.clamp(min=1).log(), torch.finfo(torch.float32).min)
+        comp_logit = count_logit(count)
     else:
         short_k = short_v = empty
         short_bias = row_bias[:, :1]
