@@ -16,6 +16,12 @@ def load(path: str | Path, **kwargs: Any) -> Any:
     """
     from kvconvert.runtime.modeling_kvconvert import KVConvertForCausalLM
 
+    if not Path(path).expanduser().exists():
+        # a Hub id: fetched (or found in the cache) as the CLI fetches sources, so that offline it fails at
+        # once with one clear line instead of transformers' retries, and no .py file is downloaded
+        from kvconvert.io.source import hub_snapshot
+
+        path = hub_snapshot(str(path), kwargs.pop("revision", None))
     return KVConvertForCausalLM.from_pretrained(str(path), **kwargs)
 
 

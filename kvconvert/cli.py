@@ -8,13 +8,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from kvconvert import __version__
 from kvconvert.errors import KVConvertError
-from kvconvert.io.outdir import refuse_existing
+from kvconvert.io.outdir import parse_size, refuse_existing, refuse_overlap
 from kvconvert.plan import CANDIDATES as PLAN_CANDIDATES
 
 if TYPE_CHECKING:  # torch and transformers load with the command that needs them, not for --help
@@ -110,6 +110,14 @@ class ConversionOptions:
         return storage_spec(given, "options", base)
 
 
+def check_options(options: ConversionOptions) -> None:
+    """What can be checked of the shared options without loading anything."""
+    parse_size(options.max_shard_size)
+    if Path(options.model).expanduser().is_dir():  # a Hub id's snapshot cannot overlap a user's --out
+        refuse_overlap(options.out.resolve(), [Path(options.model).expanduser()])
+    refuse_existing(options.out, options.force)
+
+
 def _conversion_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Add the shared source/output options and hand them to ``fn`` as one ``options`` argument."""
     names = [f.name for f in dataclasses.fields(ConversionOptions)]
@@ -117,7 +125,7 @@ def _conversion_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(**kwargs: Any) -> Any:
         options = ConversionOptions(**{name: kwargs.pop(name) for name in names})
-        _user_errors(refuse_existing)(options.out, options.force)  # at once: before torch and the source load
+        _user_errors(check_options)(options)  # at once: before torch and the source load
         return fn(options=options, **kwargs)
 
     return _source_options(_output_options(wrapper))
@@ -131,25 +139,66 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except KVConvertError as exc:
-            click.echo(f"kvconvert: error: {exc}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see ``main``): outputs were already cleaned up
+            _fail(str(exc))
+        except Terminated:  # SIGTERM (see ``main``): outputs were already cleaned up
+            click.echo("kvconvert: error: terminated; no output was written", err=True)
+            sys.exit(143)  # 128 + SIGTERM, what shells and CI runners expect
+        except KeyboardInterrupt:  # Ctrl-C: outputs were already cleaned up
             click.echo("kvconvert: error: interrupted; no output was written", err=True)
             sys.exit(130)
         except OSError as exc:  # a full disk, a permission, a vanished file: the OS's words, one line
             where = f" ({exc.filename})" if exc.filename else ""
-            click.echo(f"kvconvert: error: {exc.strerror or exc}{where}", err=True)
-            sys.exit(2)
+            _fail(f"{exc.strerror or exc}{where}")
 
     return wrapper
 
 
+MAX_ERROR_CHARS = 600  # an error quotes user input (a recipe value, a path): never let it flood the terminal
+
+
+def _fail(message: str) -> NoReturn:
+    """Print ``message`` as the one error line (newlines folded, length capped) and exit 2."""
+    line = " ".join(message.split())
+    if len(line) > MAX_ERROR_CHARS:
+        line = line[: MAX_ERROR_CHARS - 1] + "…"
+    click.echo(f"kvconvert: error: {line}", err=True)
+    sys.exit(2)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, unwound like Ctrl-C (``finally`` blocks remove partial outputs) but reported as 143."""
+
+
 def _terminate(signum: int, frame: Any) -> None:
     """SIGTERM (what CI runners send on cancel) unwinds like Ctrl-C, so partial outputs are removed."""
-    raise KeyboardInterrupt
+    raise Terminated
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """Click, with its usage errors (a missing option, a bad choice, a typo) as kvconvert's one line on
+    stderr and exit status 2, like every other user error, instead of a usage block."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        run = super().main
+        if not standalone_mode:
+            return run(*args, standalone_mode=False, **kwargs)  # type: ignore[call-overload]
+        try:
+            status = run(*args, standalone_mode=False, **kwargs)  # type: ignore[call-overload]  # int: --help/exit
+        except click.exceptions.NoArgsIsHelpError as exc:  # bare `kvconvert`: the help, as click prints it
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            command = exc.ctx.command_path if exc.ctx is not None else "kvconvert"
+            _fail(f"{exc.format_message()} (see {command} --help)")
+        except click.ClickException as exc:
+            _fail(exc.format_message())
+        except click.Abort:  # Ctrl-C while click itself was reading
+            click.echo("kvconvert: error: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(status if isinstance(status, int) else 0)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kvconvert")
 def main() -> None:
     """Convert Hugging Face causal LMs into checkpoints with a smaller KV cache."""
@@ -182,7 +231,7 @@ def slim(
     if not options.quiet:
         _print_layers(report, [("κ(W_K)", "kappa_k", ".3g"), ("V rel. error", "v_rel_error", ".2e"),
                                ("dtype rounding", "dtype_rel_error", ".2e")])  # fmt: skip
-    click.echo(f"wrote {options.out} (slim, expected KV budget {report['kv_budget_expected']:.2f})")
+    click.echo(f"wrote {options.out} (slim, {_budget_words(report)})")
 
 
 CALIB_DEFAULT = "<calib_data>"  # what a bare --calib stands for
@@ -273,7 +322,7 @@ def lorc(
                                *([("refine loss", "refine_loss_before", ".4f"),
                                   ("→ refined", "refine_loss_after", ".4f")] if refine_steps else [])])  # fmt: skip
     kind = f"{schedule}, joint latent" if latent == "joint" else schedule
-    click.echo(f"wrote {options.out} (lorc {kind}, KV budget {report['kv_budget_expected']:.3f})")
+    click.echo(f"wrote {options.out} (lorc {kind}, {_budget_words(report)})")
 
 
 @main.command()
@@ -311,7 +360,7 @@ def razor(
             heads = ",".join(map(str, row["retrieval_kv_heads"])) or "-"
             click.echo(f"{row['layer']:>5}  {heads:<24}  {max(row['induction_scores']):>13.3f}  "
                        f"{max(row['echo_scores']):>9.3f}")  # fmt: skip
-    click.echo(f"wrote {options.out} (razor, long-context KV budget {report['kv_budget_expected']:.3f})")
+    click.echo(f"wrote {options.out} (razor, {_budget_words(report)})")
 
 
 def _calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -394,7 +443,7 @@ def zack(
             )
     rate = report["plan"]["removal_rate"]
     how = "widths by measured loss" if rate is None else f"r={rate:.4f}"
-    click.echo(f"wrote {options.out} (zack {how}, KV budget {report['kv_budget_expected']:.3f})")
+    click.echo(f"wrote {options.out} (zack {how}, {_budget_words(report)})")
 
 
 @main.command()
@@ -458,7 +507,7 @@ def minicache(
             click.echo(f"{a:>3}-{b:<3}  {r_k:>7}  {row['loss_k']:>8.4f}  {r_v:>7}  {row['loss_v']:>8.4f}")
     pairs = ", ".join(f"{a}-{b}" for a, b in plan["pairs"]) or "none"
     click.echo(f"wrote {options.out} (minicache from layer {plan['start_layer']}, pairs {pairs}; "
-               f"KV budget {report['kv_budget_expected']:.3f})")  # fmt: skip
+               f"{_budget_words(report)})")  # fmt: skip
 
 
 @main.command()
@@ -518,20 +567,45 @@ def run(
 
     name, config, storage = load_recipe(recipe)
     report = _convert(build_method(name, config, storage), options)
-    click.echo(f"wrote {options.out} ({name}, KV budget {report['kv_budget_expected']:.3f})")
+    click.echo(f"wrote {options.out} ({name}, {_budget_words(report)})")
 
 
 @main.command()
 @click.argument("jobs_file", type=click.Path(path_type=Path))
+@click.argument("summaries", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--summary", type=click.Path(path_type=Path), default=None, help="JSON summary (default: next to JOBS).")
 @click.option("--no-measure", is_flag=True, help="Skip measuring each output's KV budget from its cache.")
+@click.option(
+    "--shard", default=None,
+    help="I/N: run only the I-th of N slices of the jobs (sorted by name, dealt round-robin), for a CI matrix of N "
+         "machines; each writes its own summary.",
+)  # fmt: skip
+@click.option(
+    "--merge-summaries", is_flag=True,
+    help="Run nothing: join the SUMMARIES of a sharded run into --summary, checking every job of JOBS appears once.",
+)  # fmt: skip
 @_user_errors
-def batch(jobs_file: Path, summary: Path | None, no_measure: bool) -> None:
+def batch(
+    jobs_file: Path, summaries: tuple[Path, ...], summary: Path | None, no_measure: bool, shard: str | None,
+    merge_summaries: bool,
+) -> None:  # fmt: skip
     """Run every job of JOBS.yaml in order; skip up-to-date outputs; exit 1 if any job failed."""
-    from kvconvert.batch import run_batch
+    from kvconvert.batch import merge_summaries as merge
+    from kvconvert.batch import parse_shard, run_batch
 
-    summary = summary or jobs_file.with_suffix(".summary.json")
-    result = run_batch(jobs_file, summary, measure=not no_measure, echo=click.echo)
+    if summaries and not merge_summaries:
+        raise KVConvertError("summary files are arguments of --merge-summaries only")
+    if merge_summaries:
+        if shard is not None or not summaries:
+            raise KVConvertError("--merge-summaries takes the shards' summary files (and no --shard)")
+        summary = summary or jobs_file.with_suffix(".summary.json")
+        result = merge(jobs_file, list(summaries), summary)
+    else:
+        parsed = None if shard is None else parse_shard(shard)
+        default = ".summary.json" if parsed is None else f".shard-{parsed[0]}-of-{parsed[1]}.summary.json"
+        summary = summary or jobs_file.with_suffix(default)
+        _silence_libraries()  # a CI log: one line per job
+        result = run_batch(jobs_file, summary, measure=not no_measure, echo=click.echo, shard=parsed)
     click.echo(f"{len(result.jobs) - result.failed} of {len(result.jobs)} jobs succeeded; summary: {summary}")
     if result.failed:
         sys.exit(1)
@@ -545,34 +619,38 @@ def batch(jobs_file: Path, summary: Path | None, no_measure: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="List what would be uploaded; contact nobody.")
 @_user_errors
 def push(directory: Path, repo_id: str, private: bool, revision: str | None, dry_run: bool) -> None:
-    """Upload a converted directory to the Hub (model card refreshed from kvconvert.json / eval.json)."""
-    import json
+    """Upload a converted directory to the Hub: the files kvconvert wrote there, with the model card
+    refreshed from kvconvert.json / eval.json (written locally too once the upload succeeded)."""
+    from kvconvert.io.hub import publish
 
-    from kvconvert.io.hub import push as push_to_hub
-    from kvconvert.io.hub import upload_list
-    from kvconvert.io.model_card import write_model_card
-
-    report_file = directory / "kvconvert.json"
-    if not report_file.exists():
-        raise KVConvertError(f"{directory} is not a kvconvert output directory (no kvconvert.json)")
-    evaluation_file = directory / "eval.json"
-    evaluation = json.loads(evaluation_file.read_text()) if evaluation_file.exists() else None
-    if not dry_run:
-        write_model_card(directory, json.loads(report_file.read_text()), repo_id, evaluation)
-    files = upload_list(directory)
-    if dry_run:
+    url, files, skipped = publish(directory, repo_id, private=private, revision=revision, dry_run=dry_run)
+    if skipped:
+        shown = ", ".join(skipped[:8]) + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else "")
+        click.echo(f"not uploading {len(skipped)} file(s) kvconvert did not write: {shown}", err=True)
+    if url is None:
         for name, size in files:
             click.echo(f"{size:>14,}  {name}")
         target = f"{repo_id}{'@' + revision if revision else ''}{' (private)' if private else ''}"
-        click.echo(f"dry run: {len(files)} files, {sum(s for _, s in files):,} bytes would go to {target}")
+        click.echo(f"dry run: {len(files)} files, {sum(size for _, size in files):,} bytes would go to {target}")
         return
-    click.echo(f"pushed {len(files)} files: {push_to_hub(directory, repo_id, private=private, revision=revision)}")
+    click.echo(f"pushed {len(files)} files: {url}")
+
+
+def _silence_libraries() -> None:
+    """--quiet (and batch): transformers' "Loading weights" and the Hub's download bars off too."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    disable_progress_bars()
 
 
 def _convert(method: Any, options: ConversionOptions) -> dict[str, Any]:
+    if options.quiet:
+        _silence_libraries()
     from kvconvert.devices import computing_on, resolve_device
     from kvconvert.io.source import open_source
-    from kvconvert.pipeline import convert, parse_size
+    from kvconvert.pipeline import convert
 
     method.storage = options.storage(method.storage)  # options given on the command line win over a recipe's
     device = resolve_device(options.device)
@@ -588,6 +666,14 @@ def _convert(method: Any, options: ConversionOptions) -> dict[str, Any]:
             progress=not options.quiet,
         )
     return result.report
+
+
+def _budget_words(report: dict[str, Any]) -> str:
+    """The expected KV budget of a conversion, quantized storage included (then against a 16-bit cache)."""
+    if "kv_budget_expected_vs_16bit" in report:
+        return f"KV budget {report['kv_budget_expected_vs_16bit']:.3f} of a 16-bit cache at long context"
+    long = " at long context" if report["method"] == "razor" else ""  # a window: reached at long context
+    return f"KV budget {report['kv_budget_expected']:.3f}{long}"
 
 
 def _print_layers(report: dict[str, Any], columns: list[tuple[str, str, str]]) -> None:
@@ -663,6 +749,7 @@ def analyze(
     source = open_source(model, revision=revision, allow_pickle=allow_pickle)
     out = out or Path(f"{Path(source.model_id).name}-analysis")
     refuse_existing(out, force)  # before the analysis, which takes minutes (checked again when writing)
+    source.check()
     with compute:
         analysis = _analysis(source, heads, profile_tokens, rotations, compare_calib, layer_similarity, calib,
                              calib_tokens, seed)  # fmt: skip
@@ -672,7 +759,7 @@ def analyze(
             analysis["lorc_joint"] = _auto_allocation(source, budgets, calib, calib_tokens, seed, latent="joint")
         if budgets and "zack" in allocation_methods:
             analysis["zack_auto"] = _zack_allocation(source, budgets, calib, calib_tokens, seed)
-    with atomic_output_dir(out, replace=force, sources=[source.path]) as tmp:
+    with atomic_output_dir(out, replace=force, sources=[source.path], command="analyze") as tmp:
         (tmp / "analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
         plot_spectra(analysis, tmp / "spectra.png")
         plot_condition(analysis, tmp / "condition.png")
@@ -872,6 +959,8 @@ def eval_command(
     import json
 
     from kvconvert.eval.runner import EvalConfig, format_table, run_eval
+    from kvconvert.io.model_card import is_eval_result
+    from kvconvert.io.outdir import refuse_foreign_file, write_text_atomic
 
     try:
         lengths = tuple(int(n) for n in retrieval_lengths.split(",")) if retrieval_lengths else None
@@ -893,6 +982,12 @@ def eval_command(
         raise KVConvertError("--context must be at least 1 and --continuation at least 2")
     if context is not None and chunk is not None:
         raise KVConvertError("--chunk and --context are two protocols; give one")
+    if lengths is not None and min(lengths) < 2:
+        raise KVConvertError(f"--retrieval-lengths takes lengths of at least 2 tokens, got {retrieval_lengths!r}")
+    if json_out is not None:  # before minutes of evaluation, not after
+        refuse_foreign_file(json_out, "--json", is_eval_result, "a kvconvert eval result")
+    if quiet:
+        _silence_libraries()
     config = EvalConfig(
         data=data, ctx=ctx, max_tokens=max_tokens, chunk=chunk, context=context, continuation=continuation,
         retrieval_lengths=lengths, retrieval=not no_retrieval,
@@ -901,7 +996,7 @@ def eval_command(
     result = run_eval(model, reference, config)
     click.echo(format_table(result))
     if json_out is not None:
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        write_text_atomic(json_out, json.dumps(result, indent=2) + "\n")
 
 
 @main.command()
@@ -930,6 +1025,8 @@ def plan(model: str, out: Path, budgets: str, max_dppl: float | None, methods: s
     that wins at each budget (build it with `kvconvert run PLAN/recipes/budget-B.yaml`)."""
     from kvconvert.plan import PlanConfig, format_report, run_plan
 
+    if quiet:
+        _silence_libraries()
     refuse_existing(out, force)  # before the source and the reference model load
     try:
         budget_values = tuple(float(b) for b in budgets.split(","))
@@ -937,8 +1034,8 @@ def plan(model: str, out: Path, budgets: str, max_dppl: float | None, methods: s
         raise KVConvertError(f"--budgets must be comma-separated numbers, got {budgets!r}") from None
     if (build is None) != (build_budget is None):
         raise KVConvertError("--build and --kv-budget go together")
-    if build is not None and build.exists() and not force:
-        raise KVConvertError(f"output directory {build} already exists; choose another --build or pass --force")
+    if build is not None:
+        refuse_existing(build, force, "--build")
     config = PlanConfig(
         budgets=budget_values if build_budget is None else tuple(sorted({*budget_values, build_budget})),
         max_dppl=max_dppl, methods=tuple(m.strip() for m in methods.split(",") if m.strip()), calib=calib,
@@ -973,6 +1070,22 @@ def import_llama2c(checkpoint: Path, tokenizer: Path | None, out: Path, force: b
     from kvconvert.io.llama2c import import_llama2c as run_import
 
     run_import(checkpoint, out, tokenizer=tokenizer, replace=force)
+    click.echo(f"wrote {out}")
+
+
+@main.command("import-gguf")
+@click.argument("gguf_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Replace an existing --out.")
+@_user_errors
+def import_gguf(gguf_file: Path, out: Path, force: bool) -> None:
+    """Import a GGUF file (what transformers' GGUF loader reads: Llama, Qwen2, Gemma 3, …) as a float32
+    safetensors HF directory: weights dequantized, tokenizer included. Needs `pip install 'kvconvert[gguf]'`."""
+    from kvconvert.io.gguf_import import import_gguf as run_import
+
+    refuse_existing(out, force)
+    _silence_libraries()
+    run_import(gguf_file, out, replace=force)
     click.echo(f"wrote {out}")
 
 

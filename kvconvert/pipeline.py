@@ -113,14 +113,17 @@ def storage_report(storage: QuantSpec) -> dict[str, int] | None:
     return storage.to_spec() if storage.quantized else None
 
 
-def parse_size(text: str) -> int:
-    """'5GB' / '500MB' / '1024' → bytes."""
-    units = {"KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "B": 1}
-    upper = text.strip().upper()
-    for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if upper.endswith(unit):
-            return int(float(upper[: -len(unit)]) * factor)
-    return int(upper)
+def storage_factor(storage: QuantSpec, layout: Any) -> float:
+    """What quantized storage multiplies a method's KV budget by, against a 16-bit cache, at long
+    context (the sink's and the newest unquantized tokens' share vanishes): accounted bytes per stored
+    value ÷ 2, averaged over every layer's keys and values (local layers stay 16-bit unless included)."""
+    factors = []
+    for layer in range(layout.num_layers):
+        for keys in (True, False):
+            stock = layer in layout.local_layers and not storage.include_local
+            side = storage.side(layer, keys)
+            factors.append(1.0 if stock else side.bytes_per_value(layout.head_dim, per_channel=keys) / 2)
+    return sum(factors) / len(factors)
 
 
 @dataclass
@@ -146,6 +149,7 @@ def _open(source: SourceCheckpoint, method: Method, dtype: str) -> _Checkpoint:
     method.check_features(layout)
     method.check_storage(layout)
     method.check(layout)
+    source.check()  # config against weights, float dtypes, no NaN/inf: before any method computes on them
     if dtype != "auto" and dtype not in DTYPES:
         raise KVConvertError(f"--dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
     attention: dict[int, dict[str, str]] = {}
@@ -299,6 +303,9 @@ def convert(
             report["plan"] = method.summary()
         if storage is not None:
             report["kv_storage"] = storage
+            # what the user asked for: the method's budget with the storage on top, against a 16-bit cache
+            budget = method.expected_kv_budget(layout) * storage_factor(method.storage, layout)
+            report["kv_budget_expected_vs_16bit"] = budget
         (tmp / "kvconvert.json").write_text(json.dumps(report, indent=2) + "\n")
         (tmp / "recipe.yaml").write_text(recipe_text(method))  # `kvconvert run` repeats the conversion
         write_model_card(tmp, report, name=out.name)

@@ -196,7 +196,10 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
     jobs = [(m, label, recipe) for m in config.methods for label, recipe in CANDIDATES[m]]
     rows: list[dict[str, Any]] = []
     refused: list[dict[str, Any]] = []
-    with atomic_output_dir(out, replace, sources=[source.path]) as tmp, tempfile.TemporaryDirectory() as work:
+    with (
+        atomic_output_dir(out, replace, sources=[source.path], command="plan") as tmp,
+        tempfile.TemporaryDirectory() as work,
+    ):
         for index, (name, label, recipe) in enumerate(tqdm(jobs, desc="candidates", disable=not config.progress)):
             started = time.perf_counter()
             full = {"method": name, **recipe}

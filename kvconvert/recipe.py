@@ -98,12 +98,37 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> tuple[str, Any, QuantSp
         raise KVConvertError(f"{source}: {exc}") from None
 
 
-def load_recipe(path: Path) -> tuple[str, Any, QuantSpec]:
+MAX_YAML_BYTES = 1 << 20  # recipes and jobs files are a few hundred bytes; refuse anything absurd
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load without anchors and aliases: a few hundred bytes of nested aliases expand into
+    gigabytes (the "billion laughs"), and no recipe or jobs file needs them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.YAMLError(f"YAML aliases (*name) are not allowed (line {mark.line + 1})")
+        return super().compose_node(parent, index)
+
+
+def read_yaml(path: Path, what: str) -> Any:
+    """A recipe or jobs file's data: UTF-8, at most 1 MiB, no aliases; every failure one line naming it."""
     try:
-        data = yaml.safe_load(path.read_text())
+        if path.is_dir():
+            raise KVConvertError(f"{path}: cannot read {what} (it is a directory)")
+        if path.stat().st_size > MAX_YAML_BYTES:
+            raise KVConvertError(f"{path}: cannot read {what} (larger than {MAX_YAML_BYTES} bytes)")
+        return yaml.load(path.read_bytes().decode("utf-8"), Loader=_NoAliasLoader)  # noqa: S506 (safe loader)
+    except UnicodeDecodeError as exc:
+        raise KVConvertError(f"{path}: cannot read {what} (not UTF-8 text: byte {exc.start})") from None
     except (OSError, yaml.YAMLError) as exc:
-        raise KVConvertError(f"{path}: cannot read recipe ({str(exc).splitlines()[0]})") from None
-    return parse_recipe(data, str(path))
+        reason = " ".join(str(exc).split())[:200]
+        raise KVConvertError(f"{path}: cannot read {what} ({reason})") from None
+
+
+def load_recipe(path: Path) -> tuple[str, Any, QuantSpec]:
+    return parse_recipe(read_yaml(path, "recipe"), str(path))
 
 
 def recipe_text(method: Method) -> str:

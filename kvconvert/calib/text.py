@@ -36,7 +36,7 @@ class CalibrationSet:
 
 def read_calibration_text(spec: str | None) -> tuple[str, str]:
     """(text, description) of a calibration source; ``None`` means the shipped ``calib_data/``."""
-    from kvconvert.eval.data import load_text
+    from kvconvert.eval.data import load_text, read_text_file
 
     if spec is None:
         if not CALIB_DATA.is_dir() or not list(CALIB_DATA.glob("*.txt")):
@@ -47,7 +47,7 @@ def read_calibration_text(spec: str | None) -> tuple[str, str]:
         files = sorted(path.glob("*.txt"))
         if not files:
             raise KVConvertError(f"--calib directory {spec!r} holds no *.txt files")
-        return "\n\n".join(f.read_text(encoding="utf-8").replace("\r\n", "\n") for f in files), str(path)
+        return "\n\n".join(read_text_file(f, "--calib") for f in files), str(path)
     return load_text(spec, option="--calib"), spec
 
 

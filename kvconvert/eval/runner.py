@@ -157,7 +157,6 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
     device = resolve_device(config.device)
     text = load_text(config.data)  # checked before any model is loaded
     model, tokenizer = load_for_eval(model_path, device)
-    reference = load_for_eval(reference_path, device)[0] if reference_path else None
     context = model_context(model)
     ctx = min(config.ctx, context)
     if protocol:
@@ -165,6 +164,13 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
         ctx = config.context + config.continuation
         if ctx > context:
             raise KVConvertError(f"--context + --continuation = {ctx} exceeds the model's context of {context}")
+    _check_lengths(config, context)
+    reference = load_for_eval(reference_path, device)[0] if reference_path else None
+    if reference is not None and vocabulary_size(reference) != vocabulary_size(model):
+        raise KVConvertError(
+            f"--reference {reference_path} predicts {vocabulary_size(reference)} tokens but --model predicts "
+            f"{vocabulary_size(model)}: KL and agreement need the same vocabulary; give the model's source"
+        )
     ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, device=device)
     if config.max_tokens:
         ids = ids[: config.max_tokens]
@@ -239,6 +245,23 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
     return result
 
 
+def vocabulary_size(model: Any) -> int:
+    """Width of the model's logits (its output embedding's rows; the config's vocab_size without one)."""
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+
+
+def _check_lengths(config: EvalConfig, context: int) -> None:
+    """Speed and retrieval lengths must fit the model's positions, as --context must."""
+    for length in config.speed_contexts or ():
+        if length + config.new_tokens > context:
+            raise KVConvertError(f"--speed-contexts {length} + {config.new_tokens} decoded tokens exceeds the "
+                                 f"model's context of {context}")  # fmt: skip
+    for length in config.retrieval_lengths or ():
+        if length > context:
+            raise KVConvertError(f"--retrieval-lengths {length} exceeds the model's context of {context}")
+
+
 def _meaningless_context_warning(model_path: str, result: dict[str, Any]) -> str | None:
     """A warning when the cache held everything although the method compresses: the evaluation
     context is too short for what it measures (e.g. razor's window is wider than --ctx)."""
@@ -296,6 +319,12 @@ def format_table(result: dict[str, Any]) -> str:
             f"measured KV budget {result['kv_budget_measured']:.3f} "
             f"({result['kv_budget_vs_16bit']:.3f} of a 16-bit cache)"
         )
+    retrieval = [v for key in ("passkey", "copy", "reference_passkey", "reference_copy")
+                 for v in result.get(key, {}).values()]  # fmt: skip
+    if retrieval and max(retrieval) == 0:
+        lines.append("note: passkey and copy score 0 everywhere: this model cannot retrieve at these lengths even "
+                     "uncompressed (tiny models cannot), so the tests show no loss here; they matter on models that "
+                     "score above 0 uncompressed")  # fmt: skip
     if result.get("warning"):
         lines.append(f"warning: {result['warning']}")
     lines.append(f"{result['tokens']} tokens scored; windows of {result['ctx']}: {result['window']} · "

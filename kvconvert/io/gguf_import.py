@@ -23,8 +23,12 @@ def import_gguf(gguf_file: Path, out: Path, replace: bool = False) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = str(gguf_file.parent), gguf_file.name
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:  # not GGUF, an architecture it lacks
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise KVConvertError(f"cannot import {gguf_file} with transformers' GGUF loader: {reason}") from None
     config = model.config
     for attribute in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attribute):
@@ -32,7 +36,7 @@ def import_gguf(gguf_file: Path, out: Path, replace: bool = False) -> Path:
     state = model.state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied to the embedding; transformers re-ties on load
-    with atomic_output_dir(out, replace) as tmp:
+    with atomic_output_dir(out, replace, command="import-gguf") as tmp:
         # save_pretrained refuses GGUF-quantised models even though the weights are already
         # dequantised float32 tensors in memory; write them ourselves.
         config.save_pretrained(tmp)

@@ -8,6 +8,7 @@ tensors in a fixed order, row-major ``[out, in]``. llama2.c rotates interleaved 
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 
@@ -33,6 +34,12 @@ def read_llama2c(path: Path) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
     dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = struct.unpack("<7i", raw[:28])
     shared = vocab > 0
     vocab = abs(vocab)
+    # garbage makes any of these negative or zero, or heads that do not divide the width
+    if min(dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len) < 1 or dim % n_heads or n_heads % n_kv:
+        raise KVConvertError(
+            f"{path} is not a llama2.c v0 checkpoint: its header reads {dim=}, {hidden=}, {n_layers=}, {n_heads=}, "
+            f"{n_kv=}, {vocab=}, {seq_len=}"
+        )
     head_dim = dim // n_heads
     floats = np.frombuffer(raw, dtype="<f4", offset=28)
     shapes = [
@@ -83,20 +90,30 @@ def read_llama2c(path: Path) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
     return header, {k: v.contiguous() for k, v in tensors.items()}
 
 
-def read_vocab(path: Path) -> tuple[list[str], list[float]]:
-    """Pieces and scores of a llama2.c tokenizer file (llama2.c stores '▁' as a plain space)."""
+def read_vocab(path: Path, size: int | None = None) -> tuple[list[str], list[float]]:
+    """Pieces and scores of a llama2.c tokenizer file (llama2.c stores '▁' as a plain space); with
+    ``size``, the file must hold exactly that many pieces (the model's vocabulary)."""
     raw = path.read_bytes()
-    offset, pieces, scores = 4, [], []
+    offset, pieces, scores = 4, list[str](), list[float]()
     while offset < len(raw):
+        if offset + 8 > len(raw):
+            raise KVConvertError(f"{path} is not a llama2.c tokenizer file: it ends inside piece {len(pieces)}")
         score, length = struct.unpack_from("<fi", raw, offset)
         offset += 8
+        if length < 0 or offset + length > len(raw) or not math.isfinite(score):
+            raise KVConvertError(f"{path} is not a llama2.c tokenizer file: piece {len(pieces)} is malformed")
         pieces.append(raw[offset : offset + length].decode("utf-8", errors="replace"))
         scores.append(score)
         offset += length
+    if size is not None and len(pieces) != size:
+        raise KVConvertError(
+            f"{path} holds {len(pieces)} tokenizer pieces but the model has a vocabulary of {size}; is it the "
+            "model's own tok*.bin?"
+        )
     return pieces, scores
 
 
-def build_tokenizer(path: Path):  # -> PreTrainedTokenizerFast
+def build_tokenizer(path: Path, size: int | None = None):  # -> PreTrainedTokenizerFast
     """A sentencepiece-style byte-fallback BPE tokenizer equivalent to llama2.c's encoder.
 
     Merges are recovered from the vocabulary the way sentencepiece BPE ranks them: a piece is
@@ -105,7 +122,7 @@ def build_tokenizer(path: Path):  # -> PreTrainedTokenizerFast
     from tokenizers import Tokenizer, decoders, models, normalizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    pieces, scores = read_vocab(path)
+    pieces, scores = read_vocab(path, size)
     names = []
     for i, piece in enumerate(pieces):
         if i == 1:
@@ -143,6 +160,7 @@ def import_llama2c(checkpoint: Path, out: Path, tokenizer: Path | None = None, r
     from transformers import LlamaConfig
 
     header, tensors = read_llama2c(checkpoint)
+    built = None if tokenizer is None else build_tokenizer(tokenizer, header["vocab_size"])  # checked before writing
     config = LlamaConfig(
         vocab_size=header["vocab_size"],
         hidden_size=header["dim"],
@@ -159,12 +177,12 @@ def import_llama2c(checkpoint: Path, out: Path, tokenizer: Path | None = None, r
         pad_token_id=2,
         dtype="float32",
     )
-    with atomic_output_dir(out, replace) as tmp:
+    with atomic_output_dir(out, replace, command="import-llama2c") as tmp:
         config.save_pretrained(tmp)
         writer = ShardedSafetensorsWriter(tmp)
         for name in sorted(tensors):
             writer.add(name, tensors[name])
         writer.close()
-        if tokenizer is not None:
-            build_tokenizer(tokenizer).save_pretrained(tmp)
+        if built is not None:
+            built.save_pretrained(tmp)
     return out

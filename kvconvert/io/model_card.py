@@ -15,7 +15,7 @@ tags:
 # {title}
 
 `{method}` conversion of {source} made with kvconvert {version}.
-Expected KV-cache size: **{budget:.1%}** of the original per token.
+Expected KV-cache size: **{budget:.1%}** of {of} per token{where}.
 
 {details}
 {measured}
@@ -35,6 +35,12 @@ model = kvconvert.load("{repo}")
 
 Conversion details (per-layer decisions and errors, source sha256) are in `kvconvert.json`.
 """
+
+
+def is_eval_result(data: Any) -> bool:
+    """Is ``data`` (parsed JSON) what ``eval --json`` writes? (``--json`` replaces only such a file, and the
+    card reads only such a file.)"""
+    return isinstance(data, dict) and {"ppl", "kv_bytes_per_token", "tokens", "ctx"} <= set(data)
 
 
 def _details(report: dict[str, Any]) -> str:
@@ -77,21 +83,25 @@ def _measured(evaluation: dict[str, Any] | None) -> str:
 def write_model_card(
     directory: Path, report: dict[str, Any], name: str, evaluation: dict[str, Any] | None = None
 ) -> None:
-    """Write README.md into ``directory``; ``name`` is what users load it by (output dir or Hub repo id).
+    """Write README.md into ``directory``; ``name`` is what users load it by (output dir or Hub repo id)."""
+    (directory / "README.md").write_text(model_card(report, name, evaluation))
 
-    Hub metadata names ``base_model`` only for Hub sources (a local path is not a model id).
-    """
+
+def model_card(report: dict[str, Any], name: str, evaluation: dict[str, Any] | None = None) -> str:
+    """The model card's text. Hub metadata names ``base_model`` only for Hub sources (a local path is
+    not a model id)."""
     base_model = report["source"]["model"]
     is_hub = not base_model.startswith("/")
-    text = _CARD.format(
+    return _CARD.format(
         base_model_line=f"base_model: {base_model}\n" if is_hub else "",
         source=f"[{base_model}](https://huggingface.co/{base_model})" if is_hub else f"`{Path(base_model).name}`",
         measured=_measured(evaluation),
         title=f"{Path(base_model).name}-{report['method']}",
         method=report["method"],
         version=report["tool_version"],
-        budget=report["kv_budget_expected"],
+        budget=report.get("kv_budget_expected_vs_16bit", report["kv_budget_expected"]),
+        of="a 16-bit cache" if "kv_budget_expected_vs_16bit" in report else "the original",
+        where=" at long context" if "kv_budget_expected_vs_16bit" in report else "",
         details=_details(report),
         repo=name,
     )
-    (directory / "README.md").write_text(text)

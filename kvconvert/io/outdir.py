@@ -5,13 +5,99 @@ a command refuses an existing ``--out`` before it loads torch, transformers or t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvconvert.errors import KVConvertError
+
+# Every directory kvconvert writes holds this file: what wrote it and the files it wrote. ``--force``
+# replaces only directories that have it, and ``push`` uploads only the files it lists. Hidden, so it
+# is never uploaded itself.
+MARKER = ".kvconvert-output.json"
+# What marked a kvconvert directory before MARKER existed (conversions, analyses, plans).
+_LEGACY_MARKERS = ("kvconvert.json", "analysis.json", "frontier.json")
+
+
+def read_marker(directory: Path) -> dict[str, Any] | None:
+    """The marker of a directory kvconvert wrote, or None (absent, unreadable, or not ours)."""
+    try:
+        data = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) and data.get("tool") == "kvconvert" else None
+
+
+def is_kvconvert_output(directory: Path) -> bool:
+    """True for a real directory (not a link) that kvconvert wrote: its marker, or an older output's
+    report file."""
+    if directory.is_symlink() or not directory.is_dir():
+        return False
+    return read_marker(directory) is not None or any((directory / name).is_file() for name in _LEGACY_MARKERS)
+
+
+def _write_marker(directory: Path, command: str) -> None:
+    from kvconvert import __version__
+
+    files = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
+    marker = {"tool": "kvconvert", "version": __version__, "command": command, "files": files}
+    (directory / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+
+
+_SIZE_UNITS = {"KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4, "KIB": 1024, "MIB": 1024**2,
+               "GIB": 1024**3, "TIB": 1024**4, "B": 1}  # fmt: skip
+
+
+def parse_size(text: str, option: str = "--max-shard-size") -> int:
+    """'5GB' / '500MB' / '1.5GiB' / '1024' → bytes (positive), or one line saying what is accepted."""
+    upper = text.strip().upper()
+    unit = next((u for u in sorted(_SIZE_UNITS, key=len, reverse=True) if upper.endswith(u)), "")
+    try:
+        size = int(float(upper[: len(upper) - len(unit)]) * _SIZE_UNITS.get(unit, 1))
+    except (ValueError, OverflowError):
+        size = 0
+    if size < 1:
+        raise KVConvertError(f"{option} takes a positive size like 5GB, 500MB, 2GiB or 1000000; got {text!r}")
+    return size
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary sibling renamed over it. A full disk or a kill
+    leaves the old file (or none), never a truncated one, and no temporary file behind."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def refuse_foreign_file(path: Path, option: str, ours: Callable[[Any], bool], what: str) -> None:
+    """A file ``option`` would write may replace only a file of the same kind that kvconvert wrote
+    (``ours(parsed JSON)``): never a directory, another program's file, or a checkpoint's own config."""
+    if path.is_dir():
+        raise KVConvertError(f"{option} {path} is a directory; give a file path")
+    if not path.parent.is_dir():
+        raise KVConvertError(f"{option} {path}: the directory {path.parent} does not exist")
+    if not path.exists():
+        return
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = None
+    if not ours(data):
+        raise KVConvertError(f"{option} {path} exists and is not {what}; kvconvert replaces only its own: choose "
+                             "another path")  # fmt: skip
 
 
 def refuse_overlap(out: Path, sources: Sequence[Path]) -> None:
@@ -61,21 +147,41 @@ def output_lock(out: Path) -> Iterator[None]:
         lock.unlink(missing_ok=True)
 
 
-def refuse_existing(out: Path, replace: bool) -> None:
-    """An existing ``out`` is refused unless ``replace`` (checked again under the lock when writing)."""
-    if out.exists() and not replace:
-        raise KVConvertError(f"output directory {out.resolve()} already exists; choose another --out or pass --force")
+def refuse_existing(out: Path, replace: bool, option: str = "--out") -> None:
+    """An existing ``out`` is refused unless ``replace`` and kvconvert wrote it (checked again under the
+    lock when writing). A file, a directory of someone else's files, or the current directory (or one
+    above it) is never replaced: ``--force`` must not be able to delete what kvconvert did not write."""
+    if not out.exists() and not out.is_symlink():
+        return
+    where = out.resolve()
+    if not where.is_dir():
+        kind = "a dangling link" if not where.exists() else "a file"
+        raise KVConvertError(f"{option} {out} is {kind}, not a directory; choose another {option}")
+    if not replace:
+        raise KVConvertError(f"output directory {where} already exists; choose another {option} or pass --force")
+    cwd = Path.cwd().resolve()
+    if where == cwd or where in cwd.parents:
+        raise KVConvertError(f"{option} {out} is or contains the current directory; kvconvert will not replace it")
+    if not is_kvconvert_output(where):
+        raise KVConvertError(
+            f"{option} {where} exists and was not written by kvconvert; --force replaces only kvconvert's own "
+            f"outputs: choose another {option} or remove it yourself"
+        )
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out: Path, replace: bool, sources: Sequence[Path] = ()) -> Iterator[Path]:
+def atomic_output_dir(
+    out: Path, replace: bool, sources: Sequence[Path] = (), command: str = "convert"
+) -> Iterator[Path]:
     """Yield a temporary sibling of ``out``; rename it to ``out`` only if the block succeeds.
 
-    An existing ``out`` is refused unless ``replace``; an ``out`` that is, contains or lies inside one
-    of ``sources`` always. While the block runs, ``out`` is locked against other conversions. On any
-    failure (including Ctrl-C and SIGTERM, see ``cli``) the temporary directory is removed and ``out``
-    is left exactly as it was.
+    An existing ``out`` is refused unless ``replace`` and kvconvert wrote it (``refuse_existing``); an
+    ``out`` that is, contains or lies inside one of ``sources`` always. While the block runs, ``out`` is
+    locked against other conversions. The finished directory gets kvconvert's marker listing the files
+    the block wrote. On any failure (including Ctrl-C and SIGTERM, see ``cli``) the temporary directory
+    is removed and ``out`` is left exactly as it was.
     """
+    refuse_existing(out, replace)
     out = out.resolve()
     refuse_overlap(out, sources)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +190,7 @@ def atomic_output_dir(out: Path, replace: bool, sources: Sequence[Path] = ()) ->
         remove_stale_temporaries(out)
         with _temporary_sibling(out) as tmp:
             yield tmp
+            _write_marker(tmp, command)
 
 
 @contextlib.contextmanager

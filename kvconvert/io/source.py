@@ -85,6 +85,26 @@ class SourceCheckpoint:
     _index: dict[str, Path] = field(default_factory=dict, repr=False)
     _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
     _headers: dict[Path, tuple[int, dict[str, Any]]] = field(default_factory=dict, repr=False)
+    _checked: bool = field(default=False, repr=False)
+
+    def check(self) -> None:
+        """Refuse weights that do not match the config, are not floats, or are not finite
+        (``kvconvert.io.checks``); once per source, however many conversions read it."""
+        if not self._checked:
+            from kvconvert.io.checks import check_source
+
+            check_source(self)
+            self._checked = True
+
+    def header(self, name: str) -> tuple[list[int], str]:
+        """(shape, safetensors dtype name) of tensor ``name``, without reading its data (safetensors)."""
+        stored = self.stored(name)
+        if stored is not None:
+            return stored.shape, stored.dtype
+        from kvconvert.io.writer import dtype_name
+
+        tensor = self.get(name)
+        return list(tensor.shape), dtype_name(tensor.dtype)
 
     def tensor_names(self) -> list[str]:
         if not self._index:
@@ -191,6 +211,13 @@ def _download(model_id: str, revision: str | None, allow_pickle: bool) -> tuple[
     path = Path(local)
     # snapshot paths end in the commit hash: record it so the conversion can be reproduced
     return path, path.name if re.fullmatch(r"[0-9a-f]{40}", path.name) else revision
+
+
+def hub_snapshot(model_id: str, revision: str | None = None) -> Path:
+    """Local directory of a Hub model's data files (config, safetensors, tokenizer; never code)."""
+    if not _HUB_ID.match(model_id) or model_id.startswith((".", "/", "~")):
+        raise KVConvertError(f"model not found: {model_id!r} is neither a local directory nor a Hub id")
+    return _download(model_id, revision, allow_pickle=False)[0]
 
 
 def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], bool]:

@@ -40,6 +40,11 @@ _ITEMSIZE = {**{name: dtype.itemsize for dtype, name in _DTYPE_NAMES.items()},
              "U64": 8, "U32": 4, "U16": 2, "F8_E8M0": 1, "C64": 8}  # fmt: skip
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors' name of a torch dtype ("F32", "I8", …), or torch's own for one it cannot store."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def copy_range(src: BinaryIO, dst: BinaryIO, start: int, nbytes: int) -> None:
     """Append ``nbytes`` of ``src`` from ``start`` to ``dst``, in the kernel where it can
     (``copy_file_range``: no round trip through Python buffers, 4–6× faster than a read/write loop

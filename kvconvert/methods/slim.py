@@ -141,7 +141,7 @@ class SlimMethod(Method):
 
     def finish(self, reports: list[dict[str, Any]]) -> None:
         worst = max(reports, key=lambda r: r["v_rel_error"])
-        if worst["v_rel_error"] > self.config.max_v_error and not self.config.accept_v_error:
+        if not worst["v_rel_error"] <= self.config.max_v_error and not self.config.accept_v_error:
             raise KVConvertError(
                 f"layer {worst['layer']}: κ(W_K) = {worst['kappa_k']:.3g} makes V = K·W_KV deviate by "
                 f"{worst['v_rel_error']:.3g} relative RMS (limit {self.config.max_v_error:.3g}) in this dtype; "
