@@ -162,11 +162,6 @@ def _open(source: SourceCheckpoint, method: Method, dtype: str) -> _Checkpoint:
         else:
             attention.setdefault(match.layer, {})[match.local] = name
             prefixes[match.layer] = match.prefix
-    if sorted(attention) != list(range(layout.num_layers)):
-        raise KVConvertError(
-            f"checkpoint has attention weights for layers {sorted(attention)} but config says "
-            f"{layout.num_layers} layers; is the checkpoint complete?"
-        )
     target = (
         DTYPES[dtype] if dtype != "auto" else _source_dtype(source, [n for m in attention.values() for n in m.values()])
     )

@@ -185,6 +185,7 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
 
     device = resolve_device(config.device)
     source = open_source(model)
+    source.check()  # once, before the reference loads: a broken source is one error, not every candidate refused
     ids, scored_on = scoring_ids(source.path, config)
     ctx = config.context + config.continuation
     reference = load_model(str(source.path), device=device)
@@ -212,7 +213,7 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
                     method.progress = False
                 directory = Path(work) / f"c{index}"
                 with computing_on(device):  # calibration and head profiles run where scoring does
-                    convert(open_source(str(source.path)), method, directory, progress=False)
+                    convert(source, method, directory, progress=False)
             except KVConvertError as exc:
                 refused.append({"label": label, "method": name, "recipe": full, "reason": str(exc)})
                 continue

@@ -694,12 +694,14 @@ class TokenLayoutStore(TokenStore):
         if self._operands is None:
             held = self.blocks
             assert held is not None
+            # contiguous: the AVX-512 kernel refuses strided codes (AVX2's reads them); a no-op when they are
             if self.keys:
                 pairs = held.scale.flatten(0, 1).unbind(0)
-                self._operands = list(zip(held.codes.flatten(0, 1).unbind(0), pairs, strict=True))
+                codes = [c.contiguous() for c in held.codes.flatten(0, 1).unbind(0)]
+                self._operands = list(zip(codes, pairs, strict=True))
             else:
                 codes = held.codes.reshape(-1, self.group_size(), held.codes.shape[-2] // 2)  # [b·Hkv·G, size, n/2]
-                self._operands = [(matrix,) for matrix in codes.unbind(0)]
+                self._operands = [(matrix.contiguous(),) for matrix in codes.unbind(0)]
         return self._operands
 
     def group_size(self) -> int:
