@@ -697,8 +697,8 @@ class TokenLayoutStore(TokenStore):
             # contiguous: the AVX-512 kernel refuses strided codes (AVX2's reads them); a no-op when they are
             if self.keys:
                 pairs = held.scale.flatten(0, 1).unbind(0)
-                codes = [c.contiguous() for c in held.codes.flatten(0, 1).unbind(0)]
-                self._operands = list(zip(codes, pairs, strict=True))
+                key_codes = [c.contiguous() for c in held.codes.flatten(0, 1).unbind(0)]
+                self._operands = list(zip(key_codes, pairs, strict=True))
             else:
                 codes = held.codes.reshape(-1, self.group_size(), held.codes.shape[-2] // 2)  # [b·Hkv·G, size, n/2]
                 self._operands = [(matrix.contiguous(),) for matrix in codes.unbind(0)]
