@@ -304,12 +304,6 @@ def test_import_llama2c_refuses_garbage(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_sigterm_exit_status_is_143():
-    from kvconvert.cli import Terminated
-
-    assert issubclass(Terminated, KeyboardInterrupt)  # unwinds every cleanup like Ctrl-C (see test_errors)
-
-
 # -------------------------------------------------------------------------- silent or misleading
 
 

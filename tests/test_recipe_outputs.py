@@ -1,0 +1,86 @@
+"""Every recipe in recipes/ on the two real llama2.c models of ../shared (MHA aidreams260K, GQA
+stories260K): the bytes a conversion writes — weights, config, recipe, and the report (the source's
+local path set aside) — equal the digests recorded before the method-as-package redesign (#37), or the
+one-line refusal recorded then. A refactor that changes one output byte fails here.
+
+Regenerate deliberately with ``python -m tests.test_recipe_outputs`` (a change of output on purpose)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvconvert.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "models"
+GOLDEN = Path(__file__).parent / "golden" / "recipe_outputs.json"
+RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
+MODELS = {"aidreams260K": "tok512.bin", "stories260K": "tok512.bin"}
+
+
+def digests(out: Path) -> dict[str, str]:
+    """sha256 of what a conversion decides: every file but the runtime code, the card and the marker
+    (they change with the package's own code), and the report and config without the source's local path."""
+    found = {}
+    for path in sorted(out.iterdir()):
+        if path.suffix == ".py" or path.name in ("README.md", ".kvconvert-output.json"):
+            continue
+        data = path.read_bytes()
+        if path.name == "kvconvert.json":
+            report = json.loads(data)
+            report["source"]["model"] = "<source>"
+            data = json.dumps(report, sort_keys=True).encode()
+        if path.name == "config.json":
+            config = json.loads(data)
+            config.pop("_name_or_path", None)  # where the source was loaded from
+            data = json.dumps(config, sort_keys=True).encode()
+        found[path.name] = hashlib.sha256(data).hexdigest()
+    return found
+
+
+def convert(recipe: str, source: Path, out: Path) -> dict[str, str] | str:
+    result = CliRunner().invoke(main, ["run", str(ROOT / "recipes" / recipe), "--model", str(source), "--out",
+                                       str(out), "--quiet"])  # fmt: skip
+    if result.exit_code != 0:
+        assert result.exit_code == 2, result.output
+        return result.stderr.strip()
+    return digests(out)
+
+
+@pytest.fixture(scope="module")
+def llama2c_models(tmp_path_factory):
+    from kvconvert.io.llama2c import import_llama2c
+
+    if not all((SHARED / name).is_dir() for name in MODELS):
+        pytest.skip("../shared/models/{aidreams,stories}260K are not present")
+    root = tmp_path_factory.mktemp("llama2c")
+    return {name: import_llama2c(SHARED / name / f"{name}.bin", root / name, SHARED / name / tok)
+            for name, tok in MODELS.items()}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_outputs_are_byte_identical(recipe, llama2c_models, tmp_path):
+    golden = json.loads(GOLDEN.read_text())
+    for name, source in llama2c_models.items():
+        got = convert(recipe, source, tmp_path / name)
+        assert got == golden[recipe][name], f"{recipe} on {name}"
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    from kvconvert.io.llama2c import import_llama2c
+
+    with tempfile.TemporaryDirectory() as work:
+        models = {name: import_llama2c(SHARED / name / f"{name}.bin", Path(work) / name, SHARED / name / tok)
+                  for name, tok in MODELS.items()}  # fmt: skip
+        table = {recipe: {name: convert(recipe, source, Path(work) / f"{recipe}-{name}")
+                          for name, source in models.items()} for recipe in RECIPES}  # fmt: skip
+    GOLDEN.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN}")
