@@ -29,7 +29,7 @@ from kvconvert.eval.runner import run_eval  # noqa: E402
 from kvconvert.io.source import open_source  # noqa: E402
 from kvconvert.methods.lorc import LorcConfig, LorcMethod  # noqa: E402
 from kvconvert.pipeline import convert  # noqa: E402
-from kvconvert.runtime.kvconvert_storage import QuantSpec  # noqa: E402
+from kvconvert.runtime.kvconvert_codec import QuantSpec  # noqa: E402
 
 PAPER, EXT = "paper", "extension"
 # (label, kind, budget, LorcConfig options, storage bits or None)

@@ -38,7 +38,7 @@ from kvconvert.methods.minicache import (  # noqa: E402
     subspace_bytes_per_token,
 )
 from kvconvert.pipeline import convert  # noqa: E402
-from kvconvert.runtime.kvconvert_storage import QuantSpec  # noqa: E402
+from kvconvert.runtime.kvconvert_codec import QuantSpec  # noqa: E402
 
 
 @torch.no_grad()

@@ -24,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 from bench.common import machine, markdown_table, write_results  # noqa: E402
+from kvconvert.runtime.kvconvert_codec import QuantSpec  # noqa: E402
 from kvconvert.runtime.kvconvert_quant import int4_kernel_available, token_decode  # noqa: E402
-from kvconvert.runtime.kvconvert_storage import QuantSpec, TokenLayoutStore  # noqa: E402
+from kvconvert.runtime.kvconvert_tokenlayout import TokenLayoutStore  # noqa: E402
 
 HEADS, KV_HEADS, WIDTH, SCALING = 9, 3, 64, 0.125
 

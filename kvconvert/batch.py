@@ -20,7 +20,7 @@ from kvconvert.errors import KVConvertError
 from kvconvert.methods import Method, build_method
 from kvconvert.pipeline import storage_report
 from kvconvert.recipe import load_recipe, parse_recipe, read_yaml
-from kvconvert.runtime.kvconvert_storage import QuantSpec
+from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 
 @dataclass(frozen=True)

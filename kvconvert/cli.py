@@ -18,7 +18,7 @@ from kvconvert.io.outdir import parse_size, refuse_existing, refuse_overlap
 from kvconvert.plan import CANDIDATES as PLAN_CANDIDATES
 
 if TYPE_CHECKING:  # torch and transformers load with the command that needs them, not for --help
-    from kvconvert.runtime.kvconvert_storage import QuantSpec
+    from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 
 def _source_options(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -25,8 +25,8 @@ from kvconvert.io.source import TOKENIZER_FILES, SourceCheckpoint, StoredTensor
 from kvconvert.io.writer import FLOAT_NAMES, ShardedSafetensorsWriter
 from kvconvert.methods.base import Method
 from kvconvert.recipe import recipe_text
+from kvconvert.runtime.kvconvert_codec import QuantSpec
 from kvconvert.runtime.kvconvert_spec import RuntimeSpec, minimum_spec_version
-from kvconvert.runtime.kvconvert_storage import QuantSpec
 
 RUNTIME_DIR = Path(__file__).parent / "runtime"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

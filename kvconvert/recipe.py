@@ -16,7 +16,7 @@ import yaml
 
 from kvconvert.errors import KVConvertError
 from kvconvert.methods import METHODS, Method
-from kvconvert.runtime.kvconvert_storage import QuantSpec
+from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 # recipe key -> QuantSpec field: the storage options of every conversion command
 STORAGE_KEYS = {"kv_bits": "bits", "kv_group": "group", "kv_residual": "residual", "kv_sink": "sink",

@@ -26,7 +26,7 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_holds_runtime_and_calibration_text(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "kvconvert/runtime/modeling_kvconvert.py" in names and "kvconvert/runtime/kvconvert_storage.py" in names
+    assert "kvconvert/runtime/modeling_kvconvert.py" in names and "kvconvert/runtime/kvconvert_tokenlayout.py" in names
     calib = [n for n in names if n.startswith("kvconvert/calib_data/") and n.endswith(".txt")]
     assert len(calib) == len(list((ROOT / "kvconvert" / "calib_data").glob("*.txt"))) > 0
 

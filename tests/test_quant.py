@@ -12,9 +12,8 @@ from helpers import convert, generate_in_every_mode, left_padded, load_converted
 import kvconvert
 from kvconvert.eval.memory import kv_bytes_per_token
 from kvconvert.runtime import kvconvert_common, kvconvert_minicache, kvconvert_razor, kvconvert_storage
-from kvconvert.runtime.kvconvert_storage import (
+from kvconvert.runtime.kvconvert_codec import (
     QuantSpec,
-    TokenStore,
     channel_groups,
     dequantize_tokens,
     pack,
@@ -22,6 +21,7 @@ from kvconvert.runtime.kvconvert_storage import (
     rotation,
     unpack,
 )
+from kvconvert.runtime.kvconvert_tokenstore import TokenStore
 
 # ----------------------------------------------------------------- plain-torch reference quantizer
 

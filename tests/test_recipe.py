@@ -10,7 +10,7 @@ from kvconvert.errors import KVConvertError
 from kvconvert.methods.lorc import LorcConfig
 from kvconvert.methods.slim import SlimConfig
 from kvconvert.recipe import load_recipe, parse_recipe
-from kvconvert.runtime.kvconvert_storage import QuantSpec
+from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

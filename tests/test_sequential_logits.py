@@ -15,7 +15,7 @@ from kvconvert.calib.bits import log_probs, mean_kl, simulated_storage
 from kvconvert.calib.search import top1
 from kvconvert.calib.sequential import run_layer_by_layer
 from kvconvert.io.source import open_source
-from kvconvert.runtime.kvconvert_storage import QuantSpec
+from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "gpt2", "gemma3", "qwen2"])

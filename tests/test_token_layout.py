@@ -18,16 +18,9 @@ from helpers import convert, generate_in_every_mode, left_padded, load_converted
 
 import kvconvert
 from kvconvert.eval.memory import kv_bytes_per_token
-from kvconvert.runtime import kvconvert_quant, kvconvert_razor, kvconvert_storage
-from kvconvert.runtime.kvconvert_storage import (
-    INT4_ROW_LAYOUTS,
-    Int4Rows,
-    QuantSpec,
-    TokenLayoutStore,
-    cpu_int4_rows,
-    rotation,
-    token_group_size,
-)
+from kvconvert.runtime import kvconvert_quant, kvconvert_razor, kvconvert_tokenlayout
+from kvconvert.runtime.kvconvert_codec import QuantSpec, rotation, token_group_size
+from kvconvert.runtime.kvconvert_tokenlayout import INT4_ROW_LAYOUTS, Int4Rows, TokenLayoutStore, cpu_int4_rows
 
 MACHINE = cpu_int4_rows()
 needs_kernel = pytest.mark.skipif(MACHINE is None, reason="this torch has no CPU int4 kernel whose layout we know")
@@ -87,7 +80,7 @@ def test_stores_follow_the_machines_layout(monkeypatch, machine, width, group):
         return store
 
     here = {keys: filled(keys) for keys in (True, False)}  # this machine's layout
-    monkeypatch.setattr(kvconvert_storage, "cpu_int4_rows", lambda: machine)
+    monkeypatch.setattr(kvconvert_tokenlayout, "cpu_int4_rows", lambda: machine)
     for keys in (True, False):
         store = filled(keys)
         size = token_group_size(width, group)
@@ -197,7 +190,7 @@ def test_kernel_decode_after_dropping_from_the_front(width, group, sink, dropped
 def test_dropping_from_the_front_keeps_the_machines_layout(monkeypatch, machine):
     """On AVX-512 a key block of 64 rows pairs rows j and j + 32: dropping whole 32-token groups would cut
     pairs apart, so tokens leave in 64-token units, and the rest stays packed as packing at once gives."""
-    monkeypatch.setattr(kvconvert_storage, "cpu_int4_rows", lambda: machine)
+    monkeypatch.setattr(kvconvert_tokenlayout, "cpu_int4_rows", lambda: machine)
     x = torch.randn(1, 2, 200, 64, generator=torch.Generator().manual_seed(1))
     for keys in (True, False):
         store = TokenLayoutStore(QuantSpec(4, 32, residual=0, layout="token"), keys=keys)
@@ -381,9 +374,9 @@ def test_a_kernel_that_computes_otherwise_is_not_trusted(monkeypatch):
     kernel read the codes another way would decode by dequantizing, not misread them)."""
     real = torch.ops.aten._weight_int4pack_mm_for_cpu
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda x, b, g, s: real(x, b, g, s) * 2)
-    assert kvconvert_storage.cpu_int4_rows.__wrapped__() is None
+    assert kvconvert_tokenlayout.cpu_int4_rows.__wrapped__() is None
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", real)
-    assert kvconvert_storage.cpu_int4_rows.__wrapped__() == MACHINE
+    assert kvconvert_tokenlayout.cpu_int4_rows.__wrapped__() == MACHINE
 
 
 def test_machine_layout_is_the_one_its_capability_packs():

@@ -3,7 +3,7 @@
 Layers and sides (K, V) differ in how much quantization hurts. For every layer and side and every
 lower width, the source model is run on calibration text with that one store quantized (the others
 at the widest choice) inside attention, exactly as the runtime's store would hold the tokens after a
-prefill (``kvconvert_storage.TokenStore``), and KL(source ‖ simulated) is measured. A greedy
+prefill (``kvconvert_tokenstore.TokenStore``), and KL(source ‖ simulated) is measured. A greedy
 pass then lowers, one step at a time, the store whose next step costs the least KL per byte saved,
 until the cache fits the budget — the additive sensitivity model that mixed-precision searches
 (HAQ, Palu's rank search) use. The chosen allocation is measured once more as a whole.
@@ -24,7 +24,8 @@ from kvconvert.arch import adapter_for
 from kvconvert.calib.hooks import observed_attention
 from kvconvert.calib.sequential import run_layer_by_layer
 from kvconvert.errors import KVConvertError
-from kvconvert.runtime.kvconvert_storage import QuantSpec, TokenStore
+from kvconvert.runtime.kvconvert_codec import QuantSpec
+from kvconvert.runtime.kvconvert_tokenstore import TokenStore
 
 
 def stored_after_prefill(x: torch.Tensor, spec: QuantSpec, per_channel: bool) -> torch.Tensor:

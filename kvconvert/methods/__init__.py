@@ -11,7 +11,7 @@ from kvconvert.methods.quant import QuantConfig, QuantMethod
 from kvconvert.methods.razor import RazorConfig, RazorMethod
 from kvconvert.methods.slim import SlimConfig, SlimMethod
 from kvconvert.methods.zack import ZackConfig, ZackMethod
-from kvconvert.runtime.kvconvert_storage import QuantSpec
+from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 # method name -> (config dataclass, method class); recipes and batch jobs are resolved through it
 METHODS: dict[str, tuple[type, type[Method]]] = {

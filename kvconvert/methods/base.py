@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvconvert.arch import AttentionLayout, AttentionWeights
-from kvconvert.runtime.kvconvert_storage import QuantSpec
+from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Method:
         """Refuse a storage layout this method's runtime cannot hold. The token layout is read by the
         quant and razor runtimes' decode paths only, and needs head widths that are multiples of 32."""
         from kvconvert.errors import KVConvertError
-        from kvconvert.runtime.kvconvert_storage import token_group_size
+        from kvconvert.runtime.kvconvert_codec import token_group_size
 
         if self.storage.layout != "token":
             return

@@ -1,7 +1,7 @@
 """``kvconvert quant``: quantized KV-cache storage alone (KIVI's layout), every weight unchanged.
 
 The baseline every other method is compared with at equal bytes: keys per channel over blocks of
-tokens, values per token, the newest tokens unquantized (``kvconvert/runtime/kvconvert_storage.py``).
+tokens, values per token, the newest tokens unquantized (``kvconvert/runtime/kvconvert_codec.py``).
 With ``--kv-budget`` (a kvconvert extension, not in KIVI) the width of every layer's keys and values
 is chosen between ``min_bits`` and ``max_bits`` by measured loss on calibration text
 (``kvconvert.calib.bits``), so the budget lands where it costs the least.
@@ -19,7 +19,7 @@ import torch
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
 from kvconvert.methods.base import LayerOutput, Method
-from kvconvert.runtime.kvconvert_storage import BITS
+from kvconvert.runtime.kvconvert_codec import BITS
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .kvconvert_codec import QuantSpec
 from .kvconvert_kernels import HeadColumns, packed_decode_triton
-from .kvconvert_storage import KVLayer, QuantSpec, TokenStore
+from .kvconvert_storage import KVLayer
+from .kvconvert_tokenstore import TokenStore
 
 
 class LatentLayer(KVLayer):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from .kvconvert_codec import QuantSpec
 from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
@@ -29,7 +30,7 @@ from .kvconvert_common import (
     softmax_rows,
 )
 from .kvconvert_kernels import use_kernels
-from .kvconvert_storage import QuantSpec, stock_layer
+from .kvconvert_storage import stock_layer
 
 
 class HeadNorm(nn.Module):

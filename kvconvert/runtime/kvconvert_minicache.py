@@ -39,8 +39,10 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .kvconvert_codec import QuantSpec
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows
-from .kvconvert_storage import KVLayer, QuantSpec, TokenStore, select_rows_fn, stock_layer
+from .kvconvert_storage import KVLayer, select_rows_fn, stock_layer
+from .kvconvert_tokenstore import TokenStore
 
 IMPLEMENTATION = "kvconvert_minicache"
 # Below this sin Ω, SLERP's weights sin((1-t)Ω)/sin Ω and sin(tΩ)/sin Ω are replaced by their

@@ -1,5 +1,5 @@
 """Quantized-cache runtime (``kvconvert quant``): stock attention, every layer's K/V in quantized
-storage (``kvconvert_storage``).
+storage (``kvconvert_codec``, ``kvconvert_tokenlayout``).
 
 KIVI's layout (the default): ``QuantizedLayer`` — keys per channel, values per token, recent tokens
 exact; each step reads the whole cache dequantized, and stock attention runs on it.
@@ -25,8 +25,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .kvconvert_codec import QuantSpec, rotation
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of
-from .kvconvert_storage import QuantizedLayer, QuantSpec, TokenLayoutStore, cpu_int4_rows, rotation, sliding_layer
+from .kvconvert_storage import QuantizedLayer, sliding_layer
+from .kvconvert_tokenlayout import TokenLayoutStore, cpu_int4_rows
 
 IMPLEMENTATION = "kvconvert_quant"
 

@@ -17,10 +17,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .kvconvert_codec import QuantSpec
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
 from .kvconvert_quant import decodes_from_codes, token_decode
-from .kvconvert_storage import KVLayer, QuantSpec, TokenLayoutStore, TokenStore, sliding_layer
+from .kvconvert_storage import KVLayer, sliding_layer
+from .kvconvert_tokenlayout import TokenLayoutStore
+from .kvconvert_tokenstore import TokenStore
 
 IMPLEMENTATION = "kvconvert_razor"
 

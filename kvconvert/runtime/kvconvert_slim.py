@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from .kvconvert_codec import QuantSpec
 from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
@@ -23,7 +24,6 @@ from .kvconvert_common import (
     softmax_rows,
 )
 from .kvconvert_kernels import use_kernels
-from .kvconvert_storage import QuantSpec
 
 
 class SlimAttention(LatentAttention):

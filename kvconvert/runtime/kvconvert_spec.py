@@ -43,7 +43,7 @@ class RuntimeSpec:
     head_dim: int
     hidden_size: int
     scaling: list[float]
-    kv_quant: dict[str, int] | None = None  # storage (kvconvert_storage.QuantSpec); absent: 16 bits
+    kv_quant: dict[str, int] | None = None  # storage (kvconvert_codec.QuantSpec); absent: 16 bits
     # sliding-window layers interleaved with global ones (Gemma 2/3): kept stock, cache bounded by the window
     local_layers: list[int] | None = None
     sliding_window: int | None = None

@@ -1,0 +1,332 @@
+"""Quantized storage for every kvconvert cache (KIVI's layout: Liu et al. 2024).
+
+Whatever a method caches — stock K/V, slim's pre-RoPE keys, LoRC latents, ZACK's packed columns,
+razor's kept tokens, MiniCache's shared directions — is a sequence of token states ``[..., n, w]``
+(tokens on dim -2). ``TokenStore`` holds such a sequence:
+
+- tensors that feed attention scores (keys, key latents) are quantized **per channel** over blocks
+  of ``group`` tokens (key outlier channels get their own scale); values **per token** over groups of
+  at most ``group`` channels;
+- asymmetric integers: ``x ≈ zero + code·scale`` with ``code ∈ [0, 2^bits − 1]``, fp16 scale and zero
+  per group; 4-bit codes packed two per byte, 2-bit four per byte and 3-bit eight per three bytes into
+  real ``uint8`` tensors;
+- the newest ``residual`` tokens (and the partial block behind them) stay in the cache dtype and are
+  quantized one block at a time as they age, so recent tokens are exact.
+
+Two kvconvert extensions (not in KIVI), off unless asked for; together they halve the KL of 4-bit
+storage on SmolLM2 (docs/quant.md, the project repository):
+
+- ``sink``: the first tokens of every sequence stay exact. The first token is an attention sink
+  whose keys and values are outliers (Xiao et al. 2023; Sun et al. 2024, "massive activations");
+  quantized with the block it starts, it widens every channel's range there;
+- ``rotate``: values are quantized after an orthogonal rotation of each channel group (a randomized
+  Hadamard matrix where the group size is a power of two, QuaRot's trick), which spreads outlier
+  channels over the group; the rotation is undone on reading, so attention sees the same values up
+  to rounding. Keys are not rotated: per-channel quantization already gives outlier channels their
+  own scale, and rotating them measured no better.
+
+``bits == 16`` means no quantization: the store is a plain growing tensor (today's behaviour).
+Copied verbatim into every output directory; imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+BITS = (16, 8, 4, 3, 2)
+LAYOUTS = ("kivi", "token")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """``config.kvconvert["kv_quant"]``: bits per stored value, group size, unquantized recent tokens,
+    and optionally per layer (key bits, value bits) — mixed precision allocated by measured loss —
+    which then overrides ``bits``; ``sink`` first tokens kept exact and ``rotate`` (values rotated
+    before quantization) are the extensions described above."""
+
+    bits: int = 16
+    group: int = 64
+    residual: int = 128
+    layers: tuple[tuple[int, int], ...] | None = None
+    sink: int = 0
+    rotate: bool = False
+    include_local: bool = False  # also quantize sliding-window layers (kept stock, at 16 bits, otherwise)
+    layout: str = "kivi"  # "token": keys and values per token, rotated, in torch's int4 matmul layout (below)
+
+    def __post_init__(self) -> None:
+        for bits in (self.bits, *(b for pair in self.layers or () for b in pair)):
+            if bits not in BITS:
+                raise ValueError(f"kv bits must be one of {BITS}, got {bits}")
+        if self.group < 1 or self.residual < 0 or self.sink < 0:
+            raise ValueError(f"kv group must be >= 1, residual and sink >= 0, got {self.group}, {self.residual}, "
+                             f"{self.sink}")  # fmt: skip
+        if self.sink >= self.group:
+            raise ValueError(f"kv sink ({self.sink}) must be smaller than the kv group ({self.group})")
+        if self.bits == 3 and self.group % 8 and self.layers is None:
+            raise ValueError(f"3-bit keys pack 8 tokens in 3 bytes: kv group must be a multiple of 8, got {self.group}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"kv layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "token" and (self.bits != 4 or self.layers is not None or self.group % 32):
+            raise ValueError("the token layout is 4-bit storage (one width for every layer) with a kv group that is a "
+                             f"multiple of 32; got {self.bits} bits, group {self.group}"
+                             + (", widths per layer" if self.layers is not None else ""))  # fmt: skip
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits < 16 or any(b < 16 for pair in self.layers or () for b in pair)
+
+    def side(self, layer: int, keys: bool) -> QuantSpec:
+        """The uniform storage of one layer's keys (or values)."""
+        if self.layers is None:
+            return self
+        return dataclasses.replace(self, bits=self.layers[layer][0 if keys else 1], layers=None)
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> QuantSpec:
+        """The storage a checkpoint's runtime spec asks for (none written: 16 bits)."""
+        entry = spec.get("kv_quant") or {}
+        layers = entry.get("layers")
+        return cls(int(entry.get("bits", 16)), int(entry.get("group", 64)), int(entry.get("residual", 128)),
+                   None if layers is None else tuple((int(k), int(v)) for k, v in layers),
+                   int(entry.get("sink", 0)), bool(entry.get("rotate", False)),
+                   bool(entry.get("include_local", False)), str(entry.get("layout", "kivi")))  # fmt: skip
+
+    def to_spec(self) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "bits": self.bits,
+            "group": self.group,
+            "residual": self.residual,
+        }
+        if self.layers is not None:
+            spec["layers"] = [list(pair) for pair in self.layers]
+        if self.sink:
+            spec["sink"] = self.sink
+        if self.rotate:
+            spec["rotate"] = True
+        if self.include_local:
+            spec["include_local"] = True
+        if self.layout != "kivi":
+            spec["layout"] = self.layout
+        return spec
+
+    def bytes_per_value(self, width: int, per_channel: bool) -> float:
+        """Accounted bytes per stored value of a ``width``-wide state (codes + fp16 scale and zero)."""
+        if not self.quantized:
+            return 2.0
+        if self.layout == "token":  # per token in groups of ``size`` channels; keys add their block means
+            size = token_group_size(width, self.group) or width
+            return 0.5 + 4 / size + (2 / self.group if per_channel else 0.0)
+        if per_channel:
+            return (packed_width(self.group, self.bits) + 4) / self.group
+        groups, size = channel_groups(width, self.group)
+        return (packed_width(groups * size, self.bits) + 4 * groups) / width
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+def _round_down(x: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The largest ``dtype`` value ≤ x (x float32): the zero point must not exceed the group minimum."""
+    finite = torch.finfo(dtype).max
+    h = x.clamp(-finite, finite).to(dtype)
+    too_big = h.float() > x
+    return torch.where(too_big, torch.nextafter(h, h.new_full((), -math.inf)), h)
+
+
+def round_up(x: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The smallest positive ``dtype`` value ≥ x (x ≥ 0 float32): the scale must cover the group's range."""
+    h = x.clamp(max=torch.finfo(dtype).max).to(dtype)
+    too_small = h.float() < x
+    h = torch.where(too_small, torch.nextafter(h, h.new_full((), math.inf)), h)
+    return torch.where(h > 0, h, torch.ones_like(h))  # constant group: any scale, codes are 0
+
+
+def quantize_groups(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric quantization of each row of ``x [..., g]`` (one group per row).
+
+    Returns (codes ``[..., g]`` uint8 in [0, 2^bits − 1], scale ``[...]`` fp16, zero ``[...]`` fp16)
+    with ``|zero + code·scale − x| ≤ scale/2`` for every element (zero is rounded down and the scale
+    up to fp16, so the fp16 grid still covers the group's range)."""
+    x = x.float()
+    levels = 2**bits - 1
+    low, high = x.amin(-1), x.amax(-1)
+    zero = _round_down(low)
+    scale = round_up((high - zero.float()) / levels)
+    codes = ((x - zero.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, levels)
+    return codes.to(torch.uint8), scale, zero
+
+
+def packed_width(width: int, bits: int) -> int:
+    """Bytes that ``pack`` makes of ``width`` codes."""
+    return 3 * math.ceil(width / 8) if bits == 3 else math.ceil(width / (8 // bits))
+
+
+@functools.cache
+def rotation(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An orthogonal ``[size, size]`` float32 matrix that spreads every channel over the group: a
+    Hadamard matrix with random column signs (fixed seed) where ``size`` is a power of two, else the
+    Q of a seeded Gaussian's QR. Only ever applied and undone inside one runtime, so nothing about
+    it is stored. Built once per (size, device) (on a GPU each build was a blocking host copy per
+    layer per step); callers must not modify it."""
+    key = (size, str(torch.device(device)))
+    if key not in _ROTATIONS:
+        _ROTATIONS[key] = _build_rotation(size).to(device)
+    return _ROTATIONS[key]
+
+
+_ROTATIONS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _build_rotation(size: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    if size & (size - 1) == 0:
+        h = torch.ones(1, 1)
+        while h.shape[0] < size:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        signs = torch.randint(0, 2, (size,), generator=generator) * 2.0 - 1.0
+        matrix = h * signs / math.sqrt(size)
+    else:
+        matrix, _ = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64))
+    return matrix.float()
+
+
+def _pack3(codes: torch.Tensor) -> torch.Tensor:
+    """3-bit codes ``[..., w]`` -> ``[..., 3·ceil(w/8)]``: each 8 codes as one 24-bit little-endian word."""
+    width = codes.shape[-1]
+    padded = math.ceil(width / 8) * 8
+    if padded != width:
+        codes = torch.nn.functional.pad(codes, (0, padded - width))
+    codes = codes.view(*codes.shape[:-1], padded // 8, 8).to(torch.int32)
+    word = (codes << torch.arange(0, 24, 3, dtype=torch.int32, device=codes.device)).sum(-1, keepdim=True)
+    octets = (word >> torch.tensor([0, 8, 16], dtype=torch.int32, device=codes.device)) & 255
+    return octets.to(torch.uint8).flatten(-2)
+
+
+def _unpack3(packed: torch.Tensor, width: int) -> torch.Tensor:
+    octets = packed.view(*packed.shape[:-1], -1, 3).to(torch.int32)
+    word = (octets << torch.tensor([0, 8, 16], dtype=torch.int32, device=packed.device)).sum(-1, keepdim=True)
+    codes = (word >> torch.arange(0, 24, 3, dtype=torch.int32, device=packed.device)) & 7
+    return codes.to(torch.uint8).flatten(-2)[..., :width]
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``codes [..., w]`` uint8 < 2^bits -> ``[..., ceil(w·bits/8)]`` uint8, element i in bits i·b… of its byte
+    (3-bit: of its 3-byte word)."""
+    if bits == 3:
+        return _pack3(codes)
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes
+    width = codes.shape[-1]
+    padded = math.ceil(width / per_byte) * per_byte
+    if padded != width:
+        codes = torch.nn.functional.pad(codes, (0, padded - width))
+    codes = codes.view(*codes.shape[:-1], padded // per_byte, per_byte)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (codes << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
+    """Inverse of ``pack``: ``[..., ceil(w·bits/8)]`` -> ``[..., w]`` uint8."""
+    if bits == 3:
+        return _unpack3(packed, width)
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed
+    # one scalar shift per position in the byte, then one stack: a shift broadcast against a tensor
+    # of shifts takes torch's slow (unvectorised) path on CPU, 1.7× the time of this (16K tokens)
+    mask = 2**bits - 1
+    parts = [packed >> shift if shift + bits == 8 else (packed >> shift) & mask for shift in range(0, 8, bits)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)[..., :width]
+
+
+def channel_groups(width: int, group: int) -> tuple[int, int]:
+    """(groups, group size) for per-token groups over ``width`` channels: equal groups of at most
+    ``group`` channels, so a width that ``group`` does not divide pads fewer than ``groups`` channels."""
+    groups = math.ceil(width / group)
+    return groups, math.ceil(width / groups)
+
+
+@dataclass
+class QuantizedBlock:
+    """Quantized tokens ``[..., n, w]``. Per channel: ``codes [..., n/B, w, B·bits/8]``, scale/zero
+    ``[..., n/B, w]``. Per token: ``codes [..., n, ceil(P·bits/8)]`` (P = padded width), scale/zero
+    ``[..., n, groups]``. ``center``: the token layout's per-block key means (``TokenLayoutStore``)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    center: torch.Tensor | None = None
+
+    def map(self, fn: Any) -> QuantizedBlock:
+        return QuantizedBlock(fn(self.codes), fn(self.scale), fn(self.zero),
+                              None if self.center is None else fn(self.center))  # fmt: skip
+
+
+def quantize_tokens(x: torch.Tensor, bits: int, group: int, per_channel: bool, rotate: bool = False) -> QuantizedBlock:
+    """``x [..., n, w]`` -> ``QuantizedBlock``; per channel needs n to be a multiple of ``group``.
+    ``rotate`` (per token only): each channel group is multiplied by ``rotation(size)`` first."""
+    *lead, n, width = x.shape
+    if per_channel:
+        blocks = x.reshape(*lead, n // group, group, width).transpose(-1, -2)  # [..., n/B, w, B]
+        codes, scale, zero = quantize_groups(blocks, bits)
+        return QuantizedBlock(pack(codes, bits), scale, zero)
+    groups, size = channel_groups(width, group)
+    if groups * size != width:  # replicate the last channel: the padding changes no group's range
+        x = torch.cat([x, x[..., -1:].expand(*lead, n, groups * size - width)], dim=-1)
+    x = x.reshape(*lead, n, groups, size)
+    if rotate:
+        x = x.float() @ rotation(size, x.device)
+    codes, scale, zero = quantize_groups(x, bits)
+    return QuantizedBlock(pack(codes.reshape(*lead, n, groups * size), bits), scale, zero)
+
+
+def dequantize_tokens(
+    block: QuantizedBlock, bits: int, group: int, width: int, per_channel: bool, dtype: torch.dtype,
+    rotate: bool = False, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Inverse of ``quantize_tokens`` up to rounding: ``[..., n, w]`` in ``dtype``, written into ``out``
+    when given (``[..., n, w]``, contiguous in its last two dims: a token range of a larger tensor).
+    ``code·scale + zero`` is one fused pass from the uint8 codes into the result (no float copy of the
+    codes, no transposed copy of per-channel keys): a decode step runs it over the whole cache."""
+    if per_channel:
+        codes = unpack(block.codes, bits, group)  # [..., n/B, w, B] uint8
+        *lead, blocks, _, size = codes.shape
+        if out is None:
+            out = torch.empty(*lead, blocks * size, width, dtype=dtype, device=codes.device)
+        target = out.view(*lead, blocks, size, width).transpose(-1, -2)  # [..., n/B, w, B], a view
+        return _fused_dequantize(codes, block, target, out)
+    groups, size = channel_groups(width, group)
+    codes = unpack(block.codes, bits, groups * size)
+    codes = codes.view(*codes.shape[:-1], groups, size)  # [..., n, G, size]
+    if out is None:
+        out = torch.empty(*codes.shape[:-2], width, dtype=dtype, device=codes.device)
+    if not rotate and groups * size == width:
+        return _fused_dequantize(codes, block, out.view(*codes.shape), out)
+    x = torch.addcmul(block.zero.float()[..., None], codes, block.scale.float()[..., None])
+    if rotate:
+        x = x @ rotation(size, x.device).T  # the rotation is orthogonal: its transpose undoes it
+    out.copy_(x.flatten(-2)[..., :width])
+    return out
+
+
+def _fused_dequantize(
+    codes: torch.Tensor, block: QuantizedBlock, target: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``target = codes·scale + zero`` (one pass, float32 arithmetic, stored in ``target``'s dtype);
+    ``target`` is a view of ``out``, which is returned."""
+    torch.addcmul(block.zero.float()[..., None], codes, block.scale.float()[..., None], out=target)
+    return out
+
+
+def token_group_size(width: int, group: int) -> int | None:
+    """Channels per group of the token layout: the largest multiple of 32 that divides ``width`` and is
+    at most ``max(group, 32)``; None when ``width`` is not a multiple of 32 (the layout cannot hold it)."""
+    sizes = [s for s in range(32, max(group, 32) + 1, 32) if width % s == 0]
+    return sizes[-1] if sizes else None

@@ -1,0 +1,275 @@
+"""The token layout: 4-bit codes that torch's CPU int4 kernel reads (``TokenLayoutStore``).
+
+Copied verbatim into every output directory; imports only torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .kvconvert_codec import (
+    QuantizedBlock,
+    QuantSpec,
+    rotation,
+    round_up,
+    token_group_size,
+)
+from .kvconvert_tokenstore import TokenStore
+
+# --------------------------------------------------------------------------- the token layout
+#
+# KIVI quantizes keys per channel because a few key channels carry large offsets. Here each block of
+# ``group`` tokens keeps its per-channel key mean (float16: 2 bytes per channel per block) and only
+# the remainder is quantized per token, after every channel group is rotated by a randomized Hadamard
+# matrix that spreads what is left of the outliers over the group (QuaRot, Ashkboos et al. 2024).
+# Measured on SmolLM2 (KL to the source through the cache): rotated per-token keys without the means
+# lose 1.6× KIVI's, with them 0.7×. Then both sides are in the layout
+# torch's own int4 matrix-vector kernel reads (``aten._weight_int4pack_mm_for_cpu``: 4-bit codes,
+# a scale and zero per group along the reduced axis): decode scores ``q·Kᵀ`` and outputs ``p·V`` are
+# computed from the codes without dequantizing the cache (``kvconvert_quant.token_decode``).
+#
+# torch's CPU int4 layout of a matrix ``W [N, K]`` (N a multiple of 32) depends on the kernel the CPU
+# runs (ATen's ``weight_to_int4pack_kernel``, chosen by the CPU capability: AVX2, AVX-512, or the plain
+# loop): ``Int4Rows`` below. Keys are ``W = K [n, d]`` (rows are tokens); values ``W = Vᵀ [size, n]`` per
+# channel group (rows are channels), stored as ``[..., d/r, n, r/2]`` so that tokens stay on dim -2 and
+# appending a block is one ``cat``. The layout is found once per process by packing a probe with torch's
+# own packer (``cpu_int4_rows``); a machine whose layout matches none decodes by dequantizing.
+
+
+@dataclass(frozen=True)
+class Int4Rows:
+    """One of torch's CPU int4 layouts of ``W [N, K]``: rows in blocks of ``block``, each block stored as
+    ``K × block/2`` bytes; byte j of a block's column k holds rows (j, j + block/2) when ``halves`` (AVX2:
+    32, AVX-512: 64), rows (2j, 2j + 1) otherwise (the plain loop), the first in the low nibble. A last
+    block shorter than ``block`` rows is always stored pairwise (what torch's packer does)."""
+
+    block: int
+    halves: bool
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """``codes [..., N, K]`` (uint8 < 16, N and K even) -> ``[..., N, K/2]``."""
+        return self._by_blocks(codes, _pack_blocks)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``pack``."""
+        return self._by_blocks(packed, _unpack_blocks)
+
+    def _by_blocks(self, rows: torch.Tensor, fn: Any) -> torch.Tensor:
+        """``fn(rows, block, halves)`` over the whole blocks, then pairwise over a shorter last block."""
+        full = rows.shape[-2] // self.block * self.block
+        parts = [fn(rows[..., :full, :], self.block, self.halves)] if full else []
+        if full < rows.shape[-2]:
+            parts.append(fn(rows[..., full:, :], rows.shape[-2] - full, False))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+
+def _pack_blocks(codes: torch.Tensor, block: int, halves: bool) -> torch.Tensor:
+    *lead, n, k = codes.shape
+    x = codes.reshape(*lead, n // block, block, k)
+    low, high = (x[..., : block // 2, :], x[..., block // 2 :, :]) if halves else (x[..., 0::2, :], x[..., 1::2, :])
+    packed = low | (high << 4)  # [..., N/block, block/2, K]
+    return packed.transpose(-1, -2).reshape(*lead, n, k // 2)
+
+
+def _unpack_blocks(packed: torch.Tensor, block: int, halves: bool) -> torch.Tensor:
+    *lead, n, half = packed.shape
+    b = packed.reshape(*lead, n // block, 2 * half, block // 2).transpose(-1, -2)  # [..., N/block, block/2, K]
+    low, high = b & 15, b >> 4
+    rows = torch.cat([low, high], dim=-2) if halves else torch.stack([low, high], dim=-2)
+    return rows.reshape(*lead, n, 2 * half)
+
+
+# Every layout torch's packer is known to produce (AVX2, AVX-512, the plain loop at two vector widths);
+# the first is the one stores use where the machine's kernel cannot read them (dequantized anyway).
+INT4_ROW_LAYOUTS = (Int4Rows(32, True), Int4Rows(64, True), Int4Rows(32, False), Int4Rows(16, False),
+                    Int4Rows(64, False))  # fmt: skip
+
+
+@functools.cache
+def cpu_int4_rows() -> Int4Rows | None:
+    """The layout this process's CPU int4 kernel reads, or None (no kernel, or an unknown layout).
+
+    Found, not assumed: a probe of 96 × 64 codes (a 64-row block and a short one) is packed by torch's
+    own ``_convert_weight_to_int4pack_for_cpu`` and compared with each known layout, and the matching
+    layout must then give ``_weight_int4pack_mm_for_cpu`` the product of the dequantized probe. So a
+    CPU whose packing differs decodes by dequantizing instead of misreading the codes."""
+    aten = torch.ops.aten
+    if not (hasattr(aten, "_convert_weight_to_int4pack_for_cpu") and hasattr(aten, "_weight_int4pack_mm_for_cpu")):
+        return None
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (96, 64), dtype=torch.uint8, generator=generator)
+    x = torch.randn(2, 64, generator=generator).to(torch.bfloat16)
+    pairs = torch.rand(2, 96, 2, generator=generator).to(torch.bfloat16)  # (scale, zero) per row and group of 32
+    try:
+        packed = aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+        got = aten._weight_int4pack_mm_for_cpu(x, packed, 32, pairs).float()
+    except RuntimeError:
+        return None
+    layout = next(
+        (rows for rows in INT4_ROW_LAYOUTS if torch.equal(rows.pack(codes), packed)),
+        None,
+    )
+    scale, zero = pairs.float().unbind(-1)  # [2, 96] each
+    weight = (codes.float() - 8).view(96, 2, 32) * scale.T[..., None] + zero.T[..., None]
+    expected = x.float() @ weight.view(96, 64).T
+    return layout if torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item()) else None
+
+
+def _token_layout_groups(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``x [..., n, w]`` -> rotated channel groups ``[..., n, w/size, size]`` float32."""
+    return x.float().reshape(*x.shape[:-1], -1, size) @ rotation(size, x.device)
+
+
+def _kernel_groups(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit codes of each row of ``x [..., g]`` (float32) in the int4 kernel's convention
+    ``x ≈ (code − 8)·scale + zero``: codes ``[..., g]`` uint8, ``scale`` rounded up to ``dtype`` (the grid
+    covers the row's range) and ``zero`` the value of code 8, both ``[...]`` in ``dtype``."""
+    low, high = x.amin(-1), x.amax(-1)
+    scale = round_up((high - low) / 15, dtype)
+    zero = (low + 8 * scale.float()).to(dtype)
+    codes = ((x - zero.float()[..., None]) / scale.float()[..., None] + 8).round_().clamp_(0, 15)
+    return codes.to(torch.uint8), scale, zero
+
+
+class TokenLayoutStore(TokenStore):
+    """``TokenStore`` in the token layout (see above), 4-bit.
+
+    Keys: ``center [..., n/B, d]`` float16 (each block's per-channel mean), codes ``[..., n, d/2]``
+    (int4 rows) and bfloat16 scales and zeros in the kernel's convention
+    ``x − center ≈ (code − 8)·scale + zero``, held as the kernel reads them: ``scale`` is the
+    ``(scale, zero)`` pairs ``[..., G, n, 2]`` and ``zero`` an empty ``[..., G, n, 0]`` (a decode step
+    would otherwise stack the pairs anew in every layer). Values: codes ``[..., d/r, n, r/2]``
+    (``Vᵀ``'s int4 rows per channel group, r rows per block), ``scale``/``zero [..., G, n]`` float16
+    in the same convention (the scale multiplies attention probabilities, not the codes, so it stays
+    float16; ``zero`` is the value of code 8, which a decode step adds as is). Both rotated per group
+    of ``size`` channels. ``rows``: the int4 layout, the machine's kernel's where it can hold this store
+    (``kernel_reads``). Sinks, residual tokens, cropping, row selection and dropping from the front as in
+    ``TokenStore``: dropped tokens stay in their block, masked by ``token_decode``, until the whole unit
+    (``_front_unit``) is dropped; razor's windows drop whole units only (``whole_front``)."""
+
+    def __init__(self, quant: QuantSpec, keys: bool):
+        super().__init__(quant, per_channel=False)
+        self.keys, self.rotate = keys, True
+        self.rows: Int4Rows | None = None  # chosen at the first block, when the width is known
+
+    def _blocks_changed(self) -> None:
+        self._operands: list[tuple[torch.Tensor, ...]] | None = None
+
+    def kernel_operands(self) -> list[tuple[torch.Tensor, ...]]:
+        """The int4 kernel's operands, views of ``blocks``: keys ``(codes [n, d/2], pairs [G, n, 2])`` per
+        (row, KV head); values ``(Vᵀ codes [size, n/2],)`` per (row, KV head, channel group). Split once
+        per change of the blocks (every ``group`` tokens), not by every layer's decode step."""
+        if self._operands is None:
+            held = self.blocks
+            assert held is not None
+            # contiguous: the AVX-512 kernel refuses strided codes (AVX2's reads them); a no-op when they are
+            if self.keys:
+                pairs = held.scale.flatten(0, 1).unbind(0)
+                key_codes = [c.contiguous() for c in held.codes.flatten(0, 1).unbind(0)]
+                self._operands = list(zip(key_codes, pairs, strict=True))
+            else:
+                codes = held.codes.reshape(-1, self.group_size(), held.codes.shape[-2] // 2)  # [b·Hkv·G, size, n/2]
+                self._operands = [(matrix.contiguous(),) for matrix in codes.unbind(0)]
+        return self._operands
+
+    def group_size(self) -> int:
+        size = token_group_size(self.width, self.quant.group)
+        if size is None:
+            raise ValueError(f"the token layout needs a head width that is a multiple of 32, got {self.width}")
+        return size
+
+    def kernel_reads(self) -> bool:
+        """The codes are in the layout this machine's int4 kernel reads."""
+        return self.rows is not None and self.rows == cpu_int4_rows()
+
+    def _layout(self) -> Int4Rows:
+        if self.rows is None:
+            machine, size = cpu_int4_rows(), self.group_size()
+            # a value group's rows are one matrix per group: whole blocks, or one short (pairwise) block
+            fits = machine is not None and (self.keys or size % machine.block == 0 or size < machine.block)
+            self.rows = machine if machine is not None and fits else INT4_ROW_LAYOUTS[0]
+        return self.rows
+
+    def _value_block(self, size: int) -> int:
+        """Rows per stored block of a value group: the layout's block, or the whole group if shorter."""
+        return min(self._layout().block, size)
+
+    def _quantize(self, tokens: torch.Tensor) -> QuantizedBlock:
+        size, rows = self.group_size(), self._layout()
+        if not self.keys:
+            codes, scale, zero = _kernel_groups(_token_layout_groups(tokens, size), torch.float16)  # [..., n, G, size]
+            packed = rows.pack(codes.permute(*range(codes.dim() - 3), -2, -1, -3))  # Vᵀ per group: [..., G, size, n/2]
+            r = self._value_block(size)
+            codes = packed.reshape(*packed.shape[:-3], -1, tokens.shape[-2], r // 2)
+            # scales token-last, as the keys': a decode step multiplies them into [.., G, n] probabilities
+            return QuantizedBlock(
+                codes,
+                scale.transpose(-1, -2).contiguous(),
+                zero.transpose(-1, -2).contiguous(),
+            )
+        *lead, n, width = tokens.shape
+        blocks = tokens.float().reshape(*lead, n // self.quant.group, self.quant.group, width)
+        center = blocks.mean(-2).half()  # [..., n/B, d]
+        x = _token_layout_groups((blocks - center.float()[..., None, :]).reshape(*lead, n, width), size)
+        codes, scale, zero = _kernel_groups(x, torch.bfloat16)
+        pairs = torch.stack([scale.transpose(-1, -2), zero.transpose(-1, -2)], dim=-1)  # [..., G, n, 2]
+        return QuantizedBlock(rows.pack(codes.flatten(-2)), pairs, pairs[..., :0], center)
+
+    def _concat(self, old: QuantizedBlock, new: QuantizedBlock) -> QuantizedBlock:
+        rows = self._layout()
+        start = old.codes.shape[-2] // rows.block * rows.block
+        if self.keys and start < old.codes.shape[-2]:  # the last key block was short (pairwise): pack it anew
+            merged = torch.cat([rows.unpack(old.codes[..., start:, :]), rows.unpack(new.codes)], dim=-2)
+            old = dataclasses.replace(old, codes=old.codes[..., :start, :])
+            new = dataclasses.replace(new, codes=rows.pack(merged))
+        return super()._concat(old, new)
+
+    def _token_dims(self) -> tuple[int, int]:
+        return -2, (-2 if self.keys else -1)
+
+    def _dequantize(self, blocks: QuantizedBlock, dtype: torch.dtype) -> torch.Tensor:
+        size, rows = self.group_size(), self._layout()
+        if self.keys:
+            codes = rows.unpack(blocks.codes).float()  # [..., n, d]
+            scale, zero = blocks.scale.transpose(-2, -3).float().unbind(-1)  # the pairs: [..., n, G] each
+            x = (codes.reshape(*codes.shape[:-1], -1, size) - 8) * scale[..., None] + zero[..., None]
+            assert blocks.center is not None
+            centers = blocks.center.float().repeat_interleave(self.quant.group, dim=-2)  # [..., n, d]
+            return ((x @ rotation(size, x.device).T).flatten(-2) + centers).to(dtype)
+        *lead, stored, n, _ = blocks.codes.shape
+        groups = stored * self._value_block(size) // size
+        codes = rows.unpack(blocks.codes.reshape(*lead, groups, size, n // 2))  # [..., G, size, n]
+        codes = codes.permute(*range(len(lead)), -1, -3, -2).float()  # [..., n, G, size]
+        scale, zero = (
+            blocks.scale.transpose(-1, -2).float(),
+            blocks.zero.transpose(-1, -2).float(),
+        )
+        x = (codes - 8) * scale[..., None] + zero[..., None]
+        return (x @ rotation(size, x.device).T).flatten(-2).to(dtype)
+
+    def _dequantize_into(self, blocks: QuantizedBlock, out: torch.Tensor) -> None:
+        out.copy_(self._dequantize(blocks, out.dtype))
+
+    def _front_unit(self) -> int:
+        # key rows are packed in blocks of up to 64 tokens (AVX-512 pairs rows j and j + 32): a cut falls on
+        # both a block mean's and any packing block's boundary, the same for keys and values (one token count)
+        return math.lcm(self.quant.group, max(rows.block for rows in INT4_ROW_LAYOUTS))
+
+    def whole_front(self, count: int) -> int:
+        """How many of the oldest ``count`` tokens to drop so that only whole units leave the quantized part."""
+        # Razor's windows in this layout slide by whole units: a token leaving one by one would be
+        # dequantized from its block at every step (~25 small ops per store: 15 ms of a 4K decode step
+        # of SmolLM2 on 2 cores), or its unit kept dequantized in float (more bytes than the window's
+        # codes at 1.5K tokens). So up to a unit − 1 tokens stay attended past the window's length L,
+        # as stored, and a unit is dequantized once, into the compensation token, when it leaves.
+        quantized_left = self.quantized_tokens - self.offset
+        if count >= quantized_left:  # everything quantized goes (and some of the float tail): blocks freed
+            return count
+        unit = self._front_unit()
+        return max(0, (self.offset + count) // unit * unit - self.offset)

@@ -1,0 +1,256 @@
+"""``TokenStore``: a growing sequence of token states ``[..., n, w]`` in quantized storage (see
+``kvconvert_codec`` for the format), exact sink and recent tokens, row selection, cropping and
+dropping from the front. Copied verbatim into every output directory; imports only torch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .kvconvert_codec import (
+    QuantizedBlock,
+    QuantSpec,
+    dequantize_tokens,
+    quantize_tokens,
+)
+
+# --------------------------------------------------------------------------- the store
+
+
+class TokenStore:
+    """A growing sequence of token states ``[..., n, w]``: quantized whole blocks, then a float tail.
+
+    With ``sink``, the sequence's first tokens are also kept exact in ``head`` and put back over their
+    dequantized copies on every read; inside the first block they are replaced by the token after them
+    before quantizing, so their outlier values widen no channel's range. Blocks stay aligned with
+    positions (a sink costs its own bytes, nothing more). The tail holds the newest tokens:
+    between ``residual`` and ``residual + group − 1`` of them once the sequence is long enough;
+    whenever it holds ``residual + group``, its oldest ``group`` tokens become one quantized block.
+    ``offset`` counts tokens dropped from the front of the quantized part (razor's sliding window); a
+    block is freed once all its tokens are dropped.
+    """
+
+    def __init__(self, quant: QuantSpec, per_channel: bool):
+        self.quant, self.per_channel = quant, per_channel
+        self.rotate = quant.rotate and not per_channel  # keys keep per-channel scales instead
+        self._clear()
+
+    def _clear(self) -> None:
+        self.head: torch.Tensor | None = None  # exact copies of the first ``sink`` tokens still held
+        self.front_dropped = False  # take_front removed the sequence's first tokens: later ones are no sink
+        self.blocks = None
+        self.quantized_tokens = 0  # tokens in ``blocks``, the dropped ``offset`` included
+        self.offset = 0
+        self.tail: torch.Tensor | None = None
+        self.width = 0
+
+    @property
+    def blocks(self) -> QuantizedBlock | None:
+        """The quantized tokens (None until a whole block is)."""
+        return self._held
+
+    @blocks.setter
+    def blocks(self, held: QuantizedBlock | None) -> None:
+        self._held = held
+        self._blocks_changed()
+
+    def _blocks_changed(self) -> None:
+        """Called whenever ``blocks`` is replaced: what a subclass derived from the old ones is stale."""
+
+    # --- reading
+    def __len__(self) -> int:
+        return self.quantized_tokens - self.offset + (0 if self.tail is None else self.tail.shape[-2])
+
+    def _head_len(self) -> int:
+        return 0 if self.head is None else self.head.shape[-2]
+
+    def _dequantize(self, blocks: QuantizedBlock, dtype: torch.dtype) -> torch.Tensor:
+        spec = self.quant
+        return dequantize_tokens(
+            blocks,
+            spec.bits,
+            spec.group,
+            self.width,
+            self.per_channel,
+            dtype,
+            self.rotate,
+        )
+
+    def _dequantize_into(self, blocks: QuantizedBlock, out: torch.Tensor) -> None:
+        spec = self.quant
+        dequantize_tokens(
+            blocks,
+            spec.bits,
+            spec.group,
+            self.width,
+            self.per_channel,
+            out.dtype,
+            self.rotate,
+            out,
+        )
+
+    def read(self, then: torch.Tensor | None = None) -> torch.Tensor:
+        """All stored tokens ``[..., n, w]`` in the cache dtype (quantized ones dequantized), followed by
+        ``then [..., q, w]`` if given, written once into one new tensor (a decode step reads the whole
+        cache this way: no concatenated copies)."""
+        assert self.tail is not None, "TokenStore read before its first append"
+        if self.blocks is None:
+            return self.tail if then is None else torch.cat([self.tail, then], dim=-2)
+        quantized, held = self.quantized_tokens, self.tail.shape[-2]
+        extra = 0 if then is None else then.shape[-2]
+        out = self.tail.new_empty(*self.tail.shape[:-2], quantized + held + extra, self.tail.shape[-1])
+        self._dequantize_into(self.blocks, out[..., :quantized, :])
+        out[..., quantized : quantized + held, :] = self.tail
+        if then is not None:
+            out[..., quantized + held :, :] = then
+        return self._with_head(out[..., self.offset :, :])  # dropped tokens (< one block) stay unread
+
+    def _with_head(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` (a fresh tensor starting at the oldest held token) with the exact sink put back."""
+        if self.head is not None:
+            count = min(self.head.shape[-2], tokens.shape[-2])
+            tokens[..., :count, :] = self.head[..., :count, :]
+        return tokens
+
+    # --- writing
+    def extend(self, new: torch.Tensor) -> torch.Tensor:
+        """Store ``new [..., q, w]``; return every token, the new ones exact (attention in this step
+        reads them before they are quantized)."""
+        if not self.quant.quantized:
+            self.tail = new if self.tail is None else torch.cat([self.tail, new], dim=-2)
+            return self.tail
+        tokens = new if self.tail is None else self.read(then=new)
+        self.append(new)
+        return tokens
+
+    def append(self, new: torch.Tensor) -> None:
+        self.width = new.shape[-1]
+        take = self.quant.sink - self._head_len() if self.quant.quantized and not self.front_dropped else 0
+        if take > 0:
+            front = new[..., :take, :].clone()  # a view would keep all of ``new`` alive
+            self.head = front if self.head is None else torch.cat([self.head, front], dim=-2)
+        self.tail = new if self.tail is None else torch.cat([self.tail, new], dim=-2)
+        if not self.quant.quantized:
+            return
+        group = self.quant.group
+        ready = (self.tail.shape[-2] - self.quant.residual) // group * group
+        if ready <= 0:
+            return
+        spec = self.quant
+        aged = self.tail[..., :ready, :]
+        if self.head is not None and self.quantized_tokens == 0 and not self.front_dropped:
+            aged = aged.clone()  # the first block: the sink's stand-in is its successor (sink < group)
+            aged[..., : spec.sink, :] = aged[..., spec.sink : spec.sink + 1, :]
+        block = self._quantize(aged)
+        self.tail = self.tail[..., ready:, :].clone()  # a slice would keep the float tokens alive
+        self.blocks = block if self.blocks is None else self._concat(self.blocks, block)
+        self.quantized_tokens += ready
+
+    def _concat(self, old: QuantizedBlock, new: QuantizedBlock) -> QuantizedBlock:
+        """``old`` followed by ``new`` (later tokens)."""
+        code_dim, scale_dim = self._token_dims()
+        return QuantizedBlock(
+            torch.cat([old.codes, new.codes], dim=code_dim),
+            torch.cat([old.scale, new.scale], dim=scale_dim),
+            torch.cat([old.zero, new.zero], dim=scale_dim),
+            None if old.center is None or new.center is None else torch.cat([old.center, new.center], dim=-2),
+        )
+
+    def _quantize(self, tokens: torch.Tensor) -> QuantizedBlock:
+        spec = self.quant
+        return quantize_tokens(tokens, spec.bits, spec.group, self.per_channel, self.rotate)
+
+    def _token_dims(self) -> tuple[int, int]:
+        """The token (per token) or block (per channel) axis of codes and of scale/zero:
+        codes [..., n|n/B, ·(, ·)], scales [..., n|n/B, ·]."""
+        return (-3 if self.per_channel else -2), -2
+
+    def _blocks(self, start: int, stop: int | None) -> QuantizedBlock:
+        """Quantized blocks ``start:stop`` (block indices): codes [..., n/B, w, ·] and scale/zero
+        [..., n/B, w] per channel; per token, the tokens of those blocks along ``_token_dims`` (a block is
+        ``group`` tokens) and the token layout's block means ``center [..., n/B, d]``."""
+        assert self.blocks is not None
+        b, group = self.blocks, self.quant.group
+        if self.per_channel:
+            return QuantizedBlock(
+                b.codes[..., start:stop, :, :],
+                b.scale[..., start:stop, :],
+                b.zero[..., start:stop, :],
+            )
+        code_dim, scale_dim = self._token_dims()  # the token layout's scales are token-last
+        first = start * group
+        end = self.quantized_tokens if stop is None else min(stop * group, self.quantized_tokens)
+        count = end - first
+        return QuantizedBlock(b.codes.narrow(code_dim, first, count), b.scale.narrow(scale_dim, first, count),
+                              b.zero.narrow(scale_dim, first, count),
+                              None if b.center is None else b.center[..., start:stop, :])  # fmt: skip
+
+    def take_front(self, count: int) -> torch.Tensor:
+        """Remove and return the oldest ``count`` tokens ``[..., count, w]`` (as stored: dequantized).
+        Only the blocks they lie in are dequantized (razor drops a token or two per decode step)."""
+        assert self.tail is not None
+        if count <= 0:
+            return self.tail[..., :0, :]
+        self.front_dropped = True
+        front = []
+        quantized_left = self.quantized_tokens - self.offset
+        from_blocks = min(count, quantized_left)
+        if from_blocks:
+            unit = self._front_unit()  # whole units only: a token-layout key block may pair rows across groups
+            blocks = -(-(self.offset + from_blocks) // unit) * (unit // self.quant.group)
+            past = self._dequantize(self._blocks(0, blocks), self.tail.dtype)
+            front.append(past[..., self.offset : self.offset + from_blocks, :])
+            self.offset += from_blocks
+        if count > from_blocks:
+            cut = count - from_blocks
+            front.append(self.tail[..., :cut, :])
+            # a view keeps the dropped tokens' storage until the next append copies the tail; worth it
+            # for the token or two a sliding window drops per step, not for a prefill's many
+            rest = self.tail[..., cut:, :]
+            self.tail = rest if cut <= rest.shape[-2] // 16 else rest.clone()
+        self._free_dropped_blocks()
+        taken = self._with_head(torch.cat(front, dim=-2))  # cat copies: the patch touches no stored tensor
+        if self.head is not None:
+            self.head = self.head[..., count:, :].clone() if count < self.head.shape[-2] else None
+        return taken
+
+    def _front_unit(self) -> int:
+        """Tokens freed (and dequantized from the front) at a time: whole blocks."""
+        return self.quant.group
+
+    def _free_dropped_blocks(self) -> None:
+        if self.blocks is None:
+            return
+        unit = self._front_unit()
+        tokens = self.offset // unit * unit  # in blocks whose every token was dropped
+        if tokens == 0:
+            return
+        if self.quantized_tokens == tokens:
+            self.blocks, self.quantized_tokens, self.offset = None, 0, 0
+            return
+        kept = self._blocks(tokens // self.quant.group, None)
+        self.blocks = kept.map(torch.clone)  # copies: slices would keep the dropped blocks' storage alive
+        self.quantized_tokens -= tokens
+        self.offset -= tokens
+
+    # --- cache protocol
+    def apply(self, fn: Any) -> None:
+        """Apply ``fn`` (row selection, device move) to every tensor; dim 0 is the batch row."""
+        if self.head is not None:
+            self.head = fn(self.head)
+        if self.tail is not None:
+            self.tail = fn(self.tail)
+        if self.blocks is not None:
+            self.blocks = self.blocks.map(fn)
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens (re-stored: quantized tokens are re-quantized, which a
+        quantizer's own grid reproduces up to fp16 rounding)."""
+        if len(self) <= length or self.tail is None:
+            return
+        kept = self.read()[..., :length, :]
+        front_dropped = self.front_dropped
+        self._clear()
+        self.front_dropped = front_dropped
+        self.append(kept)
