@@ -4,7 +4,7 @@ SHARED ?= ../shared
 DEMO := demo-out
 AIDREAMS := $(SHARED)/models/aidreams260K
 
-.PHONY: install demo test quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-quant bench-gemma bench-speed bench-kernels bench-frontier clean
+.PHONY: install demo test test-fast quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-quant bench-gemma bench-speed bench-kernels bench-frontier clean
 
 # torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
 install:
@@ -24,6 +24,10 @@ demo: install
 
 test: install
 	$(PYTHON) -m pytest -q
+
+# everything but the tests marked slow (Triton's interpreter, wheel builds, subprocess CLIs, real-model recipes)
+test-fast:
+	$(PYTHON) -m pytest -q -m "not slow"
 
 quality: install
 	ruff check kvconvert tests bench examples

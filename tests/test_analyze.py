@@ -49,6 +49,7 @@ def test_analyze_refuses_existing_out(tiny_model_dir, tmp_path, monkeypatch):
     assert result.exit_code == 2 and "already exists" in result.stderr
 
 
+@pytest.mark.slow
 def test_analyze_heads_heat_map(tiny_model_dir, tmp_path):
     out = tmp_path / "analysis"
     result = run_cli("analyze", "--model", str(tiny_model_dir("llama_gqa")), "--out", str(out), "--heads",
@@ -74,6 +75,7 @@ def analyze_then_convert(src, tmp_path, allocation: list[str], command: list[str
     return result, json.loads((out / "analysis.json").read_text()), dst
 
 
+@pytest.mark.slow
 def test_analyze_draws_the_auto_allocation_lorc_writes(tokenized_model_dir, tmp_path):
     """--allocation: the ranks analyze reports are the ones `lorc --schedule auto` writes at that budget."""
     result, analysis, dst = analyze_then_convert(tokenized_model_dir("llama_gqa"), tmp_path, [],
@@ -85,6 +87,7 @@ def test_analyze_draws_the_auto_allocation_lorc_writes(tokenized_model_dir, tmp_
     assert plan["probe_kl_k"] == pytest.approx([r["k_probe_kl"] for r in layers])
 
 
+@pytest.mark.slow
 def test_analyze_draws_the_joint_latent_lorc_writes(tokenized_model_dir, tmp_path):
     """--allocation-method lorc-joint: the one latent's rank per layer that analyze reports (and draws) is
     the one `lorc --schedule auto --latent joint` writes at that budget, with the same error weights."""
@@ -100,6 +103,7 @@ def test_analyze_draws_the_joint_latent_lorc_writes(tokenized_model_dir, tmp_pat
     assert (tmp_path / "analysis" / "ranks.png").read_bytes().startswith(PNG_MAGIC)
 
 
+@pytest.mark.slow
 def test_analyze_draws_the_widths_zack_auto_writes(tokenized_model_dir, tmp_path):
     """--allocation-method zack: the widths per KV head analyze reports (and draws) are the ones
     `zack --schedule auto` writes at that budget, with the same probe KLs."""

@@ -99,6 +99,7 @@ def test_bad_jobs_files(tmp_path, job, fragment):
     assert result.exit_code == 2 and fragment in result.stderr and "job 0" in result.stderr
 
 
+@pytest.mark.slow
 def test_batch_killed_mid_job_resumes(tiny_model_dir, tmp_path):
     """SIGKILL while the second job converts: no half-written output; the rerun does only job 2."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -187,6 +188,7 @@ def push_cmd(endpoint: str, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_push_uploads_directory_with_model_card(tiny_model_dir, tmp_path, hub):
     dst = tmp_path / "tiny-slim"
     assert run_cli("slim", "--model", str(tiny_model_dir("llama")), "--out", str(dst), "--quiet").exit_code == 0
@@ -210,6 +212,7 @@ def test_push_uploads_directory_with_model_card(tiny_model_dir, tmp_path, hub):
     assert 'from_pretrained("org/name", trust_remote_code=True)' in card and "kvconvert.load" in card
 
 
+@pytest.mark.slow
 def test_push_dry_run_contacts_nobody(tiny_model_dir, tmp_path, hub):
     dst = tmp_path / "d"
     run_cli("slim", "--model", str(tiny_model_dir("llama")), "--out", str(dst), "--quiet")
@@ -219,6 +222,7 @@ def test_push_dry_run_contacts_nobody(tiny_model_dir, tmp_path, hub):
     assert HubStandIn.requests == []
 
 
+@pytest.mark.slow
 def test_push_without_rights_is_one_line(tiny_model_dir, tmp_path, hub):
     dst = tmp_path / "d"
     run_cli("slim", "--model", str(tiny_model_dir("llama")), "--out", str(dst), "--quiet")

@@ -212,6 +212,7 @@ def test_a_locked_output_is_refused(tiny_model_dir, tmp_path):
     assert not (tmp_path / ".slim.lock").exists()
 
 
+@pytest.mark.slow
 def test_concurrent_conversions_to_one_out_cannot_both_succeed(tiny_model_dir, tmp_path):
     import subprocess
     import sys

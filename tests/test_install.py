@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # Triton's interpreter / wheel builds: minutes; `make test-fast` skips them
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

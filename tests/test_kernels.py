@@ -18,6 +18,8 @@ from kvconvert.runtime.kvconvert_kernels import (
     triton_available,
 )
 
+pytestmark = pytest.mark.slow  # Triton's interpreter / wheel builds: minutes; `make test-fast` skips them
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Both sides read the same half-precision inputs and compute in float32; they differ only in the

@@ -310,6 +310,7 @@ def test_min_similarity_chooses_the_start_layer(tokenized_model_dir, tmp_path):
     assert report["layers"][2]["cos_k_with_previous"] == pytest.approx(pairs[1]["cos_k"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_analyze_writes_layer_similarity(tokenized_model_dir, tmp_path):
     src = tokenized_model_dir("llama_gqa")
     result = run_cli("analyze", "--model", str(src), "--out", str(tmp_path / "a"), "--layer-similarity",
@@ -409,6 +410,7 @@ def test_subspace_at_full_width_is_exact(kind, tokenized_model_dir, tmp_path):
     assert_equivalent(load_reference(src), converted, *left_padded())
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_subspace_budget_is_allocated_held_and_beats_slerp(tokenized_model_dir, tmp_path):
     """At budget 0.6 the widths are allocated by loss, the live cache holds what the plan says (fewer bytes

@@ -65,6 +65,7 @@ def test_winner_is_ranked_by_kl_not_by_noisy_dppl():
     assert best_within(rows, 0.29)["winner"] == "kivi"  # the token layout does not fit
 
 
+@pytest.mark.slow
 def test_plan_agrees_with_eval_of_the_recipe_it_writes(tokenized_model_dir, tmp_path):
     src = tokenized_model_dir("llama_gqa64")
     text = tmp_path / "text.txt"
@@ -128,6 +129,7 @@ def test_plan_refuses_an_existing_out(tokenized_model_dir, tmp_path):
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
+@pytest.mark.slow
 def test_plan_on_a_real_model_agrees_with_eval(aidreams_dir, tmp_path):
     """The same agreement on a real (llama2.c, MHA) model scored on real text: slim is a candidate here,
     and the winner at 0.6 is built from its recipe and evaluated by ``kvconvert eval``."""

@@ -441,6 +441,7 @@ def test_simulated_storage_is_what_the_store_holds_after_a_prefill():
         assert torch.equal(stored_after_prefill(x, spec, per_channel), store.read())
 
 
+@pytest.mark.slow
 def test_quant_with_a_budget_allocates_widths_and_the_cache_holds_them(tokenized_model_dir, tmp_path):
     src = tokenized_model_dir("llama_gqa")
     report = convert("quant", src, tmp_path / "q", *MIXED)

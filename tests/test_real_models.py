@@ -11,6 +11,8 @@ import torch
 from tests.conftest import SHARED
 from tests.helpers import assert_equivalent, convert_slim, kv_budget, load_converted, load_reference, run_cli
 
+pytestmark = pytest.mark.slow  # real models from ../shared
+
 
 def test_aidreams_slim_is_equivalent(aidreams_dir, tmp_path):
     from transformers import AutoTokenizer

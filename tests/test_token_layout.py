@@ -389,6 +389,7 @@ def test_machine_layout_is_the_one_its_capability_packs():
     assert expected[capability] == MACHINE
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_decode_from_the_codes_under_another_cpu_capability():
     """The same kernel-path tests in a process whose ATen runs its plain loop (``ATEN_CPU_CAPABILITY=default``:

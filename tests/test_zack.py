@@ -116,6 +116,7 @@ def test_truncated_attention_simulates_the_checkpoint(value_basis, tokenized_mod
     assert (plain - converted).abs().max() > 1e-2  # r = 0.3 really truncates
 
 
+@pytest.mark.slow
 def test_target_agreement_search_logs_probes(tokenized_model_dir, tmp_path):
     report = _zack(tokenized_model_dir("llama_gqa"), tmp_path / "zack", "--target-agreement", "0.8")
     search = report["plan"]["calibration"]["search"]
@@ -156,6 +157,7 @@ def test_config_needs_exactly_one_target():
         ZackConfig()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (SHARED / "data" / "tinystories").exists(), reason="../shared/data is not present")
 def test_rotations_do_not_depend_on_the_calibration_text(aidreams_dir, tmp_path):
     """ZACK §4.3/§6.6: bases fitted on calib_data/ and on TinyStories (16K tokens each) keep the same
