@@ -27,7 +27,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, markdown_table, write_results  # noqa: E402
 from bench.models import smollm2_wikitext  # noqa: E402
-from kvconvert.analysis.layer_similarity import measure_layer_similarity  # noqa: E402
 from kvconvert.arch import adapter_for  # noqa: E402
 from kvconvert.eval.runner import load_for_eval, run_eval  # noqa: E402
 from kvconvert.io.source import open_source  # noqa: E402
@@ -37,6 +36,7 @@ from kvconvert.methods.minicache import (  # noqa: E402
     kv_bytes_per_token,
     subspace_bytes_per_token,
 )
+from kvconvert.methods.minicache.layer_similarity import measure_layer_similarity  # noqa: E402
 from kvconvert.pipeline import convert  # noqa: E402
 from kvconvert.runtime.kvconvert_codec import QuantSpec  # noqa: E402
 

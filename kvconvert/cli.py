@@ -804,11 +804,11 @@ def _analysis(source: Any, heads: bool, profile_tokens: int | None, rotations: b
 
         analysis["heads"] = analyze_heads(source, profile_tokens)
     if rotations:
-        from kvconvert.analysis.rotations import analyze_rotations
+        from kvconvert.methods.zack.rotations import analyze_rotations
 
         analysis["rotations"] = analyze_rotations(source, calib, compare_calib, calib_tokens, seed)
     if layer_similarity:
-        from kvconvert.analysis.layer_similarity import measure_layer_similarity
+        from kvconvert.methods.minicache.layer_similarity import measure_layer_similarity
 
         analysis["layer_similarity"] = measure_layer_similarity(source, calib, calib_tokens, seed=seed)
     return analysis

@@ -274,7 +274,7 @@ def truncation_factors(
     """``(A [m, r], B [r, m])`` with ``up = A`` and ``down = B·W`` for ``weighted_truncation(weight, rank,
     right, left)``: ``A = L⁻ᵀ U_r``, ``B = U_rᵀ Lᵀ`` (``U_r`` and ``U_rᵀ`` without ``left``). The truncation
     acts on the outputs ``Wx`` as ``Π = A·B``, so a search can simulate it inside the source and a
-    refinement can adjust it there (``calib.refine``)."""
+    refinement can adjust it there (``methods.lorc.refine``)."""
     u_r = left_singular(_weighted(weight.to(F64), right, left))[0][:, :rank]
     if left is None:
         return u_r.contiguous(), u_r.T.contiguous()

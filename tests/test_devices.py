@@ -101,7 +101,7 @@ def test_conversion_runs_its_calibration_on_the_requested_device(tokenized_model
 def test_lorc_refinement_fits_on_the_requested_device(tokenized_model_dir, tmp_path, monkeypatch):
     """``lorc --refine-steps`` takes its Adam steps where ``--device`` says (the captured activations
     are moved there), not on the CPU the observers see."""
-    import kvconvert.calib.refine as refine
+    import kvconvert.methods.lorc.refine as refine
 
     seen: list[torch.device] = []
     fit = refine.refine_layer

@@ -137,7 +137,7 @@ def test_projected_kv_simulates_the_calibrated_checkpoint(kind, compress, tokeni
     re-rotated; partial rotary on NeoX; biases on Qwen2; on QK-norm models the key projection's output
     projected, then normalised): it must compute what the checkpoint does."""
     from kvconvert.arch import adapter_for
-    from kvconvert.calib.search import projected_kv
+    from kvconvert.calib.projection import projected_kv
     from kvconvert.io.source import open_source
     from kvconvert.methods.lorc import LorcMethod, _affine
     from kvconvert.pipeline import convert as convert_checkpoint
@@ -222,7 +222,7 @@ def test_refinement_lowers_the_output_error_and_the_checkpoint_computes_it(kind,
     ``--latent joint``: one Π on the stacked [k; v] (side "kv": keys un-rotated, stacked with the values,
     projected, split, re-rotated)."""
     from kvconvert.arch import adapter_for
-    from kvconvert.calib.search import projected_kv
+    from kvconvert.calib.projection import projected_kv
     from kvconvert.io.source import open_source
     from kvconvert.methods.lorc import LorcMethod
     from kvconvert.pipeline import convert as convert_checkpoint
@@ -403,8 +403,8 @@ def test_refinement_fits_on_what_the_qk_norm_model_attends_to(kind, tokenized_mo
     import torch.nn.functional as F
 
     from kvconvert.calib.hooks import observed_attention
-    from kvconvert.calib.refine import Capture, attend
-    from kvconvert.calib.search import key_projections, rotary_tables
+    from kvconvert.calib.projection import key_projections, rotary_tables
+    from kvconvert.methods.lorc.refine import Capture, attend
 
     model = load_reference(tokenized_model_dir(kind))
     seen = []

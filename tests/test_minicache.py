@@ -266,8 +266,8 @@ def test_bad_options_are_one_line_errors(tiny_model_dir, tmp_path):
 def test_similarity_measurement_matches_the_stock_cache(tokenized_model_dir, tmp_path):
     """Layer-by-layer measurement vs K/V read from transformers' own DynamicCache of a full forward."""
 
-    from kvconvert.analysis.layer_similarity import measure_layer_similarity
     from kvconvert.io.source import open_source
+    from kvconvert.methods.minicache.layer_similarity import measure_layer_similarity
 
     src = tokenized_model_dir("llama_gqa")
     result = measure_layer_similarity(open_source(str(src)), tokens=256, chunk_len=64, progress=False)
@@ -491,9 +491,9 @@ def test_subspace_latent_attention_equals_restoring_the_past(tokenized_model_dir
 def test_pair_moments_match_the_stock_cache(tokenized_model_dir):
     """Layer-by-layer pair statistics vs K/V read from transformers' own DynamicCache of a full forward."""
     from kvconvert.arch import adapter_for
-    from kvconvert.calib.subspace import collect_pair_moments
     from kvconvert.calib.text import calibration_set
     from kvconvert.io.source import open_source
+    from kvconvert.methods.minicache.subspace import collect_pair_moments
 
     src = tokenized_model_dir("llama_gqa")
     source = open_source(str(src))

@@ -417,7 +417,7 @@ def test_recipe_carries_storage(tiny_model_dir, tmp_path):
 
 
 def test_allocation_lowers_the_cheapest_store_per_byte_first():
-    from kvconvert.calib.bits import allocate
+    from kvconvert.methods.quant.bits import allocate
 
     # two layers of 64 values per side; layer 0's values barely care about 2 bits, layer 1's keys a lot
     sensitivity = [[{4: 0.0, 2: 0.5}, {4: 0.0, 2: 0.01}], [{4: 0.0, 2: 2.0}, {4: 0.0, 2: 0.2}]]
@@ -431,7 +431,7 @@ def test_allocation_lowers_the_cheapest_store_per_byte_first():
 
 
 def test_simulated_storage_is_what_the_store_holds_after_a_prefill():
-    from kvconvert.calib.bits import stored_after_prefill
+    from kvconvert.methods.quant.bits import stored_after_prefill
 
     x = torch.randn(1, 2, 150, 16)
     for per_channel in (True, False):

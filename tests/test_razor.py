@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from kvconvert.calib.heads import HeadScores, profile_heads
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.memory import cache_nbytes
 from kvconvert.methods.razor import retrieval_kv_heads, top_heads
+from kvconvert.methods.razor.heads import HeadScores, profile_heads
 from kvconvert.runtime.kvconvert_razor import compensated_attention
 from tests.conftest import build_tiny_model
 from tests.helpers import assert_equivalent, convert, left_padded, load_converted, load_reference
@@ -167,8 +167,8 @@ def test_layer_by_layer_profile_equals_the_loaded_model(kind, tiny_model_dir):
     """Razor profiles one decoder layer at a time (conversion memory: one layer); the scores are
     those of the whole model loaded at once."""
     from kvconvert.arch import adapter_for
-    from kvconvert.calib.heads import profile_heads, profile_heads_layer_by_layer
     from kvconvert.io.source import open_source
+    from kvconvert.methods.razor.heads import profile_heads, profile_heads_layer_by_layer
 
     source = open_source(str(tiny_model_dir(kind)))
     whole = profile_heads(load_reference(tiny_model_dir(kind)), 16, {0}, seed=3, progress=False)

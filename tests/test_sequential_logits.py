@@ -11,10 +11,10 @@ import torch
 from helpers import load_reference
 
 from kvconvert.arch import adapter_for
-from kvconvert.calib.bits import log_probs, mean_kl, simulated_storage
-from kvconvert.calib.search import top1
+from kvconvert.calib.probes import top1
 from kvconvert.calib.sequential import run_layer_by_layer
 from kvconvert.io.source import open_source
+from kvconvert.methods.quant.bits import log_probs, mean_kl, simulated_storage
 from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 

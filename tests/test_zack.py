@@ -96,9 +96,9 @@ def test_k_only_keeps_values_full(tokenized_model_dir, tmp_path):
 @pytest.mark.parametrize("value_basis", ["paper", "output"])
 def test_truncated_attention_simulates_the_checkpoint(value_basis, tokenized_model_dir, tmp_path):
     """The --target-agreement search scores a simulation; it must compute what the checkpoint does."""
-    from kvconvert.calib.search import projectors_for, truncated_attention
     from kvconvert.io.source import open_source
     from kvconvert.methods.zack import ZackMethod
+    from kvconvert.methods.zack.search import projectors_for, truncated_attention
 
     src = tokenized_model_dir("qwen2_gqa")
     method = ZackMethod(ZackConfig(removal_rate=0.3, calib_tokens=2048, value_basis=value_basis), progress=False)
@@ -289,11 +289,11 @@ def test_probe_branches_measure_what_a_lone_truncation_costs(tokenized_model_dir
     import contextlib
 
     from kvconvert.arch import adapter_for
-    from kvconvert.calib.search import projectors_for, truncated_attention
     from kvconvert.calib.sequential import run_layer_by_layer
     from kvconvert.calib.text import calibration_set
     from kvconvert.io.source import open_source
     from kvconvert.methods.zack import ZackMethod, plan_for_budget
+    from kvconvert.methods.zack.search import projectors_for, truncated_attention
 
     src = tokenized_model_dir("llama_gqa")
     source = open_source(str(src))

@@ -1,4 +1,5 @@
-"""Conversion methods: one file, one typed config and one ``Method`` subclass each."""
+"""Conversion methods: one package each (``methods/<name>/``: its typed config, its ``Method`` subclass and
+the calibration or analysis code only it uses), registered in ``METHODS`` below."""
 
 from __future__ import annotations
 

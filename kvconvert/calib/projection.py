@@ -1,11 +1,6 @@
-"""Searching ZACK's removal rate for a quality target, on held-out calibration text.
-
-The converted model is simulated inside the source model: in every layer q and k (after RoPE)
-are projected onto each head's kept rotated dims, B Bᵀ, and v onto its kept V dims. Scores
-``(qB)(kB)ᵀ`` and outputs ``P·v·B_v·B_vᵀ·W_O`` are exactly what the converted checkpoint computes,
-so the source serves every candidate r without writing a checkpoint. Each probe runs the source
-layer by layer (``calib.sequential``): memory stays at about one layer.
-"""
+"""Simulating a projected cache inside the source model: an affine map ``x ↦ Π·x + c`` applied to a layer's
+keys or values where the model computes them (before RoPE, through a QK-norm where there is one), plus the
+head-tensor helpers it needs. What the checkpoint of a projection method computes, without writing it."""
 
 from __future__ import annotations
 
@@ -14,152 +9,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
-from kvconvert.arch import AttentionLayout
 from kvconvert.calib.hooks import observed_attention
-from kvconvert.errors import KVConvertError
 
 Affine = tuple[torch.Tensor, torch.Tensor]  # (Π, c): x ↦ Π·x + c
-
-
-def _projector(basis: torch.Tensor, rank: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``B_r C_rᵀ`` (row vectors: ``v ↦ v·B_r·C_rᵀ``), C = B for an orthogonal basis."""
-    kept = basis[:, :rank]
-    return (kept @ (kept if out is None else out[:, :rank]).T).to(dtype)
-
-
-HeadProjectors = tuple[torch.Tensor | None, torch.Tensor | None]  # (P_k, P_v) [Hkv, dk, dk]; None: side exact
-
-
-@contextlib.contextmanager
-def truncated_attention(model: Any, select: Callable[[int], HeadProjectors | None]) -> Iterator[None]:
-    """Inside the block ``model`` computes what ZACK's checkpoint would: per layer
-    ``select(layer) = (P_k, P_v)``, P = B Bᵀ of each head's kept dims (None, or a None side: exact).
-    ``select`` is asked at every layer, so each branch of a probing pass can truncate its own."""
-
-    def truncate(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
-        chosen = select(int(module.layer_idx))
-        if chosen is None:
-            return None
-        p_k, p_v = chosen
-        if p_k is not None:
-            b, heads, n, dk = query.shape
-            kv_heads = key.shape[1]
-            query = (query.reshape(b, kv_heads, heads // kv_heads, n, dk) @ p_k[None, :, None]).reshape(query.shape)
-            key = key @ p_k[None]
-        return query, key, value if p_v is None else value @ p_v[None]
-
-    with observed_attention(model, truncate):
-        yield
-
-
-def projectors_for(bases: Any, plan: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``truncated_attention``'s projectors for a ``ZackPlan`` over ``HeadBases``, float32."""
-    return [
-        (
-            torch.stack([_projector(b, r, torch.float32) for b, r in zip(bases.qk[i], plan.rank_k[i], strict=True)]),
-            torch.stack(
-                [
-                    _projector(b, r, torch.float32, c)
-                    for b, c, r in zip(bases.vw[i], bases.vw_out[i], plan.rank_v[i], strict=True)
-                ]
-            ),  # fmt: skip
-        )
-        for i in range(len(plan.rank_k))
-    ]
-
-
-def top1(source: Any, chunks: torch.Tensor, observe: Any = contextlib.nullcontext) -> torch.Tensor:
-    """Argmax token at every position of ``chunks [n, T]`` (``[n, T]``), the source run layer by
-    layer with ``observe(model)`` active."""
-    from kvconvert.arch import adapter_for
-    from kvconvert.calib.sequential import run_layer_by_layer
-
-    out = torch.empty_like(chunks)
-
-    def keep(c: int, logits: torch.Tensor) -> None:
-        out[c] = logits.argmax(-1)
-
-    run_layer_by_layer(source, adapter_for(source.config), chunks, observe, progress=False, logits=keep)
-    return out
-
-
-def search_removal_rate(
-    source: Any,
-    layout: AttentionLayout,
-    bases: Any,
-    held_out: torch.Tensor,
-    target: float,
-    compress: str = "kv",
-    progress: bool = True,
-    max_chunks: int = 8,
-    steps: int = 10,
-) -> tuple[Any, list[dict[str, float]]]:
-    """Largest r (smallest cache) whose simulated top-1 agreement with the source stays >= ``target``.
-
-    Bisection over r in [0, 1): agreement falls as r grows (more of every head is removed).
-    Returns the plan and the log of every probe (r, kv budget, agreement).
-    """
-    from kvconvert.methods.zack import plan_for_rate
-
-    if held_out.shape[0] == 0:
-        raise KVConvertError("--target-agreement scores on held-out calibration text and none is left: "
-                             "pass more text with --calib or lower --calib-tokens")  # fmt: skip
-    chunks = held_out[:max_chunks]
-    reference = top1(source, chunks)
-
-    def probe(rate: float) -> tuple[Any, float]:
-        plan = plan_for_rate(bases, rate, layout.head_dim, compress)
-        projectors = projectors_for(bases, plan)
-        predicted = top1(source, chunks, lambda model: truncated_attention(model, projectors.__getitem__))
-        return plan, (predicted == reference).float().mean().item()
-
-    log: list[dict[str, float]] = []
-    best, _ = probe(0.0)
-    low, high = 0.0, 1.0  # agreement(low) >= target (r = 0 is exact); high: untested upper end
-    for _ in tqdm(range(steps), desc="searching r", disable=not progress):
-        middle = (low + high) / 2
-        plan, agreement = probe(middle)
-        log.append({"removal_rate": middle, "kv_budget": plan.budget, "agreement": agreement})
-        if agreement >= target:
-            low, best = middle, plan
-        else:
-            high = middle
-    return best, log
-
-
-def branch_kls(
-    source: Any, chunks: torch.Tensor, starts: list[int], observe: Any, progress: bool = True
-) -> list[float]:
-    """Mean KL(source ‖ branch b) per token over ``chunks [n, T]`` for every branch of one
-    ``run_layer_by_layer(branches=starts)`` pass; ``observe(model)`` changes what each branch computes
-    (it reads ``calib.sequential.active_branch()``). The unmodified stream is the reference."""
-    from kvconvert.arch import adapter_for
-    from kvconvert.calib.sequential import run_layer_by_layer
-
-    reference: list[torch.Tensor] = []  # [T, vocab] log-probabilities per chunk
-    totals = [0.0] * len(starts)
-
-    def keep(c: int, logits: torch.Tensor) -> None:
-        reference.append(torch.log_softmax(logits.float(), dim=-1))
-
-    def add(branch: int, c: int, logits: torch.Tensor) -> None:
-        ref = reference[c]
-        totals[branch] += float((ref.exp() * (ref - torch.log_softmax(logits.float(), dim=-1))).sum())
-
-    run_layer_by_layer(source, adapter_for(source.config), chunks, observe, progress=progress, logits=keep,
-                       branches=starts, branch_logits=add)  # fmt: skip
-    return [total / chunks.numel() for total in totals]
-
-
-def active_job(jobs: list[tuple[int, str]]) -> tuple[int, str] | None:
-    """The (layer, side) job the running ``branch_kls`` branch changes when branch b changes ``jobs[b]``
-    alone (the loss probes of the ``--schedule auto`` allocations); None on the reference stream."""
-    from kvconvert.calib.sequential import active_branch
-
-    branch = active_branch()
-    return None if branch is None else jobs[branch]
 
 
 def rotary_tables(

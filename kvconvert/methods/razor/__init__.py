@@ -93,7 +93,7 @@ class RazorMethod(Method):
         """Profile echo/induction scores on the source model (one layer in memory at a time) and choose
         the retrieval heads."""
         from kvconvert.arch import adapter_for
-        from kvconvert.calib.heads import profile_heads_layer_by_layer
+        from kvconvert.methods.razor.heads import profile_heads_layer_by_layer
 
         config = source.config
         context = layout.context

@@ -295,7 +295,7 @@ class ZackMethod(Method):
                 self.plan_ = plan_by_loss(self.bases, config.kv_budget, layout.head_dim, config.compress,
                                           self.plan_, probe_kl)  # fmt: skip
         else:
-            from kvconvert.calib.search import search_removal_rate
+            from kvconvert.methods.zack.search import search_removal_rate
 
             assert config.target_agreement is not None
             self.plan_, self.calibration["search"] = search_removal_rate(
@@ -304,9 +304,10 @@ class ZackMethod(Method):
 
     def _probe(self, source: Any, layout: AttentionLayout, calib: Any, probe: ZackPlan) -> dict[str, list[float]]:
         """Per truncated side and layer: KL to the source on held-out calibration chunks with only that
-        layer's side truncated at ``probe``'s widths (simulated exactly, ``calib.search.truncated_attention``;
-        one branching pass, ``calib.search.branch_kls``)."""
-        from kvconvert.calib.search import active_job, branch_kls, projectors_for, truncated_attention
+        layer's side truncated at ``probe``'s widths (simulated exactly, ``zack.search.truncated_attention``;
+        one branching pass, ``calib.probes.branch_kls``)."""
+        from kvconvert.calib.probes import active_job, branch_kls
+        from kvconvert.methods.zack.search import projectors_for, truncated_attention
 
         assert self.bases is not None
         chunks = (calib.held_out if calib.held_out.shape[0] else calib.chunks)[: self.config.probe_chunks]

@@ -13,7 +13,7 @@ Gram (SVD-LLM/Palu), values also weighted by what W_O makes of them — with the
 ``schedule="auto"`` allocates ranks per layer and side by measured loss: each (layer, side)'s KL to
 the source when truncated alone at a probe rank, scaled by its whitened tail energy, then greedy;
 ``refine_steps`` then fits each layer's truncation by a few Adam steps on the error of its attention
-output, softmax included (``calib.refine``), layer by layer; ``latent="joint"`` (with ``auto``) caches
+output, softmax included (``methods.lorc.refine``), layer by layer; ``latent="joint"`` (with ``auto``) caches
 one latent per layer that both K and V are rebuilt from, as MLA does (DeepSeek-V2; TransMLA and MHA2MLA
 convert to it): the stacked ``[W_K; W_V]`` factored at once, each side's error weighted by the KL its
 probe measured per unit of error (``linalg.joint_truncation``), so the directions of the input that both
@@ -35,7 +35,7 @@ from kvconvert.errors import KVConvertError
 from kvconvert.methods.base import LayerOutput, Method
 
 Schedule = Literal["progressive", "uniform", "auto"]
-Affine = tuple[torch.Tensor, torch.Tensor]  # (Π, c): x ↦ Π·x + c, ``calib.search.projected_kv``
+Affine = tuple[torch.Tensor, torch.Tensor]  # (Π, c): x ↦ Π·x + c, ``calib.projection.projected_kv``
 Target = Literal["kv", "k", "v"]
 Latent = Literal["separate", "joint"]
 
@@ -242,7 +242,7 @@ class LorcMethod(Method):
         self.input_grams: list[torch.Tensor] | None = None  # calibrate: [D, D] float64 per layer
         self.head_grams: Any = None  # calibrate: ``calib.stats.HeadGrams`` (queries weight the keys)
         self.calibration: dict[str, Any] = {}
-        self.refined: dict[int, Any] = {}  # refine_steps: layer -> {side: (A, B)}, Π = A·B (``calib.refine``)
+        self.refined: dict[int, Any] = {}  # refine_steps: layer -> {side: (A, B)}, Π = A·B (``methods.lorc.refine``)
         self.refine_log: dict[int, dict[str, float]] = {}
 
     @classmethod
@@ -355,12 +355,12 @@ class LorcMethod(Method):
             self._refine(source, layout, calib.chunks[: config.refine_chunks])
 
     def _refine(self, source: Any, layout: AttentionLayout, chunks: torch.Tensor) -> None:
-        """``calib.refine``: each compressed layer's closed-form truncation, then Adam steps on its
+        """``methods.lorc.refine``: each compressed layer's closed-form truncation, then Adam steps on its
         attention output's error, layer by layer on the stream of the refined layers before it."""
         import time
 
         from kvconvert.arch import adapter_for
-        from kvconvert.calib.refine import Job, refine_layers
+        from kvconvert.methods.lorc.refine import Job, refine_layers
 
         plan = self.plan_
         assert plan is not None
@@ -445,9 +445,10 @@ class LorcMethod(Method):
         self, source: Any, layout: AttentionLayout, calib: Any, jobs: dict[tuple[int, str], Affine]
     ) -> dict[tuple[int, str], float]:  # fmt: skip
         """KL to the source on held-out calibration chunks with only one (layer, side) truncated, for
-        every job: the source run with that side's affine map (simulated exactly, ``calib.search.projected_kv``),
-        all jobs in one branching pass (``calib.search.branch_kls``)."""
-        from kvconvert.calib.search import active_job, branch_kls, projected_kv
+        every job: the source run with that side's affine map (simulated exactly, ``calib.projection.projected_kv``),
+        all jobs in one branching pass (``calib.probes.branch_kls``)."""
+        from kvconvert.calib.probes import active_job, branch_kls
+        from kvconvert.calib.projection import projected_kv
 
         chunks = calib.held_out if calib.held_out.shape[0] else calib.chunks
         chunks = chunks[: self.config.probe_chunks]
@@ -567,7 +568,7 @@ def _affine(
     weight: torch.Tensor, rank: int, right: Any, left: Any, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Π, c)`` float32 with ``Π·(Wx + b) + c = up·down·x + b``: a truncated side as
-    ``calib.search.projected_kv`` applies it to the source's keys or values (the bias is kept exactly)."""
+    ``calib.projection.projected_kv`` applies it to the source's keys or values (the bias is kept exactly)."""
     projector = linalg.truncation_projector(weight, rank, right, left)
     offset = torch.zeros(projector.shape[0], dtype=linalg.F64) if bias is None else bias.to(linalg.F64)
     return projector.float(), (offset - projector @ offset).float()
@@ -598,7 +599,7 @@ def factor_attention(
     U_K folded in per head (the K bias only adds a per-query constant to the scores: dropped, exact);
     ``v_down [r_v, D]`` and ``o_proj [D, H·r_v]`` with U_V folded in (V bias folded into the O bias).
     ``right``, ``left_k``, ``left_v``: the factors of ``linalg.weighted_truncation`` (None: plain SVD, the paper).
-    ``refined[side] = (A, B)``: a side's truncation fitted by ``calib.refine`` instead (up = A, down = B·W).
+    ``refined[side] = (A, B)``: a side's truncation fitted by ``methods.lorc.refine`` instead (up = A, down = B·W).
     ``joint = (scale_k, scale_v)``: one latent for both (``rank_k == rank_v``), ``kv_down [r, D]`` in place
     of ``k_down`` and ``v_down``, factored by ``linalg.joint_truncation`` with these weights (refined: side "kv").
     ``spectra``: filled with each closed-form truncation's σ by side ("k", "v" or "kv"), for the report.

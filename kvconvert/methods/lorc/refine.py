@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvconvert.calib.hooks import observed_attention
-from kvconvert.calib.search import flat_heads, normalise_keys, split_heads
+from kvconvert.calib.projection import flat_heads, normalise_keys, split_heads
 from kvconvert.runtime.kvconvert_common import apply_rotary
 
 # side "k" / "v" -> (A [e, r], B [r, e]), Π = A·B; "kv" (a latent shared by both): on [k; v], e = 2·Hkv·dk
@@ -139,7 +139,7 @@ def refine_layers(
     layer sees the compressed stream. (Fitting to the source stream's outputs instead, so that later
     layers make up for earlier ones' drift, measured no better on SmolLM2: +74.3 % vs +73.8 % at 0.5.)
     Returns the factors and the losses (plus seconds) per refined layer."""
-    from kvconvert.calib.search import key_projections, project_kv, rotary_tables
+    from kvconvert.calib.projection import key_projections, project_kv, rotary_tables
     from kvconvert.calib.sequential import run_layer_by_layer
     from kvconvert.devices import compute_device
 
@@ -206,6 +206,6 @@ def refine_layers(
 
 
 def _affine(factors: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(Π, c)`` float32 for ``calib.search.project_kv``: ``Π·x + c = Π·(x − b) + b`` with ``Π = A·B``."""
+    """``(Π, c)`` float32 for ``calib.projection.project_kv``: ``Π·x + c = Π·(x − b) + b`` with ``Π = A·B``."""
     projector = (factors[0] @ factors[1]).float()
     return projector, bias.float() - projector @ bias.float()

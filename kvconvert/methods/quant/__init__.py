@@ -4,7 +4,7 @@ The baseline every other method is compared with at equal bytes: keys per channe
 tokens, values per token, the newest tokens unquantized (``kvconvert/runtime/kvconvert_codec.py``).
 With ``--kv-budget`` (a kvconvert extension, not in KIVI) the width of every layer's keys and values
 is chosen between ``min_bits`` and ``max_bits`` by measured loss on calibration text
-(``kvconvert.calib.bits``), so the budget lands where it costs the least.
+(``kvconvert.methods.quant.bits``), so the budget lands where it costs the least.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ class QuantMethod(Method):
         budget = self.config.kv_budget
         if budget is None:
             return
-        from kvconvert.calib.bits import measure_allocation
         from kvconvert.calib.text import calibration_set
+        from kvconvert.methods.quant.bits import measure_allocation
 
         config = self.config
         chunks = calibration_set(source.path, config.calib, config.calib_tokens, min(512, layout.context),

@@ -224,7 +224,7 @@ class MiniCacheMethod(Method):
             self._plan_subspace(layout, layers, source)
             return
         if config.measures:
-            from kvconvert.analysis.layer_similarity import measure_layer_similarity
+            from kvconvert.methods.minicache.layer_similarity import measure_layer_similarity
 
             self.similarity = measure_layer_similarity(source, config.calib, config.calib_tokens, config.chunk_len,
                                                        config.seed, config.gamma, self.progress)  # fmt: skip
@@ -247,8 +247,8 @@ class MiniCacheMethod(Method):
         """Pairs from S (default: every layer with ``kv_budget``, L/2 without), fitted on calibration text;
         latent widths: half of each pair's stacked width, or allocated by loss to meet ``kv_budget``."""
         from kvconvert.arch import adapter_for
-        from kvconvert.calib.subspace import collect_pair_moments
         from kvconvert.calib.text import calibration_set
+        from kvconvert.methods.minicache.subspace import collect_pair_moments
 
         config = self.config
         if config.start_layer is not None:
@@ -296,7 +296,7 @@ class MiniCacheMethod(Method):
         )
 
     def _start_for_similarity(self, layout: AttentionLayout, min_similarity: float) -> int:
-        from kvconvert.analysis.layer_similarity import pair_similarity, shallowest_start
+        from kvconvert.methods.minicache.layer_similarity import pair_similarity, shallowest_start
 
         assert self.similarity is not None
         pairs = self.similarity["pairs"]
