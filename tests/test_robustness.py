@@ -356,6 +356,20 @@ def test_quiet_conversion_prints_nothing_on_stderr(tiny_model_dir, tmp_path):
     assert result.stderr == ""
 
 
+def test_quiet_run_of_a_recipe_and_batch_show_no_calibration_bars(tiny_model_dir, tmp_path):
+    """Methods built from a recipe (run, batch) profiled with their bars on before."""
+    recipe = tmp_path / "razor.yaml"
+    recipe.write_text("method: razor\nprofile_tokens: 16\n")
+    result = run("run", str(recipe), "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "r"), "--quiet")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(f"jobs:\n  - {{model: {tiny_model_dir('llama')}, out: b, recipe: razor.yaml}}\n")
+    result = run("batch", str(jobs), "--no-measure")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+
+
 def test_load_of_a_hub_id_offline_fails_at_once(monkeypatch):
     import kvconvert
 

@@ -40,11 +40,12 @@ def capability_matrix() -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_method(name: str, config: Any, storage: QuantSpec | None = None) -> Method:
+def build_method(name: str, config: Any, storage: QuantSpec | None = None, progress: bool = True) -> Method:
     """The method ``name`` with ``config``, storing its cache as ``storage`` (default 16 bits)."""
     method = METHODS[name][1](config)  # type: ignore[call-arg]
     if storage is not None:
         method.storage = storage
+    method.progress = progress
     return method
 
 

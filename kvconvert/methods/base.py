@@ -27,6 +27,7 @@ class Method:
 
     name: ClassVar[str]
     storage: QuantSpec = QuantSpec()
+    progress: bool = True  # bars for calibration and profiling; off under --quiet, in batch and in plan
     # attention features (``kvconvert.arch.FEATURES``) this method cannot convert -> the exact reason
     unsupported: ClassVar[dict[str, str]] = {}
     # its runtime can hold (and decode from) the token layout (``--kv-layout token``)
