@@ -83,6 +83,10 @@ BAD_MODELS = {
     "truncated_k": dict(tensors=_set(K0, lambda t: t[:48].contiguous())),
     "int8_k": dict(tensors=_set(K0, lambda t: (t * 100).to(torch.int8))),
     "layers_mismatch": dict(config={"num_hidden_layers": 5}),
+    "gptq_export": dict(
+        config={"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}},
+        tensors=lambda s: s.update({K0.replace(".weight", ".qweight"): s.pop(K0).to(torch.int32)}),
+    ),
 }
 
 
@@ -184,7 +188,7 @@ def test_malformed_weights_are_one_line_and_write_nothing(command, bad, bad_mode
     result = run(command, "--model", str(bad_models[bad]), "--out", str(out), *METHODS.get(command, ()))
     expected = {"nan_in_k": "NaN or infinite", "inf_in_mlp": "NaN or infinite", "kv_heads_mismatch": "config implies",
                 "truncated_k": "config implies", "int8_k": "not floating point",
-                "layers_mismatch": "layers"}[bad]  # fmt: skip
+                "layers_mismatch": "layers", "gptq_export": "quantized checkpoint"}[bad]  # fmt: skip
     if command == "slim" and bad == "kv_heads_mismatch":
         expected = "multi-head attention"  # the config now says GQA, which slim refuses first
     assert_user_error(result, expected)

@@ -129,8 +129,24 @@ def check_layers(source: SourceCheckpoint) -> None:
         )
 
 
+def check_not_quantized(source: SourceCheckpoint) -> None:
+    """A quantized export (GPTQ, AWQ, bitsandbytes, compressed-tensors…) stores packed integers under other
+    names (``qweight``, ``scales``): nothing a method could factor or fold."""
+    quantization = getattr(source.config, "quantization_config", None)
+    if quantization:
+        method = (
+            quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization).__name__
+        )
+        raise KVConvertError(
+            f"{source.path} is a quantized checkpoint (quantization_config: {method}); kvconvert converts float "
+            "checkpoints: use the unquantized model or dequantize it first"
+        )
+
+
 def check_source(source: SourceCheckpoint) -> None:
-    """Layers, shapes and dtypes against the config, then finiteness (the full read) last."""
+    """Not a quantized export; layers, shapes and dtypes against the config; then finiteness (the full
+    read) last."""
+    check_not_quantized(source)
     check_layers(source)
     check_shapes(source)
     check_finite(source)
