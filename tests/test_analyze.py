@@ -43,7 +43,7 @@ def test_analyze_refuses_existing_out(tiny_model_dir, tmp_path, monkeypatch):
     """Before the analysis runs (with --heads or --allocation it takes minutes), not after."""
     import kvconvert.cli
 
-    monkeypatch.setattr(kvconvert.cli, "_analysis", lambda *args: pytest.fail("analysed before refusing"))
+    monkeypatch.setattr(kvconvert.cli.analyze, "_analysis", lambda *args: pytest.fail("analysed before refusing"))
     (tmp_path / "a").mkdir()
     result = run_cli("analyze", "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "a"), "--heads")
     assert result.exit_code == 2 and "already exists" in result.stderr

@@ -93,6 +93,21 @@ class Method:
         raise NotImplementedError
 
     @classmethod
+    def report_table(cls, report: dict[str, Any]) -> str:
+        """What the command prints after converting, from the ``kvconvert.json`` report ("" for nothing)."""
+        return ""
+
+    @classmethod
     def describe(cls, report: dict[str, Any]) -> str:
         """The model card's paragraph on what this method did, from its ``kvconvert.json`` report."""
         return ""
+
+
+def layer_table(report: dict[str, Any], columns: list[tuple[str, str, str]]) -> str:
+    """A per-layer table of a conversion report: ``columns`` are (title, report key, format); missing
+    values print as '-'."""
+    lines = [f"{'layer':>5}  " + "  ".join(f"{title:>14}" for title, _, _ in columns)]
+    for row in report["layers"]:
+        cells = ["-" if row.get(key) is None else format(row[key], fmt) for _, key, fmt in columns]
+        lines.append(f"{row['layer']:>5}  " + "  ".join(f"{c:>14}" for c in cells))
+    return "\n".join(lines)

@@ -32,7 +32,7 @@ import torch
 from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.base import LayerOutput, Method
+from kvconvert.methods.base import LayerOutput, Method, layer_table
 
 Schedule = Literal["progressive", "uniform", "auto"]
 Affine = tuple[torch.Tensor, torch.Tensor]  # (Π, c): x ↦ Π·x + c, ``calib.projection.projected_kv``
@@ -265,6 +265,19 @@ class LorcMethod(Method):
 
     def params(self) -> dict[str, Any]:
         return asdict(self.config)
+
+    @classmethod
+    def report_table(cls, report: dict[str, Any]) -> str:
+        params = report["params"]
+        error = "rel_output_error" if params["calibrate"] else "rel_frobenius_error"
+        return layer_table(report, [
+            ("κ(W_K)", "kappa_k", ".3g"), ("κ(W_V)", "kappa_v", ".3g"), ("log10 κ̃", "log10_kappa_cum", ".1f"),
+            ("rank K", "rank_k", ""), ("rank V", "rank_v", ""), ("K error", f"k_{error}", ".3f"),
+            ("V error", f"v_{error}", ".3f"),
+            *([("K+V error", "kv_rel_output_error", ".3f")] if params["latent"] == "joint" else []),
+            *([("refine loss", "refine_loss_before", ".4f"),
+               ("→ refined", "refine_loss_after", ".4f")] if params["refine_steps"] else []),
+        ])  # fmt: skip
 
     def check(self, layout: AttentionLayout) -> None:
         if layout.qk_norm and not layout.rotary:  # keys scored on the latent: no full-width key to normalise

@@ -188,6 +188,20 @@ class MiniCacheMethod(Method):
     def params(self) -> dict[str, Any]:
         return asdict(self.config)
 
+    @classmethod
+    def report_table(cls, report: dict[str, Any]) -> str:
+        from kvconvert.methods.minicache.layer_similarity import similarity_table
+
+        plan, lines = report["plan"], []
+        if "layer_similarity" in plan:
+            lines.append(similarity_table(plan["layer_similarity"], merged={tuple(p) for p in plan["pairs"]}))
+        if "ranks" in plan:
+            lines.append(f"{'pair':>7}  {'K width':>7}  {'K loss':>8}  {'V width':>7}  {'V loss':>8}")
+            for (a, b), (r_k, r_v) in zip(plan["pairs"], plan["ranks"], strict=True):
+                row = report["layers"][a]
+                lines.append(f"{a:>3}-{b:<3}  {r_k:>7}  {row['loss_k']:>8.4f}  {r_v:>7}  {row['loss_v']:>8.4f}")
+        return "\n".join(lines)
+
     def check(self, layout: AttentionLayout) -> None:
         if self.config.start_layer is not None and self.config.start_layer > layout.num_layers:
             raise KVConvertError(

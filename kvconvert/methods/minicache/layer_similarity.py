@@ -122,3 +122,18 @@ def shallowest_start(pairs: list[dict[str, Any]], num_layers: int, min_similarit
         if all(similar[first] for first in range(start, num_layers - 1, 2)):
             best = start
     return best
+
+
+def similarity_table(result: dict[str, Any], merged: set[tuple[int, ...]] | None = None) -> str:
+    """``measure_layer_similarity``'s result as the table ``analyze`` and ``minicache`` print (``merged``:
+    the pairs a plan merged, marked)."""
+    lines = [f"adjacent-layer similarity on {result['calib']} ({result['tokens']} tokens; kept = unmerged at "
+             f"γ = {result['gamma']}):"]  # fmt: skip
+    header = f"{'pair':>7}  {'cos K':>7}  {'cos V':>7}  {'kept K':>7}  {'kept V':>7}"
+    lines.append(header + ("  merged" if merged else ""))
+    for row in result["pairs"]:
+        a, b = row["layers"]
+        mark = ("  yes" if (a, b) in merged else "") if merged else ""
+        lines.append(f"{a:>3}-{b:<3}  {row['cos_k']:>7.3f}  {row['cos_v']:>7.3f}  {row['retained_k']:>7.1%}  "
+                     f"{row['retained_v']:>7.1%}{mark}")  # fmt: skip
+    return "\n".join(lines)

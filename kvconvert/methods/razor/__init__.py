@@ -86,6 +86,15 @@ class RazorMethod(Method):
     def params(self) -> dict[str, Any]:
         return asdict(self.config)
 
+    @classmethod
+    def report_table(cls, report: dict[str, Any]) -> str:
+        lines = [f"{'layer':>5}  {'retrieval KV heads':<24}  {'max induction':>13}  {'max echo':>9}"]
+        for row in report["layers"]:
+            heads = ",".join(map(str, row["retrieval_kv_heads"])) or "-"
+            lines.append(f"{row['layer']:>5}  {heads:<24}  {max(row['induction_scores']):>13.3f}  "
+                         f"{max(row['echo_scores']):>9.3f}")  # fmt: skip
+        return "\n".join(lines)
+
     def plan(
         self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
         dtype: torch.dtype | None = None,

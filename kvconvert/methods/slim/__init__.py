@@ -14,7 +14,7 @@ import torch
 from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.base import LayerOutput, Method
+from kvconvert.methods.base import LayerOutput, Method, layer_table
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,11 @@ class SlimMethod(Method):
 
     def params(self) -> dict[str, Any]:
         return asdict(self.config)
+
+    @classmethod
+    def report_table(cls, report: dict[str, Any]) -> str:
+        return layer_table(report, [("κ(W_K)", "kappa_k", ".3g"), ("V rel. error", "v_rel_error", ".2e"),
+                                    ("dtype rounding", "dtype_rel_error", ".2e")])  # fmt: skip
 
     def check(self, layout: AttentionLayout) -> None:
         if layout.num_kv_heads != layout.num_heads:

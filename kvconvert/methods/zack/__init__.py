@@ -271,6 +271,17 @@ class ZackMethod(Method):
     def params(self) -> dict[str, Any]:
         return asdict(self.config)
 
+    @classmethod
+    def report_table(cls, report: dict[str, Any]) -> str:
+        probed = [side for side in "kv" if f"{side}_probe_kl" in report["layers"][0]]
+        lines = [
+            f"{'layer':>5}  {'K widths':<24}  {'V widths':<24}" + "".join(f"  {s.upper()} probe KL" for s in probed)
+        ]
+        for row in report["layers"]:
+            widths = f"{','.join(map(str, row['rank_k'])):<24}  {','.join(map(str, row['rank_v'])):<24}"
+            lines.append(f"{row['layer']:>5}  {widths}" + "".join(f"  {row[f'{s}_probe_kl']:>10.4f}" for s in probed))
+        return "\n".join(lines)
+
     def expected_kv_budget(self, layout: AttentionLayout) -> float:
         assert self.plan_ is not None
         return self.plan_.budget

@@ -1,0 +1,95 @@
+"""``kvconvert eval``: quality through the cache, measured KV bytes, speed, retrieval."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvconvert.cli.common import main, silence_libraries, user_errors
+from kvconvert.errors import KVConvertError
+
+
+@main.command("eval")
+@click.option("--model", "model", required=True, help="Local model directory (converted or not).")
+@click.option("--reference", default=None, help="Source model directory to compare against.")
+@click.option("--data", required=True, help="Text file, or dataset spec name[:config]:split:column.")
+@click.option("--ctx", type=int, default=1024, show_default=True, help="Window length (capped at the model's).")
+@click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of --data.")
+@click.option("--chunk", type=int, default=None, help="Feed each window through the cache N tokens at a time.")
+@click.option("--context", type=int, default=None, help="Context protocol: N tokens into the cache in one forward…")
+@click.option("--continuation", type=int, default=None, help="…then the next M scored in one forward through it.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Also write results here.")
+@click.option("--retrieval-lengths", default=None, help="Comma-separated prompt lengths for passkey/copy.")
+@click.option("--no-retrieval", is_flag=True, help="Skip passkey and copy tests.")
+@click.option("--no-speed", is_flag=True, help="Skip throughput measurement.")
+@click.option(
+    "--speed-contexts", default=None,
+    help="Comma-separated context lengths (e.g. 1024,4096,16384): decode speed side by side with --reference "
+         "after each, interleaved, best of 2.",
+)  # fmt: skip
+@click.option(
+    "--device", default="auto", show_default=True,
+    help="Where both models run: cpu, cuda, cuda:N, or auto (the first GPU if there is one).",
+)  # fmt: skip
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@user_errors
+def eval_command(
+    model: str,
+    reference: str | None,
+    data: str,
+    ctx: int,
+    max_tokens: int | None,
+    chunk: int | None,
+    context: int | None,
+    continuation: int | None,
+    json_out: Path | None,
+    retrieval_lengths: str | None,
+    no_retrieval: bool,
+    no_speed: bool,
+    speed_contexts: str | None,
+    device: str,
+    quiet: bool,
+) -> None:
+    """Perplexity, KL/top-1 vs --reference, measured KV bytes/token, speed, passkey and copy tests."""
+    import json
+
+    from kvconvert.eval.runner import EvalConfig, format_table, run_eval
+    from kvconvert.io.model_card import is_eval_result
+    from kvconvert.io.outdir import refuse_foreign_file, write_text_atomic
+
+    try:
+        lengths = tuple(int(n) for n in retrieval_lengths.split(",")) if retrieval_lengths else None
+    except ValueError:
+        raise KVConvertError(
+            f"--retrieval-lengths must be comma-separated integers, got {retrieval_lengths!r}"
+        ) from None
+    try:
+        contexts = tuple(int(n) for n in speed_contexts.split(",")) if speed_contexts else None
+    except ValueError:
+        raise KVConvertError(f"--speed-contexts must be comma-separated integers, got {speed_contexts!r}") from None
+    if contexts is not None and (min(contexts) < 1 or no_speed):
+        raise KVConvertError("--speed-contexts takes positive lengths and measures speed: not with --no-speed")
+    if ctx < 2:
+        raise KVConvertError(f"--ctx must be at least 2, got {ctx}")
+    if chunk is not None and chunk < 1:
+        raise KVConvertError(f"--chunk must be at least 1, got {chunk}")
+    if (context is not None and context < 1) or (continuation is not None and continuation < 2):
+        raise KVConvertError("--context must be at least 1 and --continuation at least 2")
+    if context is not None and chunk is not None:
+        raise KVConvertError("--chunk and --context are two protocols; give one")
+    if lengths is not None and min(lengths) < 2:
+        raise KVConvertError(f"--retrieval-lengths takes lengths of at least 2 tokens, got {retrieval_lengths!r}")
+    if json_out is not None:  # before minutes of evaluation, not after
+        refuse_foreign_file(json_out, "--json", is_eval_result, "a kvconvert eval result")
+    if quiet:
+        silence_libraries()
+    config = EvalConfig(
+        data=data, ctx=ctx, max_tokens=max_tokens, chunk=chunk, context=context, continuation=continuation,
+        retrieval_lengths=lengths, retrieval=not no_retrieval,
+        speed=not no_speed, speed_contexts=contexts, progress=not quiet, device=device,
+    )  # fmt: skip
+    result = run_eval(model, reference, config)
+    click.echo(format_table(result))
+    if json_out is not None:
+        write_text_atomic(json_out, json.dumps(result, indent=2) + "\n")

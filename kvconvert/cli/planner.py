@@ -1,0 +1,72 @@
+"""``kvconvert plan``: every method's candidates converted and scored; the frontier and its recipes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvconvert.cli.common import main, silence_libraries, user_errors
+from kvconvert.errors import KVConvertError
+from kvconvert.io.outdir import refuse_existing
+from kvconvert.plan import CANDIDATES as PLAN_CANDIDATES
+
+
+@main.command()
+@click.option("--model", "model", required=True, help="Source model: Hub id or local directory.")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
+@click.option("--budgets", default="0.5,0.35,0.25,0.15", show_default=True,
+              help="KV budgets (bytes ÷ a 16-bit cache's) to pick a recipe for.")  # fmt: skip
+@click.option("--max-dppl", type=float, default=None, help="Also: the smallest budget within this Δppl (%).")
+@click.option("--methods", default=",".join(PLAN_CANDIDATES), show_default=True, help="Methods to try.")
+@click.option("--calib", default=None, help="Calibration text (file or directory); default: the shipped calib_data/.")
+@click.option("--data", default=None, help="Score on this text instead of the end of the calibration text.")
+@click.option("--context", type=int, default=512, show_default=True, help="Tokens into the cache per window.")
+@click.option("--continuation", type=int, default=128, show_default=True, help="Tokens scored through it.")
+@click.option("--windows", type=int, default=2, show_default=True, help="Windows scored per candidate.")
+@click.option("--device", default="auto", show_default=True, help="Where scoring runs: cpu, cuda, cuda:N, auto.")
+@click.option("--build", type=click.Path(path_type=Path), default=None,
+              help="Also build the winner at --kv-budget into this directory.")  # fmt: skip
+@click.option("--kv-budget", "build_budget", type=float, default=None, help="The budget --build builds for.")
+@click.option("--force", is_flag=True, help="Replace an existing --out (and --build).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@user_errors
+def plan(model: str, out: Path, budgets: str, max_dppl: float | None, methods: str, calib: str | None,
+         data: str | None, context: int, continuation: int, windows: int, device: str, build: Path | None,
+         build_budget: float | None, force: bool, quiet: bool) -> None:  # fmt: skip
+    """Convert and score every method's candidates on this model; write the frontier and the recipe
+    that wins at each budget (build it with `kvconvert run PLAN/recipes/budget-B.yaml`)."""
+    from kvconvert.plan import PlanConfig, format_report, run_plan
+
+    if quiet:
+        silence_libraries()
+    refuse_existing(out, force)  # before the source and the reference model load
+    try:
+        budget_values = tuple(float(b) for b in budgets.split(","))
+    except ValueError:
+        raise KVConvertError(f"--budgets must be comma-separated numbers, got {budgets!r}") from None
+    if (build is None) != (build_budget is None):
+        raise KVConvertError("--build and --kv-budget go together")
+    if build is not None:
+        refuse_existing(build, force, "--build")
+    config = PlanConfig(
+        budgets=budget_values if build_budget is None else tuple(sorted({*budget_values, build_budget})),
+        max_dppl=max_dppl, methods=tuple(m.strip() for m in methods.split(",") if m.strip()), calib=calib,
+        data=data, context=context, continuation=continuation, windows=windows, device=device, progress=not quiet,
+    )  # fmt: skip
+    result = run_plan(model, out, config, replace=force)
+    click.echo(format_report(result))
+    click.echo(f"wrote {out}/frontier.json, frontier.png and recipes/")
+    if build is not None:
+        from kvconvert.io.source import open_source
+        from kvconvert.methods import build_method
+        from kvconvert.pipeline import convert
+        from kvconvert.recipe import load_recipe
+
+        recipe = out / "recipes" / f"budget-{build_budget:g}.yaml"
+        if not recipe.exists():
+            raise KVConvertError(f"no candidate fits --kv-budget {build_budget:g}; the plan is in {out}")
+        name, method_config, storage = load_recipe(recipe)
+        built = convert(open_source(model), build_method(name, method_config, storage), build, replace=force,
+                        progress=not quiet)  # fmt: skip
+        click.echo(f"built {recipe.name} into {built.out}")
