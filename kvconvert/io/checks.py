@@ -24,22 +24,27 @@ _SAFETENSORS_FLOATS = {
 _BLOCK = 1 << 26  # bytes read per step of the finiteness scan: bounded memory whatever the tensor's size
 
 
-def expected_shapes(config: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_shapes(config: Any) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], str]:
     """(shape, dtype) of every parameter and buffer transformers' own model of ``config`` has, built on
-    the meta device (no memory, no weights): the independent statement of what the config implies."""
+    the meta device (no memory, no weights): the independent statement of what the config implies; and
+    that model's base prefix (``model``, ``transformer``…), which some checkpoints leave out of names."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # transformers raises many types for a config it cannot build
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise KVConvertError(f"transformers cannot build a model from this config.json: {reason}") from None
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    return shapes, str(getattr(model, "base_model_prefix", "model"))
 
 
 def check_shapes(source: SourceCheckpoint) -> None:
     """Every checkpoint tensor the model of its config also has must have the model's shape, and
     floating-point parameters must be stored as floats. Names the model does not have (tied heads,
     old buffers, renamed MoE experts) are left to the loader: they are not a mismatch of sizes."""
-    expected = expected_shapes(source.config)
-    prefix = _base_prefix(source.config)
+    expected, prefix = expected_shapes(source.config)
     for name in source.tensor_names():
         match = next((expected[n] for n in (name, f"{prefix}.{name}") if n in expected), None)
         if match is None:
@@ -56,12 +61,6 @@ def check_shapes(source: SourceCheckpoint) -> None:
                 f"{source.path}: tensor {name!r} is stored as {stored_dtype}, not floating point; kvconvert "
                 "converts float checkpoints (dequantize a quantized export first)"
             )
-
-
-def _base_prefix(config: Any) -> str:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    return str(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "base_model_prefix", "model"))
 
 
 def nonfinite_count(source: SourceCheckpoint, name: str) -> int:

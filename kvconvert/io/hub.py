@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path
@@ -36,9 +35,11 @@ def _written_by_kvconvert(directory: Path) -> list[str]:
     marker = read_marker(directory)
     if marker is not None:
         return [str(name) for name in marker.get("files", [])]
-    report = json.loads((directory / "kvconvert.json").read_text(encoding="utf-8"))
-    from kvconvert.io.source import TOKENIZER_FILES
+    from kvconvert.io.source import TOKENIZER_FILES, read_json
 
+    report = read_json(directory / "kvconvert.json", "conversion report")
+    if not isinstance(report, dict):
+        raise KVConvertError(f"{directory / 'kvconvert.json'} is not a kvconvert conversion report")
     runtime = [p.name for p in directory.glob("*.py")]  # the runtime shims, top level only
     return sorted({*report.get("weight_files", []), *_LEGACY_NAMES, *TOKENIZER_FILES, *runtime})
 
