@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -21,12 +22,18 @@ def run(
     options: ConversionOptions,
 ) -> None:
     """Convert with a recipe (YAML: method + options); the recipe is saved as DST/recipe.yaml."""
+    report = run_recipe(recipe, options)
+    click.echo(f"wrote {options.out} ({report['method']}, {budget_words(report)})")
+
+
+def run_recipe(recipe: Path, options: ConversionOptions) -> dict[str, Any]:
+    """``kvconvert run``'s conversion (``plan --build`` goes through it too): the recipe's method, with
+    storage options given on the command line winning over the recipe's."""
     from kvconvert.methods import build_method
     from kvconvert.recipe import load_recipe
 
     name, config, storage = load_recipe(recipe)
-    report = run_conversion(build_method(name, config, storage), options)
-    click.echo(f"wrote {options.out} ({name}, {budget_words(report)})")
+    return run_conversion(build_method(name, config, storage), options)
 
 
 @main.command()

@@ -82,21 +82,21 @@ class ConversionOptions:
     """The options every conversion command shares (source and output)."""
 
     model: str
-    revision: str | None
-    allow_pickle: bool
-    device: str
     out: Path
-    force: bool
-    dtype: str
-    max_shard_size: str
-    quiet: bool
-    kv_bits: str | None
-    kv_group: int | None
-    kv_residual: int | None
-    kv_sink: int | None
-    kv_rotate: bool | None
-    kv_include_local: bool | None
-    kv_layout: str | None
+    revision: str | None = None
+    allow_pickle: bool = False
+    device: str = "auto"
+    force: bool = False
+    dtype: str = "auto"
+    max_shard_size: str = "5GB"
+    quiet: bool = False
+    kv_bits: str | None = None  # the storage options: None keeps a recipe's (or the default) value
+    kv_group: int | None = None
+    kv_residual: int | None = None
+    kv_sink: int | None = None
+    kv_rotate: bool | None = None
+    kv_include_local: bool | None = None
+    kv_layout: str | None = None
 
     def storage(self, base: QuantSpec | None = None) -> QuantSpec:
         """The cache storage these options ask for; options not given keep ``base``'s (a recipe's)."""

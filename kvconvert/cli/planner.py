@@ -58,15 +58,11 @@ def plan(model: str, out: Path, budgets: str, max_dppl: float | None, methods: s
     click.echo(format_report(result))
     click.echo(f"wrote {out}/frontier.json, frontier.png and recipes/")
     if build is not None:
-        from kvconvert.io.source import open_source
-        from kvconvert.methods import build_method
-        from kvconvert.pipeline import convert
-        from kvconvert.recipe import load_recipe
+        from kvconvert.cli.jobs import run_recipe
+        from kvconvert.cli.options import ConversionOptions
 
         recipe = out / "recipes" / f"budget-{build_budget:g}.yaml"
         if not recipe.exists():
             raise KVConvertError(f"no candidate fits --kv-budget {build_budget:g}; the plan is in {out}")
-        name, method_config, storage = load_recipe(recipe)
-        built = convert(open_source(model), build_method(name, method_config, storage), build, replace=force,
-                        progress=not quiet)  # fmt: skip
-        click.echo(f"built {recipe.name} into {built.out}")
+        run_recipe(recipe, ConversionOptions(model=model, out=build, device=device, force=force, quiet=quiet))
+        click.echo(f"built {recipe.name} into {build}")
