@@ -208,6 +208,7 @@ UNIFORM = {"kv_budget": 0.6, "schedule": "uniform"}
 JOINT = {"kv_budget": 0.5, "schedule": "auto", "latent": "joint"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "options"), [
     ("llama_gqa", {**UNIFORM, "compress": "kv"}), ("qwen2_gqa", {**UNIFORM, "compress": "k"}),
     ("gpt_neox", {**UNIFORM, "compress": "v"}), ("llama_gqa", JOINT), ("qwen2_gqa", JOINT),

@@ -162,6 +162,7 @@ def test_plan_on_a_real_model_agrees_with_eval(aidreams_dir, tmp_path):
     assert measured["kv_budget_vs_16bit"] == pytest.approx(chosen["kv_budget"], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_plan_build_makes_the_winner_in_one_command(tokenized_model_dir, tmp_path):
     import kvconvert
 
@@ -179,6 +180,7 @@ def test_plan_build_makes_the_winner_in_one_command(tokenized_model_dir, tmp_pat
     assert spec["method"] == "quant" and winner["kv_budget"] <= 0.3
 
 
+@pytest.mark.slow
 def test_plan_keeps_one_candidate_on_disk_at_a_time(tokenized_model_dir, tmp_path, monkeypatch):
     """Each candidate is a whole checkpoint: it is deleted once scored, so a plan of a 7B model needs
     the disk of one conversion, not of twenty."""
