@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from kvconvert.cli import main
 from kvconvert.errors import KVConvertError
-from tests.test_errors import assert_user_error
+from tests.test_errors import assert_user_error, run
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {
@@ -28,10 +26,6 @@ METHODS = {
     "minicache": (),
     "quant": ("--kv-bits", "4"),
 }
-
-
-def run(*args: str, env: dict[str, str] | None = None):
-    return CliRunner().invoke(main, list(args), env=env)
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from kvconvert.cli.common import main, print_layer_similarity, user_errors
+from kvconvert.cli.common import main, user_errors
 from kvconvert.cli.options import calibration_options, source_options
 from kvconvert.errors import KVConvertError
 from kvconvert.io.outdir import refuse_existing
@@ -108,7 +108,9 @@ def analyze(
     if rotations:
         _print_rotations(analysis["rotations"])
     if layer_similarity:
-        print_layer_similarity(analysis["layer_similarity"])
+        from kvconvert.methods.minicache.layer_similarity import similarity_table
+
+        click.echo(similarity_table(analysis["layer_similarity"]))
     if "lorc_auto" in analysis:
         _print_allocation(analysis["lorc_auto"])
     if "lorc_joint" in analysis:

@@ -134,9 +134,3 @@ def budget_words(report: dict[str, Any]) -> str:
         return f"KV budget {report['kv_budget_expected_vs_16bit']:.3f} of a 16-bit cache at long context"
     long = " at long context" if report["method"] == "razor" else ""  # a window: reached at long context
     return f"KV budget {report['kv_budget_expected']:.3f}{long}"
-
-
-def print_layer_similarity(result: dict[str, Any], merged: set[tuple[int, ...]] | None = None) -> None:
-    from kvconvert.methods.minicache.layer_similarity import similarity_table
-
-    click.echo(similarity_table(result, merged))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -27,6 +28,7 @@ class Method:
 
     name: ClassVar[str]
     storage: QuantSpec = QuantSpec()
+    config: Any  # the method's config dataclass
     progress: bool = True  # bars for calibration and profiling; off under --quiet, in batch and in plan
     # attention features (``kvconvert.arch.FEATURES``) this method cannot convert -> the exact reason
     unsupported: ClassVar[dict[str, str]] = {}
@@ -90,7 +92,9 @@ class Method:
         return {}
 
     def params(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The options that reproduce this conversion (``kvconvert.json``'s ``params``, the recipe): every
+        method's config is a dataclass, so all of its fields."""
+        return dataclasses.asdict(self.config)
 
     @classmethod
     def report_table(cls, report: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -262,9 +262,6 @@ class LorcMethod(Method):
             f"LoRC caches rank-d_c latents of K and V (low-rank W_K, W_V {how}; U_V folded into W_O). "
             f"Schedule {params['schedule']}, factored {params['compress']}; K ranks per layer: {ranks}."
         )
-
-    def params(self) -> dict[str, Any]:
-        return asdict(self.config)
 
     @classmethod
     def report_table(cls, report: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -184,9 +184,6 @@ class MiniCacheMethod(Method):
             f"distance range (γ = {plan['gamma']}) are kept unmerged. Only cached states are merged, so quality "
             "shows when text is decoded through the cache (`kvconvert eval --chunk 1`), not in a single forward."
         )
-
-    def params(self) -> dict[str, Any]:
-        return asdict(self.config)
 
     @classmethod
     def report_table(cls, report: dict[str, Any]) -> str:

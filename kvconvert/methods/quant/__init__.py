@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,9 +54,6 @@ class QuantMethod(Method):
         self.config = config or QuantConfig()
         self.progress = progress
         self.plan_report: dict[str, Any] = {}
-
-    def params(self) -> dict[str, Any]:
-        return asdict(self.config)
 
     @classmethod
     def describe(cls, report: dict[str, Any]) -> str:

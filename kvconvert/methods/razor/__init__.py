@@ -10,7 +10,7 @@ ALiBi's analytic scope L_h (theorem 1) is not implemented: no supported architec
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -82,9 +82,6 @@ class RazorMethod(Method):
             f"RazorAttention keeps the full cache for {kept} retrieval KV heads; the others keep "
             f"{report['params']['sink']} sink tokens, a recent window and one compensation token."
         )
-
-    def params(self) -> dict[str, Any]:
-        return asdict(self.config)
 
     @classmethod
     def report_table(cls, report: dict[str, Any]) -> str:

@@ -6,7 +6,7 @@ folding into the output bias (paper §4, extended to RoPE models by caching the 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -58,9 +58,6 @@ class SlimMethod(Method):
             f"Largest κ(W_K): {max(r['kappa_k'] for r in report['layers']):.3g}; largest relative V error "
             f"on random inputs in {report['dtype']}: {worst['v_rel_error']:.2e} (layer {worst['layer']})."
         )
-
-    def params(self) -> dict[str, Any]:
-        return asdict(self.config)
 
     @classmethod
     def report_table(cls, report: dict[str, Any]) -> str:

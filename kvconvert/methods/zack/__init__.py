@@ -18,7 +18,7 @@ rotated, truncated keys. Per-head widths differ; the cache packs them without pa
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -267,9 +267,6 @@ class ZackMethod(Method):
             "ZACK caches K and V in calibrated per-head rotated bases, truncated to adaptive widths; attention "
             f"runs in the compressed space. Cached K+V width per layer: {widths}."
         )
-
-    def params(self) -> dict[str, Any]:
-        return asdict(self.config)
 
     @classmethod
     def report_table(cls, report: dict[str, Any]) -> str:
