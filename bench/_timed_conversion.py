@@ -8,8 +8,8 @@ from pathlib import Path
 
 from kvconvert.io.source import open_source
 from kvconvert.methods.base import Method
-from kvconvert.methods.lorc import LorcConfig, LorcMethod
-from kvconvert.methods.slim import SlimMethod
+from kvconvert.methods.lorc.method import LorcConfig, LorcMethod
+from kvconvert.methods.slim.method import SlimMethod
 from kvconvert.pipeline import convert
 
 METHODS: dict[str, Method] = {"slim": SlimMethod(), "lorc": LorcMethod(LorcConfig(kv_budget=0.5, schedule="uniform"))}

@@ -27,7 +27,7 @@ from bench.models import SHARED, smollm2_wikitext  # noqa: E402
 from kvconvert.errors import KVConvertError  # noqa: E402
 from kvconvert.eval.runner import run_eval  # noqa: E402
 from kvconvert.io.source import open_source  # noqa: E402
-from kvconvert.methods.lorc import LorcConfig, LorcMethod  # noqa: E402
+from kvconvert.methods.lorc.method import LorcConfig, LorcMethod  # noqa: E402
 from kvconvert.pipeline import convert  # noqa: E402
 from kvconvert.runtime.kvconvert_codec import QuantSpec  # noqa: E402
 

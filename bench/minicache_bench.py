@@ -30,13 +30,13 @@ from bench.models import smollm2_wikitext  # noqa: E402
 from kvconvert.arch import adapter_for  # noqa: E402
 from kvconvert.eval.runner import load_for_eval, run_eval  # noqa: E402
 from kvconvert.io.source import open_source  # noqa: E402
-from kvconvert.methods.minicache import (  # noqa: E402
+from kvconvert.methods.minicache.layer_similarity import measure_layer_similarity  # noqa: E402
+from kvconvert.methods.minicache.method import (  # noqa: E402
     MiniCacheConfig,
     MiniCacheMethod,
     kv_bytes_per_token,
     subspace_bytes_per_token,
 )
-from kvconvert.methods.minicache.layer_similarity import measure_layer_similarity  # noqa: E402
 from kvconvert.pipeline import convert  # noqa: E402
 from kvconvert.runtime.kvconvert_codec import QuantSpec  # noqa: E402
 

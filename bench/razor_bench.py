@@ -25,7 +25,7 @@ from kvconvert.eval.memory import cache_nbytes  # noqa: E402
 from kvconvert.eval.retrieval import passkey_accuracy  # noqa: E402
 from kvconvert.eval.runner import load_for_eval  # noqa: E402
 from kvconvert.io.source import open_source  # noqa: E402
-from kvconvert.methods.razor import RazorConfig, RazorMethod  # noqa: E402
+from kvconvert.methods.razor.method import RazorConfig, RazorMethod  # noqa: E402
 from kvconvert.pipeline import convert  # noqa: E402
 
 

@@ -25,8 +25,8 @@ LADDER = (1.0, 0.9, 0.75, 0.6, 0.5)
 
 def conversions() -> list[tuple[str, float, Any]]:
     """(method, budget, factory) for every implemented method; exact methods at their natural point."""
-    from kvconvert.methods.lorc import LorcConfig, LorcMethod
-    from kvconvert.methods.slim import SlimMethod
+    from kvconvert.methods.lorc.method import LorcConfig, LorcMethod
+    from kvconvert.methods.slim.method import SlimMethod
 
     ladder: list[tuple[str, float, Any]] = [("slim", 0.5, SlimMethod)]
     for budget in LADDER:

@@ -26,7 +26,7 @@ def main() -> None:
 
     from kvconvert.io.checks import check_source
     from kvconvert.io.source import open_source
-    from kvconvert.methods.slim import SlimConfig, SlimMethod
+    from kvconvert.methods.slim.method import SlimConfig, SlimMethod
     from kvconvert.pipeline import convert
 
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as work:

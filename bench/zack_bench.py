@@ -28,7 +28,7 @@ from bench.models import smollm2_wikitext  # noqa: E402
 from kvconvert.errors import KVConvertError  # noqa: E402
 from kvconvert.eval.runner import run_eval  # noqa: E402
 from kvconvert.io.source import open_source  # noqa: E402
-from kvconvert.methods.zack import ZackConfig, ZackMethod  # noqa: E402
+from kvconvert.methods.zack.method import ZackConfig, ZackMethod  # noqa: E402
 from kvconvert.pipeline import convert  # noqa: E402
 
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import kvconvert
 from kvconvert.errors import KVConvertError
-from kvconvert.methods import Method, build_method
+from kvconvert.methods import build_method
+from kvconvert.methods.base import Method
 from kvconvert.pipeline import storage_report
 from kvconvert.recipe import load_recipe, parse_recipe, read_yaml
 from kvconvert.runtime.kvconvert_codec import QuantSpec

@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 
 from kvconvert.errors import KVConvertError
-from kvconvert.methods import METHODS, Method
+from kvconvert.methods import METHODS
+from kvconvert.methods.base import Method
 from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 # recipe key -> QuantSpec field: the storage options of every conversion command
@@ -75,7 +76,7 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> tuple[str, Any, QuantSp
     method = data["method"]
     if method not in METHODS:
         raise KVConvertError(f"{source}: unknown method {method!r}; known: {', '.join(sorted(METHODS))}")
-    config_class = METHODS[method][0]
+    config_class = METHODS[method].config
     hints = typing.get_type_hints(config_class)
     fields = {f.name for f in dataclasses.fields(config_class)}
     for key, value in options.items():

@@ -268,7 +268,7 @@ def test_os_errors_while_writing_are_one_line(tiny_model_dir, tmp_path, monkeypa
 def test_sigterm_cleans_up_like_ctrl_c(tiny_model_dir, tmp_path, monkeypatch):
     import signal
 
-    from kvconvert.methods.slim import SlimMethod
+    from kvconvert.methods.slim.method import SlimMethod
 
     def killed(self, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # what a CI runner sends on cancel, mid-conversion
@@ -333,7 +333,7 @@ def test_written_spec_round_trips_through_the_typed_spec(tiny_model_dir, tmp_pat
 def test_existing_output_is_refused_before_calibration(tokenized_model_dir, tmp_path):
     """A conversion into an existing --out stops before it plans (calibration can take minutes)."""
     from kvconvert.io.source import open_source
-    from kvconvert.methods.zack import ZackConfig, ZackMethod
+    from kvconvert.methods.zack.method import ZackConfig, ZackMethod
     from kvconvert.pipeline import convert
 
     class Unplanned(ZackMethod):

@@ -63,11 +63,11 @@ def test_adapters_see_each_family_s_attention_features(kind, tiny_model_dir):
 def test_every_method_reproduces_the_family_or_refuses_with_its_reason(kind, method, tokenized_model_dir, tmp_path):
     src = tokenized_model_dir(kind)
     layout = adapter_for(transformers.AutoConfig.from_pretrained(src)).layout()
-    blocked = [f for f in layout.features if f in METHODS[method][1].unsupported]
+    blocked = [f for f in layout.features if f in METHODS[method].method.unsupported]
     dst = tmp_path / "out"
     result = run_cli(method, "--model", str(src), "--out", str(dst), "--quiet", *LOSSLESS[method][1])
     if blocked:
-        reason = METHODS[method][1].unsupported[blocked[0]]
+        reason = METHODS[method].method.unsupported[blocked[0]]
         assert result.exit_code == 2 and reason in result.output.replace("\n", " "), result.output
         assert not dst.exists()
         return

@@ -10,7 +10,7 @@ import torch
 
 from kvconvert import linalg
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.lorc import LorcConfig, plan_ranks, progressive_ranks, uniform_ranks
+from kvconvert.methods.lorc.method import LorcConfig, plan_ranks, progressive_ranks, uniform_ranks
 from tests.helpers import (
     assert_equivalent,
     convert,
@@ -139,7 +139,7 @@ def test_projected_kv_simulates_the_calibrated_checkpoint(kind, compress, tokeni
     from kvconvert.arch import adapter_for
     from kvconvert.calib.projection import projected_kv
     from kvconvert.io.source import open_source
-    from kvconvert.methods.lorc import LorcMethod, _affine
+    from kvconvert.methods.lorc.method import LorcMethod, _affine
     from kvconvert.pipeline import convert as convert_checkpoint
 
     src = tokenized_model_dir(kind)
@@ -225,7 +225,7 @@ def test_refinement_lowers_the_output_error_and_the_checkpoint_computes_it(kind,
     from kvconvert.arch import adapter_for
     from kvconvert.calib.projection import projected_kv
     from kvconvert.io.source import open_source
-    from kvconvert.methods.lorc import LorcMethod
+    from kvconvert.methods.lorc.method import LorcMethod
     from kvconvert.pipeline import convert as convert_checkpoint
 
     src = tokenized_model_dir(kind)

@@ -12,7 +12,7 @@ import torch
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.memory import cache_nbytes
 from kvconvert.eval.quality import evaluate_quality
-from kvconvert.methods.minicache import MiniCacheConfig, kv_bytes_per_token, merge_pairs
+from kvconvert.methods.minicache.method import MiniCacheConfig, kv_bytes_per_token, merge_pairs
 from kvconvert.runtime.kvconvert_minicache import PairState, merge_tokens, retained_tokens, slerp
 from tests.conftest import build_tiny_model
 from tests.helpers import assert_equivalent, convert, left_padded, load_converted, load_reference, run_cli
@@ -336,7 +336,7 @@ def test_plan_decides_everything_and_layers_convert_in_any_order(tiny_model_dir)
     any order, with any dtype argument) changes no decision of the plan."""
     from kvconvert.arch import adapter_for
     from kvconvert.io.source import open_source
-    from kvconvert.methods.minicache import MiniCacheMethod
+    from kvconvert.methods.minicache.method import MiniCacheMethod
 
     source = open_source(str(tiny_model_dir("llama")))
     layout = adapter_for(source.config).layout()
@@ -360,7 +360,7 @@ def test_shared_subspace_is_the_weighted_optimum_and_beats_separate_layers():
     random encoder (with its least-squares decoder) does better, and per-layer subspaces of the same total
     width (the block-diagonal special case) lose more when the two layers share structure."""
     from kvconvert import linalg
-    from kvconvert.methods.minicache import fit_pair_subspace
+    from kvconvert.methods.minicache.method import fit_pair_subspace
 
     torch.manual_seed(0)
     n, h, dk = 4000, 8, 4
@@ -416,7 +416,7 @@ def test_subspace_budget_is_allocated_held_and_beats_slerp(tokenized_model_dir, 
     """At budget 0.6 the widths are allocated by loss, the live cache holds what the plan says (fewer bytes
     than the source), decoding through the cache loses something, and less than SLERP merging of the same
     pair at a larger cache."""
-    from kvconvert.methods.minicache import subspace_bytes_per_token
+    from kvconvert.methods.minicache.method import subspace_bytes_per_token
 
     src = tokenized_model_dir("llama_gqa")
     report = convert_minicache(src, tmp_path / "sub", "--merge", "subspace", "--kv-budget", "0.6",
@@ -514,7 +514,7 @@ def test_pair_moments_match_the_stock_cache(tokenized_model_dir):
 def test_subspace_plan_without_a_dtype_still_reads_every_layer(tokenized_model_dir):
     """Without a dtype the element size comes from the first layer's weights, which the fit must still see."""
     from kvconvert.io.source import open_source
-    from kvconvert.methods.minicache import MiniCacheMethod
+    from kvconvert.methods.minicache.method import MiniCacheMethod
     from kvconvert.pipeline import plan_conversion
 
     source = open_source(str(tokenized_model_dir("llama_gqa")))

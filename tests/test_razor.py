@@ -9,8 +9,8 @@ import torch
 
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.memory import cache_nbytes
-from kvconvert.methods.razor import retrieval_kv_heads, top_heads
 from kvconvert.methods.razor.heads import HeadScores, profile_heads
+from kvconvert.methods.razor.method import retrieval_kv_heads, top_heads
 from kvconvert.runtime.kvconvert_razor import compensated_attention
 from tests.conftest import build_tiny_model
 from tests.helpers import assert_equivalent, convert, left_padded, load_converted, load_reference
@@ -124,7 +124,7 @@ def test_kv_budget_sets_window_fraction(tiny_model_dir, tmp_path):
     assert report["kv_budget_expected"] == pytest.approx(0.6)
     with pytest.raises(KVConvertError, match="not above the retrieval heads' share"):
         from kvconvert.io.source import open_source
-        from kvconvert.methods.razor import RazorConfig, RazorMethod
+        from kvconvert.methods.razor.method import RazorConfig, RazorMethod
         from kvconvert.pipeline import convert
 
         method = RazorMethod(RazorConfig(induction_frac=1.0, kv_budget=0.5, profile_tokens=16), progress=False)

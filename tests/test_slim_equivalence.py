@@ -100,7 +100,7 @@ def test_value_error_check_measures_the_cached_dtype_and_conditioning():
     """slim's V-error check: exact (≈ 1e-15) with float64 keys whatever the biases, the checkpoint dtype's
     rounding with a well-conditioned W_K, and growing with κ(W_K) (what it exists to catch)."""
     from kvconvert import linalg
-    from kvconvert.methods.slim import SlimMethod
+    from kvconvert.methods.slim.method import SlimMethod
 
     gen = torch.Generator().manual_seed(0)
     d = 64

@@ -97,7 +97,7 @@ def test_k_only_keeps_values_full(tokenized_model_dir, tmp_path):
 def test_truncated_attention_simulates_the_checkpoint(value_basis, tokenized_model_dir, tmp_path):
     """The --target-agreement search scores a simulation; it must compute what the checkpoint does."""
     from kvconvert.io.source import open_source
-    from kvconvert.methods.zack import ZackMethod
+    from kvconvert.methods.zack.method import ZackMethod
     from kvconvert.methods.zack.search import projectors_for, truncated_attention
 
     src = tokenized_model_dir("qwen2_gqa")
@@ -190,7 +190,7 @@ def test_output_value_basis_loses_less_than_the_paper(tokenized_model_dir):
     the paper's V‖W_O rotation: Σ_h ‖W_Oʰ(v − v̂)‖² from the Grams, per head. (Its simulation against the
     checkpoint: ``test_truncated_attention_simulates_the_checkpoint``.)"""
     from kvconvert.io.source import open_source
-    from kvconvert.methods.zack import fit_bases, output_gram
+    from kvconvert.methods.zack.method import fit_bases, output_gram
 
     src = tokenized_model_dir("qwen2_gqa")
     from kvconvert.arch import adapter_for
@@ -226,7 +226,7 @@ def _attention_weights(source):
 
 def _synthetic_bases(layers: int, kv_heads: int, dk: int):
     """HeadBases whose every head has the spectrum dk, dk−1, …, 1 (identity rotations)."""
-    from kvconvert.methods.zack import HeadBases
+    from kvconvert.methods.zack.method import HeadBases
 
     spectrum = torch.arange(dk, 0, -1, dtype=torch.float64)
     eye = torch.eye(dk, dtype=torch.float64)
@@ -240,7 +240,7 @@ def _synthetic_bases(layers: int, kv_heads: int, dk: int):
 def test_widths_by_loss_meet_the_budget_and_follow_the_measured_kl():
     """plan_by_loss: Σ widths = the budget to one dim; alike heads with alike probes get alike widths; a
     layer side whose probe KL is 100× larger gets wider (every one of its heads), the others narrower."""
-    from kvconvert.methods.zack import plan_by_loss, plan_for_budget
+    from kvconvert.methods.zack.method import plan_by_loss, plan_for_budget
 
     bases = _synthetic_bases(layers=3, kv_heads=2, dk=8)
     probe = plan_for_budget(bases, 0.5, 8)
@@ -292,7 +292,7 @@ def test_probe_branches_measure_what_a_lone_truncation_costs(tokenized_model_dir
     from kvconvert.calib.sequential import run_layer_by_layer
     from kvconvert.calib.text import calibration_set
     from kvconvert.io.source import open_source
-    from kvconvert.methods.zack import ZackMethod, plan_for_budget
+    from kvconvert.methods.zack.method import ZackMethod, plan_for_budget
     from kvconvert.methods.zack.search import projectors_for, truncated_attention
 
     src = tokenized_model_dir("llama_gqa")

@@ -10,7 +10,7 @@ from kvconvert import linalg
 from kvconvert.arch import adapter_for
 from kvconvert.errors import KVConvertError
 from kvconvert.io.source import SourceCheckpoint
-from kvconvert.methods.lorc import LorcConfig, plan_ranks
+from kvconvert.methods.lorc.method import LorcConfig, plan_ranks
 
 RANK_FRACTIONS = (0.25, 0.5, 0.75)
 PLAN_BUDGETS = (0.9, 0.75, 0.6, 0.5)
@@ -63,7 +63,7 @@ def analyze_spectra(source: SourceCheckpoint) -> dict[str, Any]:
 
 def analyze_heads(source: SourceCheckpoint, profile_tokens: int | None = None) -> dict[str, Any]:
     """Echo and induction scores ``[L][H]`` (RazorAttention §3.3) and the heads razor would keep."""
-    from kvconvert.methods.razor import RazorConfig, RazorMethod
+    from kvconvert.methods.razor.method import RazorConfig, RazorMethod
 
     method = RazorMethod(RazorConfig(profile_tokens=profile_tokens), progress=False)
     layout = adapter_for(source.config).layout()

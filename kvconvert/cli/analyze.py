@@ -177,7 +177,7 @@ def _auto_allocation(source: Any, budgets: list[float], calib: str | None, calib
                      seed: int, latent: str = "separate") -> dict[str, Any]:  # fmt: skip
     """``lorc --schedule auto [--latent joint]``'s ranks per layer and side at each budget (joint: the one
     latent's rank twice, and the weights of K's and V's errors in it)."""
-    from kvconvert.methods.lorc import LorcConfig, LorcMethod
+    from kvconvert.methods.lorc.method import LorcConfig, LorcMethod
 
     return _planned(source, budgets, LorcMethod, LorcConfig, lambda plan, layout: {
         "budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v, "probe_rank": plan.probe_rank,
@@ -189,7 +189,7 @@ def _auto_allocation(source: Any, budgets: list[float], calib: str | None, calib
 def _zack_allocation(source: Any, budgets: list[float], calib: str | None, calib_tokens: int,
                      seed: int) -> dict[str, Any]:  # fmt: skip
     """``zack --schedule auto``'s widths per layer, KV head and side at each budget."""
-    from kvconvert.methods.zack import ZackConfig, ZackMethod
+    from kvconvert.methods.zack.method import ZackConfig, ZackMethod
 
     return _planned(source, budgets, ZackMethod, ZackConfig, lambda plan, layout: {
         "budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v, "probe_kl": plan.probe_kl,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
@@ -128,9 +129,8 @@ def run_conversion(method: Any, options: ConversionOptions) -> dict[str, Any]:
     return result.report
 
 
-def budget_words(report: dict[str, Any]) -> str:
-    """The expected KV budget of a conversion, quantized storage included (then against a 16-bit cache)."""
-    if "kv_budget_expected_vs_16bit" in report:
-        return f"KV budget {report['kv_budget_expected_vs_16bit']:.3f} of a 16-bit cache at long context"
-    long = " at long context" if report["method"] == "razor" else ""  # a window: reached at long context
-    return f"KV budget {report['kv_budget_expected']:.3f}{long}"
+def wrote(out: Path, report: dict[str, Any]) -> None:
+    """The line a conversion ends with: where, and what the method made of the model."""
+    from kvconvert.methods import METHODS
+
+    click.echo(f"wrote {out} ({METHODS[report['method']].method.headline(report)})")

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from kvconvert.cli.common import budget_words, main, run_conversion, silence_libraries, user_errors
+from kvconvert.cli.common import main, run_conversion, silence_libraries, user_errors, wrote
 from kvconvert.cli.options import ConversionOptions, conversion_options
 from kvconvert.errors import KVConvertError
 
@@ -23,7 +23,7 @@ def run(
 ) -> None:
     """Convert with a recipe (YAML: method + options); the recipe is saved as DST/recipe.yaml."""
     report = run_recipe(recipe, options)
-    click.echo(f"wrote {options.out} ({report['method']}, {budget_words(report)})")
+    wrote(options.out, report)
 
 
 def run_recipe(recipe: Path, options: ConversionOptions) -> dict[str, Any]:

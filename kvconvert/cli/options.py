@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvconvert.cli.fields import field_options
 from kvconvert.io.outdir import parse_size, refuse_existing, refuse_overlap
+from kvconvert.methods.options import Calibration
 
 if TYPE_CHECKING:  # torch and transformers load with the command that needs them, not for --help
     from kvconvert.runtime.kvconvert_codec import QuantSpec
@@ -129,35 +131,5 @@ def conversion_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return source_options(output_options(wrapper))
 
 
-CALIB_DEFAULT = "<calib_data>"  # what a bare --calib stands for
-
-
-def optional_calibration(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """``--calib [SOURCE]`` (bare: the shipped calib_data/), ``--calib-tokens``, ``--seed``: for
-    commands whose calibration is an option rather than the method itself."""
-
-    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chunk shuffle.")(fn)
-        fn = click.option("--calib-tokens", type=int, default=16384, show_default=True, help="Calibration tokens.")(fn)
-        return click.option("--calib", is_flag=False, flag_value=CALIB_DEFAULT, default=None, help=help_text)(fn)
-
-    return decorate
-
-
-def calib_source(calib: str | None) -> str | None:
-    """The calibration source a method config takes: None stands for the shipped calib_data/."""
-    return None if calib in (None, CALIB_DEFAULT) else calib
-
-
-def calibration_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Options of every command that runs the model on calibration text."""
-    fn = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chunk shuffle.")(fn)
-    fn = click.option(
-        "--calib-tokens", type=int, default=16384, show_default=True, help="Calibration tokens (512-token chunks)."
-    )(fn)
-    fn = click.option(
-        "--calib",
-        default=None,
-        help="Calibration text: file, directory of *.txt, or dataset name[:config]:split:column (default calib_data/).",
-    )(fn)
-    return fn
+# --calib, --calib-tokens, --seed as every method spells them (analyze: the group alone)
+calibration_options = field_options(Calibration)

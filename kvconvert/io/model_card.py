@@ -47,7 +47,7 @@ def _details(report: dict[str, Any]) -> str:
     """The method's own paragraph (``Method.describe``), then the cache storage when quantized."""
     from kvconvert.methods import METHODS
 
-    text = METHODS[report["method"]][1].describe(report)
+    text = METHODS[report["method"]].method.describe(report)
     storage = report.get("kv_storage")
     if storage and storage.get("layout") == "token":
         text += (

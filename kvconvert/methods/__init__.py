@@ -1,27 +1,48 @@
-"""Conversion methods: one package each (``methods/<name>/``: its typed config, its ``Method`` subclass and
-the calibration or analysis code only it uses), registered in ``METHODS`` below."""
+"""Conversion methods: one package each (``methods/<name>/``: ``config`` with its options, ``method`` with its
+``Method`` subclass, and the calibration or analysis code only it uses), registered in ``METHODS`` below.
+
+Importing this package loads neither torch nor click: the CLI builds every command (and ``kvconvert --help``)
+from the configs, and a method's code loads when it runs."""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from kvconvert.methods.base import LayerOutput, Method
-from kvconvert.methods.lorc import LorcConfig, LorcMethod
-from kvconvert.methods.minicache import MiniCacheConfig, MiniCacheMethod
-from kvconvert.methods.quant import QuantConfig, QuantMethod
-from kvconvert.methods.razor import RazorConfig, RazorMethod
-from kvconvert.methods.slim import SlimConfig, SlimMethod
-from kvconvert.methods.zack import ZackConfig, ZackMethod
-from kvconvert.runtime.kvconvert_codec import QuantSpec
+from kvconvert.methods.lorc import LorcConfig
+from kvconvert.methods.minicache import MiniCacheConfig
+from kvconvert.methods.quant import QuantConfig
+from kvconvert.methods.razor import RazorConfig
+from kvconvert.methods.slim import SlimConfig
+from kvconvert.methods.zack import ZackConfig
 
-# method name -> (config dataclass, method class); recipes and batch jobs are resolved through it
-METHODS: dict[str, tuple[type, type[Method]]] = {
-    "slim": (SlimConfig, SlimMethod),
-    "lorc": (LorcConfig, LorcMethod),
-    "razor": (RazorConfig, RazorMethod),
-    "zack": (ZackConfig, ZackMethod),
-    "minicache": (MiniCacheConfig, MiniCacheMethod),
-    "quant": (QuantConfig, QuantMethod),
+if TYPE_CHECKING:
+    from kvconvert.methods.base import Method
+    from kvconvert.runtime.kvconvert_codec import QuantSpec
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A method: its config dataclass and where its ``Method`` subclass lives (``module:Class``)."""
+
+    config: type
+    path: str
+
+    @property
+    def method(self) -> type[Method]:
+        module, name = self.path.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+# Recipes, batch jobs, the CLI's commands and the planner all resolve methods through this table.
+METHODS: dict[str, Registered] = {
+    "slim": Registered(SlimConfig, "kvconvert.methods.slim.method:SlimMethod"),
+    "lorc": Registered(LorcConfig, "kvconvert.methods.lorc.method:LorcMethod"),
+    "razor": Registered(RazorConfig, "kvconvert.methods.razor.method:RazorMethod"),
+    "zack": Registered(ZackConfig, "kvconvert.methods.zack.method:ZackMethod"),
+    "minicache": Registered(MiniCacheConfig, "kvconvert.methods.minicache.method:MiniCacheMethod"),
+    "quant": Registered(QuantConfig, "kvconvert.methods.quant.method:QuantMethod"),
 }
 
 
@@ -30,19 +51,20 @@ def capability_matrix() -> str:
     from kvconvert.arch import FEATURES
 
     names = list(METHODS)
+    unsupported = {name: METHODS[name].method.unsupported for name in names}
     lines = ["| attention feature | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for feature, what in FEATURES.items():
-        cells = ["✗" if feature in METHODS[name][1].unsupported else "✓" for name in names]
+        cells = ["✗" if feature in unsupported[name] else "✓" for name in names]
         lines.append(f"| {what} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines += [f"- {name} × {feature}: {METHODS[name][1].unsupported[feature]}" for name in names
-              for feature in FEATURES if feature in METHODS[name][1].unsupported]  # fmt: skip
+    lines += [f"- {name} × {feature}: {unsupported[name][feature]}" for name in names
+              for feature in FEATURES if feature in unsupported[name]]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 def build_method(name: str, config: Any, storage: QuantSpec | None = None, progress: bool = True) -> Method:
     """The method ``name`` with ``config``, storing its cache as ``storage`` (default 16 bits)."""
-    method = METHODS[name][1](config)  # type: ignore[call-arg]
+    method = METHODS[name].method(config)  # type: ignore[call-arg]
     if storage is not None:
         method.storage = storage
     method.progress = progress
@@ -50,8 +72,6 @@ def build_method(name: str, config: Any, storage: QuantSpec | None = None, progr
 
 
 __all__ = [
-    "METHODS", "LayerOutput", "LorcConfig", "LorcMethod", "Method", "MiniCacheConfig", "MiniCacheMethod",
-    "QuantConfig", "QuantMethod",
-    "RazorConfig", "RazorMethod", "SlimConfig",
-    "SlimMethod", "ZackConfig", "ZackMethod", "build_method", "capability_matrix",
+    "METHODS", "LorcConfig", "MiniCacheConfig", "QuantConfig", "RazorConfig", "Registered", "SlimConfig",
+    "ZackConfig", "build_method", "capability_matrix",
 ]  # fmt: skip

@@ -97,6 +97,11 @@ class Method:
         return dataclasses.asdict(self.config)
 
     @classmethod
+    def headline(cls, report: dict[str, Any]) -> str:
+        """What ``wrote OUT (…)`` says of a conversion, from its ``kvconvert.json`` report."""
+        return f"{cls.name}, {budget_words(report)}"
+
+    @classmethod
     def report_table(cls, report: dict[str, Any]) -> str:
         """What the command prints after converting, from the ``kvconvert.json`` report ("" for nothing)."""
         return ""
@@ -115,3 +120,11 @@ def layer_table(report: dict[str, Any], columns: list[tuple[str, str, str]]) -> 
         cells = ["-" if row.get(key) is None else format(row[key], fmt) for _, key, fmt in columns]
         lines.append(f"{row['layer']:>5}  " + "  ".join(f"{c:>14}" for c in cells))
     return "\n".join(lines)
+
+
+def budget_words(report: dict[str, Any], long_context: bool = False) -> str:
+    """The expected KV budget of a conversion, quantized storage included (then against a 16-bit cache);
+    ``long_context``: a budget the cache reaches only once it is longer than what it keeps whole (a window)."""
+    if "kv_budget_expected_vs_16bit" in report:
+        return f"KV budget {report['kv_budget_expected_vs_16bit']:.3f} of a 16-bit cache at long context"
+    return f"KV budget {report['kv_budget_expected']:.3f}" + (" at long context" if long_context else "")

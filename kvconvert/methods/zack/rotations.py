@@ -11,7 +11,7 @@ import torch
 from kvconvert import linalg
 from kvconvert.arch import adapter_for
 from kvconvert.io.source import SourceCheckpoint
-from kvconvert.methods.zack import HeadBases, ZackPlan, calibrate_bases, plan_for_budget
+from kvconvert.methods.zack.method import HeadBases, ZackPlan, calibrate_bases, plan_for_budget
 
 PLAN_BUDGETS = (0.9, 0.75, 0.6, 0.5)
 AGREEMENT_BUDGET = 0.75  # widths at which captured energy is compared

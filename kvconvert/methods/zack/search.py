@@ -85,7 +85,7 @@ def search_removal_rate(
     Bisection over r in [0, 1): agreement falls as r grows (more of every head is removed).
     Returns the plan and the log of every probe (r, kv budget, agreement).
     """
-    from kvconvert.methods.zack import plan_for_rate
+    from kvconvert.methods.zack.method import plan_for_rate
 
     if held_out.shape[0] == 0:
         raise KVConvertError("--target-agreement scores on held-out calibration text and none is left: "

@@ -1,0 +1,82 @@
+"""Click options derived from a config dataclass (``kvconvert.methods.options``), and back: a flag is
+declared once, as a field, and its type, default, choices and help come from there (as vLLM's
+``EngineArgs`` derives its flags)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, Literal
+
+import click
+
+BARE_CALIB = "<calib_data>"  # what a bare --calib stands for: the shipped calib_data/
+
+
+def cli_fields(config: type) -> list[dataclasses.Field[Any]]:
+    """The fields of ``config`` that are command-line options: the method's own in declaration order,
+    then each group's (the calibration options)."""
+    fields = [f for f in dataclasses.fields(config) if "help" in f.metadata]
+    return sorted(fields, key=lambda f: f.metadata["group"] != "")  # stable: declaration order otherwise
+
+
+def _plain(hint: Any) -> Any:
+    """``X | None`` -> ``X``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        assert len(args) == 1, f"a config option is one type or None, not {hint}"
+        return args[0]
+    return hint
+
+
+def click_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[Any], Any]:
+    """The click option of one config field."""
+    kind = _plain(hint)
+    flags = f.metadata["flags"] or ("--" + f.name.replace("_", "-"),)
+    kwargs: dict[str, Any] = {"help": f.metadata["help"]}
+    if kind is bool:
+        assert f.default is False, f"{f.name}: a switch is off by default"
+        kwargs["is_flag"] = True
+    else:
+        literal = typing.get_origin(kind) is Literal
+        kwargs["type"] = click.Choice([str(c) for c in typing.get_args(kind)]) if literal else kind
+        if f.default is dataclasses.MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = str(f.default) if literal and f.default is not None else f.default
+            kwargs["show_default"] = f.default is not None
+        if f.metadata.get("turns_on"):  # a bare --calib: the shipped text
+            kwargs.update(is_flag=False, flag_value=BARE_CALIB)
+    return click.option(*flags, f.name, **kwargs)
+
+
+def field_options(config: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator adding ``config``'s options to a command, in the order the fields are declared."""
+    hints = typing.get_type_hints(config)
+    options = [click_option(f, hints[f.name]) for f in cli_fields(config)]
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def config_values(config: type, values: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``config`` from parsed option ``values`` (choices back to their type;
+    ``--calib`` given, bare or not, turns calibration on)."""
+    hints = typing.get_type_hints(config)
+    kwargs: dict[str, Any] = {}
+    for f in cli_fields(config):
+        value = values[f.name]
+        kind = _plain(hints[f.name])
+        if value is not None and typing.get_origin(kind) is Literal:
+            value = type(typing.get_args(kind)[0])(value)
+        if (switch := f.metadata.get("turns_on")) and value is not None:
+            kwargs[switch] = True
+            value = None if value == BARE_CALIB else value
+        kwargs[f.name] = value
+    return kwargs

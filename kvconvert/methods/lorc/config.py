@@ -1,0 +1,93 @@
+"""``kvconvert lorc``'s options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvconvert.errors import KVConvertError
+from kvconvert.methods.options import calib_option, calib_tokens_option, option, seed_option
+
+Schedule = Literal["progressive", "uniform", "auto"]
+Target = Literal["kv", "k", "v"]
+Latent = Literal["separate", "joint"]
+
+
+@dataclass(frozen=True)
+class LorcConfig:
+    """LoRC: low-rank K/V weights, the cache holds rank-d_c latents (any MHA/GQA model)."""
+
+    kv_budget: float = option(help="Cached bytes per token ÷ original, in (0, 1].")
+    schedule: Schedule = option(
+        "progressive",
+        help="Per-layer ranks from cumulative condition numbers (paper eq. 13), one ratio for all layers, or "
+        "auto: per layer and side by measured loss on calibration text (extension; implies --calib).",
+    )
+    # log10 κ̃: paper F.1 gives 30 for Llama-3-8B and 90 for Llama-2-13B / Llama-3-70B without units; raw κ̃
+    # reaches 1e68 on SmolLM2, so it must be log10.
+    threshold: float | None = option(None, help="Leave layers with log10 κ̃ above this uncompressed.")
+    compress: Target = option("kv", help="Which projections.")
+    # Extension: activation-aware factorization on calibration text (implied by schedule="auto").
+    calibrate: bool = False
+    calib: str | None = calib_option(
+        "Factor to minimise the error of the keys and values (through W_O) on this text, not of the weights "
+        "(extension; bare --calib: the shipped calib_data/).",
+        turns_on="calibrate",
+    )
+    calib_tokens: int = calib_tokens_option()
+    chunk_len: int = 512
+    seed: int = seed_option()
+    probe_chunks: int = 4  # schedule="auto": held-out chunks each sensitivity probe is scored on
+    # refit through both measurements by ``linalg.loss_curve``
+    probe_rounds: int = option(
+        1,
+        help="--schedule auto: rounds of loss probes; each later round re-measures every side at the rank the "
+        "last allocation gave it and refits its loss curve through both measurements (extension).",
+    )
+    refine_steps: int = option(
+        0,
+        help="After the closed-form factorization, this many Adam steps per layer on the error of the attention "
+        "output (softmax and W_O included) against the source layer, layer by layer on calibration text "
+        "(extension; implies --calib; 0: off).",
+    )
+    refine_chunks: int = 8  # calibration chunks each layer's refinement fits
+    # MLA-style (DeepSeek-V2; TransMLA and MHA2MLA convert to it)
+    latent: Latent = option(
+        "separate",
+        help="One latent per layer for K and one for V (the paper), or joint: one latent both are rebuilt from, "
+        "K's and V's errors weighted by their measured loss (extension, MLA-style; needs --schedule auto).",
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 < self.kv_budget <= 1:
+            raise KVConvertError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
+        if self.schedule not in ("progressive", "uniform", "auto"):
+            raise KVConvertError(f"schedule must be progressive, uniform or auto, got {self.schedule!r}")
+        if self.compress not in ("kv", "k", "v"):
+            raise KVConvertError(f"compress must be kv, k or v, got {self.compress!r}")
+        if self.schedule == "auto":
+            if self.threshold is not None:
+                raise KVConvertError("--threshold belongs to the condition-number schedules; auto measures each layer")
+            object.__setattr__(self, "calibrate", True)  # its losses are measured on calibration text
+        if self.probe_chunks < 1:
+            raise KVConvertError(f"probe_chunks must be >= 1, got {self.probe_chunks}")
+        if self.probe_rounds < 1:
+            raise KVConvertError(f"probe_rounds must be >= 1, got {self.probe_rounds}")
+        if self.probe_rounds > 1 and self.schedule != "auto":
+            raise KVConvertError("--probe-rounds belongs to --schedule auto")
+        if self.refine_steps < 0 or self.refine_chunks < 1:
+            raise KVConvertError(f"refine_steps must be >= 0 and refine_chunks >= 1, got {self.refine_steps} "
+                                 f"and {self.refine_chunks}")  # fmt: skip
+        if self.refine_steps:
+            object.__setattr__(self, "calibrate", True)  # it fits on calibration activations
+        if self.latent not in ("separate", "joint"):
+            raise KVConvertError(f"latent must be separate or joint, got {self.latent!r}")
+        if self.latent == "joint":
+            if self.compress != "kv":
+                raise KVConvertError("--latent joint shares one latent between K and V: it needs --compress kv")
+            if self.schedule != "auto":
+                raise KVConvertError("--latent joint needs --schedule auto (its K/V weights and ranks come from "
+                                     "auto's loss probes)")  # fmt: skip
+            if self.probe_rounds > 1:
+                raise KVConvertError("--latent joint does not combine with --probe-rounds yet (its probes measure "
+                                     "one side at a time)")  # fmt: skip

@@ -1,0 +1,628 @@
+"""LoRC (Zhang et al. 2024): low-rank K/V weights with a progressive, condition-number-driven rank schedule.
+
+Per layer, W_K ≈ U_K·(Σ_K V_Kᵀ) and W_V ≈ U_V·(Σ_V V_Vᵀ) by truncated SVD (paper eqs. 5–9). The cache
+holds the rank-d_c latents ``x·(ΣVᵀ)ᵀ``; U_V is folded into W_O so values are never rebuilt; U_K is
+folded into W_Q when there is no RoPE, and with RoPE keys are rebuilt per head from the latent and
+rotated at attention time (appendix E; the latent cannot absorb a position-dependent rotation).
+Ranks follow eq. 13 over the cumulative condition numbers of eq. 12; layers above ``threshold``
+(log10 κ̃) are left uncompressed (appendix F.1).
+
+Extensions (not in the paper): ``calibrate`` factors to minimise the error of what each projection
+*produces* on calibration text rather than of its weights — keys whitened by the attention input's
+Gram (SVD-LLM/Palu), values also weighted by what W_O makes of them — with the same checkpoint format;
+``schedule="auto"`` allocates ranks per layer and side by measured loss: each (layer, side)'s KL to
+the source when truncated alone at a probe rank, scaled by its whitened tail energy, then greedy;
+``refine_steps`` then fits each layer's truncation by a few Adam steps on the error of its attention
+output, softmax included (``methods.lorc.refine``), layer by layer; ``latent="joint"`` (with ``auto``) caches
+one latent per layer that both K and V are rebuilt from, as MLA does (DeepSeek-V2; TransMLA and MHA2MLA
+convert to it): the stacked ``[W_K; W_V]`` factored at once, each side's error weighted by the KL its
+probe measured per unit of error (``linalg.joint_truncation``), so the directions of the input that both
+read are cached once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from kvconvert import linalg
+from kvconvert.arch import AttentionLayout, AttentionWeights
+from kvconvert.errors import KVConvertError
+from kvconvert.methods.base import LayerOutput, Method, budget_words, layer_table
+from kvconvert.methods.lorc.config import LorcConfig
+
+Affine = tuple[torch.Tensor, torch.Tensor]  # (Π, c): x ↦ Π·x + c, ``calib.projection.projected_kv``
+
+
+def _largest_remainder(values: list[float], total: int, low: int, high: int) -> list[int]:
+    """Integers within [low, high], each floor/ceil of ``values``, summing to ``total`` when possible."""
+    clipped = [min(max(v, low), high) for v in values]
+    ranks = [math.floor(v) for v in clipped]
+    order = sorted(range(len(values)), key=lambda i: clipped[i] - ranks[i], reverse=True)
+    for i in order:
+        if sum(ranks) >= total:
+            break
+        if ranks[i] < high:
+            ranks[i] += 1
+    return ranks
+
+
+def progressive_ranks(log_kappa: list[float], compressed: list[bool], d_max: int, total: int) -> list[int]:
+    """Paper eq. 13 with d_min solved so the compressed layers' ranks sum to ``total``.
+
+    ``d_l = d_max − (d_max − d_min)·f_l`` with ``f_l = (max ln κ̃ − ln κ̃_l)/(max ln κ̃ − min ln κ̃)`` over
+    all layers (as in the paper), so the sum is linear in d_min and solved in closed form; ranks are
+    rounded by largest remainder so the total is exact. Uncompressed layers get ``d_max``.
+    """
+    hi, lo = max(log_kappa), min(log_kappa)
+    if hi == lo:
+        return uniform_ranks(compressed, d_max, total)
+    f = [(hi - v) / (hi - lo) for v in log_kappa]
+    idx = [i for i, c in enumerate(compressed) if c]
+    spread = sum(f[i] for i in idx)
+    if spread == 0:  # only the most sensitive layer is compressible: the schedule cannot lower it
+        return uniform_ranks(compressed, d_max, total)
+    d_min = d_max - (len(idx) * d_max - total) / spread
+    if d_min < 1:
+        raise KVConvertError(
+            f"the progressive schedule cannot reach this budget: it would need d_min = {d_min:.1f} < 1 "
+            "(eq. 13 keeps d_max = full width in the most sensitive layer); use --schedule uniform or a larger budget"
+        )
+    continuous = [d_max - (d_max - d_min) * f[i] for i in idx]
+    ranks = [d_max] * len(log_kappa)
+    for i, r in zip(idx, _largest_remainder(continuous, total, 1, d_max), strict=True):
+        ranks[i] = r
+    return ranks
+
+
+def uniform_ranks(compressed: list[bool], d_max: int, total: int) -> list[int]:
+    """The paper's baseline: one rank ratio for all compressed layers (same skipped layers)."""
+    idx = [i for i, c in enumerate(compressed) if c]
+    ranks = [d_max] * len(compressed)
+    for i, r in zip(idx, _largest_remainder([total / len(idx)] * len(idx), total, 1, d_max), strict=True):
+        ranks[i] = r
+    return ranks
+
+
+@dataclass
+class LorcPlan:
+    kappa_k: list[float]
+    kappa_v: list[float]
+    log10_kappa_cum: list[float]
+    compressed: list[bool]  # False: left uncompressed (threshold)
+    rank_k: list[int | None]  # None: K not factored in this layer
+    rank_v: list[int | None]
+    budget: float = field(default=0.0)
+    # schedule="auto": per layer, KL to the source with only that side truncated at ``probe_rank``
+    probe_kl_k: list[float | None] = field(default_factory=list)
+    probe_kl_v: list[float | None] = field(default_factory=list)
+    probe_rank: int | None = None
+    # every probe per side and layer, (rank, KL), in the order measured (probe_rounds > 1: later rounds)
+    probes: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
+    # latent="joint": per layer, the weights of K's and V's errors in the shared latent (loss per unit of
+    # weighted error energy); rank_k[i] == rank_v[i] is then the one latent's rank
+    joint_scales: list[tuple[float, float]] | None = None
+
+
+def probe_rank(config: LorcConfig, layers: int, width: int) -> int:
+    """The rank every factored side would get under one uniform ratio: where ``auto`` measures each
+    (layer, side)'s sensitivity, so the loss model is calibrated near the operating point."""
+    sides = len(config.compress)
+    free = round(config.kv_budget * 2 * layers * width) - (2 - sides) * width * layers
+    return min(max(round(free / (sides * layers)), 1), width)
+
+
+def plan_ranks(
+    config: LorcConfig, kappa_k: list[float], kappa_v: list[float], width: int,
+    losses: dict[str, list[torch.Tensor]] | None = None,
+) -> LorcPlan:  # fmt: skip
+    """Decide per-layer ranks so that Σ cached widths / (2·L·e) equals ``config.kv_budget``.
+
+    ``losses[side][layer][r]`` (schedule "auto"): predicted loss of that side at rank r, r = 0..width."""
+    layers = len(kappa_k)
+    ln_cum = linalg.log_cumulative_condition(kappa_k, kappa_v)
+    log10_cum = [v / math.log(10) for v in ln_cum]
+    threshold = config.threshold
+    compressed = [threshold is None or v <= threshold for v in log10_cum]
+    factored = {"kv": ("k", "v"), "k": ("k",), "v": ("v",)}[config.compress]
+    # Budget in units of one width-1 column per layer per side: full model = 2·L·e.
+    target = round(config.kv_budget * 2 * layers * width)
+    fixed = sum(2 * width for c in compressed if not c) + (2 - len(factored)) * width * sum(compressed)
+    free = target - fixed
+    n_compressed = sum(compressed)
+    if n_compressed == 0:
+        raise KVConvertError(f"threshold {threshold} leaves no layer to compress (max log10 κ̃ {max(log10_cum):.1f})")
+    if free < len(factored) * n_compressed:
+        lowest = (fixed + len(factored) * n_compressed) / (2 * layers * width)
+        raise KVConvertError(
+            f"kv_budget {config.kv_budget} is below what this plan can reach ({lowest:.3f}: "
+            f"{layers - n_compressed} uncompressed layers, compress={config.compress})"
+        )
+    per_side = free // len(factored)  # K and V get the same ranks when both are factored
+    if config.schedule == "auto":
+        assert losses is not None, "schedule auto needs measured losses"
+        flat = linalg.allocate_ranks([losses[side][i] for side in factored for i in range(layers)], free)
+        by_side = {side: flat[j * layers : (j + 1) * layers] for j, side in enumerate(factored)}
+        rank_k = list(by_side.get("k", [None] * layers))
+        rank_v = list(by_side.get("v", [None] * layers))
+    else:
+        if config.schedule == "progressive":
+            ranks = progressive_ranks(ln_cum, compressed, width, per_side)
+        else:
+            ranks = uniform_ranks(compressed, width, per_side)
+        rank_k = [r if c and "k" in factored else None for r, c in zip(ranks, compressed, strict=True)]
+        rank_v = [r if c and "v" in factored else None for r, c in zip(ranks, compressed, strict=True)]
+    cached = sum((rk or width) + (rv or width) for rk, rv in zip(rank_k, rank_v, strict=True))
+    return LorcPlan(kappa_k, kappa_v, log10_cum, compressed, rank_k, rank_v, budget=cached / (2 * layers * width))
+
+
+class LorcMethod(Method):
+    name = "lorc"
+    # calibrated keys: weight their error by the queries (True) or by the inputs alone (the ablation)
+    query_weighted_keys: ClassVar[bool] = True
+    unsupported: ClassVar[dict[str, str]] = {
+        "local_layers": "its sliding-window layers need a cache that forgets beyond the window (not implemented for "
+                        "lorc); use quant or razor",
+        "softcap": "lorc's attention does not apply attention-logit soft-capping; use quant",
+        "layer_rope": "lorc re-rotates rebuilt keys with one RoPE table, and this model has one per layer type",
+    }  # fmt: skip
+
+    @classmethod
+    def headline(cls, report: dict[str, Any]) -> str:
+        params = report["params"]
+        kind = f"{params['schedule']}, joint latent" if params["latent"] == "joint" else params["schedule"]
+        return f"lorc {kind}, {budget_words(report)}"
+
+    def __init__(self, config: LorcConfig, progress: bool = True):
+        self.config = config
+        self.progress = progress
+        self.plan_: LorcPlan | None = None
+        self.layout: AttentionLayout | None = None
+        self.input_grams: list[torch.Tensor] | None = None  # calibrate: [D, D] float64 per layer
+        self.head_grams: Any = None  # calibrate: ``calib.stats.HeadGrams`` (queries weight the keys)
+        self.calibration: dict[str, Any] = {}
+        self.refined: dict[int, Any] = {}  # refine_steps: layer -> {side: (A, B)}, Π = A·B (``methods.lorc.refine``)
+        self.refine_log: dict[int, dict[str, float]] = {}
+
+    @classmethod
+    def describe(cls, report: dict[str, Any]) -> str:
+        ranks = [r["rank_k"] for r in report["layers"]]
+        params = report["params"]
+        how = "weighted by calibration activations" if params.get("calibrate") else "by SVD"
+        if params.get("refine_steps"):
+            how += f", refined by {params['refine_steps']} steps per layer on the attention output"
+        if params.get("latent") == "joint":
+            return (
+                f"LoRC extended to one cached latent per layer that K and V are both rebuilt from (low-rank "
+                f"[W_K; W_V] {how}, each side's error weighted by its measured loss; U_V folded into W_O). "
+                f"Schedule {params['schedule']}; latent ranks per layer: {ranks}."
+            )
+        return (
+            f"LoRC caches rank-d_c latents of K and V (low-rank W_K, W_V {how}; U_V folded into W_O). "
+            f"Schedule {params['schedule']}, factored {params['compress']}; K ranks per layer: {ranks}."
+        )
+
+    @classmethod
+    def report_table(cls, report: dict[str, Any]) -> str:
+        params = report["params"]
+        error = "rel_output_error" if params["calibrate"] else "rel_frobenius_error"
+        return layer_table(report, [
+            ("κ(W_K)", "kappa_k", ".3g"), ("κ(W_V)", "kappa_v", ".3g"), ("log10 κ̃", "log10_kappa_cum", ".1f"),
+            ("rank K", "rank_k", ""), ("rank V", "rank_v", ""), ("K error", f"k_{error}", ".3f"),
+            ("V error", f"v_{error}", ".3f"),
+            *([("K+V error", "kv_rel_output_error", ".3f")] if params["latent"] == "joint" else []),
+            *([("refine loss", "refine_loss_before", ".4f"),
+               ("→ refined", "refine_loss_after", ".4f")] if params["refine_steps"] else []),
+        ])  # fmt: skip
+
+    def check(self, layout: AttentionLayout) -> None:
+        if layout.qk_norm and not layout.rotary:  # keys scored on the latent: no full-width key to normalise
+            raise KVConvertError("lorc supports QK-norm only with RoPE (its keys are rebuilt, then normalised)")
+
+    def expected_kv_budget(self, layout: AttentionLayout) -> float:
+        assert self.plan_ is not None
+        return self.plan_.budget
+
+    def _targets(self, layer: int, w: AttentionWeights) -> dict[str, tuple[torch.Tensor, Any, Any]]:
+        """Per factored side: (weight, right factor, left factor) of ``linalg.weighted_truncation``.
+        Uncalibrated: plain SVD of the weights (the paper). Calibrated: errors measured on the layer's
+        inputs (R = √ of their Gram) and weighted by what reads them: a key error by the queries that
+        score it (each group's query Gram; with RoPE only its diagonal, as the cross terms between
+        rotary planes average out over relative positions), a value error by W_O (each group's W_Oᵀ W_O)."""
+        layout = self.layout
+        assert layout is not None
+        if self.input_grams is None:
+            return {"k": (w.k_weight, None, None), "v": (w.v_weight, None, None)}
+        right = linalg.gram_factor(self.input_grams[layer])
+        o_gram = linalg.output_gram(w.o_weight, layout.num_heads, layout.num_kv_heads, layout.head_dim)
+        left_k = None
+        if self.query_weighted_keys:
+            queries = self.head_grams.query[layer]  # [Hkv, dk, dk]
+            left_k = linalg.block_cholesky(torch.diag_embed(queries.diagonal(dim1=-2, dim2=-1)) if layout.rotary
+                                           else queries)  # fmt: skip
+        return {"k": (w.k_weight, right, left_k), "v": (w.v_weight, right, linalg.block_cholesky(o_gram))}
+
+    def plan(
+        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
+        """κ(W_K), κ(W_V) of every layer (full D × n_kv·d matrices, appendix D), then the ranks.
+        Calibrated: the attention inputs' Grams first; auto: every side's loss curve (``_losses``)."""
+        config = self.config
+        self.layout = layout
+        calib = None
+        if config.calibrate:
+            from kvconvert.arch import adapter_for
+            from kvconvert.calib.stats import collect_layer_grams
+            from kvconvert.calib.text import calibration_set
+
+            calib = calibration_set(source.path, config.calib, config.calib_tokens,
+                                    min(config.chunk_len, layout.context), config.seed)  # fmt: skip
+            self.input_grams, self.head_grams = collect_layer_grams(source, adapter_for(source.config), calib.chunks,
+                                                                    self.progress)  # fmt: skip
+            self.calibration = {"source": calib.source, "tokens": calib.tokens, "chunk_len": calib.chunks.shape[1]}
+        factored = tuple(config.compress)
+        r0 = probe_rank(config, layout.num_layers, layout.kv_width)
+        kappa_k, kappa_v = [], []
+        spectra: dict[str, list[torch.Tensor]] = {side: [] for side in factored}
+        projectors: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {side: [] for side in factored}
+        for i, w in enumerate(layers):
+            kappa_k.append(linalg.kappa(w.k_weight))
+            kappa_v.append(linalg.kappa(w.v_weight))
+            if self.input_grams is None:
+                continue
+            for side, (weight, right, left) in self._targets(i, w).items():
+                if side in factored:
+                    spectra[side].append(linalg.weighted_singular_values(weight, right, left))
+                    if config.schedule == "auto":
+                        projectors[side].append(_affine(weight, r0, right, left, w.k_bias if side == "k" else w.v_bias))
+        if config.schedule != "auto":
+            self.plan_ = plan_ranks(config, kappa_k, kappa_v, layout.kv_width)
+        else:
+            assert calib is not None
+            jobs = {(i, side): affine for side in factored for i, affine in enumerate(projectors[side])}
+            first = self._probe(source, layout, calib, jobs)
+            probes = {side: [[(r0, first[i, side])] for i in range(layout.num_layers)] for side in factored}
+            plan: LorcPlan | None = None
+            if config.latent == "joint":
+                plan = self._joint_plan(source, layout, spectra, probes, kappa_k, kappa_v)
+            else:
+                for _ in range(config.probe_rounds):
+                    if plan is not None:
+                        self._probe_again(source, layout, calib, plan, probes)
+                    losses = {side: [linalg.loss_curve(linalg.tail_energy(spectra[side][i]), probes[side][i])
+                                     for i in range(layout.num_layers)] for side in factored}  # fmt: skip
+                    plan = plan_ranks(config, kappa_k, kappa_v, layout.kv_width, losses)
+            assert plan is not None
+            none: list[float | None] = [None] * layout.num_layers
+            plan.probe_kl_k = [p[0][1] for p in probes["k"]] if "k" in probes else none
+            plan.probe_kl_v = [p[0][1] for p in probes["v"]] if "v" in probes else none
+            plan.probe_rank, plan.probes = r0, probes
+            self.plan_ = plan
+        if config.refine_steps:
+            assert calib is not None
+            self._refine(source, layout, calib.chunks[: config.refine_chunks])
+
+    def _refine(self, source: Any, layout: AttentionLayout, chunks: torch.Tensor) -> None:
+        """``methods.lorc.refine``: each compressed layer's closed-form truncation, then Adam steps on its
+        attention output's error, layer by layer on the stream of the refined layers before it."""
+        import time
+
+        from kvconvert.arch import adapter_for
+        from kvconvert.methods.lorc.refine import Job, refine_layers
+
+        plan = self.plan_
+        assert plan is not None
+        adapter = adapter_for(source.config)
+        names = adapter.attention_names_by_layer(source.tensor_names())
+
+        def job_for(layer: int) -> Job | None:
+            if not plan.compressed[layer]:
+                return None
+            w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
+            factors, offsets = {}, {}
+            if plan.joint_scales is not None:  # one latent: Π on the stacked [k; v]
+                rank = plan.rank_k[layer]
+                assert rank is not None
+                stacked, left, right = self._stacked(layer, w, plan.joint_scales[layer])
+                factors["kv"] = linalg.truncation_factors(stacked, rank, right, left)
+                sides = ((w.k_weight, w.k_bias), (w.v_weight, w.v_bias))
+                offsets["kv"] = torch.cat([torch.zeros(m.shape[0]) if b is None else b.float() for m, b in sides])
+                return factors, offsets, w.o_weight
+            for side, (weight, right, left) in self._targets(layer, w).items():
+                rank = plan.rank_k[layer] if side == "k" else plan.rank_v[layer]
+                if rank is None:
+                    continue
+                factors[side] = linalg.truncation_factors(weight, rank, right, left)
+                bias = w.k_bias if side == "k" else w.v_bias
+                offsets[side] = torch.zeros(weight.shape[0]) if bias is None else bias.float()
+            return factors, offsets, w.o_weight
+
+        started = time.perf_counter()
+        self.refined, self.refine_log = refine_layers(source, adapter, chunks, job_for, layout.rotary_module,
+                                                      self.config.refine_steps, self.progress)  # fmt: skip
+        self.calibration["refine"] = {"steps": self.config.refine_steps, "chunks": int(chunks.shape[0]),
+                                      "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
+
+    def _stacked(self, layer: int, w: AttentionWeights, scales: tuple[float, float]) -> tuple[torch.Tensor, ...]:
+        """``latent="joint"``: ``(stacked [W_K; W_V], its left factor, right factor)`` for
+        ``linalg.weighted_truncation`` / ``truncation_factors``: each side's ``_targets`` weighting, scaled
+        by ``scales`` (``linalg.stacked_weights``)."""
+        targets = self._targets(layer, w)
+        stacked, left = linalg.stacked_weights([targets["k"][0], targets["v"][0]], list(scales),
+                                               [targets["k"][2], targets["v"][2]])  # fmt: skip
+        return stacked, left, targets["k"][1]
+
+    def _joint_plan(
+        self, source: Any, layout: AttentionLayout, spectra: dict[str, list[torch.Tensor]],
+        probes: dict[str, list[list[tuple[int, float]]]], kappa_k: list[float], kappa_v: list[float],
+    ) -> LorcPlan:  # fmt: skip
+        """``latent="joint"``: per layer, K's and V's weighted errors put into one loss by what their probes
+        measured per unit of error (``linalg.loss_per_energy``), the stacked matrix's left-out energy as
+        that layer's loss curve, then the ranks by greedy allocation (one latent column counts once: it
+        replaces a column of K and one of V). The layers are read again, one at a time."""
+        from kvconvert.arch import adapter_for
+
+        adapter = adapter_for(source.config)
+        names = adapter.attention_names_by_layer(source.tensor_names())
+        scales: list[tuple[float, float]] = []
+        curves: list[torch.Tensor] = []
+        for layer in range(layout.num_layers):
+            energy = [float((spectra[side][layer].to(linalg.F64) ** 2).sum()) for side in "kv"]
+            measured = [linalg.loss_per_energy(spectra[side][layer], probes[side][layer]) for side in "kv"]
+            # a side whose probe measured nothing: the other's loss per unit of *relative* energy (both
+            # when neither measured anything: every side's relative error counts the same)
+            per_share = [m * e for m, e in zip(measured, energy, strict=True) if m is not None] or [1.0]
+            pair = tuple(m if m is not None else per_share[0] / max(e, 1e-300)
+                         for m, e in zip(measured, energy, strict=True))  # fmt: skip
+            scales.append((pair[0], pair[1]))
+            w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
+            stacked, left, right = self._stacked(layer, w, scales[-1])
+            sigma = linalg.weighted_singular_values(stacked, right, left)
+            curves.append(linalg.tail_energy(sigma) * float((sigma**2).sum()))  # predicted KL at each rank
+        layers, width = layout.num_layers, layout.kv_width
+        total = min(round(self.config.kv_budget * 2 * layers * width), sum(len(c) - 1 for c in curves))
+        if total < layers:
+            raise KVConvertError(f"kv_budget {self.config.kv_budget} is below what a joint latent can reach "
+                                 f"({1 / (2 * width):.4f}: rank 1 per layer)")  # fmt: skip
+        ranks: list[int | None] = list(linalg.allocate_ranks(curves, total))
+        log10_cum = [v / math.log(10) for v in linalg.log_cumulative_condition(kappa_k, kappa_v)]
+        return LorcPlan(kappa_k, kappa_v, log10_cum, [True] * layers, ranks, list(ranks),
+                        budget=total / (2 * layers * width), joint_scales=scales)  # fmt: skip
+
+    def _probe(
+        self, source: Any, layout: AttentionLayout, calib: Any, jobs: dict[tuple[int, str], Affine]
+    ) -> dict[tuple[int, str], float]:  # fmt: skip
+        """KL to the source on held-out calibration chunks with only one (layer, side) truncated, for
+        every job: the source run with that side's affine map (simulated exactly, ``calib.projection.projected_kv``),
+        all jobs in one branching pass (``calib.probes.branch_kls``)."""
+        from kvconvert.calib.probes import active_job, branch_kls
+        from kvconvert.calib.projection import projected_kv
+
+        chunks = calib.held_out if calib.held_out.shape[0] else calib.chunks
+        chunks = chunks[: self.config.probe_chunks]
+        order = list(jobs)
+
+        def select() -> dict[tuple[int, str], Affine]:  # the running probe's map alone
+            job = active_job(order)
+            return {} if job is None else {job: jobs[job]}
+
+        kls = branch_kls(source, chunks, [layer for layer, _ in order],
+                         lambda model: projected_kv(model, select, layout.rotary_module), self.progress)  # fmt: skip
+        self.calibration["probe"] = {"rank": probe_rank(self.config, layout.num_layers, layout.kv_width),
+                                     "rounds": self.config.probe_rounds, "chunks": int(chunks.shape[0]),
+                                     "chunk_len": int(chunks.shape[1])}  # fmt: skip
+        return dict(zip(order, kls, strict=True))
+
+    def _probe_again(
+        self, source: Any, layout: AttentionLayout, calib: Any, plan: LorcPlan,
+        probes: dict[str, list[list[tuple[int, float]]]],
+    ) -> None:  # fmt: skip
+        """One more round: every factored side probed at the rank ``plan`` gives it (the layers
+        read again from the checkpoint, one at a time), appended to ``probes``. A side already probed
+        at that rank, or kept at full width, repeats its last measurement."""
+        from kvconvert.arch import adapter_for
+
+        adapter = adapter_for(source.config)
+        names = adapter.attention_names_by_layer(source.tensor_names())
+
+        def rank_of(layer: int, side: str) -> int:
+            rank = plan.rank_k[layer] if side == "k" else plan.rank_v[layer]
+            assert rank is not None, "auto factors every layer of a probed side"
+            return rank
+
+        jobs: dict[tuple[int, str], Affine] = {}
+        for layer in range(layout.num_layers):
+            w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
+            for side, (weight, right, left) in self._targets(layer, w).items():
+                rank = rank_of(layer, side) if side in probes else layout.kv_width
+                if rank < layout.kv_width and rank != probes[side][layer][-1][0]:
+                    jobs[layer, side] = _affine(weight, rank, right, left, w.k_bias if side == "k" else w.v_bias)
+        measured = self._probe(source, layout, calib, jobs) if jobs else {}
+        for side, layers in probes.items():
+            for layer, points in enumerate(layers):
+                job = (layer, side)
+                points.append((rank_of(layer, side), measured[job]) if job in measured else points[-1])
+
+    def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
+        plan, layout = self.plan_, self.layout
+        assert plan is not None and layout is not None, "plan() runs before convert_layer()"
+        report: dict[str, Any] = {
+            "layer": layer,
+            "kappa_k": plan.kappa_k[layer],
+            "kappa_v": plan.kappa_v[layer],
+            "log10_kappa_cum": plan.log10_kappa_cum[layer],
+            "rank_k": plan.rank_k[layer],
+            "rank_v": plan.rank_v[layer],
+        }
+        for side, kls in (("k", plan.probe_kl_k), ("v", plan.probe_kl_v)):
+            if kls and kls[layer] is not None:
+                report[f"{side}_probe_kl"] = kls[layer]
+        for side, points in plan.probes.items():
+            if len(points[layer]) > 1:  # later rounds: (rank, KL) as measured
+                report[f"{side}_probes"] = [list(p) for p in points[layer]]
+        for key, value in self.refine_log.get(layer, {}).items():
+            report[f"refine_{key}"] = value
+        if not plan.compressed[layer]:
+            return LayerOutput(tensors={}, report=report, passthrough=True)
+        targets = self._targets(layer, weights)
+        joint = None if plan.joint_scales is None else plan.joint_scales[layer]
+        spectra: dict[str, torch.Tensor] = {}  # σ of the closed-form truncations (refined sides: computed below)
+        tensors = factor_attention(weights, layout, plan.rank_k[layer], plan.rank_v[layer],
+                                   right=targets["k"][1], left_k=targets["k"][2], left_v=targets["v"][2],
+                                   refined=self.refined.get(layer, {}), joint=joint, spectra=spectra)  # fmt: skip
+        if joint is not None:  # one latent: the stacked, loss-weighted matrix's relative error
+            rank = plan.rank_k[layer]
+            assert rank is not None
+            if "kv" not in spectra:
+                stacked, left, right = self._stacked(layer, weights, joint)
+                spectra["kv"] = linalg.weighted_singular_values(stacked, right, left)
+            report["kv_rel_output_error"] = linalg.relative_frobenius_error(spectra["kv"], rank)
+            report["kv_scales"] = list(joint)
+            return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
+        for side, rank in (("k", plan.rank_k[layer]), ("v", plan.rank_v[layer])):
+            if rank is None:
+                continue
+            weight, right, left = targets[side]
+            svals = spectra[side] if side in spectra else linalg.weighted_singular_values(weight, right, left)
+            # calibrated: the relative error of what the side produces on the calibration inputs
+            key = "rel_output_error" if right is not None else "rel_frobenius_error"
+            report[f"{side}_{key}"] = linalg.relative_frobenius_error(svals, rank)
+            report[f"{side}_sigma_next"] = float(svals[rank]) if rank < svals.numel() else 0.0
+        return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
+
+    def summary(self) -> dict[str, Any]:
+        """Whole-model decisions (``kvconvert.json`` → ``plan``): the calibration and auto's probes."""
+        return {"calibration": self.calibration} if self.calibration else {}
+
+    def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
+        assert self.plan_ is not None
+        layers: list[dict[str, Any] | None] = []
+        for i, names in enumerate(tensor_names):
+            if not self.plan_.compressed[i]:
+                layers.append(None)  # stock attention and weights
+                continue
+            layers.append({
+                "rank_k": self.plan_.rank_k[i], "rank_v": self.plan_.rank_v[i],
+                "biases": sorted(n.removesuffix(".bias") for n in names if n.endswith(".bias")),
+                **({"joint": True} if self.plan_.joint_scales is not None else {}),
+            })  # fmt: skip
+        spec: dict[str, Any] = {"lorc_layers": layers}
+        if layout.qk_norm:  # per head (Qwen3: a [dk] weight) or over all heads at once (OLMo 2)
+            spec["qk_norm"] = {"eps": layout.qk_norm_eps, "per_head": layout.qk_norm_per_head}
+        return spec
+
+
+def _affine(
+    weight: torch.Tensor, rank: int, right: Any, left: Any, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Π, c)`` float32 with ``Π·(Wx + b) + c = up·down·x + b``: a truncated side as
+    ``calib.projection.projected_kv`` applies it to the source's keys or values (the bias is kept exactly)."""
+    projector = linalg.truncation_projector(weight, rank, right, left)
+    offset = torch.zeros(projector.shape[0], dtype=linalg.F64) if bias is None else bias.to(linalg.F64)
+    return projector.float(), (offset - projector @ offset).float()
+
+
+def _head_blocks(matrix: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """Split rows of ``[heads·dk, …]`` into per-head ``[dk, …]`` blocks."""
+    return list(matrix.view(heads, -1, *matrix.shape[1:]).unbind(0))
+
+
+def _linear(out: dict[str, torch.Tensor], name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Store a Linear's weight (and bias, if any) under ``name.weight`` / ``name.bias``, float64."""
+    out[f"{name}.weight"] = weight.to(linalg.F64)
+    if bias is not None:
+        out[f"{name}.bias"] = bias.to(linalg.F64)
+
+
+def factor_attention(
+    w: AttentionWeights, layout: AttentionLayout, rank_k: int | None, rank_v: int | None,
+    right: torch.Tensor | None = None, left_k: torch.Tensor | None = None, left_v: torch.Tensor | None = None,
+    refined: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    joint: tuple[float, float] | None = None, spectra: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """LoRC's rewritten projections for one layer, float64, names local to the attention module.
+
+    Shapes (H query heads, G = H / Hkv per group, dk head dim, D hidden, r ranks):
+    ``k_down [r_k, D]``; with RoPE ``k_up [Hkv·dk, r_k]`` (+ K bias), else ``q_proj [H·r_k, D]`` with
+    U_K folded in per head (the K bias only adds a per-query constant to the scores: dropped, exact);
+    ``v_down [r_v, D]`` and ``o_proj [D, H·r_v]`` with U_V folded in (V bias folded into the O bias).
+    ``right``, ``left_k``, ``left_v``: the factors of ``linalg.weighted_truncation`` (None: plain SVD, the paper).
+    ``refined[side] = (A, B)``: a side's truncation fitted by ``methods.lorc.refine`` instead (up = A, down = B·W).
+    ``joint = (scale_k, scale_v)``: one latent for both (``rank_k == rank_v``), ``kv_down [r, D]`` in place
+    of ``k_down`` and ``v_down``, factored by ``linalg.joint_truncation`` with these weights (refined: side "kv").
+    ``spectra``: filled with each closed-form truncation's σ by side ("k", "v" or "kv"), for the report.
+    """
+    refined = refined or {}
+
+    def truncate(side: str, weight: torch.Tensor, rank: int, left: torch.Tensor | None) -> tuple[Any, Any]:
+        if side in refined:
+            a, b = refined[side]
+            return a.to(f64), b.to(f64) @ weight.to(f64)
+        up, down, sigma = linalg.weighted_truncation(weight, rank, right, left)  # [e, r], [r, D]
+        if spectra is not None:
+            spectra[side] = sigma
+        return up, down
+
+    f64 = linalg.F64
+    heads, kv_heads = layout.num_heads, layout.num_kv_heads
+    group = heads // kv_heads
+    out: dict[str, torch.Tensor] = {}
+    factors: dict[str, tuple[Any, Any]] = {}  # side -> (up [e, r], down [r, D])
+    if joint is not None:
+        assert rank_k is not None and rank_k == rank_v, "a joint latent has one rank"
+        # the stacked [W_K; W_V] is truncated like one side (closed form: ``linalg.joint_truncation``)
+        stacked, left_kv = linalg.stacked_weights([w.k_weight, w.v_weight], list(joint), [left_k, left_v])
+        up, down = truncate("kv", stacked, rank_k, left_kv)
+        up_k, up_v = up.split([w.k_weight.shape[0], w.v_weight.shape[0]])
+        factors = {"k": (up_k, down), "v": (up_v, down)}
+        _linear(out, "kv_down", down, None)
+    else:
+        for side, weight, rank, left in (("k", w.k_weight, rank_k, left_k), ("v", w.v_weight, rank_v, left_v)):
+            if rank is not None:
+                factors[side] = truncate(side, weight, rank, left)
+                _linear(out, f"{side}_down", factors[side][1], None)
+
+    if rank_k is None:
+        _linear(out, "k_proj", w.k_weight, w.k_bias)
+        _linear(out, "q_proj", w.q_weight, w.q_bias)
+    else:
+        up = factors["k"][0]
+        if layout.rotary:
+            _linear(out, "k_up", up, w.k_bias)
+            _linear(out, "q_proj", w.q_weight, w.q_bias)
+        else:
+            up_heads = _head_blocks(up, kv_heads)  # Hkv × [dk, r]
+            q_heads = _head_blocks(w.q_weight.to(f64), heads)  # H × [dk, D]
+            q_weight = torch.cat([up_heads[i // group].T @ q_heads[i] for i in range(heads)])
+            q_bias = None
+            if w.q_bias is not None:
+                qb_heads = _head_blocks(w.q_bias.to(f64), heads)
+                q_bias = torch.cat([up_heads[i // group].T @ qb_heads[i] for i in range(heads)])
+            _linear(out, "q_proj", q_weight, q_bias)
+
+    if rank_v is None:
+        _linear(out, "v_proj", w.v_weight, w.v_bias)
+        _linear(out, "o_proj", w.o_weight, w.o_bias)
+    else:
+        o_w = w.o_weight.to(f64)  # [D, H·dk]
+        up = factors["v"][0]
+        up_heads = _head_blocks(up, kv_heads)  # Hkv × [dk, r]
+        o_heads = _head_blocks(o_w.T.contiguous(), heads)  # H × [dk, D]
+        o_weight = torch.cat([o_heads[i].T @ up_heads[i // group] for i in range(heads)], dim=1)
+        o_bias = None if w.o_bias is None else w.o_bias.to(f64)
+        if w.v_bias is not None:
+            # softmax rows sum to one, so the V bias reaches W_O unchanged: fold it into the O bias
+            v_bias_per_query_head = w.v_bias.to(f64).view(kv_heads, -1).repeat_interleave(group, dim=0).reshape(-1)
+            o_bias = (
+                o_bias if o_bias is not None else torch.zeros(o_w.shape[0], dtype=f64)
+            ) + o_w @ v_bias_per_query_head
+        _linear(out, "o_proj", o_weight, o_bias)
+    for name, norm in (("q_norm", w.q_norm), ("k_norm", w.k_norm)):  # QK-norm: applied as the source does
+        if norm is not None:
+            out[f"{name}.weight"] = norm
+    return out
