@@ -98,7 +98,7 @@ def main() -> None:
             dst = Path(tmp) / str(index)
             t0 = time.perf_counter()
             try:
-                method = LorcMethod(LorcConfig(kv_budget=budget, **options), progress=False)
+                method = LorcMethod(LorcConfig(kv_budget=budget, **options))
                 if bits is not None:
                     method.storage = QuantSpec(bits=bits, residual=0)
                 convert(open_source(str(src)), method, dst, progress=False)

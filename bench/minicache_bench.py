@@ -95,7 +95,7 @@ def main() -> None:
             if args.only is not None and args.only not in study:
                 continue
             dst = Path(tmp) / f"job{index}"
-            method = MiniCacheMethod(minicache, progress=False)
+            method = MiniCacheMethod(minicache)
             method.storage = QuantSpec(bits=bits, residual=0) if bits < 16 else QuantSpec()
             result = convert(open_source(str(src)), method, dst, progress=False)
             plan = result.report["plan"]

@@ -49,7 +49,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         dst = Path(tmp) / "razor"
-        method = RazorMethod(RazorConfig(), progress=False)
+        method = RazorMethod(RazorConfig())
         result = convert(open_source(str(src)), method, dst, progress=False)
         spec = {k: result.report["params"][k] for k in ("induction_frac", "echo_frac", "sink", "window_frac")}
         share = method.report["retrieval_share"]

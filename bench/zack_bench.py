@@ -131,7 +131,7 @@ def main() -> None:
             dst = Path(tmp) / f"{label}-{zack.compress}-{zack.value_basis}-{zack.schedule}".replace(" ", "")
             try:
                 began = time.perf_counter()
-                result = convert(open_source(str(src)), ZackMethod(zack, progress=False), dst, progress=False)
+                result = convert(open_source(str(src)), ZackMethod(zack), dst, progress=False)
                 seconds = time.perf_counter() - began
             except KVConvertError as exc:  # e.g. K-only cannot go below ~0.5
                 rows.append({"target": label, "compress": zack.compress, "value_basis": zack.value_basis,

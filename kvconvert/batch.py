@@ -156,7 +156,7 @@ def run_job(job: Job, measure: bool) -> dict[str, Any]:
     from kvconvert.io.source import open_source
     from kvconvert.pipeline import convert
 
-    method = build_method(job.method, job.config, job.storage, progress=False)  # a CI log: one line per job
+    method = build_method(job.method, job.config, job.storage)
     source = open_source(job.model, revision=job.revision, allow_pickle=job.allow_pickle)
     source_sha256 = source.sha256()
     result: dict[str, Any] = {"name": job.name, "model": job.model, "out": str(job.out), "method": job.method}

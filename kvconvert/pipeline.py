@@ -23,7 +23,7 @@ from kvconvert.io.model_card import write_model_card
 from kvconvert.io.outdir import atomic_output_dir, refuse_existing
 from kvconvert.io.source import TOKENIZER_FILES, SourceCheckpoint, StoredTensor
 from kvconvert.io.writer import FLOAT_NAMES, ShardedSafetensorsWriter
-from kvconvert.methods.base import Method
+from kvconvert.methods.base import Method, PlanContext
 from kvconvert.recipe import recipe_text
 from kvconvert.runtime.kvconvert_codec import QuantSpec
 from kvconvert.runtime.kvconvert_spec import RuntimeSpec, minimum_spec_version
@@ -168,13 +168,15 @@ def _open(source: SourceCheckpoint, method: Method, dtype: str) -> _Checkpoint:
     return _Checkpoint(source, adapter, layout, attention, prefixes, passthrough, target)
 
 
-def plan_conversion(source: SourceCheckpoint, method: Method, dtype: str = "auto") -> _Checkpoint:
+def plan_conversion(
+    source: SourceCheckpoint, method: Method, dtype: str = "auto", progress: bool = True
+) -> _Checkpoint:
     """Run ``method``'s whole-model decisions (``method.plan``: spectra, calibration, rank search)
     on ``source`` without writing anything; ``kvconvert analyze`` draws them."""
     checkpoint = _open(source, method, dtype)
     adapter, layout = checkpoint.adapter, checkpoint.layout
-    method.plan(layout, (adapter.read_attention(checkpoint.read_layer(layer)) for layer in range(layout.num_layers)),
-                source, checkpoint.target)  # fmt: skip
+    layers = (adapter.read_attention(checkpoint.read_layer(layer)) for layer in range(layout.num_layers))
+    method.plan(PlanContext(layout, layers, source, checkpoint.target, progress))
     return checkpoint
 
 
@@ -193,7 +195,7 @@ def convert(
     Peak memory: one layer's attention tensors plus the largest single non-attention tensor.
     """
     refuse_existing(out, replace)  # before calibration, which can take minutes
-    checkpoint = plan_conversion(source, method, dtype)
+    checkpoint = plan_conversion(source, method, dtype, progress)
     adapter, layout, target = checkpoint.adapter, checkpoint.layout, checkpoint.target
     passthrough, prefixes, read_layer = checkpoint.passthrough, checkpoint.prefixes, checkpoint.read_layer
 

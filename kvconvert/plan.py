@@ -208,7 +208,7 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
                 name, method_config, storage = parse_recipe(full, label)
                 if config.calib is not None and hasattr(method_config, "calib"):
                     method_config = dataclasses.replace(method_config, calib=config.calib)
-                method = build_method(name, method_config, storage, progress=False)
+                method = build_method(name, method_config, storage)
                 directory = Path(work) / f"c{index}"
                 with computing_on(device):  # calibration and head profiles run where scoring does
                     convert(source, method, directory, progress=False)

@@ -343,7 +343,7 @@ def test_existing_output_is_refused_before_calibration(tokenized_model_dir, tmp_
     (tmp_path / "out").mkdir()
     src = tokenized_model_dir("llama_gqa")
     with pytest.raises(KVConvertError, match="already exists"):
-        convert(open_source(str(src)), Unplanned(ZackConfig(kv_budget=0.5), progress=False), tmp_path / "out")
+        convert(open_source(str(src)), Unplanned(ZackConfig(kv_budget=0.5)), tmp_path / "out")
 
 
 def test_help_and_an_existing_out_answer_before_torch_loads(tmp_path):

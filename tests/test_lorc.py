@@ -144,7 +144,7 @@ def test_projected_kv_simulates_the_calibrated_checkpoint(kind, compress, tokeni
 
     src = tokenized_model_dir(kind)
     method = LorcMethod(LorcConfig(kv_budget=0.7, schedule="uniform", compress=compress, calibrate=True,
-                                   calib_tokens=2048), progress=False)  # fmt: skip
+                                   calib_tokens=2048))  # fmt: skip
     convert_checkpoint(open_source(str(src)), method, tmp_path / "lorc", progress=False)
     assert method.plan_ is not None and method.layout is not None
     source = open_source(str(src))
@@ -230,7 +230,7 @@ def test_refinement_lowers_the_output_error_and_the_checkpoint_computes_it(kind,
 
     src = tokenized_model_dir(kind)
     config = LorcConfig(**options, calib_tokens=2048, refine_steps=40)
-    method = LorcMethod(config, progress=False)
+    method = LorcMethod(config)
     report = convert_checkpoint(open_source(str(src)), method, tmp_path / "lorc", progress=False).report
     assert config.calibrate and report["plan"]["calibration"]["refine"]["steps"] == 40
     layers = report["layers"]

@@ -12,6 +12,7 @@ import torch
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.memory import cache_nbytes
 from kvconvert.eval.quality import evaluate_quality
+from kvconvert.methods.base import PlanContext
 from kvconvert.methods.minicache.method import MiniCacheConfig, kv_bytes_per_token, merge_pairs
 from kvconvert.runtime.kvconvert_minicache import PairState, merge_tokens, retained_tokens, slerp
 from tests.conftest import build_tiny_model
@@ -340,12 +341,12 @@ def test_plan_decides_everything_and_layers_convert_in_any_order(tiny_model_dir)
 
     source = open_source(str(tiny_model_dir("llama")))
     layout = adapter_for(source.config).layout()
-    method = MiniCacheMethod(MiniCacheConfig(start_layer=1), progress=False)
-    method.plan(layout, [], source, torch.bfloat16)
+    method = MiniCacheMethod(MiniCacheConfig(start_layer=1))
+    method.plan(PlanContext(layout, source=source, dtype=torch.bfloat16, progress=False))
     budget = method.expected_kv_budget(layout)
     pairs = method.pairs()
-    float32 = MiniCacheMethod(MiniCacheConfig(start_layer=1), progress=False)
-    float32.plan(layout, [], source, torch.float32)
+    float32 = MiniCacheMethod(MiniCacheConfig(start_layer=1))
+    float32.plan(PlanContext(layout, source=source, dtype=torch.float32, progress=False))
     assert float32.expected_kv_budget(layout) < budget  # float32 norms weigh less next to float32 states
     for layer in reversed(range(layout.num_layers)):
         method.convert_layer(layer, None, torch.float32)  # type: ignore[arg-type]
@@ -519,9 +520,9 @@ def test_subspace_plan_without_a_dtype_still_reads_every_layer(tokenized_model_d
 
     source = open_source(str(tokenized_model_dir("llama_gqa")))
     config = MiniCacheConfig(merge="subspace", kv_budget=0.6, calib_tokens=256)
-    given = MiniCacheMethod(config, progress=False)
+    given = MiniCacheMethod(config)
     checkpoint = plan_conversion(source, given)  # the pipeline passes the converted dtype
     layers = (checkpoint.adapter.read_attention(checkpoint.read_layer(i)) for i in range(3))
-    inferred = MiniCacheMethod(config, progress=False)
-    inferred.plan(checkpoint.layout, layers, source, None)
+    inferred = MiniCacheMethod(config)
+    inferred.plan(PlanContext(checkpoint.layout, layers, source, progress=False))
     assert inferred.ranks == given.ranks and inferred.element_bytes == given.element_bytes == 4

@@ -127,7 +127,7 @@ def test_kv_budget_sets_window_fraction(tiny_model_dir, tmp_path):
         from kvconvert.methods.razor.method import RazorConfig, RazorMethod
         from kvconvert.pipeline import convert
 
-        method = RazorMethod(RazorConfig(induction_frac=1.0, kv_budget=0.5, profile_tokens=16), progress=False)
+        method = RazorMethod(RazorConfig(induction_frac=1.0, kv_budget=0.5, profile_tokens=16))
         convert(open_source(str(tiny_model_dir("llama_gqa"))), method, tmp_path / "x", progress=False)
 
 

@@ -65,7 +65,7 @@ def test_a_flag_is_a_config_field_parsed_back_into_the_config(args, expected, mo
 
     built = []
 
-    def build_method(name, config, storage=None, progress=True):
+    def build_method(name, config, storage=None):
         built.append(config)
         raise SystemExit(0)  # parsed: nothing to convert
 

@@ -20,6 +20,7 @@ from helpers import (
 
 from kvconvert import linalg
 from kvconvert.errors import KVConvertError
+from kvconvert.methods.base import PlanContext
 from kvconvert.methods.zack import ZackConfig
 
 CALIB = ("--calib-tokens", "2048")  # tiny models: 8 chunks of 256 tokens of calib_data/
@@ -101,7 +102,7 @@ def test_truncated_attention_simulates_the_checkpoint(value_basis, tokenized_mod
     from kvconvert.methods.zack.search import projectors_for, truncated_attention
 
     src = tokenized_model_dir("qwen2_gqa")
-    method = ZackMethod(ZackConfig(removal_rate=0.3, calib_tokens=2048, value_basis=value_basis), progress=False)
+    method = ZackMethod(ZackConfig(removal_rate=0.3, calib_tokens=2048, value_basis=value_basis))
     from kvconvert.pipeline import convert
 
     convert(open_source(str(src)), method, tmp_path / "zack", progress=False)
@@ -299,8 +300,8 @@ def test_probe_branches_measure_what_a_lone_truncation_costs(tokenized_model_dir
     source = open_source(str(src))
     adapter = adapter_for(source.config)
     layout = adapter.layout()
-    method = ZackMethod(ZackConfig(kv_budget=0.5, schedule="auto", calib_tokens=2048), progress=False)
-    method.plan(layout, _attention_weights(source), source)
+    method = ZackMethod(ZackConfig(kv_budget=0.5, schedule="auto", calib_tokens=2048))
+    method.plan(PlanContext(layout, _attention_weights(source), source, progress=False))
     assert method.bases is not None and method.plan_ is not None
     chunks = calibration_set(src, None, 2048, min(512, layout.context), 0).held_out[:4]
     projectors = projectors_for(method.bases, plan_for_budget(method.bases, 0.5, layout.head_dim))

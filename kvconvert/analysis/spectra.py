@@ -63,11 +63,12 @@ def analyze_spectra(source: SourceCheckpoint) -> dict[str, Any]:
 
 def analyze_heads(source: SourceCheckpoint, profile_tokens: int | None = None) -> dict[str, Any]:
     """Echo and induction scores ``[L][H]`` (RazorAttention §3.3) and the heads razor would keep."""
+    from kvconvert.methods.base import PlanContext
     from kvconvert.methods.razor.method import RazorConfig, RazorMethod
 
-    method = RazorMethod(RazorConfig(profile_tokens=profile_tokens), progress=False)
+    method = RazorMethod(RazorConfig(profile_tokens=profile_tokens))
     layout = adapter_for(source.config).layout()
-    method.plan(layout, [], source)
+    method.plan(PlanContext(layout, source=source, progress=False))
     return {
         "echo": method.report["echo"].tolist(),
         "induction": method.report["induction"].tolist(),

@@ -106,7 +106,6 @@ def silence_libraries() -> None:
 def run_conversion(method: Any, options: ConversionOptions) -> dict[str, Any]:
     if options.quiet:
         silence_libraries()
-        method.progress = False  # `run --quiet` too: its method was built from a recipe
     from kvconvert.devices import computing_on, resolve_device
     from kvconvert.io.source import open_source
     from kvconvert.pipeline import convert

@@ -22,7 +22,7 @@ def method_command(name: str) -> click.Command:
         from kvconvert.methods import build_method
 
         config = config_class(**config_values(config_class, values))
-        report = run_conversion(build_method(name, config, progress=not options.quiet), options)
+        report = run_conversion(build_method(name, config), options)
         wrote(options.out, report)
 
     command = conversion_options(field_options(config_class)(user_errors(convert)))

@@ -62,12 +62,11 @@ def capability_matrix() -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_method(name: str, config: Any, storage: QuantSpec | None = None, progress: bool = True) -> Method:
+def build_method(name: str, config: Any, storage: QuantSpec | None = None) -> Method:
     """The method ``name`` with ``config``, storing its cache as ``storage`` (default 16 bits)."""
     method = METHODS[name].method(config)  # type: ignore[call-arg]
     if storage is not None:
         method.storage = storage
-    method.progress = progress
     return method
 
 

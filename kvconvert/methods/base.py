@@ -22,14 +22,30 @@ class LayerOutput:
     passthrough: bool = False  # keep the layer's original attention tensors and stock module (+ ``tensors``)
 
 
+@dataclass(frozen=True)
+class PlanContext:
+    """What a method's ``plan`` reads, the same for every method.
+
+    ``layers``: each layer's attention weights, read lazily, one at a time (iterate once); ``source`` (a
+    ``SourceCheckpoint``): for methods that run the model (calibration, profiling), on the device
+    ``kvconvert.devices.computing_on`` chose; ``dtype``: the converted attention tensors'; ``progress``:
+    bars for calibration and profiling (off under --quiet, in batch jobs and in the planner)."""
+
+    layout: AttentionLayout
+    layers: Iterable[AttentionWeights] = ()
+    source: Any = None
+    dtype: torch.dtype | None = None
+    progress: bool = True
+
+
 class Method:
-    """One KV-cache compression method. Subclasses are stateless apart from their config and the
-    storage of what their cache holds (``storage``, shared by every method: 16 bits or quantized)."""
+    """One KV-cache compression method. Subclasses hold their config, the storage of what their cache
+    holds (``storage``, shared by every method: 16 bits or quantized) and what ``plan`` decided; the
+    contract tests check that converting layers changes none of it."""
 
     name: ClassVar[str]
     storage: QuantSpec = QuantSpec()
     config: Any  # the method's config dataclass
-    progress: bool = True  # bars for calibration and profiling; off under --quiet, in batch and in plan
     # attention features (``kvconvert.arch.FEATURES``) this method cannot convert -> the exact reason
     unsupported: ClassVar[dict[str, str]] = {}
     # its runtime can hold (and decode from) the token layout (``--kv-layout token``)
@@ -61,15 +77,10 @@ class Method:
     def check(self, layout: AttentionLayout) -> None:
         """Raise ``KVConvertError`` if the model cannot be converted by this method."""
 
-    def plan(
-        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
-        """Whole-model decisions before any layer is converted. ``layers`` reads each layer's
-        attention weights lazily, one at a time; ``source`` (a ``SourceCheckpoint``) is there for
-        methods that must run the model (profiling); ``dtype`` is the converted attention tensors'.
-        Methods that need nothing global ignore them. Everything a method decides is decided here:
-        ``convert_layer`` reads it and never changes it, so layers convert in any order."""
+    def plan(self, ctx: PlanContext) -> None:
+        """Whole-model decisions before any layer is converted (spectra, calibration, profiling, rank
+        search). Everything a method decides is decided here: ``convert_layer`` reads it and never changes
+        it, so layers convert in any order. Methods that need nothing global do nothing."""
 
     def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         raise NotImplementedError

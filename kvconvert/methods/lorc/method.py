@@ -23,7 +23,6 @@ read are cached once.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -32,7 +31,7 @@ import torch
 from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.base import LayerOutput, Method, budget_words, layer_table
+from kvconvert.methods.base import LayerOutput, Method, PlanContext, budget_words, layer_table
 from kvconvert.methods.lorc.config import LorcConfig
 
 Affine = tuple[torch.Tensor, torch.Tensor]  # (Π, c): x ↦ Π·x + c, ``calib.projection.projected_kv``
@@ -177,9 +176,8 @@ class LorcMethod(Method):
         kind = f"{params['schedule']}, joint latent" if params["latent"] == "joint" else params["schedule"]
         return f"lorc {kind}, {budget_words(report)}"
 
-    def __init__(self, config: LorcConfig, progress: bool = True):
+    def __init__(self, config: LorcConfig):
         self.config = config
-        self.progress = progress
         self.plan_: LorcPlan | None = None
         self.layout: AttentionLayout | None = None
         self.input_grams: list[torch.Tensor] | None = None  # calibrate: [D, D] float64 per layer
@@ -246,12 +244,10 @@ class LorcMethod(Method):
                                            else queries)  # fmt: skip
         return {"k": (w.k_weight, right, left_k), "v": (w.v_weight, right, linalg.block_cholesky(o_gram))}
 
-    def plan(
-        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
+    def plan(self, ctx: PlanContext) -> None:
         """κ(W_K), κ(W_V) of every layer (full D × n_kv·d matrices, appendix D), then the ranks.
         Calibrated: the attention inputs' Grams first; auto: every side's loss curve (``_losses``)."""
+        layout, layers, source = ctx.layout, ctx.layers, ctx.source
         config = self.config
         self.layout = layout
         calib = None
@@ -263,7 +259,7 @@ class LorcMethod(Method):
             calib = calibration_set(source.path, config.calib, config.calib_tokens,
                                     min(config.chunk_len, layout.context), config.seed)  # fmt: skip
             self.input_grams, self.head_grams = collect_layer_grams(source, adapter_for(source.config), calib.chunks,
-                                                                    self.progress)  # fmt: skip
+                                                                    ctx.progress)  # fmt: skip
             self.calibration = {"source": calib.source, "tokens": calib.tokens, "chunk_len": calib.chunks.shape[1]}
         factored = tuple(config.compress)
         r0 = probe_rank(config, layout.num_layers, layout.kv_width)
@@ -285,7 +281,7 @@ class LorcMethod(Method):
         else:
             assert calib is not None
             jobs = {(i, side): affine for side in factored for i, affine in enumerate(projectors[side])}
-            first = self._probe(source, layout, calib, jobs)
+            first = self._probe(ctx, calib, jobs)
             probes = {side: [[(r0, first[i, side])] for i in range(layout.num_layers)] for side in factored}
             plan: LorcPlan | None = None
             if config.latent == "joint":
@@ -293,7 +289,7 @@ class LorcMethod(Method):
             else:
                 for _ in range(config.probe_rounds):
                     if plan is not None:
-                        self._probe_again(source, layout, calib, plan, probes)
+                        self._probe_again(ctx, calib, plan, probes)
                     losses = {side: [linalg.loss_curve(linalg.tail_energy(spectra[side][i]), probes[side][i])
                                      for i in range(layout.num_layers)] for side in factored}  # fmt: skip
                     plan = plan_ranks(config, kappa_k, kappa_v, layout.kv_width, losses)
@@ -305,9 +301,9 @@ class LorcMethod(Method):
             self.plan_ = plan
         if config.refine_steps:
             assert calib is not None
-            self._refine(source, layout, calib.chunks[: config.refine_chunks])
+            self._refine(ctx, calib.chunks[: config.refine_chunks])
 
-    def _refine(self, source: Any, layout: AttentionLayout, chunks: torch.Tensor) -> None:
+    def _refine(self, ctx: PlanContext, chunks: torch.Tensor) -> None:
         """``methods.lorc.refine``: each compressed layer's closed-form truncation, then Adam steps on its
         attention output's error, layer by layer on the stream of the refined layers before it."""
         import time
@@ -315,7 +311,7 @@ class LorcMethod(Method):
         from kvconvert.arch import adapter_for
         from kvconvert.methods.lorc.refine import Job, refine_layers
 
-        plan = self.plan_
+        plan, source, layout = self.plan_, ctx.source, ctx.layout
         assert plan is not None
         adapter = adapter_for(source.config)
         names = adapter.attention_names_by_layer(source.tensor_names())
@@ -344,7 +340,7 @@ class LorcMethod(Method):
 
         started = time.perf_counter()
         self.refined, self.refine_log = refine_layers(source, adapter, chunks, job_for, layout.rotary_module,
-                                                      self.config.refine_steps, self.progress)  # fmt: skip
+                                                      self.config.refine_steps, ctx.progress)  # fmt: skip
         self.calibration["refine"] = {"steps": self.config.refine_steps, "chunks": int(chunks.shape[0]),
                                       "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
 
@@ -395,7 +391,7 @@ class LorcMethod(Method):
                         budget=total / (2 * layers * width), joint_scales=scales)  # fmt: skip
 
     def _probe(
-        self, source: Any, layout: AttentionLayout, calib: Any, jobs: dict[tuple[int, str], Affine]
+        self, ctx: PlanContext, calib: Any, jobs: dict[tuple[int, str], Affine]
     ) -> dict[tuple[int, str], float]:  # fmt: skip
         """KL to the source on held-out calibration chunks with only one (layer, side) truncated, for
         every job: the source run with that side's affine map (simulated exactly, ``calib.projection.projected_kv``),
@@ -403,6 +399,7 @@ class LorcMethod(Method):
         from kvconvert.calib.probes import active_job, branch_kls
         from kvconvert.calib.projection import projected_kv
 
+        layout = ctx.layout
         chunks = calib.held_out if calib.held_out.shape[0] else calib.chunks
         chunks = chunks[: self.config.probe_chunks]
         order = list(jobs)
@@ -411,15 +408,15 @@ class LorcMethod(Method):
             job = active_job(order)
             return {} if job is None else {job: jobs[job]}
 
-        kls = branch_kls(source, chunks, [layer for layer, _ in order],
-                         lambda model: projected_kv(model, select, layout.rotary_module), self.progress)  # fmt: skip
+        kls = branch_kls(ctx.source, chunks, [layer for layer, _ in order],
+                         lambda model: projected_kv(model, select, layout.rotary_module), ctx.progress)  # fmt: skip
         self.calibration["probe"] = {"rank": probe_rank(self.config, layout.num_layers, layout.kv_width),
                                      "rounds": self.config.probe_rounds, "chunks": int(chunks.shape[0]),
                                      "chunk_len": int(chunks.shape[1])}  # fmt: skip
         return dict(zip(order, kls, strict=True))
 
     def _probe_again(
-        self, source: Any, layout: AttentionLayout, calib: Any, plan: LorcPlan,
+        self, ctx: PlanContext, calib: Any, plan: LorcPlan,
         probes: dict[str, list[list[tuple[int, float]]]],
     ) -> None:  # fmt: skip
         """One more round: every factored side probed at the rank ``plan`` gives it (the layers
@@ -427,6 +424,7 @@ class LorcMethod(Method):
         at that rank, or kept at full width, repeats its last measurement."""
         from kvconvert.arch import adapter_for
 
+        source, layout = ctx.source, ctx.layout
         adapter = adapter_for(source.config)
         names = adapter.attention_names_by_layer(source.tensor_names())
 
@@ -442,7 +440,7 @@ class LorcMethod(Method):
                 rank = rank_of(layer, side) if side in probes else layout.kv_width
                 if rank < layout.kv_width and rank != probes[side][layer][-1][0]:
                     jobs[layer, side] = _affine(weight, rank, right, left, w.k_bias if side == "k" else w.v_bias)
-        measured = self._probe(source, layout, calib, jobs) if jobs else {}
+        measured = self._probe(ctx, calib, jobs) if jobs else {}
         for side, layers in probes.items():
             for layer, points in enumerate(layers):
                 job = (layer, side)

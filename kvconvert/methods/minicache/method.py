@@ -29,7 +29,7 @@ import torch
 from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.base import LayerOutput, Method, budget_words
+from kvconvert.methods.base import LayerOutput, Method, PlanContext, budget_words
 from kvconvert.methods.minicache.config import MiniCacheConfig
 
 NORM_BYTES = 4  # per token, layer and side: norms are float32 whatever the cache dtype
@@ -116,9 +116,8 @@ class MiniCacheMethod(Method):
         pairs = ", ".join(f"{a}-{b}" for a, b in plan["pairs"]) or "none"
         return f"minicache from layer {plan['start_layer']}, pairs {pairs}; {budget_words(report)}"
 
-    def __init__(self, config: MiniCacheConfig | None = None, progress: bool = True):
+    def __init__(self, config: MiniCacheConfig | None = None):
         self.config = config or MiniCacheConfig()
-        self.progress = progress
         self.layout: AttentionLayout | None = None
         self.start: int | None = None
         self.similarity: dict[str, Any] | None = None
@@ -179,11 +178,8 @@ class MiniCacheMethod(Method):
         new, original = kv_bytes_per_token(layout, pairs, self.element_bytes, *self.retained, self.config.merge)
         return new / original
 
-    def plan(
-        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
-        config = self.config
+    def plan(self, ctx: PlanContext) -> None:
+        config, layout, layers, source, dtype = self.config, ctx.layout, ctx.layers, ctx.source, ctx.dtype
         self.layout = layout
         if dtype is not None:  # the merged states are cached in the converted model's dtype
             self.element_bytes = torch.empty((), dtype=dtype).element_size()
@@ -194,13 +190,13 @@ class MiniCacheMethod(Method):
                 self.element_bytes = first.k_weight.element_size()
                 layers = itertools.chain([first], remaining)  # the subspace fit reads every layer's W_O
         if config.merge == "subspace":
-            self._plan_subspace(layout, layers, source)
+            self._plan_subspace(layout, layers, source, ctx.progress)
             return
         if config.measures:
             from kvconvert.methods.minicache.layer_similarity import measure_layer_similarity
 
             self.similarity = measure_layer_similarity(source, config.calib, config.calib_tokens, config.chunk_len,
-                                                       config.seed, config.gamma, self.progress)  # fmt: skip
+                                                       config.seed, config.gamma, ctx.progress)  # fmt: skip
         if config.start_layer is not None:
             self.start = config.start_layer
         elif config.kv_budget is not None:
@@ -216,7 +212,9 @@ class MiniCacheMethod(Method):
                 sum(p["retained_v"] for p in chosen) / len(chosen),
             )
 
-    def _plan_subspace(self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any) -> None:
+    def _plan_subspace(
+        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any, progress: bool
+    ) -> None:
         """Pairs from S (default: every layer with ``kv_budget``, L/2 without), fitted on calibration text;
         latent widths: half of each pair's stacked width, or allocated by loss to meet ``kv_budget``."""
         from kvconvert.arch import adapter_for
@@ -238,7 +236,7 @@ class MiniCacheMethod(Method):
         calib_set = calibration_set(source.path, config.calib, config.calib_tokens,
                                     min(config.chunk_len, layout.context), config.seed)  # fmt: skip
         self.calib_source = calib_set.source
-        moments = collect_pair_moments(source, adapter, pairs, calib_set.chunks, progress=self.progress)
+        moments = collect_pair_moments(source, adapter, pairs, calib_set.chunks, progress=progress)
         for p, (a, b) in enumerate(pairs):
             keys = fit_pair_subspace(*moments.covariance(p, 0), [moments.query[a], moments.query[b]])
             values = fit_pair_subspace(*moments.covariance(p, 1), [o_grams[a], o_grams[b]])

@@ -10,14 +10,13 @@ is chosen between ``min_bits`` and ``max_bits`` by measured loss on calibration 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.base import LayerOutput, Method, budget_words
+from kvconvert.methods.base import LayerOutput, Method, PlanContext, budget_words
 from kvconvert.methods.quant.config import QuantConfig
 
 
@@ -37,9 +36,8 @@ class QuantMethod(Method):
         return (f"quant {widths}{layout}, groups of {storage['group']}, {storage['residual']} recent tokens "
                 f"unquantized; {budget_words(report)}")  # fmt: skip
 
-    def __init__(self, config: QuantConfig | None = None, progress: bool = True):
+    def __init__(self, config: QuantConfig | None = None):
         self.config = config or QuantConfig()
-        self.progress = progress
         self.plan_report: dict[str, Any] = {}
 
     @classmethod
@@ -63,11 +61,9 @@ class QuantMethod(Method):
                 "quant needs --kv-bits 8, 4, 3 or 2 (16 would copy the model unchanged), or --kv-budget"
             )
 
-    def plan(
-        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
+    def plan(self, ctx: PlanContext) -> None:
         """With ``kv_budget``: measure each layer's and side's sensitivity and allocate the widths."""
+        layout, source = ctx.layout, ctx.source
         budget = self.config.kv_budget
         if budget is None:
             return
@@ -80,7 +76,7 @@ class QuantMethod(Method):
         widths = [layout.num_kv_heads * layout.head_dim] * layout.num_layers
         storage = self.storage
         allocation, measured = measure_allocation(source, chunks.chunks, widths, config.choices, budget, storage,
-                                                  self.progress)  # fmt: skip
+                                                  ctx.progress)  # fmt: skip
         top = max(b for pair in allocation.layers for b in pair)
         self.storage = dataclasses.replace(storage, bits=top, layers=allocation.layers)
         self.plan_report = {

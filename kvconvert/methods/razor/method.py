@@ -9,14 +9,13 @@ ALiBi's analytic scope L_h (theorem 1) is not implemented: no supported architec
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.base import LayerOutput, Method, budget_words
+from kvconvert.methods.base import LayerOutput, Method, PlanContext, budget_words
 from kvconvert.methods.razor.config import RazorConfig
 
 PAPER_WINDOW = 4000  # Table 2: buffer length max(4000, N/5), for 32K-context models
@@ -48,9 +47,8 @@ class RazorMethod(Method):
     def headline(cls, report: dict[str, Any]) -> str:
         return f"razor, {budget_words(report, long_context=True)}"  # a window: reached at long context
 
-    def __init__(self, config: RazorConfig | None = None, progress: bool = True):
+    def __init__(self, config: RazorConfig | None = None):
         self.config = config or RazorConfig()
-        self.progress = progress
         self.report: dict[str, Any] = {}
 
     @classmethod
@@ -70,12 +68,10 @@ class RazorMethod(Method):
                          f"{max(row['echo_scores']):>9.3f}")  # fmt: skip
         return "\n".join(lines)
 
-    def plan(
-        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
+    def plan(self, ctx: PlanContext) -> None:
         """Profile echo/induction scores on the source model (one layer in memory at a time) and choose
         the retrieval heads."""
+        layout, source = ctx.layout, ctx.source
         from kvconvert.arch import adapter_for
         from kvconvert.methods.razor.heads import profile_heads_layer_by_layer
 
@@ -86,7 +82,7 @@ class RazorMethod(Method):
             raise KVConvertError(f"profile_tokens {tokens} × 4 exceeds the model's context ({context})")
         special = {t for t in (config.bos_token_id, config.eos_token_id, config.pad_token_id) if isinstance(t, int)}
         scores = profile_heads_layer_by_layer(source, adapter_for(config), tokens, special, seed=self.config.seed,
-                                              progress=self.progress)  # fmt: skip
+                                              progress=ctx.progress)  # fmt: skip
         chosen = top_heads(scores.induction, self.config.induction_frac) | top_heads(scores.echo, self.config.echo_frac)
         group = layout.num_heads // layout.num_kv_heads
         kept = retrieval_kv_heads(chosen, layout.num_layers, group)

@@ -26,7 +26,7 @@ import torch
 from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights, adapter_for
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.base import LayerOutput, Method, budget_words
+from kvconvert.methods.base import LayerOutput, Method, PlanContext, budget_words
 from kvconvert.methods.zack.config import ZackConfig
 
 
@@ -214,9 +214,8 @@ class ZackMethod(Method):
         how = "widths by measured loss" if rate is None else f"r={rate:.4f}"
         return f"zack {how}, {budget_words(report)}"
 
-    def __init__(self, config: ZackConfig, progress: bool = True):
+    def __init__(self, config: ZackConfig):
         self.config = config
-        self.progress = progress
         self.layout: AttentionLayout | None = None
         self.bases: HeadBases | None = None
         self.plan_: ZackPlan | None = None
@@ -245,14 +244,12 @@ class ZackMethod(Method):
         assert self.plan_ is not None
         return self.plan_.budget
 
-    def plan(
-        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
+    def plan(self, ctx: PlanContext) -> None:
         """Calibrate (layer by layer), fit every head's rotations, then choose r and the ranks."""
+        layout, layers, source = ctx.layout, ctx.layers, ctx.source
         config = self.config
         self.bases, calib = calibrate_bases(source, layout, layers, config.calib, config.calib_tokens,
-                                            config.chunk_len, config.seed, self.progress,
+                                            config.chunk_len, config.seed, ctx.progress,
                                             config.value_basis)  # fmt: skip
         self.layout = layout
         self.calibration = {"source": calib.source, "tokens": calib.tokens, "chunk_len": calib.chunks.shape[1]}
@@ -261,7 +258,7 @@ class ZackMethod(Method):
         elif config.kv_budget is not None:
             self.plan_ = plan_for_budget(self.bases, config.kv_budget, layout.head_dim, config.compress)
             if config.schedule == "auto":
-                probe_kl = self._probe(source, layout, calib, self.plan_)
+                probe_kl = self._probe(source, layout, calib, self.plan_, ctx.progress)
                 self.plan_ = plan_by_loss(self.bases, config.kv_budget, layout.head_dim, config.compress,
                                           self.plan_, probe_kl)  # fmt: skip
         else:
@@ -269,10 +266,12 @@ class ZackMethod(Method):
 
             assert config.target_agreement is not None
             self.plan_, self.calibration["search"] = search_removal_rate(
-                source, layout, self.bases, calib.held_out, config.target_agreement, config.compress, self.progress
+                source, layout, self.bases, calib.held_out, config.target_agreement, config.compress, ctx.progress
             )
 
-    def _probe(self, source: Any, layout: AttentionLayout, calib: Any, probe: ZackPlan) -> dict[str, list[float]]:
+    def _probe(
+        self, source: Any, layout: AttentionLayout, calib: Any, probe: ZackPlan, progress: bool
+    ) -> dict[str, list[float]]:
         """Per truncated side and layer: KL to the source on held-out calibration chunks with only that
         layer's side truncated at ``probe``'s widths (simulated exactly, ``zack.search.truncated_attention``;
         one branching pass, ``calib.probes.branch_kls``)."""
@@ -292,7 +291,7 @@ class ZackMethod(Method):
             return (p_k, None) if job[1] == "k" else (None, p_v)
 
         kls = branch_kls(source, chunks, [layer for layer, _ in jobs],
-                         lambda model: truncated_attention(model, select), self.progress)  # fmt: skip
+                         lambda model: truncated_attention(model, select), progress)  # fmt: skip
         self.calibration["probe"] = {"removal_rate": probe.removal_rate, "budget": probe.budget,
                                      "chunks": int(chunks.shape[0]), "chunk_len": int(chunks.shape[1])}  # fmt: skip
         return {side: [kl for (_, s), kl in zip(jobs, kls, strict=True) if s == side] for side in "kv"
