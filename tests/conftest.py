@@ -181,3 +181,24 @@ def save_tiny_tokenizer(path: Path, vocab_size: int = 97) -> None:
 def tokenized_model_dir(tmp_path_factory):
     """Factory: kind -> tiny random model directory that also holds a tokenizer."""
     return _model_dir_factory(tmp_path_factory, "tok", with_tokenizer=True)
+
+
+@pytest.fixture(scope="session")
+def converted(tokenized_model_dir, tmp_path_factory):
+    """Factory: (method, table) -> (source dir, output dir), ``table`` one of ``tests/default_methods.py``'s
+    (``LOSSLESS``, ``COMPRESSING``); each converted once per session through the CLI."""
+    from default_methods import COMPRESSING, LOSSLESS
+    from helpers import convert
+
+    tables = {"lossless": LOSSLESS, "compressing": COMPRESSING}
+    made: dict[tuple[str, str], tuple[Path, Path]] = {}
+
+    def make(method: str, table: str) -> tuple[Path, Path]:
+        if (method, table) not in made:
+            kind, extra = tables[table][method]
+            src, out = tokenized_model_dir(kind), tmp_path_factory.mktemp(f"{method}-{table}") / "out"
+            convert(method, src, out, *extra)
+            made[method, table] = (src, out)
+        return made[method, table]
+
+    return make

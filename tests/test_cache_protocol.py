@@ -6,16 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import convert, left_padded, load_converted, load_reference
+from default_methods import LOSSLESS
+from helpers import left_padded, load_converted, load_reference
 
-LOSSLESS = {
-    "slim": ("llama", ()),
-    "lorc": ("llama_gqa", ("--kv-budget", "1.0")),
-    "zack": ("llama_gqa", ("--removal-rate", "0", "--calib-tokens", "2048")),
-    "razor": ("llama_gqa", ("--profile-tokens", "16", "--induction-frac", "1")),
-    "minicache": ("llama", ("--start-layer", "0", "--gamma", "1")),
-    "quant": ("llama_gqa", ("--kv-bits", "8", "--kv-residual", "256")),  # nothing old enough to quantize
-}
 SEARCHES = {
     "greedy": {"do_sample": False},
     "beams": {"num_beams": 2, "do_sample": False},
@@ -26,27 +19,23 @@ SEARCHES = {
 
 @pytest.mark.parametrize("method", sorted(LOSSLESS))
 @torch.no_grad()
-def test_every_search_matches_the_stock_model(method, tokenized_model_dir, tmp_path):
-    kind, extra = LOSSLESS[method]
-    src = tokenized_model_dir(kind)
-    convert(method, src, tmp_path / "out", *extra)
-    converted, reference = load_converted(tmp_path / "out"), load_reference(src)
+def test_every_search_matches_the_stock_model(method, converted):
+    src, out = converted(method, "lossless")
+    model, reference = load_converted(out), load_reference(src)
     ids, mask = left_padded()
     common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, pad_token_id=0)
     for name, kwargs in SEARCHES.items():
         torch.manual_seed(7)
         expected = reference.generate(**common, **kwargs)
         torch.manual_seed(7)
-        got = converted.generate(**common, **kwargs)
+        got = model.generate(**common, **kwargs)
         assert torch.equal(got, expected), f"{method}, {name}"
 
 
 @pytest.mark.parametrize("method", sorted(LOSSLESS))
-def test_every_cache_layer_speaks_the_protocol(method, tokenized_model_dir, tmp_path):
+def test_every_cache_layer_speaks_the_protocol(method, converted):
     """Beam reordering of a filled cache reorders what every layer holds (rows swapped, not mixed)."""
-    kind, extra = LOSSLESS[method]
-    convert(method, tokenized_model_dir(kind), tmp_path / "out", *extra)
-    model = load_converted(tmp_path / "out")
+    model = load_converted(converted(method, "lossless")[1])
     ids, mask = left_padded()
     cache = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
     swapped = model(input_ids=ids.flip(0), attention_mask=mask.flip(0), use_cache=True).past_key_values

@@ -1,0 +1,156 @@
+"""The contract every registered method keeps, checked for each one at the settings of
+``default_methods.py`` (outputs converted once per session by the ``converted`` fixture): both loaders
+load it and agree, it generates in every mode, its cache holds fewer bytes, its plan is decided once and
+layers convert in any order, its saved recipe reproduces it, and its report reads back. A method's own
+tests check what is particular to it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from default_methods import COMPRESSING, CONTEXT, LOSSLESS
+from helpers import generate_in_every_mode, load_converted, load_reference, run_cli
+
+import kvconvert
+from kvconvert.methods import METHODS, build_method
+
+ALL = sorted(METHODS)
+
+
+def test_the_default_settings_cover_the_registry():
+    assert set(LOSSLESS) == set(COMPRESSING) == set(METHODS), "add the new method to tests/default_methods.py"
+
+
+def _ids(length: int, rows: int = 2, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 90, (rows, length), generator=generator)
+
+
+@pytest.mark.parametrize("method", ALL)
+@torch.no_grad()
+def test_both_loaders_load_it_and_agree(method, converted):
+    """``from_pretrained(..., trust_remote_code=True)`` runs the runtime copied into the output,
+    ``kvconvert.load`` the installed one: the same code, so the same logits, prefill and decode."""
+    out = converted(method, "compressing")[1]
+    remote, installed = load_converted(out), kvconvert.load(out).eval()
+    ids = _ids(40)
+    a = remote.generate(input_ids=ids, max_new_tokens=8, do_sample=False, output_logits=True,
+                        return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    b = installed.generate(input_ids=ids, max_new_tokens=8, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ALL)
+@torch.no_grad()
+def test_it_generates_in_every_mode(method, converted):
+    """Greedy, sampling, beams, several return sequences, on a left-padded batch."""
+    generate_in_every_mode(load_converted(converted(method, "compressing")[1]))
+
+
+def _steady_lengths(report: dict[str, Any]) -> tuple[int, int]:
+    """Two prefix lengths whose difference costs what the report promises at long context: past every
+    transient (a window reaching its share, the unquantized residual), and with quantized storage an
+    equal unquantized tail in both (whole key blocks between them)."""
+    storage = report.get("kv_storage") or {}
+    if storage.get("bits", 16) < 16:
+        start = storage["residual"] + storage.get("sink", 0) + storage["group"]
+        return start, start + 2 * storage["group"]
+    return CONTEXT // 2, CONTEXT
+
+
+@pytest.mark.parametrize("method", ALL)
+@torch.no_grad()
+def test_its_cache_holds_fewer_bytes(method, converted):
+    """Measured on the cache objects (the bytes each token adds): below the source's, and no more than
+    the report promised at long context, give or take 1 % of the source's cache (the positions some
+    runtimes keep, 4 bytes a token; MiniCache promises the paper's retention and retains fewer tokens
+    here). The tiny models are float32: a quantized cache's promise (against a 16-bit cache) is halved."""
+    from kvconvert.eval.memory import kv_bytes_per_token
+
+    src, out = converted(method, "compressing")
+    report = json.loads((out / "kvconvert.json").read_text())
+    short, long = _steady_lengths(report)
+    ids = _ids(long, rows=1)
+    measured = kv_bytes_per_token(load_converted(out), ids, short, long)
+    measured /= kv_bytes_per_token(load_reference(src), ids, short, long)
+    expected = report.get("kv_budget_expected_vs_16bit", report["kv_budget_expected"])
+    if "kv_budget_expected_vs_16bit" in report:
+        expected /= 2  # the source here caches float32
+    assert measured < 0.95, f"{method}: the cache holds {measured:.3f} of the source's"
+    assert measured <= expected + 0.01, f"{method}: measured {measured:.4f} > promised {expected:.4f}"
+
+
+def _comparable(value: Any) -> Any:
+    """``value`` as plain data, tensors by their contents: what ``==`` can compare before and after."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape), value.detach().float().flatten().tolist())
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_comparable(v) for v in value]
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return (type(value).__name__, _comparable(vars(value)))
+    return value
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_its_plan_is_decided_once_and_layers_convert_in_any_order(method, converted):
+    """Everything is decided by ``plan``: converting the layers (forwards, then backwards) changes nothing
+    the method holds and gives the same tensors and reports either way."""
+    from kvconvert.io.source import open_source
+    from kvconvert.pipeline import plan_conversion
+    from kvconvert.recipe import load_recipe
+
+    src, out = converted(method, "compressing")
+    name, config, storage = load_recipe(out / "recipe.yaml")
+    converter = build_method(name, config, storage)
+    checkpoint = plan_conversion(open_source(str(src)), converter, progress=False)
+    planned = _comparable(vars(converter))
+
+    def layer(i: int) -> Any:
+        weights = checkpoint.adapter.read_attention(checkpoint.read_layer(i))
+        result = converter.convert_layer(i, weights, checkpoint.target)
+        return _comparable({"tensors": result.tensors, "report": result.report, "passthrough": result.passthrough})
+
+    layers = range(checkpoint.layout.num_layers)
+    forwards = [layer(i) for i in layers]
+    backwards = [layer(i) for i in reversed(layers)][::-1]
+    assert forwards == backwards
+    assert _comparable(vars(converter)) == planned, "convert_layer changed what plan decided"
+
+
+def _tensors(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_its_saved_recipe_reproduces_it(method, converted, tmp_path):
+    """``kvconvert run OUT/recipe.yaml`` on the same source writes the same weights and the same plan."""
+    src, out = converted(method, "compressing")
+    result = run_cli("run", str(out / "recipe.yaml"), "--model", str(src), "--out", str(tmp_path / "again"), "--quiet")
+    assert result.exit_code == 0, result.output
+    assert _tensors(tmp_path / "again") == _tensors(out)
+    first, again = (json.loads((d / "kvconvert.json").read_text()) for d in (out, tmp_path / "again"))
+    for key in ("method", "params", "plan", "layers", "kv_budget_expected"):
+        assert again.get(key) == first.get(key), key
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_its_report_reads_back(method, converted):
+    """The report names the method and its options; the method turns it into the command's last line,
+    the model card's paragraph and (optionally) a table."""
+    out = converted(method, "compressing")[1]
+    report = json.loads((out / "kvconvert.json").read_text())
+    cls = METHODS[method].method
+    assert report["method"] == method
+    assert set(report["params"]) == {f for f in METHODS[method].config.__dataclass_fields__}
+    assert cls.headline(report).startswith(method) and "KV budget" in cls.headline(report)
+    assert cls.describe(report).strip()
+    assert isinstance(cls.report_table(report), str)
