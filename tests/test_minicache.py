@@ -14,7 +14,8 @@ from kvconvert.eval.memory import cache_nbytes
 from kvconvert.eval.quality import evaluate_quality
 from kvconvert.methods.base import PlanContext
 from kvconvert.methods.minicache.method import MiniCacheConfig, kv_bytes_per_token, merge_pairs
-from kvconvert.runtime.kvconvert_minicache import PairState, merge_tokens, retained_tokens, slerp
+from kvconvert.runtime.kvconvert_merge import merge_tokens, retained_tokens, slerp
+from kvconvert.runtime.kvconvert_minicache import PairState
 from tests.conftest import build_tiny_model
 from tests.helpers import assert_equivalent, convert, left_padded, load_converted, load_reference, run_cli
 

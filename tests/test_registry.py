@@ -84,3 +84,14 @@ def test_every_option_field_is_a_flag_of_its_command():
         flags = {p.name: p for p in main.commands[name].params}
         for field in cli_fields(entry.config):
             assert field.name in flags and flags[field.name].help == field.metadata["help"], (name, field.name)
+
+
+def test_the_cli_and_the_runtime_stay_in_small_files():
+    """#37's bounds: a CLI module only parses and prints (< 250 lines); a runtime file does one job (<= 500)."""
+    from pathlib import Path
+
+    root = Path(methods.__file__).parents[1]
+    for path in (root / "cli").glob("*.py"):
+        assert len(path.read_text().splitlines()) < 250, path
+    for path in (root / "runtime").glob("*.py"):
+        assert len(path.read_text().splitlines()) <= 500, path

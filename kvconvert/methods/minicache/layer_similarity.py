@@ -18,7 +18,7 @@ import torch
 from kvconvert.arch import adapter_for
 from kvconvert.calib.hooks import observed_attention
 from kvconvert.io.source import SourceCheckpoint
-from kvconvert.runtime.kvconvert_minicache import merge_tokens, retained_tokens
+from kvconvert.runtime.kvconvert_merge import merge_tokens, retained_tokens
 
 F64 = torch.float64
 
