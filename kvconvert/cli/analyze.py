@@ -72,6 +72,8 @@ def analyze(
     from kvconvert.devices import computing_on, resolve_device
     from kvconvert.io.outdir import atomic_output_dir
     from kvconvert.io.source import open_source
+    from kvconvert.methods.lorc import allocation as lorc_allocation
+    from kvconvert.methods.zack import allocation as zack_allocation
 
     budgets = _budget_list(allocation)
     compute = computing_on(resolve_device(device))
@@ -83,11 +85,12 @@ def analyze(
         analysis = _analysis(source, heads, profile_tokens, rotations, compare_calib, layer_similarity, calib,
                              calib_tokens, seed)  # fmt: skip
         if budgets and "lorc" in allocation_methods:
-            analysis["lorc_auto"] = _auto_allocation(source, budgets, calib, calib_tokens, seed)
+            analysis["lorc_auto"] = lorc_allocation.auto_allocation(source, budgets, calib, calib_tokens, seed)
         if budgets and "lorc-joint" in allocation_methods:
-            analysis["lorc_joint"] = _auto_allocation(source, budgets, calib, calib_tokens, seed, latent="joint")
+            analysis["lorc_joint"] = lorc_allocation.auto_allocation(source, budgets, calib, calib_tokens, seed,
+                                                                     latent="joint")  # fmt: skip
         if budgets and "zack" in allocation_methods:
-            analysis["zack_auto"] = _zack_allocation(source, budgets, calib, calib_tokens, seed)
+            analysis["zack_auto"] = zack_allocation.auto_allocation(source, budgets, calib, calib_tokens, seed)
     with atomic_output_dir(out, replace=force, sources=[source.path], command="analyze") as tmp:
         (tmp / "analysis.json").write_text(json.dumps(analysis, indent=2) + "\n")
         plot_spectra(analysis, tmp / "spectra.png")
@@ -106,17 +109,19 @@ def analyze(
             f"{row['rel_error_k']['0.5']:>9.3f}  {row['rel_error_v']['0.5']:>9.3f}"
         )
     if rotations:
-        _print_rotations(analysis["rotations"])
+        from kvconvert.methods.zack.rotations import rotations_table
+
+        click.echo(rotations_table(analysis["rotations"]))
     if layer_similarity:
         from kvconvert.methods.minicache.layer_similarity import similarity_table
 
         click.echo(similarity_table(analysis["layer_similarity"]))
     if "lorc_auto" in analysis:
-        _print_allocation(analysis["lorc_auto"])
+        click.echo(lorc_allocation.allocation_table(analysis["lorc_auto"]))
     if "lorc_joint" in analysis:
-        _print_joint_allocation(analysis["lorc_joint"])
+        click.echo(lorc_allocation.joint_allocation_table(analysis["lorc_joint"]))
     if "zack_auto" in analysis:
-        _print_zack_allocation(analysis["zack_auto"])
+        click.echo(zack_allocation.allocation_table(analysis["zack_auto"]))
     pngs = ["spectra.png", "condition.png", "ranks.png"] + ["heads.png"] * heads
     pngs += ["layer_similarity.png"] * layer_similarity + ["zack_allocation.png"] * ("zack_auto" in analysis)
     click.echo(f"wrote {out}/analysis.json, " + ", ".join(pngs))
@@ -156,78 +161,3 @@ def _budget_list(text: str | None) -> list[float]:
     if not budgets or any(not 0 < b <= 1 for b in budgets):
         raise KVConvertError(f"--allocation takes comma-separated budgets in (0, 1], got {text!r}")
     return budgets
-
-
-def _planned(source: Any, budgets: list[float], method_class: Any, config_class: Any, record: Any,
-             **options: Any) -> dict[str, Any]:  # fmt: skip
-    """``record(plan, layout)`` of ``method_class(config_class(kv_budget=b, schedule="auto", **options))``,
-    planned (not converted) at each budget b: what the conversion would write to ``kvconvert.json``."""
-    from kvconvert.pipeline import plan_conversion
-
-    result = {}
-    for budget in budgets:
-        method = method_class(config_class(kv_budget=budget, schedule="auto", **options))
-        layout = plan_conversion(source, method).layout
-        assert method.plan_ is not None, "plan_conversion runs the plan"
-        result[f"{budget:g}"] = record(method.plan_, layout)
-    return result
-
-
-def _auto_allocation(source: Any, budgets: list[float], calib: str | None, calib_tokens: int,
-                     seed: int, latent: str = "separate") -> dict[str, Any]:  # fmt: skip
-    """``lorc --schedule auto [--latent joint]``'s ranks per layer and side at each budget (joint: the one
-    latent's rank twice, and the weights of K's and V's errors in it)."""
-    from kvconvert.methods.lorc.method import LorcConfig, LorcMethod
-
-    return _planned(source, budgets, LorcMethod, LorcConfig, lambda plan, layout: {
-        "budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v, "probe_rank": plan.probe_rank,
-        "probe_kl_k": plan.probe_kl_k, "probe_kl_v": plan.probe_kl_v,
-        **({"joint_scales": plan.joint_scales} if plan.joint_scales is not None else {}),
-    }, calib=calib, calib_tokens=calib_tokens, seed=seed, latent=latent)  # fmt: skip
-
-
-def _zack_allocation(source: Any, budgets: list[float], calib: str | None, calib_tokens: int,
-                     seed: int) -> dict[str, Any]:  # fmt: skip
-    """``zack --schedule auto``'s widths per layer, KV head and side at each budget."""
-    from kvconvert.methods.zack.method import ZackConfig, ZackMethod
-
-    return _planned(source, budgets, ZackMethod, ZackConfig, lambda plan, layout: {
-        "budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v, "probe_kl": plan.probe_kl,
-        "head_dim": layout.head_dim,
-    }, calib=calib, calib_tokens=calib_tokens, seed=seed)  # fmt: skip
-
-
-def _print_zack_allocation(result: dict[str, Any]) -> None:
-    click.echo("ZACK --schedule auto (widths by measured loss; per layer, K heads | V heads):")
-    for budget, plan in result.items():
-        click.echo(f"  budget {budget} (achieved {plan['budget']:.3f}, of {plan['head_dim']} per head):")
-        for layer, (k, v) in enumerate(zip(plan["rank_k"], plan["rank_v"], strict=True)):
-            click.echo(f"    {layer:>3}  {' '.join(map(str, k))} | {' '.join(map(str, v))}")
-
-
-def _print_allocation(result: dict[str, Any]) -> None:
-    click.echo("LoRC --schedule auto (ranks by measured loss; K/V per layer):")
-    for budget, plan in result.items():
-        ranks = " ".join(f"{k}/{v}" for k, v in zip(plan["rank_k"], plan["rank_v"], strict=True))
-        click.echo(f"  budget {budget} (achieved {plan['budget']:.3f}, probed at rank {plan['probe_rank']}): {ranks}")
-
-
-def _print_joint_allocation(result: dict[str, Any]) -> None:
-    click.echo("LoRC --latent joint (one latent per layer for K and V, its rank by measured loss):")
-    for budget, plan in result.items():
-        ranks = " ".join("-" if r is None else str(r) for r in plan["rank_k"])
-        click.echo(f"  budget {budget} (achieved {plan['budget']:.3f}): {ranks}")
-
-
-def _print_rotations(result: dict[str, Any]) -> None:
-    click.echo(f"ZACK rotations on {result['calib']} ({result['tokens']} tokens): CV of leading singular values "
-               f"across heads: QK {result['qk_max_sv_cv']:.1%}, VW {result['vw_max_sv_cv']:.1%}")  # fmt: skip
-    for budget, plan in result["plans"].items():
-        click.echo(f"  budget {budget}: r = {plan['removal_rate']:.4f} (achieved {plan['kv_budget']:.3f})")
-    if "compare" in result:
-        cmp = result["compare"]
-        for side, title in (("qk", "R_QK"), ("vw", "R_VW")):
-            row = cmp[side]
-            click.echo(f"  vs {cmp['calib']}: {title} ε̄ = {row['epsilon']:.3e}, δ̄ = {row['delta']:.3e}, "
-                       f"δ̄/ε̄ = {row['ratio']:.2%}; energy kept at budget {cmp['at_budget']}: "
-                       f"{row['captured_energy_mean']:.2%} (min {row['captured_energy_min']:.2%})")  # fmt: skip

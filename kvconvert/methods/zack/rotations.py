@@ -94,3 +94,19 @@ def analyze_rotations(
         result["compare"] = {"calib": other_set.source, "tokens": other_set.tokens, "at_budget": AGREEMENT_BUDGET,
                              **rotation_agreement(bases, other, plan)}  # fmt: skip
     return result
+
+
+def rotations_table(result: dict[str, Any]) -> str:
+    """``analyze --rotations``' text: the spread of leading singular values, the plans, the agreement."""
+    lines = [f"ZACK rotations on {result['calib']} ({result['tokens']} tokens): CV of leading singular values "
+             f"across heads: QK {result['qk_max_sv_cv']:.1%}, VW {result['vw_max_sv_cv']:.1%}"]  # fmt: skip
+    for budget, plan in result["plans"].items():
+        lines.append(f"  budget {budget}: r = {plan['removal_rate']:.4f} (achieved {plan['kv_budget']:.3f})")
+    if "compare" in result:
+        cmp = result["compare"]
+        for side, title in (("qk", "R_QK"), ("vw", "R_VW")):
+            row = cmp[side]
+            lines.append(f"  vs {cmp['calib']}: {title} ε̄ = {row['epsilon']:.3e}, δ̄ = {row['delta']:.3e}, "
+                         f"δ̄/ε̄ = {row['ratio']:.2%}; energy kept at budget {cmp['at_budget']}: "
+                         f"{row['captured_energy_mean']:.2%} (min {row['captured_energy_min']:.2%})")  # fmt: skip
+    return "\n".join(lines)
