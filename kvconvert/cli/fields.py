@@ -8,6 +8,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import click
@@ -34,14 +35,20 @@ def _plain(hint: Any) -> Any:
 def click_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[Any], Any]:
     """The click option of one config field."""
     kind = _plain(hint)
-    flags = f.metadata["flags"] or ("--" + f.name.replace("_", "-"),)
+    flag = "--" + f.name.replace("_", "-")
+    flags = f.metadata["flags"] or (flag,)
     kwargs: dict[str, Any] = {"help": f.metadata["help"]}
-    if kind is bool:
+    if kind is bool and f.default is None:  # three states: on, off, or not given (a recipe decides)
+        flags, kwargs["default"] = (f"{flag}/--no-{flag[2:]}",), None
+    elif kind is bool:
         assert f.default is False, f"{f.name}: a switch is off by default"
         kwargs["is_flag"] = True
     else:
         literal = typing.get_origin(kind) is Literal
-        kwargs["type"] = click.Choice([str(c) for c in typing.get_args(kind)]) if literal else kind
+        if literal:
+            kwargs["type"] = click.Choice([str(c) for c in typing.get_args(kind)])
+        else:
+            kwargs["type"] = click.Path(path_type=Path) if kind is Path else kind
         if f.default is dataclasses.MISSING:
             kwargs["required"] = True
         else:
