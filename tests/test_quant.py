@@ -421,13 +421,34 @@ def test_allocation_lowers_the_cheapest_store_per_byte_first():
 
     # two layers of 64 values per side; layer 0's values barely care about 2 bits, layer 1's keys a lot
     sensitivity = [[{4: 0.0, 2: 0.5}, {4: 0.0, 2: 0.01}], [{4: 0.0, 2: 2.0}, {4: 0.0, 2: 0.2}]]
-    layers, used = allocate(sensitivity, [64, 64], [2, 4], budget=0.22, group=64)
+    layers, used = allocate(sensitivity, [64, 64], [2, 4], budget=0.22, storage=QuantSpec(4, group=64), head_dim=64)
     four, two = (0.5 + 4 / 64) / 2, (0.25 + 4 / 64) / 2  # budget of one store at 4 and 2 bits
     assert layers == ((4, 2), (4, 2)) and used == pytest.approx((2 * four + 2 * two) / 4)
-    layers, _ = allocate(sensitivity, [64, 64], [2, 4], budget=0.2, group=64)
+    layers, _ = allocate(sensitivity, [64, 64], [2, 4], budget=0.2, storage=QuantSpec(4, group=64), head_dim=64)
     assert layers == ((2, 2), (4, 2))
     with pytest.raises(Exception, match="below what 2-bit storage"):
-        allocate(sensitivity, [64, 64], [2, 4], budget=0.1, group=64)
+        allocate(sensitivity, [64, 64], [2, 4], budget=0.1, storage=QuantSpec(4, group=64), head_dim=64)
+
+
+@pytest.mark.parametrize("head_dim, group", [(16, 64), (64, 64), (128, 64), (48, 32)])
+def test_the_allocation_accounts_bytes_as_the_conversion_reports_them(head_dim, group):
+    """The budget the allocator reaches is the one ``kvconvert.json`` then reports for those widths
+    (``kv_budget_expected_vs_16bit``, the runtime's layout): heads narrower than a group pay their scale
+    and zero per head (an aidreams260K head is 16 wide; the allocator once counted per 64 values of the
+    layer and overshot the budget: 0.328 reported for 0.297 allocated)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from kvconvert.methods.quant.bits import allocate
+    from kvconvert.pipeline import storage_factor
+
+    heads, layers = 4, 3
+    storage = QuantSpec(4, group=group)
+    sensitivity = [[{8: 0.0, 4: 0.1 * i, 2: 1.0 + i}, {8: 0.0, 4: 0.05, 2: 0.5 * i}] for i in range(layers)]
+    chosen, used = allocate(sensitivity, [heads * head_dim] * layers, [2, 4, 8], 0.3, storage, head_dim)
+    layout_ = SimpleNamespace(num_layers=layers, local_layers=(), head_dim=head_dim)
+    assert used <= 0.3 + 1e-12
+    assert used == pytest.approx(storage_factor(dataclasses.replace(storage, bits=8, layers=chosen), layout_))
 
 
 def test_simulated_storage_is_what_the_store_holds_after_a_prefill():

@@ -78,9 +78,12 @@ def log_probs(source: Any, chunks: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def stored_bytes(bits: int, width: int, per_channel: bool, group: int) -> float:
-    """Accounted bytes per token of one ``width``-wide store (codes + fp16 scale and zero per group)."""
-    return width * QuantSpec(bits, group).bytes_per_value(width, per_channel)
+def stored_bytes(bits: int, width: int, per_channel: bool, storage: QuantSpec, head_dim: int) -> float:
+    """Accounted bytes per token of one ``width``-wide store at ``bits`` in ``storage``'s layout: the runtime
+    quantizes each head's ``head_dim`` channels apart (codes + fp16 scale and zero per group), so a head
+    narrower than a group pays its scale and zero per head, not per ``storage.group`` values."""
+    spec = dataclasses.replace(storage, bits=bits, layers=None)
+    return width * spec.bytes_per_value(head_dim, per_channel)
 
 
 @dataclass(frozen=True)
@@ -99,18 +102,23 @@ def allocate(
     widths: Sequence[int],
     choices: Sequence[int],
     budget: float,
-    group: int,
+    storage: QuantSpec,
+    head_dim: int,
 ) -> tuple[tuple[tuple[int, int], ...], float]:
     """Greedy allocation: ``sensitivity[layer][side][bits]`` = ΔKL of that store alone at ``bits``
     (0 at ``max(choices)``), ``widths[layer]`` values per token and side. Lowers the store whose next
     step costs the least ΔKL per byte saved until Σ bytes ≤ ``budget`` × a 16-bit cache's.
+    Bytes are accounted as ``storage`` (group, layout) holds heads ``head_dim`` wide.
     Returns (per layer (key bits, value bits), accounted budget)."""
     ordered = sorted(choices, reverse=True)
     bits = [[ordered[0], ordered[0]] for _ in widths]
     full = sum(2 * 2 * w for w in widths)  # 16-bit K and V
 
+    def bytes_of(bits: int, width: int, per_channel: bool) -> float:
+        return stored_bytes(bits, width, per_channel, storage, head_dim)
+
     def used() -> float:
-        return sum(stored_bytes(bits[i][s], w, s == 0, group) for i, w in enumerate(widths) for s in (0, 1)) / full
+        return sum(bytes_of(bits[i][s], w, s == 0) for i, w in enumerate(widths) for s in (0, 1)) / full
 
     while used() > budget + 1e-12:
         best: tuple[float, int, int, int] | None = None
@@ -120,7 +128,7 @@ def allocate(
                 if step == len(ordered):
                     continue
                 lower = ordered[step]
-                saved = stored_bytes(bits[i][s], w, s == 0, group) - stored_bytes(lower, w, s == 0, group)
+                saved = bytes_of(bits[i][s], w, s == 0) - bytes_of(lower, w, s == 0)
                 cost = sensitivity[i][s][lower] - sensitivity[i][s][bits[i][s]]
                 if best is None or cost / saved < best[0]:
                     best = (cost / saved, i, s, lower)
@@ -142,6 +150,7 @@ def measure_allocation(
     choices: Sequence[int],
     budget: float,
     storage: QuantSpec,
+    head_dim: int,
     progress: bool = True,
 ) -> tuple[Allocation, float]:
     """Measure every store's sensitivity on ``chunks``, allocate, and measure the allocation;
@@ -150,7 +159,7 @@ def measure_allocation(
     Returns (allocation, measured KL of the allocation)."""
     top = max(choices)
     layers = len(widths)
-    allocate([[dict.fromkeys(choices, 0.0)] * 2] * layers, widths, choices, budget, storage.group)  # reachable at all?
+    allocate([[dict.fromkeys(choices, 0.0)] * 2] * layers, widths, choices, budget, storage, head_dim)  # reachable?
     reference = log_probs(source, chunks)
 
     def kl_of(per_layer: list[tuple[int, int]]) -> float:
@@ -164,7 +173,7 @@ def measure_allocation(
         per_layer = [(top, top)] * layers
         per_layer[i] = (b, top) if s == 0 else (top, b)
         sensitivity[i][s][b] = kl_of(per_layer) - baseline
-    chosen, used = allocate(sensitivity, widths, choices, budget, storage.group)
+    chosen, used = allocate(sensitivity, widths, choices, budget, storage, head_dim)
     predicted = baseline + sum(sensitivity[i][s][chosen[i][s]] for i in range(layers) for s in (0, 1))
     report = [[{str(b): round(v, 6) for b, v in side.items()} for side in layer] for layer in sensitivity]
     return Allocation(chosen, used, predicted, report), kl_of(list(chosen))

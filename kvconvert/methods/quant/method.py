@@ -27,11 +27,7 @@ class QuantMethod(Method):
     @classmethod
     def headline(cls, report: dict[str, Any]) -> str:
         storage = report["kv_storage"]
-        widths = (
-            f"{storage['bits']}-bit"
-            if "layers" not in storage
-            else f"mixed widths ({report['plan']['kv_budget']:.3f} of 16-bit)"
-        )
+        widths = f"{storage['bits']}-bit" if "layers" not in storage else "widths per layer by measured loss"
         layout = ", token layout" if storage.get("layout") == "token" else ""
         return (f"quant {widths}{layout}, groups of {storage['group']}, {storage['residual']} recent tokens "
                 f"unquantized; {budget_words(report)}")  # fmt: skip
@@ -76,7 +72,7 @@ class QuantMethod(Method):
         widths = [layout.num_kv_heads * layout.head_dim] * layout.num_layers
         storage = self.storage
         allocation, measured = measure_allocation(source, chunks.chunks, widths, config.choices, budget, storage,
-                                                  ctx.progress)  # fmt: skip
+                                                  layout.head_dim, ctx.progress)  # fmt: skip
         top = max(b for pair in allocation.layers for b in pair)
         self.storage = dataclasses.replace(storage, bits=top, layers=allocation.layers)
         self.plan_report = {
