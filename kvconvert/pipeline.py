@@ -97,6 +97,7 @@ class _BackgroundWrites:
 class ConversionResult:
     out: Path
     report: dict[str, Any]
+    plan: Any = None  # what the method decided (its frozen plan object)
 
 
 def _source_dtype(source: SourceCheckpoint, names: list[str]) -> torch.dtype:
@@ -169,15 +170,15 @@ def _open(source: SourceCheckpoint, method: Method, dtype: str) -> _Checkpoint:
 
 
 def plan_conversion(
-    source: SourceCheckpoint, method: Method, dtype: str = "auto", progress: bool = True
-) -> _Checkpoint:
+    source: SourceCheckpoint, method: Method[Any], dtype: str = "auto", progress: bool = True
+) -> tuple[_Checkpoint, Any]:
     """Run ``method``'s whole-model decisions (``method.plan``: spectra, calibration, rank search)
-    on ``source`` without writing anything; ``kvconvert analyze`` draws them."""
+    on ``source`` without writing anything: (the indexed checkpoint, the method's plan); ``kvconvert
+    analyze`` draws them."""
     checkpoint = _open(source, method, dtype)
     adapter, layout = checkpoint.adapter, checkpoint.layout
     layers = (adapter.read_attention(checkpoint.read_layer(layer)) for layer in range(layout.num_layers))
-    method.plan(PlanContext(layout, layers, source, checkpoint.target, progress))
-    return checkpoint
+    return checkpoint, method.plan(PlanContext(layout, layers, source, checkpoint.target, progress))
 
 
 def convert(
@@ -195,7 +196,7 @@ def convert(
     Peak memory: one layer's attention tensors plus the largest single non-attention tensor.
     """
     refuse_existing(out, replace)  # before calibration, which can take minutes
-    checkpoint = plan_conversion(source, method, dtype, progress)
+    checkpoint, plan = plan_conversion(source, method, dtype, progress)
     adapter, layout, target = checkpoint.adapter, checkpoint.layout, checkpoint.target
     passthrough, prefixes, read_layer = checkpoint.passthrough, checkpoint.prefixes, checkpoint.read_layer
 
@@ -225,7 +226,7 @@ def convert(
                           file=sys.stderr)  # fmt: skip
             for layer in layers:
                 local = read_layer(layer)
-                result = method.convert_layer(layer, adapter.read_attention(local), target)
+                result = method.convert_layer(plan, layer, adapter.read_attention(local), target)
                 produced = {**local, **result.tensors} if result.passthrough else result.tensors
                 items: list[tuple[str, torch.Tensor | StoredTensor]] = []
                 for local_name in sorted(produced):
@@ -238,10 +239,11 @@ def convert(
                 tensor_names.append(sorted(produced))
                 del local, result, produced, items
                 source.release()
-        method.finish(reports)
+        method.finish(plan, reports)
         weight_files = writer.close()
 
-        storage = storage_report(method.storage)
+        planned_storage = method.planned_storage(plan)
+        storage = storage_report(planned_storage)
         spec = RuntimeSpec(
             method=method.name,
             version=kvconvert.__version__,
@@ -258,7 +260,7 @@ def convert(
             spec_version=minimum_spec_version(storage),
             local_layers=list(layout.local_layers) or None,
             sliding_window=layout.sliding_window if layout.local_layers else None,
-            extra=method.runtime_spec(layout, tensor_names),
+            extra=method.runtime_spec(plan, layout, tensor_names),
         ).to_dict()
         config = source.config.to_dict()
         config.update(
@@ -292,18 +294,18 @@ def convert(
                 "sha256": digests.result(),
             },
             "dtype": str(target).removeprefix("torch."),
-            "kv_budget_expected": method.expected_kv_budget(layout),
+            "kv_budget_expected": method.expected_kv_budget(plan, layout),
             "weight_files": weight_files,
             "layers": reports,
         }
-        if method.summary():
-            report["plan"] = method.summary()
+        if summary := method.summary(plan):
+            report["plan"] = summary
         if storage is not None:
             report["kv_storage"] = storage
             # what the user asked for: the method's budget with the storage on top, against a 16-bit cache
-            budget = method.expected_kv_budget(layout) * storage_factor(method.storage, layout)
+            budget = method.expected_kv_budget(plan, layout) * storage_factor(planned_storage, layout)
             report["kv_budget_expected_vs_16bit"] = budget
         (tmp / "kvconvert.json").write_text(json.dumps(report, indent=2) + "\n")
         (tmp / "recipe.yaml").write_text(recipe_text(method))  # `kvconvert run` repeats the conversion
         write_model_card(tmp, report, name=out.name)
-    return ConversionResult(out=out, report=report)
+    return ConversionResult(out=out, report=report, plan=plan)

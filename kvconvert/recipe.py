@@ -132,14 +132,14 @@ def load_recipe(path: Path) -> tuple[str, Any, QuantSpec]:
     return parse_recipe(read_yaml(path, "recipe"), str(path))
 
 
-def recipe_text(method: Method) -> str:
+def recipe_text(method: Method[Any]) -> str:
     """The recipe that reproduces ``method``: every option spelled out, defaults included; the storage
     keys only when the cache is quantized (so 16-bit recipes read as they always did)."""
-    storage = method.storage
+    storage = method.storage  # what was asked for: widths a plan allocates (quant --kv-budget) are its result
     keys: dict[str, int | bool] = {}
-    if storage.quantized:
+    if storage != QuantSpec():
         spec = storage.to_spec()  # the fields that differ from the defaults, as the runtime spec has them
-        if storage.layers is not None:
-            del spec["bits"]  # widths a plan allocated are the plan's result, not an option
+        if not storage.quantized:
+            del spec["bits"]  # 16: the method's own (a budget's widths come from its plan)
         keys = {key: spec[field] for key, field in STORAGE_KEYS.items() if field in spec}
     return yaml.safe_dump({"method": method.name, **method.params(), **keys}, sort_keys=False)

@@ -145,22 +145,21 @@ def test_projected_kv_simulates_the_calibrated_checkpoint(kind, compress, tokeni
     src = tokenized_model_dir(kind)
     method = LorcMethod(LorcConfig(kv_budget=0.7, schedule="uniform", compress=compress, calibrate=True,
                                    calib_tokens=2048))  # fmt: skip
-    convert_checkpoint(open_source(str(src)), method, tmp_path / "lorc", progress=False)
-    assert method.plan_ is not None and method.layout is not None
+    plan = convert_checkpoint(open_source(str(src)), method, tmp_path / "lorc", progress=False).plan
     source = open_source(str(src))
     adapter = adapter_for(source.config)
     names = adapter.attention_names_by_layer(source.tensor_names())
     projectors = {}
-    for layer in range(method.layout.num_layers):
+    for layer in range(plan.layout.num_layers):
         weights = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
-        for side, (weight, right, left) in method._targets(layer, weights).items():
-            rank = getattr(method.plan_, f"rank_{side}")[layer]
+        for side, (weight, right, left) in method._targets(plan.weighting, plan.layout, layer, weights).items():
+            rank = getattr(plan.ranks, f"rank_{side}")[layer]
             if rank is not None:
                 bias = weights.k_bias if side == "k" else weights.v_bias
                 projectors[layer, side] = _affine(weight, rank, right, left, bias)
     ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5))
     reference = load_reference(src)
-    with torch.no_grad(), projected_kv(reference, lambda: projectors, method.layout.rotary_module):
+    with torch.no_grad(), projected_kv(reference, lambda: projectors, plan.layout.rotary_module):
         simulated = reference(ids).logits
     plain = reference(ids).logits
     converted = load_converted(tmp_path / "lorc")(ids).logits
@@ -231,18 +230,19 @@ def test_refinement_lowers_the_output_error_and_the_checkpoint_computes_it(kind,
     src = tokenized_model_dir(kind)
     config = LorcConfig(**options, calib_tokens=2048, refine_steps=40)
     method = LorcMethod(config)
-    report = convert_checkpoint(open_source(str(src)), method, tmp_path / "lorc", progress=False).report
+    result = convert_checkpoint(open_source(str(src)), method, tmp_path / "lorc", progress=False)
+    report, plan = result.report, result.plan
     assert config.calibrate and report["plan"]["calibration"]["refine"]["steps"] == 40
     layers = report["layers"]
     sides = {"kv"} if "latent" in options else set(options["compress"])
-    assert all(set(method.refined[r["layer"]]) == sides for r in layers)
+    assert all(set(plan.refined[r["layer"]]) == sides for r in layers)
     assert all(r["refine_loss_after"] <= r["refine_loss_before"] for r in layers)
     assert sum(r["refine_loss_after"] for r in layers) < 0.9 * sum(r["refine_loss_before"] for r in layers)
     source = open_source(str(src))
     adapter = adapter_for(source.config)
     names = adapter.attention_names_by_layer(source.tensor_names())
     projectors = {}
-    for layer, refined in method.refined.items():
+    for layer, refined in plan.refined.items():
         weights = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
         for side, (a, b) in refined.items():
             projector = (a @ b).float()
@@ -252,7 +252,7 @@ def test_refinement_lowers_the_output_error_and_the_checkpoint_computes_it(kind,
             projectors[layer, side] = (projector, bias - projector @ bias)
     ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5))
     reference = load_reference(src)
-    with torch.no_grad(), projected_kv(reference, lambda: projectors, method.layout.rotary_module):
+    with torch.no_grad(), projected_kv(reference, lambda: projectors, plan.layout.rotary_module):
         simulated = reference(ids).logits
     converted = load_converted(tmp_path / "lorc")(ids).logits
     assert torch.allclose(simulated, converted, atol=2e-4, rtol=1e-4), (simulated - converted).abs().max()

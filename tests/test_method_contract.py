@@ -102,8 +102,9 @@ def _comparable(value: Any) -> Any:
 
 @pytest.mark.parametrize("method", ALL)
 def test_its_plan_is_decided_once_and_layers_convert_in_any_order(method, converted):
-    """Everything is decided by ``plan``: converting the layers (forwards, then backwards) changes nothing
-    the method holds and gives the same tensors and reports either way."""
+    """Everything is decided by ``plan`` and returned as the plan object: converting the layers (forwards,
+    then backwards) changes neither the plan nor the method, and gives the same tensors and reports either
+    way."""
     from kvconvert.io.source import open_source
     from kvconvert.pipeline import plan_conversion
     from kvconvert.recipe import load_recipe
@@ -111,19 +112,19 @@ def test_its_plan_is_decided_once_and_layers_convert_in_any_order(method, conver
     src, out = converted(method, "compressing")
     name, config, storage = load_recipe(out / "recipe.yaml")
     converter = build_method(name, config, storage)
-    checkpoint = plan_conversion(open_source(str(src)), converter, progress=False)
-    planned = _comparable(vars(converter))
+    checkpoint, plan = plan_conversion(open_source(str(src)), converter, progress=False)
+    decided = _comparable(plan), _comparable(vars(converter))
 
     def layer(i: int) -> Any:
         weights = checkpoint.adapter.read_attention(checkpoint.read_layer(i))
-        result = converter.convert_layer(i, weights, checkpoint.target)
+        result = converter.convert_layer(plan, i, weights, checkpoint.target)
         return _comparable({"tensors": result.tensors, "report": result.report, "passthrough": result.passthrough})
 
     layers = range(checkpoint.layout.num_layers)
     forwards = [layer(i) for i in layers]
     backwards = [layer(i) for i in reversed(layers)][::-1]
     assert forwards == backwards
-    assert _comparable(vars(converter)) == planned, "convert_layer changed what plan decided"
+    assert (_comparable(plan), _comparable(vars(converter))) == decided, "convert_layer changed a decision"
 
 
 def _tensors(out: Path) -> dict[str, bytes]:

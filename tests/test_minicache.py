@@ -333,9 +333,9 @@ def test_recipe_round_trip(tiny_model_dir, tmp_path):
     assert again[:2] == ("minicache", MiniCacheConfig()) and not again[2].quantized
 
 
-def test_plan_decides_everything_and_layers_convert_in_any_order(tiny_model_dir):
-    """The cached element size comes from the converted dtype given to ``plan``; converting layers (in
-    any order, with any dtype argument) changes no decision of the plan."""
+def test_the_cached_element_size_comes_from_the_converted_dtype(tiny_model_dir):
+    """The cached element size comes from the converted dtype given to ``plan`` (that converting layers
+    changes no decision: ``test_method_contract``)."""
     from kvconvert.arch import adapter_for
     from kvconvert.io.source import open_source
     from kvconvert.methods.minicache.method import MiniCacheMethod
@@ -343,15 +343,11 @@ def test_plan_decides_everything_and_layers_convert_in_any_order(tiny_model_dir)
     source = open_source(str(tiny_model_dir("llama")))
     layout = adapter_for(source.config).layout()
     method = MiniCacheMethod(MiniCacheConfig(start_layer=1))
-    method.plan(PlanContext(layout, source=source, dtype=torch.bfloat16, progress=False))
-    budget = method.expected_kv_budget(layout)
-    pairs = method.pairs()
-    float32 = MiniCacheMethod(MiniCacheConfig(start_layer=1))
-    float32.plan(PlanContext(layout, source=source, dtype=torch.float32, progress=False))
-    assert float32.expected_kv_budget(layout) < budget  # float32 norms weigh less next to float32 states
-    for layer in reversed(range(layout.num_layers)):
-        method.convert_layer(layer, None, torch.float32)  # type: ignore[arg-type]
-    assert method.expected_kv_budget(layout) == budget and method.pairs() == pairs
+    bf16 = method.plan(PlanContext(layout, source=source, dtype=torch.bfloat16, progress=False))
+    float32 = method.plan(PlanContext(layout, source=source, dtype=torch.float32, progress=False))
+    assert (bf16.element_bytes, float32.element_bytes) == (2, 4) and bf16.pairs == float32.pairs == [(1, 2)]
+    # float32 norms weigh less next to float32 states
+    assert method.expected_kv_budget(float32, layout) < method.expected_kv_budget(bf16, layout)
 
 
 # -- subspace merge (extension, xKV) ---------------------------------------------------------
@@ -521,9 +517,8 @@ def test_subspace_plan_without_a_dtype_still_reads_every_layer(tokenized_model_d
 
     source = open_source(str(tokenized_model_dir("llama_gqa")))
     config = MiniCacheConfig(merge="subspace", kv_budget=0.6, calib_tokens=256)
-    given = MiniCacheMethod(config)
-    checkpoint = plan_conversion(source, given)  # the pipeline passes the converted dtype
+    method = MiniCacheMethod(config)
+    checkpoint, given = plan_conversion(source, method)  # the pipeline passes the converted dtype
     layers = (checkpoint.adapter.read_attention(checkpoint.read_layer(i)) for i in range(3))
-    inferred = MiniCacheMethod(config)
-    inferred.plan(PlanContext(checkpoint.layout, layers, source, progress=False))
+    inferred = method.plan(PlanContext(checkpoint.layout, layers, source, progress=False))
     assert inferred.ranks == given.ranks and inferred.element_bytes == given.element_bytes == 4

@@ -105,11 +105,10 @@ def test_truncated_attention_simulates_the_checkpoint(value_basis, tokenized_mod
     method = ZackMethod(ZackConfig(removal_rate=0.3, calib_tokens=2048, value_basis=value_basis))
     from kvconvert.pipeline import convert
 
-    convert(open_source(str(src)), method, tmp_path / "zack", progress=False)
-    assert method.bases is not None and method.plan_ is not None
+    plan = convert(open_source(str(src)), method, tmp_path / "zack", progress=False).plan
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
     reference = load_reference(src)
-    with torch.no_grad(), truncated_attention(reference, projectors_for(method.bases, method.plan_).__getitem__):
+    with torch.no_grad(), truncated_attention(reference, projectors_for(plan.bases, plan.widths).__getitem__):
         simulated = reference(ids).logits
     plain = reference(ids).logits  # hooks are gone after the block
     converted = load_converted(tmp_path / "zack")(ids).logits
@@ -301,10 +300,9 @@ def test_probe_branches_measure_what_a_lone_truncation_costs(tokenized_model_dir
     adapter = adapter_for(source.config)
     layout = adapter.layout()
     method = ZackMethod(ZackConfig(kv_budget=0.5, schedule="auto", calib_tokens=2048))
-    method.plan(PlanContext(layout, _attention_weights(source), source, progress=False))
-    assert method.bases is not None and method.plan_ is not None
+    plan = method.plan(PlanContext(layout, _attention_weights(source), source, progress=False))
     chunks = calibration_set(src, None, 2048, min(512, layout.context), 0).held_out[:4]
-    projectors = projectors_for(method.bases, plan_for_budget(method.bases, 0.5, layout.head_dim))
+    projectors = projectors_for(plan.bases, plan_for_budget(plan.bases, 0.5, layout.head_dim))
 
     def log_probs(observe) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
@@ -318,4 +316,4 @@ def test_probe_branches_measure_what_a_lone_truncation_costs(tokenized_model_dir
         lone = (p_k, None) if side == "k" else (None, p_v)
         cut = log_probs(lambda model, layer=layer, lone=lone: truncated_attention(model, {layer: lone}.get))
         kl = sum(float((p.exp() * (p - q)).sum()) for p, q in zip(plain, cut, strict=True)) / chunks.numel()
-        assert kl > 0 and method.plan_.probe_kl[side][layer] == pytest.approx(kl, rel=1e-4, abs=1e-8)
+        assert kl > 0 and plan.widths.probe_kl[side][layer] == pytest.approx(kl, rel=1e-4, abs=1e-8)

@@ -14,13 +14,12 @@ def planned_at_budgets(
     record: Callable[[Any, Any], dict[str, Any]],
     progress: bool = True,
 ) -> dict[str, Any]:
-    """``record(method, layout)`` of ``make(b)`` planned (not converted) at each budget b: what that
+    """``record(plan, layout)`` of ``make(b)``'s plan (not converted) at each budget b: what that
     conversion would write to ``kvconvert.json``, keyed by the budget as written."""
     from kvconvert.pipeline import plan_conversion
 
     result = {}
     for budget in budgets:
-        method = make(budget)
-        layout = plan_conversion(source, method, progress=progress).layout
-        result[f"{budget:g}"] = record(method, layout)
+        checkpoint, plan = plan_conversion(source, make(budget), progress=progress)
+        result[f"{budget:g}"] = record(plan, checkpoint.layout)
     return result

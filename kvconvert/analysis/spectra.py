@@ -68,10 +68,10 @@ def analyze_heads(source: SourceCheckpoint, profile_tokens: int | None = None) -
 
     method = RazorMethod(RazorConfig(profile_tokens=profile_tokens))
     layout = adapter_for(source.config).layout()
-    method.plan(PlanContext(layout, source=source, progress=False))
+    plan = method.plan(PlanContext(layout, source=source, progress=False))
     return {
-        "echo": method.report["echo"].tolist(),
-        "induction": method.report["induction"].tolist(),
-        "retrieval_kv_heads": method.report["retrieval_kv_heads"],
-        "profile_tokens": method.report["profile_tokens"],
+        "echo": plan.echo.tolist(),
+        "induction": plan.induction.tolist(),
+        "retrieval_kv_heads": plan.retrieval_kv_heads,
+        "profile_tokens": plan.profile_tokens,
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -38,10 +38,15 @@ class PlanContext:
     progress: bool = True
 
 
-class Method:
-    """One KV-cache compression method. Subclasses hold their config, the storage of what their cache
-    holds (``storage``, shared by every method: 16 bits or quantized) and what ``plan`` decided; the
-    contract tests check that converting layers changes none of it."""
+P = TypeVar("P")  # a method's plan: a frozen dataclass of everything ``plan`` decided (None: nothing to decide)
+
+
+class Method(Generic[P]):
+    """One KV-cache compression method: its config and the storage of what its cache holds (``storage``,
+    shared by every method: 16 bits or quantized), nothing else. ``plan`` returns what it decides for a
+    model as one frozen object; the pipeline hands that plan back to every later step, which only reads
+    it (the contract tests check that converting layers changes nothing), so layers convert in any order
+    and one method object converts any number of models."""
 
     name: ClassVar[str]
     storage: QuantSpec = QuantSpec()
@@ -77,28 +82,32 @@ class Method:
     def check(self, layout: AttentionLayout) -> None:
         """Raise ``KVConvertError`` if the model cannot be converted by this method."""
 
-    def plan(self, ctx: PlanContext) -> None:
+    def plan(self, ctx: PlanContext) -> P:
         """Whole-model decisions before any layer is converted (spectra, calibration, profiling, rank
-        search). Everything a method decides is decided here: ``convert_layer`` reads it and never changes
-        it, so layers convert in any order. Methods that need nothing global do nothing."""
-
-    def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
+        search), returned as the method's frozen plan. Everything a method decides is decided here."""
         raise NotImplementedError
 
-    def finish(self, reports: list[dict[str, Any]]) -> None:
+    def convert_layer(self, plan: P, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
+        raise NotImplementedError
+
+    def finish(self, plan: P, reports: list[dict[str, Any]]) -> None:
         """Called once all layers are converted; may refuse the result (raise ``KVConvertError``)."""
 
-    def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
+    def runtime_spec(self, plan: P, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
         """Method-specific entries of ``config.kvconvert`` that the runtime reads.
 
         ``tensor_names[layer]``: the local names ``convert_layer`` produced for that layer.
         """
         return {}
 
-    def expected_kv_budget(self, layout: AttentionLayout) -> float:
+    def expected_kv_budget(self, plan: P, layout: AttentionLayout) -> float:
         raise NotImplementedError
 
-    def summary(self) -> dict[str, Any]:
+    def planned_storage(self, plan: P) -> QuantSpec:
+        """The storage the converted cache uses: ``storage``, unless the plan chose it (widths per layer)."""
+        return self.storage
+
+    def summary(self, plan: P) -> dict[str, Any]:
         """Whole-model decisions for ``kvconvert.json``'s ``plan`` (empty: no such section)."""
         return {}
 

@@ -19,9 +19,8 @@ def auto_allocation(source: Any, budgets: list[float], calib: str | None, calib_
         return LorcMethod(LorcConfig(kv_budget=budget, schedule="auto", calib=calib, calib_tokens=calib_tokens,
                                      seed=seed, latent=latent))  # type: ignore[arg-type]  # fmt: skip
 
-    def record(method: LorcMethod, layout: Any) -> dict[str, Any]:
-        plan = method.plan_
-        assert plan is not None, "planned"
+    def record(planned: Any, layout: Any) -> dict[str, Any]:
+        plan = planned.ranks
         return {"budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v, "probe_rank": plan.probe_rank,
                 "probe_kl_k": plan.probe_kl_k, "probe_kl_v": plan.probe_kl_v,
                 **({"joint_scales": plan.joint_scales} if plan.joint_scales is not None else {})}  # fmt: skip

@@ -22,6 +22,7 @@ read are cached once.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -87,8 +88,10 @@ def uniform_ranks(compressed: list[bool], d_max: int, total: int) -> list[int]:
     return ranks
 
 
-@dataclass
-class LorcPlan:
+@dataclass(frozen=True)
+class LorcRanks:
+    """Every layer's condition numbers and ranks, and (``auto``) the probes they were allocated from."""
+
     kappa_k: list[float]
     kappa_v: list[float]
     log10_kappa_cum: list[float]
@@ -107,6 +110,29 @@ class LorcPlan:
     joint_scales: list[tuple[float, float]] | None = None
 
 
+@dataclass(frozen=True)
+class Weighting:
+    """``calibrate``: what weights each side's factorization error (``LorcMethod._targets``): per layer the
+    attention input's Gram ``[D, D]`` float64, and the query Grams per KV head (``calib.stats.HeadGrams``)."""
+
+    input_grams: list[torch.Tensor]
+    head_grams: Any
+
+
+@dataclass(frozen=True)
+class LorcPlan:
+    """What lorc decided for a model: the ranks, the calibration weighting (None: plain SVD, the paper),
+    the refined truncations (``refine_steps``: layer -> {side: (A, B)}, Π = A·B) and their losses, and the
+    calibration they came from (kvconvert.json's ``plan.calibration``)."""
+
+    layout: AttentionLayout
+    ranks: LorcRanks
+    weighting: Weighting | None = None
+    calibration: dict[str, Any] = field(default_factory=dict)
+    refined: dict[int, Any] = field(default_factory=dict)
+    refine_log: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
 def probe_rank(config: LorcConfig, layers: int, width: int) -> int:
     """The rank every factored side would get under one uniform ratio: where ``auto`` measures each
     (layer, side)'s sensitivity, so the loss model is calibrated near the operating point."""
@@ -118,7 +144,7 @@ def probe_rank(config: LorcConfig, layers: int, width: int) -> int:
 def plan_ranks(
     config: LorcConfig, kappa_k: list[float], kappa_v: list[float], width: int,
     losses: dict[str, list[torch.Tensor]] | None = None,
-) -> LorcPlan:  # fmt: skip
+) -> LorcRanks:  # fmt: skip
     """Decide per-layer ranks so that Σ cached widths / (2·L·e) equals ``config.kv_budget``.
 
     ``losses[side][layer][r]`` (schedule "auto"): predicted loss of that side at rank r, r = 0..width."""
@@ -156,10 +182,10 @@ def plan_ranks(
         rank_k = [r if c and "k" in factored else None for r, c in zip(ranks, compressed, strict=True)]
         rank_v = [r if c and "v" in factored else None for r, c in zip(ranks, compressed, strict=True)]
     cached = sum((rk or width) + (rv or width) for rk, rv in zip(rank_k, rank_v, strict=True))
-    return LorcPlan(kappa_k, kappa_v, log10_cum, compressed, rank_k, rank_v, budget=cached / (2 * layers * width))
+    return LorcRanks(kappa_k, kappa_v, log10_cum, compressed, rank_k, rank_v, budget=cached / (2 * layers * width))
 
 
-class LorcMethod(Method):
+class LorcMethod(Method[LorcPlan]):
     name = "lorc"
     # calibrated keys: weight their error by the queries (True) or by the inputs alone (the ablation)
     query_weighted_keys: ClassVar[bool] = True
@@ -178,13 +204,6 @@ class LorcMethod(Method):
 
     def __init__(self, config: LorcConfig):
         self.config = config
-        self.plan_: LorcPlan | None = None
-        self.layout: AttentionLayout | None = None
-        self.input_grams: list[torch.Tensor] | None = None  # calibrate: [D, D] float64 per layer
-        self.head_grams: Any = None  # calibrate: ``calib.stats.HeadGrams`` (queries weight the keys)
-        self.calibration: dict[str, Any] = {}
-        self.refined: dict[int, Any] = {}  # refine_steps: layer -> {side: (A, B)}, Π = A·B (``methods.lorc.refine``)
-        self.refine_log: dict[int, dict[str, float]] = {}
 
     @classmethod
     def describe(cls, report: dict[str, Any]) -> str:
@@ -221,36 +240,34 @@ class LorcMethod(Method):
         if layout.qk_norm and not layout.rotary:  # keys scored on the latent: no full-width key to normalise
             raise KVConvertError("lorc supports QK-norm only with RoPE (its keys are rebuilt, then normalised)")
 
-    def expected_kv_budget(self, layout: AttentionLayout) -> float:
-        assert self.plan_ is not None
-        return self.plan_.budget
+    def expected_kv_budget(self, plan: LorcPlan, layout: AttentionLayout) -> float:
+        return plan.ranks.budget
 
-    def _targets(self, layer: int, w: AttentionWeights) -> dict[str, tuple[torch.Tensor, Any, Any]]:
+    def _targets(
+        self, weighting: Weighting | None, layout: AttentionLayout, layer: int, w: AttentionWeights
+    ) -> dict[str, tuple[torch.Tensor, Any, Any]]:
         """Per factored side: (weight, right factor, left factor) of ``linalg.weighted_truncation``.
         Uncalibrated: plain SVD of the weights (the paper). Calibrated: errors measured on the layer's
         inputs (R = √ of their Gram) and weighted by what reads them: a key error by the queries that
         score it (each group's query Gram; with RoPE only its diagonal, as the cross terms between
         rotary planes average out over relative positions), a value error by W_O (each group's W_Oᵀ W_O)."""
-        layout = self.layout
-        assert layout is not None
-        if self.input_grams is None:
+        if weighting is None:
             return {"k": (w.k_weight, None, None), "v": (w.v_weight, None, None)}
-        right = linalg.gram_factor(self.input_grams[layer])
+        right = linalg.gram_factor(weighting.input_grams[layer])
         o_gram = linalg.output_gram(w.o_weight, layout.num_heads, layout.num_kv_heads, layout.head_dim)
         left_k = None
         if self.query_weighted_keys:
-            queries = self.head_grams.query[layer]  # [Hkv, dk, dk]
+            queries = weighting.head_grams.query[layer]  # [Hkv, dk, dk]
             left_k = linalg.block_cholesky(torch.diag_embed(queries.diagonal(dim1=-2, dim2=-1)) if layout.rotary
                                            else queries)  # fmt: skip
         return {"k": (w.k_weight, right, left_k), "v": (w.v_weight, right, linalg.block_cholesky(o_gram))}
 
-    def plan(self, ctx: PlanContext) -> None:
+    def plan(self, ctx: PlanContext) -> LorcPlan:
         """κ(W_K), κ(W_V) of every layer (full D × n_kv·d matrices, appendix D), then the ranks.
         Calibrated: the attention inputs' Grams first; auto: every side's loss curve (``_losses``)."""
         layout, layers, source = ctx.layout, ctx.layers, ctx.source
         config = self.config
-        self.layout = layout
-        calib = None
+        calib, weighting, calibration = None, None, {}
         if config.calibrate:
             from kvconvert.arch import adapter_for
             from kvconvert.calib.stats import collect_layer_grams
@@ -258,9 +275,8 @@ class LorcMethod(Method):
 
             calib = calibration_set(source.path, config.calib, config.calib_tokens,
                                     min(config.chunk_len, layout.context), config.seed)  # fmt: skip
-            self.input_grams, self.head_grams = collect_layer_grams(source, adapter_for(source.config), calib.chunks,
-                                                                    ctx.progress)  # fmt: skip
-            self.calibration = {"source": calib.source, "tokens": calib.tokens, "chunk_len": calib.chunks.shape[1]}
+            weighting = Weighting(*collect_layer_grams(source, adapter_for(source.config), calib.chunks, ctx.progress))
+            calibration = {"source": calib.source, "tokens": calib.tokens, "chunk_len": calib.chunks.shape[1]}
         factored = tuple(config.compress)
         r0 = probe_rank(config, layout.num_layers, layout.kv_width)
         kappa_k, kappa_v = [], []
@@ -269,50 +285,56 @@ class LorcMethod(Method):
         for i, w in enumerate(layers):
             kappa_k.append(linalg.kappa(w.k_weight))
             kappa_v.append(linalg.kappa(w.v_weight))
-            if self.input_grams is None:
+            if weighting is None:
                 continue
-            for side, (weight, right, left) in self._targets(i, w).items():
+            for side, (weight, right, left) in self._targets(weighting, layout, i, w).items():
                 if side in factored:
                     spectra[side].append(linalg.weighted_singular_values(weight, right, left))
                     if config.schedule == "auto":
                         projectors[side].append(_affine(weight, r0, right, left, w.k_bias if side == "k" else w.v_bias))
         if config.schedule != "auto":
-            self.plan_ = plan_ranks(config, kappa_k, kappa_v, layout.kv_width)
+            ranks = plan_ranks(config, kappa_k, kappa_v, layout.kv_width)
         else:
-            assert calib is not None
+            assert calib is not None and weighting is not None
             jobs = {(i, side): affine for side in factored for i, affine in enumerate(projectors[side])}
-            first = self._probe(ctx, calib, jobs)
+            first, calibration["probe"] = self._probe(ctx, calib, jobs)
             probes = {side: [[(r0, first[i, side])] for i in range(layout.num_layers)] for side in factored}
-            plan: LorcPlan | None = None
+            allocated: LorcRanks | None = None
             if config.latent == "joint":
-                plan = self._joint_plan(source, layout, spectra, probes, kappa_k, kappa_v)
+                allocated = self._joint_plan(source, layout, weighting, spectra, probes, kappa_k, kappa_v)
             else:
                 for _ in range(config.probe_rounds):
-                    if plan is not None:
-                        self._probe_again(ctx, calib, plan, probes)
+                    if allocated is not None:
+                        self._probe_again(ctx, weighting, calib, allocated, probes)
                     losses = {side: [linalg.loss_curve(linalg.tail_energy(spectra[side][i]), probes[side][i])
                                      for i in range(layout.num_layers)] for side in factored}  # fmt: skip
-                    plan = plan_ranks(config, kappa_k, kappa_v, layout.kv_width, losses)
-            assert plan is not None
+                    allocated = plan_ranks(config, kappa_k, kappa_v, layout.kv_width, losses)
+            assert allocated is not None
             none: list[float | None] = [None] * layout.num_layers
-            plan.probe_kl_k = [p[0][1] for p in probes["k"]] if "k" in probes else none
-            plan.probe_kl_v = [p[0][1] for p in probes["v"]] if "v" in probes else none
-            plan.probe_rank, plan.probes = r0, probes
-            self.plan_ = plan
-        if config.refine_steps:
-            assert calib is not None
-            self._refine(ctx, calib.chunks[: config.refine_chunks])
+            ranks = dataclasses.replace(
+                allocated, probe_rank=r0, probes=probes,
+                probe_kl_k=[p[0][1] for p in probes["k"]] if "k" in probes else none,
+                probe_kl_v=[p[0][1] for p in probes["v"]] if "v" in probes else none,
+            )  # fmt: skip
+        if not config.refine_steps:
+            return LorcPlan(layout, ranks, weighting, calibration)
+        assert calib is not None
+        refined, refine_log, calibration["refine"] = self._refine(ctx, weighting, ranks,
+                                                                  calib.chunks[: config.refine_chunks])  # fmt: skip
+        return LorcPlan(layout, ranks, weighting, calibration, refined, refine_log)
 
-    def _refine(self, ctx: PlanContext, chunks: torch.Tensor) -> None:
+    def _refine(
+        self, ctx: PlanContext, weighting: Weighting | None, plan: LorcRanks, chunks: torch.Tensor
+    ) -> tuple[dict[int, Any], dict[int, dict[str, float]], dict[str, Any]]:
         """``methods.lorc.refine``: each compressed layer's closed-form truncation, then Adam steps on its
-        attention output's error, layer by layer on the stream of the refined layers before it."""
+        attention output's error, layer by layer on the stream of the refined layers before it. Returns
+        the refined truncations, their losses per layer, and what the refinement ran."""
         import time
 
         from kvconvert.arch import adapter_for
         from kvconvert.methods.lorc.refine import Job, refine_layers
 
-        plan, source, layout = self.plan_, ctx.source, ctx.layout
-        assert plan is not None
+        source, layout = ctx.source, ctx.layout
         adapter = adapter_for(source.config)
         names = adapter.attention_names_by_layer(source.tensor_names())
 
@@ -324,12 +346,12 @@ class LorcMethod(Method):
             if plan.joint_scales is not None:  # one latent: Π on the stacked [k; v]
                 rank = plan.rank_k[layer]
                 assert rank is not None
-                stacked, left, right = self._stacked(layer, w, plan.joint_scales[layer])
+                stacked, left, right = self._stacked(weighting, layout, layer, w, plan.joint_scales[layer])
                 factors["kv"] = linalg.truncation_factors(stacked, rank, right, left)
                 sides = ((w.k_weight, w.k_bias), (w.v_weight, w.v_bias))
                 offsets["kv"] = torch.cat([torch.zeros(m.shape[0]) if b is None else b.float() for m, b in sides])
                 return factors, offsets, w.o_weight
-            for side, (weight, right, left) in self._targets(layer, w).items():
+            for side, (weight, right, left) in self._targets(weighting, layout, layer, w).items():
                 rank = plan.rank_k[layer] if side == "k" else plan.rank_v[layer]
                 if rank is None:
                     continue
@@ -339,24 +361,28 @@ class LorcMethod(Method):
             return factors, offsets, w.o_weight
 
         started = time.perf_counter()
-        self.refined, self.refine_log = refine_layers(source, adapter, chunks, job_for, layout.rotary_module,
-                                                      self.config.refine_steps, ctx.progress)  # fmt: skip
-        self.calibration["refine"] = {"steps": self.config.refine_steps, "chunks": int(chunks.shape[0]),
-                                      "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
+        refined, log = refine_layers(source, adapter, chunks, job_for, layout.rotary_module, self.config.refine_steps,
+                                     ctx.progress)  # fmt: skip
+        ran = {"steps": self.config.refine_steps, "chunks": int(chunks.shape[0]),
+               "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
+        return refined, log, ran
 
-    def _stacked(self, layer: int, w: AttentionWeights, scales: tuple[float, float]) -> tuple[torch.Tensor, ...]:
+    def _stacked(
+        self, weighting: Weighting | None, layout: AttentionLayout, layer: int, w: AttentionWeights,
+        scales: tuple[float, float],
+    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
         """``latent="joint"``: ``(stacked [W_K; W_V], its left factor, right factor)`` for
         ``linalg.weighted_truncation`` / ``truncation_factors``: each side's ``_targets`` weighting, scaled
         by ``scales`` (``linalg.stacked_weights``)."""
-        targets = self._targets(layer, w)
+        targets = self._targets(weighting, layout, layer, w)
         stacked, left = linalg.stacked_weights([targets["k"][0], targets["v"][0]], list(scales),
                                                [targets["k"][2], targets["v"][2]])  # fmt: skip
         return stacked, left, targets["k"][1]
 
     def _joint_plan(
-        self, source: Any, layout: AttentionLayout, spectra: dict[str, list[torch.Tensor]],
+        self, source: Any, layout: AttentionLayout, weighting: Weighting, spectra: dict[str, list[torch.Tensor]],
         probes: dict[str, list[list[tuple[int, float]]]], kappa_k: list[float], kappa_v: list[float],
-    ) -> LorcPlan:  # fmt: skip
+    ) -> LorcRanks:  # fmt: skip
         """``latent="joint"``: per layer, K's and V's weighted errors put into one loss by what their probes
         measured per unit of error (``linalg.loss_per_energy``), the stacked matrix's left-out energy as
         that layer's loss curve, then the ranks by greedy allocation (one latent column counts once: it
@@ -377,7 +403,7 @@ class LorcMethod(Method):
                          for m, e in zip(measured, energy, strict=True))  # fmt: skip
             scales.append((pair[0], pair[1]))
             w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
-            stacked, left, right = self._stacked(layer, w, scales[-1])
+            stacked, left, right = self._stacked(weighting, layout, layer, w, scales[-1])
             sigma = linalg.weighted_singular_values(stacked, right, left)
             curves.append(linalg.tail_energy(sigma) * float((sigma**2).sum()))  # predicted KL at each rank
         layers, width = layout.num_layers, layout.kv_width
@@ -387,15 +413,15 @@ class LorcMethod(Method):
                                  f"({1 / (2 * width):.4f}: rank 1 per layer)")  # fmt: skip
         ranks: list[int | None] = list(linalg.allocate_ranks(curves, total))
         log10_cum = [v / math.log(10) for v in linalg.log_cumulative_condition(kappa_k, kappa_v)]
-        return LorcPlan(kappa_k, kappa_v, log10_cum, [True] * layers, ranks, list(ranks),
+        return LorcRanks(kappa_k, kappa_v, log10_cum, [True] * layers, ranks, list(ranks),
                         budget=total / (2 * layers * width), joint_scales=scales)  # fmt: skip
 
     def _probe(
         self, ctx: PlanContext, calib: Any, jobs: dict[tuple[int, str], Affine]
-    ) -> dict[tuple[int, str], float]:  # fmt: skip
+    ) -> tuple[dict[tuple[int, str], float], dict[str, Any]]:  # fmt: skip
         """KL to the source on held-out calibration chunks with only one (layer, side) truncated, for
         every job: the source run with that side's affine map (simulated exactly, ``calib.projection.projected_kv``),
-        all jobs in one branching pass (``calib.probes.branch_kls``)."""
+        all jobs in one branching pass (``calib.probes.branch_kls``); and what the probes ran on."""
         from kvconvert.calib.probes import active_job, branch_kls
         from kvconvert.calib.projection import projected_kv
 
@@ -410,13 +436,12 @@ class LorcMethod(Method):
 
         kls = branch_kls(ctx.source, chunks, [layer for layer, _ in order],
                          lambda model: projected_kv(model, select, layout.rotary_module), ctx.progress)  # fmt: skip
-        self.calibration["probe"] = {"rank": probe_rank(self.config, layout.num_layers, layout.kv_width),
-                                     "rounds": self.config.probe_rounds, "chunks": int(chunks.shape[0]),
-                                     "chunk_len": int(chunks.shape[1])}  # fmt: skip
-        return dict(zip(order, kls, strict=True))
+        ran = {"rank": probe_rank(self.config, layout.num_layers, layout.kv_width), "rounds": self.config.probe_rounds,
+               "chunks": int(chunks.shape[0]), "chunk_len": int(chunks.shape[1])}  # fmt: skip
+        return dict(zip(order, kls, strict=True)), ran
 
     def _probe_again(
-        self, ctx: PlanContext, calib: Any, plan: LorcPlan,
+        self, ctx: PlanContext, weighting: Weighting, calib: Any, plan: LorcRanks,
         probes: dict[str, list[list[tuple[int, float]]]],
     ) -> None:  # fmt: skip
         """One more round: every factored side probed at the rank ``plan`` gives it (the layers
@@ -436,19 +461,20 @@ class LorcMethod(Method):
         jobs: dict[tuple[int, str], Affine] = {}
         for layer in range(layout.num_layers):
             w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
-            for side, (weight, right, left) in self._targets(layer, w).items():
+            for side, (weight, right, left) in self._targets(weighting, layout, layer, w).items():
                 rank = rank_of(layer, side) if side in probes else layout.kv_width
                 if rank < layout.kv_width and rank != probes[side][layer][-1][0]:
                     jobs[layer, side] = _affine(weight, rank, right, left, w.k_bias if side == "k" else w.v_bias)
-        measured = self._probe(ctx, calib, jobs) if jobs else {}
+        measured = self._probe(ctx, calib, jobs)[0] if jobs else {}
         for side, layers in probes.items():
             for layer, points in enumerate(layers):
                 job = (layer, side)
                 points.append((rank_of(layer, side), measured[job]) if job in measured else points[-1])
 
-    def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
-        plan, layout = self.plan_, self.layout
-        assert plan is not None and layout is not None, "plan() runs before convert_layer()"
+    def convert_layer(
+        self, planned: LorcPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype
+    ) -> LayerOutput:
+        plan, layout = planned.ranks, planned.layout
         report: dict[str, Any] = {
             "layer": layer,
             "kappa_k": plan.kappa_k[layer],
@@ -463,21 +489,21 @@ class LorcMethod(Method):
         for side, points in plan.probes.items():
             if len(points[layer]) > 1:  # later rounds: (rank, KL) as measured
                 report[f"{side}_probes"] = [list(p) for p in points[layer]]
-        for key, value in self.refine_log.get(layer, {}).items():
+        for key, value in planned.refine_log.get(layer, {}).items():
             report[f"refine_{key}"] = value
         if not plan.compressed[layer]:
             return LayerOutput(tensors={}, report=report, passthrough=True)
-        targets = self._targets(layer, weights)
+        targets = self._targets(planned.weighting, layout, layer, weights)
         joint = None if plan.joint_scales is None else plan.joint_scales[layer]
         spectra: dict[str, torch.Tensor] = {}  # σ of the closed-form truncations (refined sides: computed below)
         tensors = factor_attention(weights, layout, plan.rank_k[layer], plan.rank_v[layer],
                                    right=targets["k"][1], left_k=targets["k"][2], left_v=targets["v"][2],
-                                   refined=self.refined.get(layer, {}), joint=joint, spectra=spectra)  # fmt: skip
+                                   refined=planned.refined.get(layer, {}), joint=joint, spectra=spectra)  # fmt: skip
         if joint is not None:  # one latent: the stacked, loss-weighted matrix's relative error
             rank = plan.rank_k[layer]
             assert rank is not None
             if "kv" not in spectra:
-                stacked, left, right = self._stacked(layer, weights, joint)
+                stacked, left, right = self._stacked(planned.weighting, layout, layer, weights, joint)
                 spectra["kv"] = linalg.weighted_singular_values(stacked, right, left)
             report["kv_rel_output_error"] = linalg.relative_frobenius_error(spectra["kv"], rank)
             report["kv_scales"] = list(joint)
@@ -493,21 +519,21 @@ class LorcMethod(Method):
             report[f"{side}_sigma_next"] = float(svals[rank]) if rank < svals.numel() else 0.0
         return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, plan: LorcPlan) -> dict[str, Any]:
         """Whole-model decisions (``kvconvert.json`` → ``plan``): the calibration and auto's probes."""
-        return {"calibration": self.calibration} if self.calibration else {}
+        return {"calibration": plan.calibration} if plan.calibration else {}
 
-    def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
-        assert self.plan_ is not None
+    def runtime_spec(self, plan: LorcPlan, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
+        ranks = plan.ranks
         layers: list[dict[str, Any] | None] = []
         for i, names in enumerate(tensor_names):
-            if not self.plan_.compressed[i]:
+            if not ranks.compressed[i]:
                 layers.append(None)  # stock attention and weights
                 continue
             layers.append({
-                "rank_k": self.plan_.rank_k[i], "rank_v": self.plan_.rank_v[i],
+                "rank_k": ranks.rank_k[i], "rank_v": ranks.rank_v[i],
                 "biases": sorted(n.removesuffix(".bias") for n in names if n.endswith(".bias")),
-                **({"joint": True} if self.plan_.joint_scales is not None else {}),
+                **({"joint": True} if ranks.joint_scales is not None else {}),
             })  # fmt: skip
         spec: dict[str, Any] = {"lorc_layers": layers}
         if layout.qk_norm:  # per head (Qwen3: a [dk] weight) or over all heads at once (OLMo 2)

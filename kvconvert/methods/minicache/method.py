@@ -102,7 +102,28 @@ def fit_pair_subspace(mean: torch.Tensor, covariance: torch.Tensor, metrics: lis
     return SubspaceFit(lower, vectors, eigenvalues, mean)
 
 
-class MiniCacheMethod(Method):
+@dataclass(frozen=True)
+class MiniCachePlan:
+    """What minicache decided for a model: the first merged layer (the pairs follow), the bytes of one
+    cached element, the retention shares the budget counts (appendix E's γ, or measured), the adjacent-layer
+    similarity when measured; ``merge: subspace``: each pair's fitted (keys, values) subspaces, their latent
+    widths and the calibration text."""
+
+    num_layers: int
+    start: int
+    element_bytes: int
+    retained: tuple[float, float]
+    similarity: dict[str, Any] | None = None
+    fits: tuple[tuple[SubspaceFit, SubspaceFit], ...] = ()
+    ranks: tuple[tuple[int, int], ...] = ()
+    calib_source: str | None = None
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        return merge_pairs(self.start, self.num_layers)
+
+
+class MiniCacheMethod(Method[MiniCachePlan]):
     name = "minicache"
     unsupported: ClassVar[dict[str, str]] = {
         "local_layers": "merging needs two adjacent layers that cache the same tokens, and a sliding-window layer "
@@ -118,14 +139,6 @@ class MiniCacheMethod(Method):
 
     def __init__(self, config: MiniCacheConfig | None = None):
         self.config = config or MiniCacheConfig()
-        self.layout: AttentionLayout | None = None
-        self.start: int | None = None
-        self.similarity: dict[str, Any] | None = None
-        self.retained = (self.config.gamma, self.config.gamma)  # appendix E's assumption until measured
-        self.element_bytes = 2
-        self.fits: list[tuple[SubspaceFit, SubspaceFit]] = []  # subspace: per pair, (keys, values)
-        self.ranks: list[tuple[int, int]] = []  # subspace: per pair, latent widths (keys, values)
-        self.calib_source: str | None = None
 
     @classmethod
     def describe(cls, report: dict[str, Any]) -> str:
@@ -167,54 +180,59 @@ class MiniCacheMethod(Method):
                 f"(use {layout.num_layers} to merge nothing)"
             )
 
-    def pairs(self) -> list[tuple[int, int]]:
-        assert self.start is not None and self.layout is not None, "plan() runs first"
-        return merge_pairs(self.start, self.layout.num_layers)
-
-    def budget(self, layout: AttentionLayout, pairs: int) -> float:
+    def budget(
+        self, layout: AttentionLayout, pairs: int, element_bytes: int, retained: tuple[float, float],
+        ranks: tuple[tuple[int, int], ...] = (),
+    ) -> float:  # fmt: skip
+        """Cache bytes ÷ the source's with ``pairs`` merged pairs (subspace: of ``ranks`` widths)."""
         if self.config.merge == "subspace":
-            latent, full = subspace_bytes_per_token(layout, self.ranks, self.element_bytes)
+            latent, full = subspace_bytes_per_token(layout, list(ranks), element_bytes)
             return latent / full
-        new, original = kv_bytes_per_token(layout, pairs, self.element_bytes, *self.retained, self.config.merge)
+        new, original = kv_bytes_per_token(layout, pairs, element_bytes, *retained, self.config.merge)
         return new / original
 
-    def plan(self, ctx: PlanContext) -> None:
+    def plan(self, ctx: PlanContext) -> MiniCachePlan:
         config, layout, layers, source, dtype = self.config, ctx.layout, ctx.layers, ctx.source, ctx.dtype
-        self.layout = layout
+        element_bytes = 2
         if dtype is not None:  # the merged states are cached in the converted model's dtype
-            self.element_bytes = torch.empty((), dtype=dtype).element_size()
+            element_bytes = torch.empty((), dtype=dtype).element_size()
         else:
             remaining = iter(layers)
             first = next(remaining, None)
             if first is not None:
-                self.element_bytes = first.k_weight.element_size()
+                element_bytes = first.k_weight.element_size()
                 layers = itertools.chain([first], remaining)  # the subspace fit reads every layer's W_O
         if config.merge == "subspace":
-            self._plan_subspace(layout, layers, source, ctx.progress)
-            return
+            return self._plan_subspace(layout, layers, source, element_bytes, ctx.progress)
+        similarity = None
         if config.measures:
             from kvconvert.methods.minicache.layer_similarity import measure_layer_similarity
 
-            self.similarity = measure_layer_similarity(source, config.calib, config.calib_tokens, config.chunk_len,
-                                                       config.seed, config.gamma, ctx.progress)  # fmt: skip
+            similarity = measure_layer_similarity(source, config.calib, config.calib_tokens, config.chunk_len,
+                                                  config.seed, config.gamma, ctx.progress)  # fmt: skip
+        retained = (config.gamma, config.gamma)  # appendix E's assumption until measured
         if config.start_layer is not None:
-            self.start = config.start_layer
+            start = config.start_layer
         elif config.kv_budget is not None:
-            self.start = self._start_for_budget(layout, config.kv_budget)
+            start = self._start_for_budget(layout, config.kv_budget, element_bytes, retained)
         elif config.min_similarity is not None:
-            self.start = self._start_for_similarity(layout, config.min_similarity)
+            assert similarity is not None
+            start = self._start_for_similarity(layout, config.min_similarity, similarity)
         else:
-            self.start = layout.num_layers // 2
-        if self.similarity is not None and self.pairs():  # measured retention replaces the assumed one
-            chosen = [self.similarity["pairs"][first_layer] for first_layer, _ in self.pairs()]
-            self.retained = (
+            start = layout.num_layers // 2
+        pairs = merge_pairs(start, layout.num_layers)
+        if similarity is not None and pairs:  # measured retention replaces the assumed one
+            chosen = [similarity["pairs"][first_layer] for first_layer, _ in pairs]
+            retained = (
                 sum(p["retained_k"] for p in chosen) / len(chosen),
                 sum(p["retained_v"] for p in chosen) / len(chosen),
             )
+        return MiniCachePlan(layout.num_layers, start, element_bytes, retained, similarity)
 
     def _plan_subspace(
-        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any, progress: bool
-    ) -> None:
+        self, layout: AttentionLayout, layers: Iterable[AttentionWeights], source: Any, element_bytes: int,
+        progress: bool,
+    ) -> MiniCachePlan:  # fmt: skip
         """Pairs from S (default: every layer with ``kv_budget``, L/2 without), fitted on calibration text;
         latent widths: half of each pair's stacked width, or allocated by loss to meet ``kv_budget``."""
         from kvconvert.arch import adapter_for
@@ -223,26 +241,27 @@ class MiniCacheMethod(Method):
 
         config = self.config
         if config.start_layer is not None:
-            self.start = config.start_layer
+            start = config.start_layer
         else:
-            self.start = 0 if config.kv_budget is not None else layout.num_layers // 2
-        pairs = self.pairs()
+            start = 0 if config.kv_budget is not None else layout.num_layers // 2
+        retained = (config.gamma, config.gamma)
+        pairs = merge_pairs(start, layout.num_layers)
         members = {layer for pair in pairs for layer in pair}
         o_grams = {i: linalg.output_gram(w.o_weight, layout.num_heads, layout.num_kv_heads, layout.head_dim)
                    for i, w in enumerate(layers) if i in members}  # fmt: skip
         if not pairs:
-            return
+            return MiniCachePlan(layout.num_layers, start, element_bytes, retained)
         adapter = adapter_for(source.config)
         calib_set = calibration_set(source.path, config.calib, config.calib_tokens,
                                     min(config.chunk_len, layout.context), config.seed)  # fmt: skip
-        self.calib_source = calib_set.source
         moments = collect_pair_moments(source, adapter, pairs, calib_set.chunks, progress=progress)
+        fits = []
         for p, (a, b) in enumerate(pairs):
             keys = fit_pair_subspace(*moments.covariance(p, 0), [moments.query[a], moments.query[b]])
             values = fit_pair_subspace(*moments.covariance(p, 1), [o_grams[a], o_grams[b]])
-            self.fits.append((keys, values))
+            fits.append((keys, values))
         width = 2 * layout.kv_width
-        curves = [fit.losses() for pair in self.fits for fit in pair]
+        curves = [fit.losses() for pair in fits for fit in pair]
         if config.kv_budget is None:
             widths = [width // 2] * len(curves)
         elif config.kv_budget >= 1:
@@ -254,23 +273,27 @@ class MiniCacheMethod(Method):
                 raise KVConvertError(f"kv_budget {config.kv_budget} leaves less than one latent channel per merged "
                                      f"pair and side; raise it")  # fmt: skip
             widths = linalg.allocate_ranks(curves, total, low=1)
-        self.ranks = [(widths[2 * p], widths[2 * p + 1]) for p in range(len(pairs))]
+        ranks = tuple((widths[2 * p], widths[2 * p + 1]) for p in range(len(pairs)))
+        return MiniCachePlan(layout.num_layers, start, element_bytes, retained, None, tuple(fits), ranks,
+                             calib_set.source)  # fmt: skip
 
-    def _start_for_budget(self, layout: AttentionLayout, kv_budget: float) -> int:
+    def _start_for_budget(
+        self, layout: AttentionLayout, kv_budget: float, element_bytes: int, retained: tuple[float, float]
+    ) -> int:
         most = layout.num_layers // 2
         for count in range(most + 1):
-            if self.budget(layout, count) <= kv_budget:
+            if self.budget(layout, count, element_bytes, retained) <= kv_budget:
                 return layout.num_layers - 2 * count
         raise KVConvertError(
             f"kv_budget {kv_budget} is below what merging every layer pair reaches "
-            f"({self.budget(layout, most):.3f} at γ = {self.config.gamma}); raise it or lower --gamma"
+            f"({self.budget(layout, most, element_bytes, retained):.3f} at γ = {self.config.gamma}); raise it or "
+            "lower --gamma"
         )
 
-    def _start_for_similarity(self, layout: AttentionLayout, min_similarity: float) -> int:
+    def _start_for_similarity(self, layout: AttentionLayout, min_similarity: float, similarity: dict[str, Any]) -> int:
         from kvconvert.methods.minicache.layer_similarity import pair_similarity, shallowest_start
 
-        assert self.similarity is not None
-        pairs = self.similarity["pairs"]
+        pairs = similarity["pairs"]
         start = shallowest_start(pairs, layout.num_layers, min_similarity)
         if start is None:
             best = max(pairs, key=pair_similarity)
@@ -281,52 +304,58 @@ class MiniCacheMethod(Method):
             )
         return start
 
-    def expected_kv_budget(self, layout: AttentionLayout) -> float:
-        return self.budget(layout, len(self.pairs()))
+    def expected_kv_budget(self, plan: MiniCachePlan, layout: AttentionLayout) -> float:
+        return self.budget(layout, len(plan.pairs), plan.element_bytes, plan.retained, plan.ranks)
 
-    def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
-        pair = next((p for p, members in enumerate(self.pairs()) if layer in members), None)
-        partner = None if pair is None else sum(self.pairs()[pair]) - layer
+    def convert_layer(
+        self, plan: MiniCachePlan, layer: int, weights: AttentionWeights, dtype: torch.dtype
+    ) -> LayerOutput:
+        pairs = plan.pairs
+        pair = next((p for p, members in enumerate(pairs) if layer in members), None)
+        partner = None if pair is None else sum(pairs[pair]) - layer
         report: dict[str, Any] = {"layer": layer, "merged_with": partner}
-        if self.similarity is not None and layer > 0:
-            row = self.similarity["pairs"][layer - 1]
+        if plan.similarity is not None and layer > 0:
+            row = plan.similarity["pairs"][layer - 1]
             report.update(cos_k_with_previous=round(row["cos_k"], 6), cos_v_with_previous=round(row["cos_v"], 6))
         tensors: dict[str, torch.Tensor] = {}
-        if self.fits and pair is not None:
-            member = self.pairs()[pair].index(layer)
-            for side, fit, rank in zip("kv", self.fits[pair], self.ranks[pair], strict=True):
+        if plan.fits and pair is not None:
+            member = pairs[pair].index(layer)
+            for side, fit, rank in zip("kv", plan.fits[pair], plan.ranks[pair], strict=True):
                 tensors.update(subspace_tensors(fit, rank, member, side, dtype))
                 report[f"rank_{side}"] = rank
                 report[f"loss_{side}"] = round(float(fit.losses()[rank]) / 2, 6)  # share of the pair's energy
         return LayerOutput(tensors=tensors, report=report, passthrough=True)
 
-    def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
-        return {"minicache": self.merge_plan()}
+    def runtime_spec(
+        self, plan: MiniCachePlan, layout: AttentionLayout, tensor_names: list[list[str]]
+    ) -> dict[str, Any]:
+        return {"minicache": self.merge_plan(plan)}
 
-    def merge_plan(self) -> dict[str, Any]:
-        plan: dict[str, Any] = {
-            "start_layer": self.start,
-            "pairs": [list(p) for p in self.pairs()],
+    def merge_plan(self, plan: MiniCachePlan) -> dict[str, Any]:
+        """What the runtime merges: the pairs, SLERP's t, the retention threshold (subspace: the widths)."""
+        merge: dict[str, Any] = {
+            "start_layer": plan.start,
+            "pairs": [list(p) for p in plan.pairs],
             "t": self.config.t,
             "gamma": self.config.gamma,
             "merge": self.config.merge,
         }
         if self.config.merge == "subspace":
-            plan["ranks"] = [list(r) for r in self.ranks]
-            plan["sink"] = self.config.sink
-        return plan
+            merge["ranks"] = [list(r) for r in plan.ranks]
+            merge["sink"] = self.config.sink
+        return merge
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, plan: MiniCachePlan) -> dict[str, Any]:
         """kvconvert.json's ``plan``: the merge plan, the retention shares the budget assumes, and the
         adjacent-layer similarity when it was measured."""
         if self.config.merge == "subspace":
-            calibration = {"source": self.calib_source, "tokens": self.config.calib_tokens}
-            return {**self.merge_plan(), "calibration": calibration}
-        plan: dict[str, Any] = {**self.merge_plan(), "retained_share_assumed": list(self.retained)}
-        plan["retention_source"] = "measured on calibration text" if self.similarity else "γ (paper appendix E)"
-        if self.similarity is not None:
-            plan["layer_similarity"] = self.similarity
-        return plan
+            calibration = {"source": plan.calib_source, "tokens": self.config.calib_tokens}
+            return {**self.merge_plan(plan), "calibration": calibration}
+        summary: dict[str, Any] = {**self.merge_plan(plan), "retained_share_assumed": list(plan.retained)}
+        summary["retention_source"] = "measured on calibration text" if plan.similarity else "γ (paper appendix E)"
+        if plan.similarity is not None:
+            summary["layer_similarity"] = plan.similarity
+        return summary
 
 
 def subspace_tensors(

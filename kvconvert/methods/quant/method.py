@@ -10,6 +10,7 @@ is chosen between ``min_bits`` and ``max_bits`` by measured loss on calibration 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,9 +19,18 @@ from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
 from kvconvert.methods.base import LayerOutput, Method, PlanContext, budget_words
 from kvconvert.methods.quant.config import QuantConfig
+from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 
-class QuantMethod(Method):
+@dataclass(frozen=True)
+class QuantPlan:
+    """With ``--kv-budget``: the storage with a width per layer and side, and how it was chosen."""
+
+    storage: QuantSpec
+    report: dict[str, Any]  # kvconvert.json's ``plan``
+
+
+class QuantMethod(Method[QuantPlan | None]):
     name = "quant"
     token_layout = True
 
@@ -34,7 +44,6 @@ class QuantMethod(Method):
 
     def __init__(self, config: QuantConfig | None = None):
         self.config = config or QuantConfig()
-        self.plan_report: dict[str, Any] = {}
 
     @classmethod
     def describe(cls, report: dict[str, Any]) -> str:
@@ -57,12 +66,12 @@ class QuantMethod(Method):
                 "quant needs --kv-bits 8, 4, 3 or 2 (16 would copy the model unchanged), or --kv-budget"
             )
 
-    def plan(self, ctx: PlanContext) -> None:
+    def plan(self, ctx: PlanContext) -> QuantPlan | None:
         """With ``kv_budget``: measure each layer's and side's sensitivity and allocate the widths."""
         layout, source = ctx.layout, ctx.source
         budget = self.config.kv_budget
         if budget is None:
-            return
+            return None  # one width for every layer: the storage options say it all
         from kvconvert.calib.text import calibration_set
         from kvconvert.methods.quant.bits import measure_allocation
 
@@ -74,21 +83,25 @@ class QuantMethod(Method):
         allocation, measured = measure_allocation(source, chunks.chunks, widths, config.choices, budget, storage,
                                                   layout.head_dim, ctx.progress)  # fmt: skip
         top = max(b for pair in allocation.layers for b in pair)
-        self.storage = dataclasses.replace(storage, bits=top, layers=allocation.layers)
-        self.plan_report = {
+        return QuantPlan(dataclasses.replace(storage, bits=top, layers=allocation.layers), {
             "kv_budget": allocation.budget,
             "layers": [list(pair) for pair in allocation.layers],
             "calibration_kl_predicted": allocation.predicted_kl,
             "calibration_kl_measured": measured,
             "calibration": {"source": chunks.source, "tokens": chunks.tokens},
             "sensitivity": allocation.sensitivity,
-        }
+        })  # fmt: skip
 
-    def summary(self) -> dict[str, Any]:
-        return self.plan_report
+    def planned_storage(self, plan: QuantPlan | None) -> QuantSpec:
+        return self.storage if plan is None else plan.storage
 
-    def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
+    def summary(self, plan: QuantPlan | None) -> dict[str, Any]:
+        return {} if plan is None else plan.report
+
+    def convert_layer(
+        self, plan: QuantPlan | None, layer: int, weights: AttentionWeights, dtype: torch.dtype
+    ) -> LayerOutput:
         return LayerOutput(tensors={}, report={"layer": layer}, passthrough=True)
 
-    def expected_kv_budget(self, layout: AttentionLayout) -> float:
+    def expected_kv_budget(self, plan: QuantPlan | None, layout: AttentionLayout) -> float:
         return 1.0  # every token and channel kept; the storage factor comes on top

@@ -9,6 +9,7 @@ ALiBi's analytic scope L_h (theorem 1) is not implemented: no supported architec
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -35,7 +36,21 @@ def retrieval_kv_heads(chosen: set[tuple[int, int]], num_layers: int, group: int
     return [sorted({head // group for layer_, head in chosen if layer_ == layer}) for layer in range(num_layers)]
 
 
-class RazorMethod(Method):
+@dataclass(frozen=True)
+class RazorPlan:
+    """What razor decided for a model: every head's scores, the KV heads kept whole per layer, and the
+    window of the others."""
+
+    echo: torch.Tensor  # [layers, query heads]
+    induction: torch.Tensor
+    retrieval_kv_heads: list[list[int]]
+    retrieval_share: float  # of the global layers' KV heads
+    window: int
+    window_frac: float
+    profile_tokens: int
+
+
+class RazorMethod(Method[RazorPlan]):
     name = "razor"
     token_layout = True  # the retrieval heads' full stores; the sliding windows stay in KIVI's layout
     unsupported: ClassVar[dict[str, str]] = {
@@ -49,7 +64,6 @@ class RazorMethod(Method):
 
     def __init__(self, config: RazorConfig | None = None):
         self.config = config or RazorConfig()
-        self.report: dict[str, Any] = {}
 
     @classmethod
     def describe(cls, report: dict[str, Any]) -> str:
@@ -68,7 +82,7 @@ class RazorMethod(Method):
                          f"{max(row['echo_scores']):>9.3f}")  # fmt: skip
         return "\n".join(lines)
 
-    def plan(self, ctx: PlanContext) -> None:
+    def plan(self, ctx: PlanContext) -> RazorPlan:
         """Profile echo/induction scores on the source model (one layer in memory at a time) and choose
         the retrieval heads."""
         layout, source = ctx.layout, ctx.source
@@ -98,37 +112,29 @@ class RazorMethod(Method):
                     f"({share:.3f}); lower --induction-frac/--echo-frac or raise the budget"
                 )
             window_frac = (self.config.kv_budget - share) / (1 - share) if share < 1 else 1.0
-        self.report = {
-            "echo": scores.echo,
-            "induction": scores.induction,
-            "retrieval_kv_heads": kept,
-            "retrieval_share": share,
-            "window": self.config.window or min(PAPER_WINDOW, max(16, context // 16)),
-            "window_frac": window_frac,
-            "profile_tokens": tokens,
-        }
+        window = self.config.window or min(PAPER_WINDOW, max(16, context // 16))
+        return RazorPlan(scores.echo, scores.induction, kept, share, window, window_frac, tokens)
 
-    def expected_kv_budget(self, layout: AttentionLayout) -> float:
+    def expected_kv_budget(self, plan: RazorPlan, layout: AttentionLayout) -> float:
         """Long-context limit: retrieval heads in full, the others at window_frac of the tokens (global
         layers; local ones hold a bounded window in the stock model and here alike)."""
-        share, frac = self.report["retrieval_share"], self.report["window_frac"]
-        return share + (1 - share) * frac
+        return plan.retrieval_share + (1 - plan.retrieval_share) * plan.window_frac
 
-    def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
+    def convert_layer(self, plan: RazorPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         report = {
             "layer": layer,
-            "retrieval_kv_heads": self.report["retrieval_kv_heads"][layer],
-            "echo_scores": [round(float(x), 6) for x in self.report["echo"][layer]],
-            "induction_scores": [round(float(x), 6) for x in self.report["induction"][layer]],
+            "retrieval_kv_heads": plan.retrieval_kv_heads[layer],
+            "echo_scores": [round(float(x), 6) for x in plan.echo[layer]],
+            "induction_scores": [round(float(x), 6) for x in plan.induction[layer]],
         }
         return LayerOutput(tensors={}, report=report, passthrough=True)
 
-    def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
+    def runtime_spec(self, plan: RazorPlan, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
         return {
             "razor": {
-                "retrieval_kv_heads": self.report["retrieval_kv_heads"],
+                "retrieval_kv_heads": plan.retrieval_kv_heads,
                 "sink": self.config.sink,
-                "window": self.report["window"],
-                "window_frac": self.report["window_frac"],
+                "window": plan.window,
+                "window_frac": plan.window_frac,
             }
         }

@@ -13,11 +13,11 @@ import torch
 from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.base import LayerOutput, Method, layer_table
+from kvconvert.methods.base import LayerOutput, Method, PlanContext, layer_table
 from kvconvert.methods.slim.config import SlimConfig
 
 
-class SlimMethod(Method):
+class SlimMethod(Method[None]):
     name = "slim"
     unsupported: ClassVar[dict[str, str]] = {
         "qk_norm": "its keys are RMS-normalised per head before RoPE (QK-norm), so K is not linear in the input "
@@ -59,10 +59,13 @@ class SlimMethod(Method):
                 "W_K is not invertible"
             )
 
-    def expected_kv_budget(self, layout: AttentionLayout) -> float:
+    def plan(self, ctx: PlanContext) -> None:
+        """Nothing to decide for the whole model: every layer's W_KV follows from its own weights."""
+
+    def expected_kv_budget(self, plan: None, layout: AttentionLayout) -> float:
         return 0.5
 
-    def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
+    def convert_layer(self, plan: None, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         w = weights
         # float64 copies made once: the solve, κ and the error check all read them (a no-op for float64 input)
         k64, v64 = w.k_weight.to(linalg.F64), w.v_weight.to(linalg.F64)
@@ -123,7 +126,7 @@ class SlimMethod(Method):
             v_exact += v_bias.to(linalg.F64)
         return linalg.relative_error(v_slim, v_exact), linalg.relative_error(v_exact.to(dtype), v_exact)
 
-    def finish(self, reports: list[dict[str, Any]]) -> None:
+    def finish(self, plan: None, reports: list[dict[str, Any]]) -> None:
         worst = max(reports, key=lambda r: r["v_rel_error"])
         if not worst["v_rel_error"] <= self.config.max_v_error and not self.config.accept_v_error:
             raise KVConvertError(
@@ -132,7 +135,7 @@ class SlimMethod(Method):
                 "convert with --dtype float32, raise --max-v-error, or pass --accept-v-error"
             )
 
-    def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
+    def runtime_spec(self, plan: None, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
         first = set(tensor_names[0])  # biases exist in every layer or in none (one architecture)
         return {
             "q_bias": "q_proj.bias" in first,

@@ -18,9 +18,8 @@ def auto_allocation(source: Any, budgets: list[float], calib: str | None, calib_
         return ZackMethod(ZackConfig(kv_budget=budget, schedule="auto", calib=calib, calib_tokens=calib_tokens,
                                      seed=seed))  # fmt: skip
 
-    def record(method: ZackMethod, layout: Any) -> dict[str, Any]:
-        plan = method.plan_
-        assert plan is not None, "planned"
+    def record(planned: Any, layout: Any) -> dict[str, Any]:
+        plan = planned.widths
         return {"budget": plan.budget, "rank_k": plan.rank_k, "rank_v": plan.rank_v, "probe_kl": plan.probe_kl,
                 "head_dim": layout.head_dim}  # fmt: skip
 

@@ -48,8 +48,10 @@ class HeadBases:
             self.vw_out = self.vw
 
 
-@dataclass
-class ZackPlan:
+@dataclass(frozen=True)
+class ZackWidths:
+    """Every KV head's cached widths, and how they were chosen."""
+
     removal_rate: float | None  # None: widths by measured loss (schedule "auto")
     rank_k: list[list[int]]  # [layer][kv head]
     rank_v: list[list[int]]
@@ -96,7 +98,7 @@ def fit_bases(grams: Any, o_grams: list[torch.Tensor], value_basis: str = "paper
     return HeadBases(qk, qk_s, vw, vw_s, vw_out)
 
 
-def plan_for_rate(bases: HeadBases, removal_rate: float, head_dim: int, compress: str = "kv") -> ZackPlan:
+def plan_for_rate(bases: HeadBases, removal_rate: float, head_dim: int, compress: str = "kv") -> ZackWidths:
     """Eq. 6 per head for one shared r; ``budget`` = Σ kept widths / (2·L·Hkv·dk).
 
     ``compress`` names the truncated sides; the others keep all ``head_dim`` dims."""
@@ -109,11 +111,11 @@ def plan_for_rate(bases: HeadBases, removal_rate: float, head_dim: int, compress
     rank_v = widths(bases.vw_spectrum, "v" in compress)
     kept = sum(map(sum, rank_k)) + sum(map(sum, rank_v))
     full = 2 * head_dim * sum(len(layer) for layer in rank_k)
-    return ZackPlan(removal_rate, rank_k, rank_v, budget=kept / full)
+    return ZackWidths(removal_rate, rank_k, rank_v, budget=kept / full)
 
 
 def plan_for_budget(bases: HeadBases, kv_budget: float, head_dim: int, compress: str = "kv",
-                    steps: int = 60) -> ZackPlan:  # fmt: skip
+                    steps: int = 60) -> ZackWidths:  # fmt: skip
     """The paper's f: the smallest r whose cache fits ``kv_budget`` (budget falls as r grows)."""
     if plan_for_rate(bases, 0.0, head_dim, compress).budget <= kv_budget:
         return plan_for_rate(bases, 0.0, head_dim, compress)
@@ -134,8 +136,9 @@ def plan_for_budget(bases: HeadBases, kv_budget: float, head_dim: int, compress:
 
 
 def plan_by_loss(
-    bases: HeadBases, kv_budget: float, head_dim: int, compress: str, probe: ZackPlan, probe_kl: dict[str, list[float]]
-) -> ZackPlan:  # fmt: skip
+    bases: HeadBases, kv_budget: float, head_dim: int, compress: str, probe: ZackWidths,
+    probe_kl: dict[str, list[float]],
+) -> ZackWidths:  # fmt: skip
     """Widths per KV head and side that meet ``kv_budget`` at the least predicted loss (extension).
 
     Head g of layer l, side s, at width r is predicted to cost ``c_ls · T_lsg(r)``: T the energy its
@@ -171,7 +174,7 @@ def plan_by_loss(
               for j, side in enumerate(sides)}  # fmt: skip
     rank_k, rank_v = chosen.get("k", full_widths), chosen.get("v", full_widths)
     kept = sum(map(sum, rank_k)) + sum(map(sum, rank_v))
-    return ZackPlan(None, rank_k, rank_v, budget=kept / full, probe_kl=probe_kl)
+    return ZackWidths(None, rank_k, rank_v, budget=kept / full, probe_kl=probe_kl)
 
 
 def calibrate_bases(
@@ -197,7 +200,18 @@ def calibrate_bases(
     return fit_bases(grams, o_grams, value_basis), calib_set
 
 
-class ZackMethod(Method):
+@dataclass(frozen=True)
+class ZackPlan:
+    """What zack decided for a model: every head's rotations, the widths they are cut to, and the
+    calibration they came from (kvconvert.json's ``plan.calibration``)."""
+
+    layout: AttentionLayout
+    bases: HeadBases
+    widths: ZackWidths
+    calibration: dict[str, Any]
+
+
+class ZackMethod(Method[ZackPlan]):
     name = "zack"
     unsupported: ClassVar[dict[str, str]] = {
         "qk_norm": "its queries and keys are RMS-normalised per head before RoPE (QK-norm), and zack's attention "
@@ -216,10 +230,6 @@ class ZackMethod(Method):
 
     def __init__(self, config: ZackConfig):
         self.config = config
-        self.layout: AttentionLayout | None = None
-        self.bases: HeadBases | None = None
-        self.plan_: ZackPlan | None = None
-        self.calibration: dict[str, Any] = {}
 
     @classmethod
     def describe(cls, report: dict[str, Any]) -> str:
@@ -240,47 +250,43 @@ class ZackMethod(Method):
             lines.append(f"{row['layer']:>5}  {widths}" + "".join(f"  {row[f'{s}_probe_kl']:>10.4f}" for s in probed))
         return "\n".join(lines)
 
-    def expected_kv_budget(self, layout: AttentionLayout) -> float:
-        assert self.plan_ is not None
-        return self.plan_.budget
+    def expected_kv_budget(self, plan: ZackPlan, layout: AttentionLayout) -> float:
+        return plan.widths.budget
 
-    def plan(self, ctx: PlanContext) -> None:
+    def plan(self, ctx: PlanContext) -> ZackPlan:
         """Calibrate (layer by layer), fit every head's rotations, then choose r and the ranks."""
         layout, layers, source = ctx.layout, ctx.layers, ctx.source
         config = self.config
-        self.bases, calib = calibrate_bases(source, layout, layers, config.calib, config.calib_tokens,
-                                            config.chunk_len, config.seed, ctx.progress,
-                                            config.value_basis)  # fmt: skip
-        self.layout = layout
-        self.calibration = {"source": calib.source, "tokens": calib.tokens, "chunk_len": calib.chunks.shape[1]}
+        bases, calib = calibrate_bases(source, layout, layers, config.calib, config.calib_tokens, config.chunk_len,
+                                       config.seed, ctx.progress, config.value_basis)  # fmt: skip
+        calibration = {"source": calib.source, "tokens": calib.tokens, "chunk_len": calib.chunks.shape[1]}
         if config.removal_rate is not None:
-            self.plan_ = plan_for_rate(self.bases, config.removal_rate, layout.head_dim, config.compress)
+            widths = plan_for_rate(bases, config.removal_rate, layout.head_dim, config.compress)
         elif config.kv_budget is not None:
-            self.plan_ = plan_for_budget(self.bases, config.kv_budget, layout.head_dim, config.compress)
+            widths = plan_for_budget(bases, config.kv_budget, layout.head_dim, config.compress)
             if config.schedule == "auto":
-                probe_kl = self._probe(source, layout, calib, self.plan_, ctx.progress)
-                self.plan_ = plan_by_loss(self.bases, config.kv_budget, layout.head_dim, config.compress,
-                                          self.plan_, probe_kl)  # fmt: skip
+                probe_kl, calibration["probe"] = self._probe(source, layout, bases, calib, widths, ctx.progress)
+                widths = plan_by_loss(bases, config.kv_budget, layout.head_dim, config.compress, widths, probe_kl)
         else:
             from kvconvert.methods.zack.search import search_removal_rate
 
             assert config.target_agreement is not None
-            self.plan_, self.calibration["search"] = search_removal_rate(
-                source, layout, self.bases, calib.held_out, config.target_agreement, config.compress, ctx.progress
+            widths, calibration["search"] = search_removal_rate(
+                source, layout, bases, calib.held_out, config.target_agreement, config.compress, ctx.progress
             )
+        return ZackPlan(layout, bases, widths, calibration)
 
     def _probe(
-        self, source: Any, layout: AttentionLayout, calib: Any, probe: ZackPlan, progress: bool
-    ) -> dict[str, list[float]]:
+        self, source: Any, layout: AttentionLayout, bases: HeadBases, calib: Any, probe: ZackWidths, progress: bool
+    ) -> tuple[dict[str, list[float]], dict[str, Any]]:
         """Per truncated side and layer: KL to the source on held-out calibration chunks with only that
         layer's side truncated at ``probe``'s widths (simulated exactly, ``zack.search.truncated_attention``;
-        one branching pass, ``calib.probes.branch_kls``)."""
+        one branching pass, ``calib.probes.branch_kls``), and what the probes ran on."""
         from kvconvert.calib.probes import active_job, branch_kls
         from kvconvert.methods.zack.search import projectors_for, truncated_attention
 
-        assert self.bases is not None
         chunks = (calib.held_out if calib.held_out.shape[0] else calib.chunks)[: self.config.probe_chunks]
-        projectors = projectors_for(self.bases, probe)
+        projectors = projectors_for(bases, probe)
         jobs = [(layer, side) for side in "kv" if side in self.config.compress for layer in range(layout.num_layers)]
 
         def select(layer: int) -> Any:  # the running probe's side at its layer, nothing elsewhere
@@ -292,15 +298,14 @@ class ZackMethod(Method):
 
         kls = branch_kls(source, chunks, [layer for layer, _ in jobs],
                          lambda model: truncated_attention(model, select), progress)  # fmt: skip
-        self.calibration["probe"] = {"removal_rate": probe.removal_rate, "budget": probe.budget,
-                                     "chunks": int(chunks.shape[0]), "chunk_len": int(chunks.shape[1])}  # fmt: skip
+        ran = {"removal_rate": probe.removal_rate, "budget": probe.budget, "chunks": int(chunks.shape[0]),
+               "chunk_len": int(chunks.shape[1])}  # fmt: skip
         return {side: [kl for (_, s), kl in zip(jobs, kls, strict=True) if s == side] for side in "kv"
-                if side in self.config.compress}  # fmt: skip
+                if side in self.config.compress}, ran  # fmt: skip
 
-    def convert_layer(self, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
-        plan, layout, bases = self.plan_, self.layout, self.bases
-        assert plan is not None and layout is not None and bases is not None, "plan() runs before convert_layer()"
-        rank_k, rank_v = plan.rank_k[layer], plan.rank_v[layer]
+    def convert_layer(self, plan: ZackPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
+        layout, bases, widths = plan.layout, plan.bases, plan.widths
+        rank_k, rank_v = widths.rank_k[layer], widths.rank_v[layer]
         tensors = rotate_attention(weights, layout, bases.qk[layer], rank_k, bases.vw[layer], rank_v,
                                    bases.vw_out[layer])  # fmt: skip
         report: dict[str, Any] = {
@@ -310,19 +315,17 @@ class ZackMethod(Method):
             "removed_k": [_removed(s, r) for s, r in zip(bases.qk_spectrum[layer], rank_k, strict=True)],
             "removed_v": [_removed(s, r) for s, r in zip(bases.vw_spectrum[layer], rank_v, strict=True)],
         }
-        for side, kls in plan.probe_kl.items():
+        for side, kls in widths.probe_kl.items():
             report[f"{side}_probe_kl"] = kls[layer]
         return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, plan: ZackPlan) -> dict[str, Any]:
         """The whole-model decisions (``kvconvert.json`` → ``plan``), not any one layer's."""
-        assert self.plan_ is not None
-        return {"removal_rate": self.plan_.removal_rate, "calibration": self.calibration}
+        return {"removal_rate": plan.widths.removal_rate, "calibration": plan.calibration}
 
-    def runtime_spec(self, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
-        assert self.plan_ is not None
+    def runtime_spec(self, plan: ZackPlan, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
         layers = []
-        for rank_k, rank_v, names in zip(self.plan_.rank_k, self.plan_.rank_v, tensor_names, strict=True):
+        for rank_k, rank_v, names in zip(plan.widths.rank_k, plan.widths.rank_v, tensor_names, strict=True):
             biases = sorted(n.removesuffix(".bias") for n in names if n.endswith(".bias"))
             layers.append({"rank_k": rank_k, "rank_v": rank_v, "biases": biases})
         return {"zack_layers": layers}

@@ -11,7 +11,7 @@ import torch
 from kvconvert import linalg
 from kvconvert.arch import adapter_for
 from kvconvert.io.source import SourceCheckpoint
-from kvconvert.methods.zack.method import HeadBases, ZackPlan, calibrate_bases, plan_for_budget
+from kvconvert.methods.zack.method import HeadBases, ZackWidths, calibrate_bases, plan_for_budget
 
 PLAN_BUDGETS = (0.9, 0.75, 0.6, 0.5)
 AGREEMENT_BUDGET = 0.75  # widths at which captured energy is compared
@@ -34,7 +34,7 @@ def _coefficient_of_variation(values: list[float]) -> float:
     return float(t.std(unbiased=False) / t.mean())
 
 
-def rotation_agreement(reference: HeadBases, other: HeadBases, plan: ZackPlan) -> dict[str, Any]:
+def rotation_agreement(reference: HeadBases, other: HeadBases, plan: ZackWidths) -> dict[str, Any]:
     """ε̄ = mean |R̄| and δ̄ = mean |R̄ − R| over all heads, for R_QK and R_VW, and their ratio (the
     paper's element-wise check); and the energy of the other text that the reference bases keep at
     ``plan``'s widths, relative to the other text's own bases (``linalg.captured_energy``)."""

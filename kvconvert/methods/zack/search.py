@@ -54,7 +54,7 @@ def truncated_attention(model: Any, select: Callable[[int], HeadProjectors | Non
 
 
 def projectors_for(bases: Any, plan: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``truncated_attention``'s projectors for a ``ZackPlan`` over ``HeadBases``, float32."""
+    """``truncated_attention``'s projectors for a ``ZackWidths`` over ``HeadBases``, float32."""
     return [
         (
             torch.stack([_projector(b, r, torch.float32) for b, r in zip(bases.qk[i], plan.rank_k[i], strict=True)]),
