@@ -19,8 +19,7 @@ import kvconvert
 from kvconvert.errors import KVConvertError
 from kvconvert.methods import build_method
 from kvconvert.methods.base import Method
-from kvconvert.pipeline import storage_report
-from kvconvert.recipe import load_recipe, parse_recipe, read_yaml
+from kvconvert.recipe import load_recipe, parse_recipe, read_yaml, recipe_text
 from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 
@@ -123,10 +122,12 @@ def _is_up_to_date(out: Path, method: Method, source_sha256: dict[str, str]) -> 
     if not report_file.exists():
         return False
     report = json.loads(report_file.read_text())
+    recipe = out / "recipe.yaml"  # what was asked for: method, options, storage (a plan's widths are its result)
     return (
         report.get("method") == method.name
         and report.get("params") == method.params()
-        and report.get("kv_storage") == storage_report(method.storage)
+        and recipe.is_file()
+        and recipe.read_text() == recipe_text(method)
         and report.get("tool_version") == kvconvert.__version__
         and report.get("source", {}).get("sha256") == source_sha256
     )

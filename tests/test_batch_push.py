@@ -60,17 +60,20 @@ def write_jobs(path: Path, jobs: list[dict]) -> Path:
     return path
 
 
-def test_batch_runs_all_jobs_reports_failures_and_skips_done_work(tiny_model_dir, tmp_path):
+def test_batch_runs_all_jobs_reports_failures_and_skips_done_work(tiny_model_dir, tokenized_model_dir, tmp_path):
     (tmp_path / "lorc.yaml").write_text("method: lorc\nkv_budget: 0.6\n")
     jobs = write_jobs(tmp_path / "jobs.yaml", [
         {"model": str(tiny_model_dir("llama")), "method": "slim", "out": "out/slim"},
         {"model": str(tiny_model_dir("llama_gqa")), "method": "slim", "out": "out/gqa"},  # GQA: must fail
         {"model": str(tiny_model_dir("gpt2")), "recipe": "lorc.yaml", "out": "out/lorc"},
+        # widths allocated by its plan: the output's storage is not the job's, and still up to date
+        {"model": str(tokenized_model_dir("llama_gqa")), "method": "quant", "out": "out/quant",
+         "options": {"kv_budget": 0.3, "calib_tokens": 512}},
     ])  # fmt: skip
     result = run_cli("batch", str(jobs))
     assert result.exit_code == 1
     summary = json.loads((tmp_path / "jobs.summary.json").read_text())
-    assert [j["status"] for j in summary["jobs"]] == ["ok", "failed", "ok"]
+    assert [j["status"] for j in summary["jobs"]] == ["ok", "failed", "ok", "ok"]
     assert "GQA" in summary["jobs"][1]["error"] and not (tmp_path / "out" / "gqa").exists()
     assert summary["jobs"][0]["kv_budget_measured"] == pytest.approx(0.5, abs=0.01)
     assert summary["jobs"][2]["kv_budget_measured"] == pytest.approx(0.6, abs=0.02)
@@ -80,7 +83,7 @@ def test_batch_runs_all_jobs_reports_failures_and_skips_done_work(tiny_model_dir
     before = (tmp_path / "out/slim/model.safetensors").stat().st_mtime_ns
     rerun = run_cli("batch", str(jobs), "--no-measure")
     assert [j["status"] for j in json.loads((tmp_path / "jobs.summary.json").read_text())["jobs"]] == [
-        "skipped", "failed", "skipped",
+        "skipped", "failed", "skipped", "skipped",
     ]  # fmt: skip
     assert rerun.exit_code == 1 and (tmp_path / "out/slim/model.safetensors").stat().st_mtime_ns == before
 
