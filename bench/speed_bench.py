@@ -4,7 +4,11 @@ For each context length: every model prefills the same random tokens once (its o
 the models take turns decoding ``--steps`` greedy tokens from where they are, ``--rounds`` times
 (interleaved, so a slow spell of the machine hits every model alike); the best round counts.
 Reported: decode tokens/s, the ratio to the source measured in the same process, and the bytes the
-cache holds after the prefill. The source runs as users run it: transformers' default dynamic cache
+cache holds after the prefill. ``--batches 1,8``: each context at each batch size, the rows left-padded to
+different lengths (``eval.speed.ragged_batch``: from the context down to a little over half of it).
+``--serving C:B``: the serving figure: the memory the source's cache takes for B rows of C tokens is the
+budget; each model decodes the most rows of C tokens whose cache fits it, and its tokens/s (all rows) is
+compared with the source's at B rows. The source runs as users run it: transformers' default dynamic cache
 in the checkpoint's dtype (float32 for the GGUF-imported SmolLM2). SmolLM2 shares each KV head by
 3 query heads, which slim cannot use; slim is timed against its own source, a random-weight MHA
 Llama (8 layers × 1024, 16 heads; random weights time the same as trained ones). Writes
@@ -64,6 +68,8 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,4096,16384", help="comma-separated context lengths")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batches", default="1", help="comma-separated batch sizes (rows of different lengths)")
+    parser.add_argument("--serving", default=None, help="CONTEXT:ROWS: tokens/s within the source's cache memory")
     parser.add_argument("--only", default=None, help="candidates whose label contains this text")
     parser.add_argument("--name", default="speed", help="results file stem (bench/results/NAME-<date>.*)")
     args = parser.parse_args()
@@ -81,7 +87,11 @@ def main() -> None:
             if args.only is None or args.only in label:
                 models[label] = _converted(source_dir, recipe, label, Path(tmp) / f"m{len(models)}")
                 recipes[label] = recipe
-        rows += _measure("smollm2-135m (fp32)", models, recipes, contexts, args.steps, args.rounds)
+        batches = [int(b) for b in args.batches.split(",")]
+        rows += _measure("smollm2-135m (fp32)", models, recipes, contexts, args.steps, args.rounds, batches)
+        if args.serving:
+            context, rows_ = (int(x) for x in args.serving.split(":"))
+            serving = _serving(models, context, rows_, args.steps, args.rounds)
         if args.only is None or args.only in "slim":
             mha = Path(tmp) / "mha"
             build_source(mha, layers=8, max_positions=max(contexts) + args.steps + 8)
@@ -89,14 +99,25 @@ def main() -> None:
             models = {"source": AutoModelForCausalLM.from_pretrained(mha).eval(),
                       "slim": _converted(mha, slim, "slim", Path(tmp) / "slim")}  # fmt: skip
             rows += _measure("random MHA Llama 8×1024 (fp32)", models, {"slim": slim}, contexts, args.steps,
-                             args.rounds)  # fmt: skip
+                             args.rounds, batches)  # fmt: skip
     table = markdown_table(
-        ["source", "context", "model", "decode tok/s", "× source", "cache MiB", "cache ÷ source (fp32)"],
-        [[r["source"], r["context"], r["model"], f"{r['decode_tokens_per_s']:.2f}", f"{r['ratio_to_source']:.2f}",
-          f"{r['cache_bytes_after_prefill'] / 2**20:.1f}", f"{r['cache_ratio_to_source']:.3f}"] for r in rows],
+        ["source", "context", "batch", "model", "decode tok/s", "× source", "cache MiB", "cache ÷ source (fp32)"],
+        [[r["source"], r["context"], r["batch"], r["model"], f"{r['decode_tokens_per_s']:.2f}",
+          f"{r['ratio_to_source']:.2f}", f"{r['cache_bytes_after_prefill'] / 2**20:.1f}",
+          f"{r['cache_ratio_to_source']:.3f}"] for r in rows],
     )  # fmt: skip
-    payload = {"machine": machine(), "steps": args.steps, "rounds": args.rounds,
-               "rows": rows, "seconds": time.perf_counter() - started}  # fmt: skip
+    payload: dict[str, Any] = {"machine": machine(), "steps": args.steps, "rounds": args.rounds, "rows": rows}
+    if args.serving:
+        payload["serving"] = serving
+        table += (
+            "\n\nServing within the source's cache memory at " + args.serving.replace(":", " tokens × ") + " rows:\n\n"
+        )
+        table += markdown_table(
+            ["model", "rows that fit", "decode tok/s (all rows)", "× source"],
+            [[r["model"], r["rows"], f"{r['decode_tokens_per_s']:.2f}", f"{r['ratio_to_source']:.2f}"]
+             for r in serving],
+        )  # fmt: skip
+    payload["seconds"] = time.perf_counter() - started
     write_results(args.name, payload, table)
 
 
@@ -109,16 +130,38 @@ def _converted(source_dir: Path, recipe: dict[str, Any], label: str, out: Path) 
     return kvconvert.load(out).eval()
 
 
+def _serving(models: dict[str, Any], context: int, rows: int, steps: int, rounds: int) -> list[dict[str, Any]]:
+    """Tokens/s of every model at the most rows of ``context`` tokens whose cache fits the memory the
+    source's cache takes for ``rows`` rows (cache bytes per row measured on one row), against the source
+    at ``rows`` rows: what a fixed memory budget serves."""
+    from kvconvert.eval.memory import cache_nbytes
+    from kvconvert.eval.speed import _prefill
+
+    ids = torch.randint(3, models["source"].config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    per_row = {name: cache_nbytes(_prefill(model, ids, 2048)["cache"]) for name, model in models.items()}
+    budget = per_row["source"] * rows
+    fits = {name: max(1, int(budget // per_row[name])) for name in models}
+    print({"serving budget bytes": budget, "rows": fits}, flush=True)
+    # each model at its own batch: timed one after another, the source first and last (its best counts)
+    speed = {name: side_by_side({name: model}, context, steps, rounds, batch=fits[name])[name]["decode_tokens_per_s"]
+             for name, model in models.items()}  # fmt: skip
+    speed["source"] = max(speed["source"], side_by_side({"source": models["source"]}, context, steps, rounds,
+                                                        batch=rows)["source"]["decode_tokens_per_s"])  # fmt: skip
+    return [{"model": name, "rows": fits[name], "cache_bytes_per_row": per_row[name],
+             "decode_tokens_per_s": speed[name], "ratio_to_source": speed[name] / speed["source"]}
+            for name in models]  # fmt: skip
+
+
 def _measure(source: str, models: dict[str, Any], recipes: dict[str, Any], contexts: list[int], steps: int,
-             rounds: int) -> list[dict[str, Any]]:  # fmt: skip
+             rounds: int, batches: list[int]) -> list[dict[str, Any]]:  # fmt: skip
     """Rows of one group of models timed side by side against ``models["source"]``."""
     rows = []
-    for context in contexts:
-        measured = side_by_side(models, context, steps, rounds)  # prefill in chunks of 2048 tokens
+    for context, batch in ((c, b) for c in contexts for b in batches):
+        measured = side_by_side(models, context, steps, rounds, batch=batch)  # prefill in chunks of 2048 tokens
         source_speed, source_bytes = measured["source"]["decode_tokens_per_s"], measured["source"]["cache_bytes"]
         for label, row in measured.items():
             rows.append({
-                "source": source, "context": context, "model": label, "recipe": recipes.get(label),
+                "source": source, "context": context, "batch": batch, "model": label, "recipe": recipes.get(label),
                 "decode_tokens_per_s": row["decode_tokens_per_s"],
                 "ratio_to_source": row["decode_tokens_per_s"] / source_speed,
                 "cache_bytes_after_prefill": row["cache_bytes"],

@@ -29,50 +29,92 @@ def measure_speed(model: Any, context: int, new_tokens: int, seed: int = 0) -> d
     return {"prefill_tokens_per_s": context / prefill, "decode_tokens_per_s": new_tokens / decode}
 
 
+def ragged_batch(vocab: int, context: int, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` rows of random tokens, left-padded to ``context``: row i holds ``context − i·context/(2·batch)``
+    tokens (the longest is ``context``, the shortest a little over half), as a server's batch of requests of
+    different lengths. Returns (ids, attention mask) ``[batch, context]``."""
+    ids = torch.randint(3, vocab, (batch, context), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for row in range(batch):
+        mask[row, : row * context // (2 * batch)] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
 @torch.no_grad()
-def _prefill(model: Any, ids: torch.Tensor, chunk: int | None = None) -> dict[str, Any]:
+def _prefill(
+    model: Any, ids: torch.Tensor, chunk: int | None = None, mask: torch.Tensor | None = None
+) -> dict[str, Any]:
     """Feed ``ids`` into a fresh cache, ``chunk`` tokens per call (None: all at once). Chunks bound the
-    runtimes' score matrices (``[b, H, chunk, n]``: 10 GB for one 16K-token call on SmolLM2)."""
+    runtimes' score matrices (``[b, H, chunk, n]``: 10 GB for one 16K-token call on SmolLM2). ``mask``:
+    left padding, positions counting the real tokens only as ``generate`` counts them (then kept in the
+    state for the decode steps)."""
+    padded: dict[str, Any] = {}
     step, cache = chunk or ids.shape[1], None
+    positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
     for start in range(0, ids.shape[1], step):
-        out = model(ids[:, start : start + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        end = start + step
+        if mask is not None and positions is not None:
+            padded = {"attention_mask": mask[:, :end], "position_ids": positions[:, start:end]}
+        out = model(ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1, **padded)
         cache = out.past_key_values
-    return {"cache": cache, "token": out.logits[:, -1:].argmax(-1)}
+    state = {"cache": cache, "token": out.logits[:, -1:].argmax(-1)}
+    if mask is not None and positions is not None:
+        state.update(mask=mask, next=positions[:, -1:] + 1)
+    return state
 
 
 @torch.no_grad()
 def _decode(model: Any, state: dict[str, Any], steps: int) -> float:
-    """``steps`` greedy decode steps from ``state`` (cache and last token, updated); seconds taken."""
+    """``steps`` greedy decode steps from ``state`` (cache and last token; with left padding the mask and
+    the next positions; all updated); seconds taken."""
     cache, token, device = state["cache"], state["token"], model_device(model)
+    mask, position = state.get("mask"), state.get("next")
     synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
-        out = model(token, past_key_values=cache, use_cache=True)
+        padded: dict[str, Any] = {}
+        if mask is not None and position is not None:
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            padded = {"attention_mask": mask, "position_ids": position}
+            position = position + 1
+        out = model(token, past_key_values=cache, use_cache=True, **padded)
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     synchronize(device)
     state["cache"], state["token"] = cache, token
+    if mask is not None:
+        state["mask"], state["next"] = mask, position
     return time.perf_counter() - start
 
 
 def side_by_side(
-    models: dict[str, Any], context: int, steps: int = 32, rounds: int = 2, seed: int = 0, chunk: int | None = 2048
+    models: dict[str, Any],
+    context: int,
+    steps: int = 32,
+    rounds: int = 2,
+    seed: int = 0,
+    chunk: int | None = 2048,
+    batch: int = 1,
 ) -> dict[str, dict[str, float]]:
     """Decode speed of several models after the same ``context`` random tokens, measured in one process:
     each model prefills once (its own cache), then the models take turns decoding ``steps`` greedy
     tokens, ``rounds`` times, so that a slow spell of the machine hits all of them; the best round
     counts. ``chunk``: prefill that many tokens per call (bounds memory at long context; None: all at
-    once). Returns, per model, decode tokens/s and the bytes its cache held after the prefill."""
+    once). ``batch`` > 1: that many left-padded rows of different lengths (``ragged_batch``), decoded
+    together. Returns, per model, decode tokens/s (all rows) and the bytes its cache held after the prefill."""
     from kvconvert.eval.memory import cache_nbytes
 
     vocab = next(iter(models.values())).config.vocab_size
-    ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(seed))
+    ids, mask = ragged_batch(vocab, context, batch, seed)
     states, best = {}, {}
     for name, model in models.items():
-        states[name] = _prefill(model, ids.to(model_device(model)), chunk)
+        device = model_device(model)
+        # batch 1 has no padding: no mask, positions implied (the plain decode loop users write)
+        states[name] = _prefill(model, ids.to(device), chunk, mask.to(device) if batch > 1 else None)
         states[name]["bytes"] = cache_nbytes(states[name]["cache"])
         _decode(model, states[name], 1)  # warm-up step
         best[name] = float("inf")
     for _ in range(rounds):
         for name, model in models.items():
             best[name] = min(best[name], _decode(model, states[name], steps))
-    return {name: {"decode_tokens_per_s": steps / best[name], "cache_bytes": states[name]["bytes"]} for name in models}
+    return {name: {"decode_tokens_per_s": batch * steps / best[name], "cache_bytes": states[name]["bytes"]}
+            for name in models}  # fmt: skip

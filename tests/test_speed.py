@@ -1,0 +1,49 @@
+"""The decode loop the speed measurements time (``kvconvert.eval.speed``): a batch of left-padded rows of
+different lengths, prefilled in chunks, decodes what ``generate`` decodes, for the source and for every
+method at its lossless setting (so a speed figure times real work on every row)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from default_methods import LOSSLESS
+from helpers import load_converted, load_reference
+
+from kvconvert.eval.speed import _decode, _prefill, ragged_batch, side_by_side
+
+
+def test_a_ragged_batch_is_left_padded_rows_of_different_lengths():
+    ids, mask = ragged_batch(97, 64, 4)
+    assert ids.shape == mask.shape == (4, 64)
+    assert mask.sum(1).tolist() == [64, 56, 48, 40] and bool((ids[mask == 0] == 0).all())
+    assert bool((mask[:, -1] == 1).all()) and bool((mask.diff(dim=1) >= 0).all())  # left padding
+
+
+def _greedy_by_the_loop(model, ids, mask, steps: int, chunk: int) -> torch.Tensor:
+    state = _prefill(model, ids, chunk, mask)
+    tokens = [state["token"]]
+    for _ in range(steps - 1):
+        _decode(model, state, 1)
+        tokens.append(state["token"])
+    return torch.cat(tokens, dim=1)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("method", ["source", *sorted(LOSSLESS)])
+def test_the_timed_loop_decodes_a_ragged_batch_as_generate_does(method, converted, tokenized_model_dir):
+    if method == "source":
+        model = load_reference(tokenized_model_dir("llama_gqa"))
+    else:
+        model = load_converted(converted(method, "lossless")[1])
+    ids, mask = ragged_batch(model.config.vocab_size, 40, 4, seed=3)
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
+                              do_sample=False, pad_token_id=0)[:, ids.shape[1]:]  # fmt: skip
+    assert torch.equal(_greedy_by_the_loop(model, ids, mask, 6, chunk=16), expected)
+
+
+def test_side_by_side_counts_every_row(tokenized_model_dir):
+    model = load_reference(tokenized_model_dir("llama_gqa"))
+    one = side_by_side({"m": model}, 32, steps=2, rounds=1)["m"]
+    four = side_by_side({"m": model}, 32, steps=2, rounds=1, batch=4)["m"]
+    assert four["cache_bytes"] > 2 * one["cache_bytes"]  # four rows of 16 to 32 tokens
+    assert four["decode_tokens_per_s"] > 0 and one["decode_tokens_per_s"] > 0
