@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batches", default="1", help="comma-separated batch sizes (rows of different lengths)")
     parser.add_argument("--serving", default=None, help="CONTEXT:ROWS: tokens/s within the source's cache memory")
-    parser.add_argument("--only", default=None, help="candidates whose label contains this text")
+    parser.add_argument("--only", default=None, help="candidates whose label contains this text ('|': any of several)")
     parser.add_argument("--name", default="speed", help="results file stem (bench/results/NAME-<date>.*)")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -84,7 +84,7 @@ def main() -> None:
         models: dict[str, Any] = {"source": AutoModelForCausalLM.from_pretrained(source_dir).eval()}
         recipes: dict[str, Any] = {}
         for label, recipe in CANDIDATES:
-            if args.only is None or args.only in label:
+            if args.only is None or any(part in label for part in args.only.split("|")):
                 models[label] = _converted(source_dir, recipe, label, Path(tmp) / f"m{len(models)}")
                 recipes[label] = recipe
         batches = [int(b) for b in args.batches.split(",")]
@@ -92,7 +92,7 @@ def main() -> None:
         if args.serving:
             context, rows_ = (int(x) for x in args.serving.split(":"))
             serving = _serving(models, context, rows_, args.steps, args.rounds)
-        if args.only is None or args.only in "slim":
+        if args.only is None or "slim" in args.only.split("|"):
             mha = Path(tmp) / "mha"
             build_source(mha, layers=8, max_positions=max(contexts) + args.steps + 8)
             slim = {"method": "slim"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -131,6 +132,13 @@ class KVConvertMixin:
                 module.__dict__.pop("_kvconvert_cache", None)
 
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any):
+        requested = getattr(generation_config, "cache_implementation", None)
+        if requested not in (None, "dynamic"):  # say so: a user asking for "static" expects fixed shapes
+            warnings.warn(
+                f"kvconvert: this checkpoint decodes from its {self.config.kvconvert['method']} cache, which grows "
+                f"with the sequence; cache_implementation={requested!r} is not supported yet and is ignored",
+                stacklevel=3,
+            )
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)  # type: ignore[misc]
         if model_kwargs.get("past_key_values") is not None:
             model_kwargs["past_key_values"] = self.kvconvert_cache(model_kwargs["past_key_values"])
