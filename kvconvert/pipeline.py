@@ -273,6 +273,11 @@ def convert(
             kvconvert=spec,
             dtype=str(target).removeprefix("torch."),
         )
+        if engine := method.engine_config(plan):
+            # weights and attention are the source's: engines (and transformers without remote code) load
+            # the source architecture, and trust_remote_code=True still reaches kvconvert's runtime (auto_map)
+            config.update(model_type=source.config.model_type, architectures=[adapter.causal_lm_class_name()],
+                          **engine)  # fmt: skip
         config.pop("torch_dtype", None)
         config.pop("transformers_version", None)  # keeps output byte-identical across installs
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

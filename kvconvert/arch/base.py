@@ -35,6 +35,9 @@ class AttentionLayout:
     sliding_window: int | None = None  # their window (tokens)
     softcap: float | None = None  # attention-logit soft-capping: scores = c·tanh(scores / c)
     layer_rope: bool = False  # RoPE tables differ between local and global layers
+    # serving engines (vLLM, SGLang) read static fp8 KV scales from ``k_scale`` / ``v_scale`` tensors inside
+    # this model's attention blocks (llm-compressor's names); False where kvconvert knows no such place
+    engine_kv_scales: bool = False
 
     @property
     def kv_width(self) -> int:

@@ -45,6 +45,7 @@ class LlamaAdapter(ArchAdapter):
             sliding_window=window,
             softcap=getattr(c, "attn_logit_softcapping", None),
             layer_rope=self.layer_rope(),
+            engine_kv_scales=True,
         )
 
     def qk_norm(self) -> bool:

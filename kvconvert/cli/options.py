@@ -59,6 +59,14 @@ class ConversionOptions(SourceOptions):
         "4-bit): both per token after a Hadamard rotation, in the layout torch's int4 kernel reads, so CPU "
         "decoding reads the codes without dequantizing the cache (razor: its retrieval heads).",
     )
+    kv_format: Literal["int", "fp8"] | None = option(
+        None,
+        help="int (default): the integer storage above. fp8 (quant only): float8 e4m3 with static scales calibrated "
+        "on --calib text, written as compressed-tensors' kv_cache_scheme, so vLLM and SGLang load it as it is.",
+    )
+    kv_scale_strategy: Literal["tensor", "head"] | None = option(
+        None, help="fp8 scales: one per layer (tensor, default; every engine backend) or one per KV head (head)."
+    )
     kv_include_local: bool | None = option(
         None,
         help="Also quantize sliding-window layers' caches (Gemma 2/3); by default they stay stock, bounded by "
@@ -76,7 +84,8 @@ class ConversionOptions(SourceOptions):
 
         given = {"kv_bits": None if self.kv_bits is None else int(self.kv_bits), "kv_group": self.kv_group,
                  "kv_residual": self.kv_residual, "kv_sink": self.kv_sink, "kv_rotate": self.kv_rotate,
-                 "kv_include_local": self.kv_include_local, "kv_layout": self.kv_layout}  # fmt: skip
+                 "kv_include_local": self.kv_include_local, "kv_layout": self.kv_layout, "kv_format": self.kv_format,
+                 "kv_scale_strategy": self.kv_scale_strategy}  # fmt: skip
         return storage_spec(given, "options", base)
 
 

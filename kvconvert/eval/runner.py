@@ -57,7 +57,8 @@ def _load_model(path: str, dtype: torch.dtype | None) -> Any:
     config_file = directory / "config.json"
     if not config_file.exists():
         raise KVConvertError(f"{path} has no config.json; eval takes a local model directory")
-    if read_json(config_file, "model config").get("model_type") == "kvconvert":
+    config = read_json(config_file, "model config")
+    if config.get("model_type") == "kvconvert" or "kvconvert" in config:  # engine exports keep their model_type
         import kvconvert
         from kvconvert.runtime.kvconvert_spec import SpecError
 

@@ -49,7 +49,15 @@ def _details(report: dict[str, Any]) -> str:
 
     text = METHODS[report["method"]].method.describe(report)
     storage = report.get("kv_storage")
-    if storage and storage.get("layout") == "token":
+    if storage and storage.get("format") == "fp8":
+        per = "KV head" if storage["scale_strategy"] == "head" else "layer"
+        text += (
+            f"\n\nThe cache is stored as float8 e4m3 with static scales (one per {per}, calibrated on text), "
+            "written as compressed-tensors' `kv_cache_scheme` with `self_attn.k_scale` / `v_scale` tensors: vLLM "
+            "and SGLang serve this directory as it is (`vllm serve DIR` picks the fp8 cache by itself), and "
+            "stock transformers loads it without remote code when `compressed-tensors` is installed."
+        )
+    elif storage and storage.get("layout") == "token":
         text += (
             f"\n\nThe cache is stored as 4-bit integers in kvconvert's token layout: keys minus each "
             f"{storage['group']}-token block's per-channel mean, and values, rotated (randomized Hadamard) and "

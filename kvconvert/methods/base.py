@@ -70,6 +70,9 @@ class Method(Generic[P]):
         from kvconvert.errors import KVConvertError
         from kvconvert.runtime.kvconvert_codec import token_group_size
 
+        if self.storage.fp8 and self.name != "quant":
+            raise KVConvertError(f"--kv-format fp8 (static scales, the serving engines' format) is quant's; "
+                                 f"{self.name} stores what its own runtime reads: use --kv-bits 8")  # fmt: skip
         if self.storage.layout != "token":
             return
         if not self.token_layout:
@@ -102,6 +105,12 @@ class Method(Generic[P]):
 
     def expected_kv_budget(self, plan: P, layout: AttentionLayout) -> float:
         raise NotImplementedError
+
+    def engine_config(self, plan: P) -> dict[str, Any]:
+        """What ``config.json`` says to serving engines besides kvconvert's runtime spec (quant's fp8
+        ``quantization_config``). Non-empty: the output keeps the source's ``model_type``, so that engines
+        and stock transformers load it as the source architecture; empty: ``model_type: kvconvert``."""
+        return {}
 
     def planned_storage(self, plan: P) -> QuantSpec:
         """The storage the converted cache uses: ``storage``, unless the plan chose it (widths per layer)."""

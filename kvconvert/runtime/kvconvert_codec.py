@@ -26,6 +26,11 @@ storage on SmolLM2 (docs/quant.md, the project repository):
   own scale, and rotating them measured no better.
 
 ``bits == 16`` means no quantization: the store is a plain growing tensor (today's behaviour).
+
+``format == "fp8"`` is the serving engines' storage instead (vLLM, SGLang: compressed-tensors'
+``kv_cache_scheme``): every token's keys and values as float8 e4m3 after dividing by a static scale
+calibrated per layer (``tensor``) or per KV head (``head``), no groups, no exact tokens; ``fp8_store``
+and ``fp8_read`` below are its numerics, the engines' and compressed-tensors' own.
 Copied verbatim into every output directory; imports only torch and transformers.
 """
 
@@ -41,6 +46,10 @@ import torch
 
 BITS = (16, 8, 4, 3, 2)
 LAYOUTS = ("kivi", "token")
+FORMATS = ("int", "fp8")
+SCALE_STRATEGIES = ("tensor", "head")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value: a calibrated amax maps onto it
 
 
 @dataclass(frozen=True)
@@ -58,8 +67,29 @@ class QuantSpec:
     rotate: bool = False
     include_local: bool = False  # also quantize sliding-window layers (kept stock, at 16 bits, otherwise)
     layout: str = "kivi"  # "token": keys and values per token, rotated, in torch's int4 matmul layout (below)
+    format: str = "int"  # "fp8": float8 e4m3 with static scales, the engines' format (module docstring)
+    scale_strategy: str = "tensor"  # fp8: one scale per layer ("tensor") or per KV head ("head")
+    # fp8, once calibrated: per layer (key scales, value scales), one per KV head or one for the layer
+    scales: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.format not in FORMATS or self.scale_strategy not in SCALE_STRATEGIES:
+            raise ValueError(f"kv format must be one of {FORMATS} and kv scale strategy one of {SCALE_STRATEGIES}, "
+                             f"got {self.format!r}, {self.scale_strategy!r}")  # fmt: skip
+        if self.format == "fp8":
+            # fp8 stores every token alike at one width: the integer options have nothing to act on
+            if (
+                self.bits != 8
+                or self.layers is not None
+                or self.residual
+                or self.sink
+                or self.rotate
+                or self.layout != "kivi"
+            ):
+                raise ValueError("fp8 storage holds every token and layer at 8 bits, as the engines do: it takes "
+                                 "no --kv-bits but 8, no widths per layer, --kv-residual, --kv-sink, --kv-rotate or "
+                                 "--kv-layout")  # fmt: skip
+            return
         for bits in (self.bits, *(b for pair in self.layers or () for b in pair)):
             if bits not in BITS:
                 raise ValueError(f"kv bits must be one of {BITS}, got {bits}")
@@ -78,6 +108,10 @@ class QuantSpec:
                              + (", widths per layer" if self.layers is not None else ""))  # fmt: skip
 
     @property
+    def fp8(self) -> bool:
+        return self.format == "fp8"
+
+    @property
     def quantized(self) -> bool:
         return self.bits < 16 or any(b < 16 for pair in self.layers or () for b in pair)
 
@@ -92,13 +126,23 @@ class QuantSpec:
         """The storage a checkpoint's runtime spec asks for (none written: 16 bits)."""
         entry = spec.get("kv_quant") or {}
         layers = entry.get("layers")
-        return cls(int(entry.get("bits", 16)), int(entry.get("group", 64)), int(entry.get("residual", 128)),
+        residual = 0 if entry.get("format") == "fp8" else 128
+        return cls(int(entry.get("bits", 16)), int(entry.get("group", 64)), int(entry.get("residual", residual)),
                    None if layers is None else tuple((int(k), int(v)) for k, v in layers),
                    int(entry.get("sink", 0)), bool(entry.get("rotate", False)),
-                   bool(entry.get("include_local", False)), str(entry.get("layout", "kivi")))  # fmt: skip
+                   bool(entry.get("include_local", False)), str(entry.get("layout", "kivi")),
+                   str(entry.get("format", "int")), str(entry.get("scale_strategy", "tensor")),
+                   None if entry.get("scales") is None else tuple(
+                       (tuple(map(float, k)), tuple(map(float, v))) for k, v in entry["scales"]))  # fmt: skip
 
     def to_spec(self) -> dict[str, Any]:
-        spec: dict[str, Any] = {
+        spec: dict[str, Any]
+        if self.fp8:
+            spec = {"bits": 8, "format": "fp8", "scale_strategy": self.scale_strategy}
+            if self.scales is not None:
+                spec["scales"] = [[list(k), list(v)] for k, v in self.scales]
+            return spec
+        spec = {
             "bits": self.bits,
             "group": self.group,
             "residual": self.residual,
@@ -119,6 +163,8 @@ class QuantSpec:
         """Accounted bytes per stored value of a ``width``-wide state (codes + fp16 scale and zero)."""
         if not self.quantized:
             return 2.0
+        if self.fp8:
+            return 1.0  # the scales are per layer or head: nothing per token
         if self.layout == "token":  # per token in groups of ``size`` channels; keys add their block means
             size = token_group_size(width, self.group) or width
             return 0.5 + 4 / size + (2 / self.group if per_channel else 0.0)
@@ -129,6 +175,18 @@ class QuantSpec:
 
 
 # --------------------------------------------------------------------------- pure functions
+
+
+def fp8_store(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [b, Hkv, n, d]`` as float8 e4m3 codes of ``x / scale`` (``scale [Hkv]`` or ``[1]``), saturating
+    at ±448 as the engines do (a token past the calibrated range clamps instead of becoming NaN)."""
+    scaled = x.float() / scale.float().view(1, -1, 1, 1)
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def fp8_read(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``fp8_store`` codes stand for, in ``dtype``."""
+    return (codes.float() * scale.float().view(1, -1, 1, 1)).to(dtype)
 
 
 def _round_down(x: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:

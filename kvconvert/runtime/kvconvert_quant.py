@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec, rotation
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of
-from .kvconvert_storage import QuantizedLayer, sliding_layer
+from .kvconvert_storage import Fp8Layer, QuantizedLayer, sliding_layer
 from .kvconvert_tokenlayout import TokenLayoutStore, cpu_int4_rows
 
 IMPLEMENTATION = "kvconvert_quant"
@@ -217,7 +217,7 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
 
 def make_cache(spec: dict[str, Any]) -> LayerStateCache:
     quant = QuantSpec.from_spec(spec)
-    layer_class = TokenLayoutLayer if quant.layout == "token" else QuantizedLayer
+    layer_class = Fp8Layer if quant.fp8 else TokenLayoutLayer if quant.layout == "token" else QuantizedLayer
     layers = range(len(spec["attention_modules"]))
     return LayerStateCache([sliding_layer(spec, i) or layer_class(quant, i) for i in layers])
 

@@ -13,14 +13,18 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-SPEC_VERSION = 2  # checkpoints written before the field existed are version 1 too
+SPEC_VERSION = 3  # checkpoints written before the field existed are version 1 too
 # version 2: ``kv_quant`` may name a ``layout`` ("token") that a version-1 runtime would read as KIVI's
+# version 3: ``kv_quant`` may name a ``format`` ("fp8") that older runtimes would read as 8-bit integers
 
 
 def minimum_spec_version(kv_quant: dict[str, Any] | None) -> int:
     """The oldest spec version that describes this checkpoint: older runtimes keep loading every
     checkpoint they can read correctly, and refuse (one line) the ones they would misread."""
-    return 2 if (kv_quant or {}).get("layout", "kivi") != "kivi" else 1
+    kv_quant = kv_quant or {}
+    if kv_quant.get("format", "int") != "int":
+        return 3
+    return 2 if kv_quant.get("layout", "kivi") != "kivi" else 1
 
 
 class SpecError(ValueError):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .kvconvert_codec import QuantSpec
+from .kvconvert_codec import QuantSpec, fp8_read, fp8_store
 from .kvconvert_tokenstore import TokenStore
 
 
@@ -109,8 +109,57 @@ class QuantizedLayer(KVLayer):
         self.is_initialized = False
 
 
+class Fp8Layer(KVLayer):
+    """A stock attention layer's ``[b, Hkv, n, d]`` keys and values as float8 e4m3 codes with the layer's
+    static scales (``QuantSpec.scales``): what vLLM and SGLang store for the same checkpoint. ``update``
+    returns every token read back, this step's too, as the engines attend to them."""
+
+    key_codes: torch.Tensor | None
+    value_codes: torch.Tensor | None
+
+    def __init__(self, quant: QuantSpec, layer: int = 0):
+        super().__init__()
+        if quant.scales is None:
+            raise ValueError("fp8 storage needs calibrated scales; this checkpoint's kv_quant has none")
+        k, v = quant.scales[layer]
+        self.key_scale, self.value_scale = torch.tensor(k), torch.tensor(v)
+        self.reset()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.key_scale, self.value_scale = self.key_scale.to(self.device), self.value_scale.to(self.device)
+            self.is_initialized = True
+        new_keys, new_values = fp8_store(key_states, self.key_scale), fp8_store(value_states, self.value_scale)
+        self.key_codes = new_keys if self.key_codes is None else torch.cat([self.key_codes, new_keys], dim=-2)
+        self.value_codes = new_values if self.value_codes is None else torch.cat([self.value_codes, new_values], -2)
+        return (fp8_read(self.key_codes, self.key_scale, self.dtype),
+                fp8_read(self.value_codes, self.value_scale, self.dtype))  # fmt: skip
+
+    def get_seq_length(self) -> int:
+        return 0 if self.key_codes is None else self.key_codes.shape[-2]
+
+    def rows(self) -> int:
+        return 0 if self.key_codes is None else self.key_codes.shape[0]
+
+    def crop_to(self, length: int) -> None:
+        if self.key_codes is not None and self.value_codes is not None:
+            self.key_codes, self.value_codes = self.key_codes[..., :length, :], self.value_codes[..., :length, :]
+
+    def apply(self, fn: Any) -> None:
+        if self.key_codes is not None and self.value_codes is not None:
+            self.key_codes, self.value_codes = fn(self.key_codes), fn(self.value_codes)
+
+    def reset(self) -> None:
+        self.key_codes = self.value_codes = None
+        self.keys = self.values = None
+        self.is_initialized = False
+
+
 def stock_layer(quant: QuantSpec, layer: int) -> DynamicLayer:
     """The cache layer of a layer a method leaves untouched: transformers' own, or quantized."""
+    if quant.fp8:
+        return Fp8Layer(quant, layer)
     quantized = quant.side(layer, keys=True).quantized or quant.side(layer, keys=False).quantized
     return QuantizedLayer(quant, layer) if quantized else DynamicLayer()
 

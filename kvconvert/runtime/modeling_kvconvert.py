@@ -68,6 +68,9 @@ class KVConvertConfig:
         config_dict, unused = PretrainedConfig.get_config_dict(pretrained_model_name_or_path, **kwargs)
         base_type = RuntimeSpec.from_dict(config_dict.get("kvconvert"), METHOD_RUNTIMES).base_model_type
         config_dict["model_type"] = base_type
+        # an engine export's quantization_config (fp8 KV scales) is for engines and stock transformers: this
+        # runtime implements it itself (``kv_quant``), and transformers must not apply it a second time
+        config_dict.pop("quantization_config", None)
         return CONFIG_MAPPING[base_type].from_dict(config_dict, **unused)
 
     @classmethod
@@ -182,7 +185,15 @@ def model_class_for(config: Any) -> type:
         concrete = type(
             f"KVConvert{base.__name__}",
             (KVConvertMixin, base),
-            {"__module__": __name__, "forward": _forward_with_signature_of(base)},
+            {
+                "__module__": __name__,
+                "forward": _forward_with_signature_of(base),
+                # fp8 exports' k_scale / v_scale tensors are for engines; the runtime reads kv_quant's copy
+                "_keys_to_ignore_on_load_unexpected": [
+                    *(getattr(base, "_keys_to_ignore_on_load_unexpected", None) or []),
+                    r"\.[kv]_scale$",
+                ],
+            },  # fmt: skip
         )
         # transformers skips its checkpoint renamings (e.g. GPT-NeoX's embed_out -> lm_head) for
         # custom-code classes unless registered under their own name; inherit the stock ones.

@@ -5,6 +5,11 @@ tokens, values per token, the newest tokens unquantized (``kvconvert/runtime/kvc
 With ``--kv-budget`` (a kvconvert extension, not in KIVI) the width of every layer's keys and values
 is chosen between ``min_bits`` and ``max_bits`` by measured loss on calibration text
 (``kvconvert.methods.quant.bits``), so the budget lands where it costs the least.
+
+With ``--kv-format fp8`` the output is the serving engines' format instead: float8 e4m3 keys and values
+with static scales calibrated on text (``kvconvert.methods.quant.fp8``), written as compressed-tensors'
+``kv_cache_scheme``, so that vLLM and SGLang load the checkpoint as it is and stock transformers does with
+compressed-tensors installed; kvconvert's runtime reads the same scales.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class QuantMethod(Method[QuantPlan | None]):
     @classmethod
     def headline(cls, report: dict[str, Any]) -> str:
         storage = report["kv_storage"]
+        if storage.get("format") == "fp8":
+            return f"quant fp8 e4m3, static scales per {storage['scale_strategy']}; {budget_words(report)}"
         widths = f"{storage['bits']}-bit" if "layers" not in storage else "widths per layer by measured loss"
         layout = ", token layout" if storage.get("layout") == "token" else ""
         return (f"quant {widths}{layout}, groups of {storage['group']}, {storage['residual']} recent tokens "
@@ -57,6 +64,20 @@ class QuantMethod(Method[QuantPlan | None]):
         return text
 
     def check(self, layout: AttentionLayout) -> None:
+        if self.storage.fp8:
+            if self.config.kv_budget is not None:
+                raise KVConvertError("--kv-format fp8 is 8 bits everywhere: it takes no --kv-budget")
+            if not layout.engine_kv_scales:
+                raise KVConvertError(
+                    "--kv-format fp8 writes scales where vLLM and SGLang read them (self_attn.k_scale / v_scale), "
+                    "which this architecture has no place for"
+                )
+            if layout.local_layers:
+                raise KVConvertError(
+                    "--kv-format fp8 on a model with sliding-window layers is not supported: the engines quantize "
+                    "those layers too, and kvconvert's runtime keeps them stock"
+                )
+            return
         if self.config.kv_budget is not None:
             if self.storage.bits != 16:
                 raise KVConvertError("give --kv-bits (one width) or --kv-budget (widths chosen per layer), not both")
@@ -69,6 +90,8 @@ class QuantMethod(Method[QuantPlan | None]):
     def plan(self, ctx: PlanContext) -> QuantPlan | None:
         """With ``kv_budget``: measure each layer's and side's sensitivity and allocate the widths."""
         layout, source = ctx.layout, ctx.source
+        if self.storage.fp8:
+            return self._plan_fp8(ctx)
         budget = self.config.kv_budget
         if budget is None:
             return None  # one width for every layer: the storage options say it all
@@ -92,6 +115,46 @@ class QuantMethod(Method[QuantPlan | None]):
             "sensitivity": allocation.sensitivity,
         })  # fmt: skip
 
+    def _plan_fp8(self, ctx: PlanContext) -> QuantPlan:
+        """Calibrate the fp8 scales: every layer's largest key and value per KV head on calibration text."""
+        import contextlib
+
+        from kvconvert.arch import adapter_for
+        from kvconvert.calib.sequential import run_layer_by_layer
+        from kvconvert.calib.text import calibration_set
+        from kvconvert.methods.quant.fp8 import kv_amax, scales_from_amax
+
+        config, layout, storage = self.config, ctx.layout, self.storage
+        chunks = calibration_set(ctx.source.path, config.calib, config.calib_tokens, min(512, layout.context),
+                                 config.seed)  # fmt: skip
+        seen: list[list[list[torch.Tensor]]] = []
+
+        @contextlib.contextmanager
+        def observe(model: Any) -> Any:
+            with kv_amax(model, layout.num_layers, layout.num_kv_heads) as amax:
+                seen.append(amax)
+                yield
+
+        run_layer_by_layer(ctx.source, adapter_for(ctx.source.config), chunks.chunks, observe, progress=ctx.progress)
+        dtype = ctx.dtype or torch.float32
+        scales = tuple(tuple(tuple(scales_from_amax(side, storage.scale_strategy, dtype).tolist()) for side in pair)
+                       for pair in seen[0])  # fmt: skip
+        return QuantPlan(dataclasses.replace(storage, scales=scales), {  # type: ignore[arg-type]
+            "fp8": {
+                "scale_strategy": storage.scale_strategy,
+                "key_amax": [round(float(pair[0].max()), 4) for pair in seen[0]],
+                "value_amax": [round(float(pair[1].max()), 4) for pair in seen[0]],
+            },
+            "calibration": {"source": chunks.source, "tokens": chunks.tokens},
+        })  # fmt: skip
+
+    def engine_config(self, plan: QuantPlan | None) -> dict[str, Any]:
+        if plan is None or not plan.storage.fp8:
+            return {}
+        from kvconvert.methods.quant.fp8 import kv_cache_scheme
+
+        return {"quantization_config": kv_cache_scheme(plan.storage.scale_strategy)}
+
     def planned_storage(self, plan: QuantPlan | None) -> QuantSpec:
         return self.storage if plan is None else plan.storage
 
@@ -101,7 +164,15 @@ class QuantMethod(Method[QuantPlan | None]):
     def convert_layer(
         self, plan: QuantPlan | None, layer: int, weights: AttentionWeights, dtype: torch.dtype
     ) -> LayerOutput:
-        return LayerOutput(tensors={}, report={"layer": layer}, passthrough=True)
+        if plan is None or plan.storage.scales is None:
+            return LayerOutput(tensors={}, report={"layer": layer}, passthrough=True)
+        from kvconvert.methods.quant.fp8 import scale_tensor
+
+        strategy = plan.storage.scale_strategy
+        k, v = plan.storage.scales[layer]
+        tensors = {"k_scale": scale_tensor(k, strategy, dtype), "v_scale": scale_tensor(v, strategy, dtype)}
+        return LayerOutput(tensors=tensors, report={"layer": layer, "k_scale": max(k), "v_scale": max(v)},
+                           passthrough=True)  # fmt: skip
 
     def expected_kv_budget(self, plan: QuantPlan | None, layout: AttentionLayout) -> float:
         return 1.0  # every token and channel kept; the storage factor comes on top
