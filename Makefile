@@ -4,7 +4,7 @@ SHARED ?= ../shared
 DEMO := demo-out
 AIDREAMS := $(SHARED)/models/aidreams260K
 
-.PHONY: install demo test test-fast quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-quant bench-gemma bench-speed bench-kernels bench-frontier clean
+.PHONY: install demo test test-fast quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-quant bench-gemma bench-speed bench-kernels bench-frontier bench-vllm clean
 
 # torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
 install:
@@ -75,6 +75,13 @@ bench-gemma: install
 # Triton decode kernels vs SDPA and end-to-end decode tokens/s; needs a CUDA GPU (--smoke: script check on CPU)
 bench-kernels: install
 	$(PYTHON) bench/kernels_bench.py
+
+# fp8 exports of SmolLM2 served by vLLM's CPU build (own virtualenv under bench/.cache): scales loaded,
+# perplexity beside kvconvert's runtime, greedy agreement, tokens/s and KV capacity (about 10 minutes)
+VLLM_VENV := bench/.cache/venv-vllm
+bench-vllm: install
+	bash bench/vllm_venv.sh $(VLLM_VENV)
+	$(PYTHON) bench/vllm_bench.py --engine-python $(VLLM_VENV)/bin/python
 
 bench-quick: install
 	$(PYTHON) bench/run.py --quick

@@ -35,6 +35,8 @@ PROFILE = {"profile_tokens": 256}
 CANDIDATES: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "quant": [
         ("quant 8-bit", {"kv_bits": 8, "kv_residual": 0}),
+        # the one KV format vLLM and SGLang read from a checkpoint: a candidate wherever serving is the point
+        ("quant fp8, static scales (vLLM/SGLang format)", {"kv_format": "fp8"}),
         ("quant 4-bit", {"kv_bits": 4, "kv_residual": 0}),
         ("quant 4-bit, sink 4 + rotated values (ext.)", {"kv_bits": 4, "kv_residual": 0, **SINK_ROTATE}),
         ("quant 4-bit token layout, sink 4 (ext.)", {"kv_bits": 4, "kv_residual": 0, "kv_sink": 4,

@@ -1,0 +1,171 @@
+"""kvconvert's engine exports inside vLLM's CPU build (``make bench-vllm``).
+
+For SmolLM2-135M (float32) and its fp8 exports (``quant --kv-format fp8``, scales per tensor and per KV
+head), each loaded by vLLM as it is (``bench/vllm_engine.py``, in its own virtualenv): (a) what vLLM
+built: the cache dtype, its capacity in tokens, and every layer's k/v scale as loaded, checked against the
+export's; (b) perplexity on the context protocol (wikitext-2 test, windows of CONTEXT + SCORED tokens, the
+last SCORED scored) from vLLM's prompt logprobs, beside kvconvert's own runtime on the same token windows;
+(c) greedy generations, vLLM against kvconvert's runtime (tokens until the first difference); (d) decode
+throughput at batch 1 and 16 and vLLM's KV capacity, export against source. A fifth row is the source with
+vLLM's runtime flag ``--kv-cache-dtype fp8`` alone (no scales: 1.0), what serving fp8 costs without
+calibration. Writes bench/results/vllm-cpu-<date>.{json,md}.
+
+    python bench/vllm_bench.py --engine-python bench/.cache/venv-vllm/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine, markdown_table, write_results  # noqa: E402
+from bench.models import CACHE, SHARED, prepare_models  # noqa: E402
+
+ENGINE = Path(__file__).with_name("vllm_engine.py")
+CONTEXT, SCORED = 1536, 512  # the context protocol every quality figure of kvconvert uses
+
+
+def token_windows(tokenizer_dir: Path, windows: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """(scored windows of CONTEXT + SCORED tokens, greedy prompts, the throughput prompt) from wikitext-2."""
+    from transformers import AutoTokenizer
+
+    text = (SHARED / "data" / "wikitext2" / "wikitext2_raw_test.txt").read_text()
+    ids = AutoTokenizer.from_pretrained(tokenizer_dir)(text[: 12_000 * (windows + 2)])["input_ids"]
+    length = CONTEXT + SCORED
+    if len(ids) < (windows + 1) * length:
+        raise SystemExit(f"wikitext-2 gave {len(ids)} tokens, fewer than {windows + 1} windows of {length}")
+    scored = [ids[i * length : (i + 1) * length] for i in range(windows)]
+    rest = ids[windows * length :]
+    prompts = [rest[i * 200 : i * 200 + 64 + 16 * i] for i in range(4)]
+    return scored, prompts, rest[1000:1512]
+
+
+@torch.no_grad()
+def kvconvert_side(model_dir: Path, scored: list[list[int]], prompts: list[list[int]], new_tokens: int) -> dict:
+    """The same measurements through kvconvert's runtime (the source: stock transformers)."""
+    from kvconvert.eval.quality import scored_logits
+    from kvconvert.eval.runner import load_model
+
+    model = load_model(str(model_dir))
+    nll, count = 0.0, 0
+    for window in scored:
+        logits, targets = scored_logits(model, torch.tensor([window]), None, CONTEXT)
+        nll += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
+        count += targets.numel()
+    greedy = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)  # fmt: skip
+        greedy.append(out[0, len(prompt) :].tolist())
+    return {"ppl": math.exp(nll / count), "tokens": count, "greedy": greedy}
+
+
+def run_engine(python: str, model: Path, inputs: Path, out: Path, log: Path, kv_cache_dtype: str = "auto") -> dict:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    command = [python, str(ENGINE), "--model", str(model), "--inputs", str(inputs), "--out", str(out),
+               "--kv-cache-dtype", kv_cache_dtype]  # fmt: skip
+    with log.open("w") as handle:
+        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, check=False)
+    if done.returncode != 0:
+        tail = log.read_text().strip().splitlines()[-3:]
+        raise SystemExit(f"vLLM failed on {model.name} (exit {done.returncode}; log {log}): {' | '.join(tail)}")
+    return json.loads(out.read_text())
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> list[int]:
+    """Per prompt: how many generated tokens agree before the first difference."""
+    return [next((i for i, (x, y) in enumerate(zip(p, q, strict=True)) if x != y), len(p)) for p, q in zip(a, b)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine-python", required=True, help="python of the virtualenv with vllm-cpu")
+    parser.add_argument("--windows", type=int, default=8, help="scored windows (each SCORED tokens)")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--speed-tokens", type=int, default=64)
+    args = parser.parse_args()
+    started = time.time()
+
+    from kvconvert.io.source import open_source
+    from kvconvert.methods import build_method
+    from kvconvert.pipeline import convert
+    from kvconvert.recipe import storage_spec
+
+    source = prepare_models()["smollm2-135m"]
+    work = CACHE / "vllm"
+    work.mkdir(parents=True, exist_ok=True)
+    exports = {}
+    for strategy in ("tensor", "head"):
+        out = work / f"smollm2-135m-fp8-{strategy}"
+        storage = storage_spec({"kv_format": "fp8", "kv_scale_strategy": strategy}, "bench")
+        method = build_method("quant", None, storage)
+        convert(open_source(str(source)), method, out, replace=True, progress=False)
+        exports[f"fp8 export, scales per {strategy}"] = out
+
+    scored, prompts, speed_prompt = token_windows(source, args.windows)
+    inputs = work / "inputs.json"
+    inputs.write_text(json.dumps({"windows": scored, "context": CONTEXT, "prompts": prompts,
+                                  "new_tokens": args.new_tokens,
+                                  "speed": {"prompt": speed_prompt, "new_tokens": args.speed_tokens,
+                                            "batches": [1, 16]}}))  # fmt: skip
+
+    runs: list[tuple[str, Path, str]] = [("source", source, "auto"), ("source, --kv-cache-dtype fp8", source, "fp8")]
+    runs += [(label, out, "auto") for label, out in exports.items()]
+    results: dict[str, Any] = {}
+    for label, model_dir, kv_dtype in runs:
+        slug = label.replace(" ", "-").replace(",", "").replace("--", "")
+        print(f"{label}: vLLM …", flush=True)
+        engine = run_engine(args.engine_python, model_dir, inputs, work / f"{slug}.json", work / f"{slug}.log", kv_dtype)
+        ours = kvconvert_side(model_dir, scored, prompts, args.new_tokens) if kv_dtype == "auto" else None
+        results[label] = {"vllm": engine, "kvconvert": ours}
+        if model_dir in exports.values():
+            spec = json.loads((model_dir / "config.json").read_text())["kvconvert"]["kv_quant"]["scales"]
+            expected = [[max(k), max(v)] for k, v in spec]  # vLLM's CPU backend takes one scale per layer
+            loaded = engine["cache"].get("kv_scales")
+            results[label]["scales_loaded_as_written"] = loaded is not None and all(
+                math.isclose(a, b, rel_tol=1e-6) for pair, want in zip(loaded, expected, strict=True)
+                for a, b in zip(pair, want, strict=True)
+            )  # fmt: skip
+
+    base = results["source"]["vllm"]
+    rows = []
+    for label, entry in results.items():
+        engine, ours = entry["vllm"], entry["kvconvert"]
+        ppl = engine["quality"]["ppl"]
+        rows.append([
+            label, engine["cache"]["kv_capacity_tokens"],
+            f"{engine['cache']['kv_capacity_tokens'] / base['cache']['kv_capacity_tokens']:.2f}×",
+            {True: "yes", False: "NO"}.get(entry.get("scales_loaded_as_written"), "-"),
+            f"{ppl:.4f}", f"{100 * (ppl / base['quality']['ppl'] - 1):+.2f} %",
+            "-" if ours is None else f"{ours['ppl']:.4f}",
+            "-" if ours is None else f"{100 * (ppl / ours['ppl'] - 1):+.2f} %",
+            "-" if ours is None else "/".join(map(str, agreement(engine["greedy"], ours["greedy"]))),
+            f"{engine['tokens_per_s']['1']:.1f} ({engine['tokens_per_s']['1'] / base['tokens_per_s']['1']:.2f}×)",
+            f"{engine['tokens_per_s']['16']:.1f} ({engine['tokens_per_s']['16'] / base['tokens_per_s']['16']:.2f}×)",
+        ])  # fmt: skip
+    headers = ["model", "vLLM KV capacity (tokens)", "× source", "scales loaded", "vLLM ppl", "Δ vs source",
+               "kvconvert ppl", "vLLM vs kvconvert", f"greedy tokens agreeing (of {args.new_tokens})",
+               "tok/s batch 1", "tok/s batch 16"]  # fmt: skip
+    table = (
+        f"vLLM {results['source']['vllm'].get('vllm_version', '')} CPU build, SmolLM2-135M float32, "
+        f"{os.cpu_count()} cores, VLLM_CPU_KVCACHE_SPACE=2 GiB; context protocol: {args.windows} wikitext-2 "
+        f"windows, {CONTEXT} tokens of context, {SCORED} scored; throughput: a {len(speed_prompt)}-token prompt, "
+        f"{args.speed_tokens} new tokens, best of 2\n\n" + markdown_table(headers, rows)
+    )
+    payload = {"machine": machine(), "context": CONTEXT, "scored": SCORED, "windows": args.windows,
+               "results": results, "seconds": time.time() - started}  # fmt: skip
+    write_results("vllm-cpu", payload, table)
+
+
+if __name__ == "__main__":
+    main()
