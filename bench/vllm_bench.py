@@ -50,6 +50,15 @@ def token_windows(tokenizer_dir: Path, windows: int) -> tuple[list[list[int]], l
     return scored, prompts, rest[1000:1512]
 
 
+def truncating_fp8_store(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU build writes fp8 KV by dropping mantissa bits (``float_to_fp8e4m3_scalar`` in its
+    ``csrc/cpu/cpu_attn_fp8.hpp``: round toward zero) where CUDA, compressed-tensors and kvconvert round to
+    nearest. This is that rounding, for a kvconvert row that shows how much of vLLM's gap it explains."""
+    scaled = (x.float() / scale.float().view(1, -1, 1, 1)).clamp(-448.0, 448.0).contiguous()
+    kept = scaled.view(torch.int32) & ~((1 << 20) - 1)  # float32's 23 mantissa bits -> e4m3's 3
+    return kept.view(torch.float32).to(torch.float8_e4m3fn)
+
+
 @torch.no_grad()
 def kvconvert_side(model_dir: Path, scored: list[list[int]], prompts: list[list[int]], new_tokens: int) -> dict:
     """The same measurements through kvconvert's runtime (the source: stock transformers)."""
@@ -60,7 +69,8 @@ def kvconvert_side(model_dir: Path, scored: list[list[int]], prompts: list[list[
     nll, count = 0.0, 0
     for window in scored:
         logits, targets = scored_logits(model, torch.tensor([window]), None, CONTEXT)
-        nll += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        nll += loss.item()
         count += targets.numel()
     greedy = []
     for prompt in prompts:
@@ -84,7 +94,8 @@ def run_engine(python: str, model: Path, inputs: Path, out: Path, log: Path, kv_
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> list[int]:
     """Per prompt: how many generated tokens agree before the first difference."""
-    return [next((i for i, (x, y) in enumerate(zip(p, q, strict=True)) if x != y), len(p)) for p, q in zip(a, b)]
+    pairs = zip(a, b, strict=True)
+    return [next((i for i, (x, y) in enumerate(zip(p, q, strict=True)) if x != y), len(p)) for p, q in pairs]
 
 
 def main() -> None:
@@ -93,6 +104,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8, help="scored windows (each SCORED tokens)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--speed-tokens", type=int, default=64)
+    parser.add_argument("--reuse", action="store_true", help="read vLLM's results from an earlier run's cache")
     args = parser.parse_args()
     started = time.time()
 
@@ -119,15 +131,29 @@ def main() -> None:
                                   "speed": {"prompt": speed_prompt, "new_tokens": args.speed_tokens,
                                             "batches": [1, 16]}}))  # fmt: skip
 
+    if args.reuse:
+        print("--reuse: engine results already in bench/.cache/vllm are read, not measured again")
     runs: list[tuple[str, Path, str]] = [("source", source, "auto"), ("source, --kv-cache-dtype fp8", source, "fp8")]
     runs += [(label, out, "auto") for label, out in exports.items()]
     results: dict[str, Any] = {}
     for label, model_dir, kv_dtype in runs:
         slug = label.replace(" ", "-").replace(",", "").replace("--", "")
         print(f"{label}: vLLM …", flush=True)
-        engine = run_engine(args.engine_python, model_dir, inputs, work / f"{slug}.json", work / f"{slug}.log", kv_dtype)
+        engine_out = work / f"{slug}.json"
+        if args.reuse and engine_out.exists():
+            engine = json.loads(engine_out.read_text())
+        else:
+            engine = run_engine(args.engine_python, model_dir, inputs, engine_out, work / f"{slug}.log", kv_dtype)
         ours = kvconvert_side(model_dir, scored, prompts, args.new_tokens) if kv_dtype == "auto" else None
         results[label] = {"vllm": engine, "kvconvert": ours}
+        if model_dir in exports.values():  # kvconvert with vLLM CPU's rounding: the gap left is everything else
+            from kvconvert.runtime import kvconvert_storage
+
+            rounding, kvconvert_storage.fp8_store = kvconvert_storage.fp8_store, truncating_fp8_store
+            try:
+                results[label]["kvconvert_truncating"] = kvconvert_side(model_dir, scored, prompts, args.new_tokens)
+            finally:
+                kvconvert_storage.fp8_store = rounding
         if model_dir in exports.values():
             spec = json.loads((model_dir / "config.json").read_text())["kvconvert"]["kv_quant"]["scales"]
             expected = [[max(k), max(v)] for k, v in spec]  # vLLM's CPU backend takes one scale per layer
@@ -150,11 +176,16 @@ def main() -> None:
             "-" if ours is None else f"{ours['ppl']:.4f}",
             "-" if ours is None else f"{100 * (ppl / ours['ppl'] - 1):+.2f} %",
             "-" if ours is None else "/".join(map(str, agreement(engine["greedy"], ours["greedy"]))),
+            "-" if "kvconvert_truncating" not in entry else (
+                f"{entry['kvconvert_truncating']['ppl']:.4f} "
+                f"({100 * (ppl / entry['kvconvert_truncating']['ppl'] - 1):+.2f} %; greedy "
+                + "/".join(map(str, agreement(engine["greedy"], entry["kvconvert_truncating"]["greedy"]))) + ")"),
             f"{engine['tokens_per_s']['1']:.1f} ({engine['tokens_per_s']['1'] / base['tokens_per_s']['1']:.2f}×)",
             f"{engine['tokens_per_s']['16']:.1f} ({engine['tokens_per_s']['16'] / base['tokens_per_s']['16']:.2f}×)",
         ])  # fmt: skip
     headers = ["model", "vLLM KV capacity (tokens)", "× source", "scales loaded", "vLLM ppl", "Δ vs source",
                "kvconvert ppl", "vLLM vs kvconvert", f"greedy tokens agreeing (of {args.new_tokens})",
+               "kvconvert with vLLM CPU's truncating fp8 writes (vLLM vs it)",
                "tok/s batch 1", "tok/s batch 16"]  # fmt: skip
     table = (
         f"vLLM {results['source']['vllm'].get('vllm_version', '')} CPU build, SmolLM2-135M float32, "
