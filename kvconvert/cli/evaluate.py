@@ -13,7 +13,7 @@ from kvconvert.errors import KVConvertError
 @main.command("eval")
 @click.option("--model", "model", required=True, help="Local model directory (converted or not).")
 @click.option("--reference", default=None, help="Source model directory to compare against.")
-@click.option("--data", required=True, help="Text file, or dataset spec name[:config]:split:column.")
+@click.option("--data", default=None, help="Text file, or dataset spec name[:config]:split:column (not with --tasks).")
 @click.option("--ctx", type=int, default=1024, show_default=True, help="Window length (capped at the model's).")
 @click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of --data.")
 @click.option("--chunk", type=int, default=None, help="Feed each window through the cache N tokens at a time.")
@@ -32,6 +32,15 @@ from kvconvert.errors import KVConvertError
     "--device", default="auto", show_default=True,
     help="Where both models run: cpu, cuda, cuda:N, or auto (the first GPU if there is one).",
 )  # fmt: skip
+@click.option(
+    "--tasks", default=None,
+    help="RULER-style long-context tasks instead of perplexity, comma-separated: niah_single, niah_multikey, "
+         "niah_multivalue, niah_multiquery, vt, cwe, fwe (or all); accuracy per task and length vs --reference.",
+)  # fmt: skip
+@click.option("--lengths", "task_lengths", default="4096", show_default=True, help="With --tasks: prompt lengths.")
+@click.option("--samples", type=int, default=15, show_default=True, help="With --tasks: samples per task and length.")
+@click.option("--seed", type=int, default=0, show_default=True, help="With --tasks: which samples.")
+@click.option("--allow-extrapolation", is_flag=True, help="With --tasks: lengths past the model's positions.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def eval_command(
@@ -49,6 +58,11 @@ def eval_command(
     no_speed: bool,
     speed_contexts: str | None,
     device: str,
+    tasks: str | None,
+    task_lengths: str,
+    samples: int,
+    seed: int,
+    allow_extrapolation: bool,
     quiet: bool,
 ) -> None:
     """Perplexity, KL/top-1 vs --reference, measured KV bytes/token, speed, passkey and copy tests."""
@@ -58,6 +72,21 @@ def eval_command(
     from kvconvert.io.model_card import is_eval_result
     from kvconvert.io.outdir import refuse_foreign_file, write_text_atomic
 
+    if (tasks is None) == (data is None):
+        raise KVConvertError("give --data (perplexity, KV bytes, speed) or --tasks (long-context tasks)")
+    if tasks is not None:
+        from kvconvert.eval.runner import TaskEvalConfig, format_task_table, run_task_eval
+
+        if json_out is not None:
+            refuse_foreign_file(json_out, "--json", is_eval_result, "a kvconvert eval result")
+        if quiet:
+            silence_libraries()
+        task_config = TaskEvalConfig.parse(tasks, task_lengths, samples, seed, allow_extrapolation, device, not quiet)
+        task_result = run_task_eval(model, reference, task_config)
+        click.echo(format_task_table(task_result))
+        if json_out is not None:
+            write_text_atomic(json_out, json.dumps(task_result, indent=2) + "\n")
+        return
     try:
         lengths = tuple(int(n) for n in retrieval_lengths.split(",")) if retrieval_lengths else None
     except ValueError:

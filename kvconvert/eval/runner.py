@@ -331,3 +331,72 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(f"{result['tokens']} tokens scored; windows of {result['ctx']}: {result['window']} · "
                  f"{result['seconds']:.1f} s")  # fmt: skip
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class TaskEvalConfig:
+    """``kvconvert eval --tasks``: RULER-style tasks (``kvconvert.eval.tasks``) at each length."""
+
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+    samples: int = 15
+    seed: int = 0
+    allow_extrapolation: bool = False
+    device: str = "auto"
+    progress: bool = True
+    chunk: int = 512  # prompt tokens per prefill forward: memory stays bounded at any length
+
+    @classmethod
+    def parse(cls, tasks: str, lengths: str, samples: int, seed: int, allow_extrapolation: bool, device: str,
+              progress: bool) -> TaskEvalConfig:  # fmt: skip
+        from kvconvert.eval.tasks import TASKS
+
+        names = TASKS if tasks.strip() == "all" else tuple(t.strip() for t in tasks.split(",") if t.strip())
+        unknown = [t for t in names if t not in TASKS]
+        if unknown or not names:
+            given = ", ".join(unknown) or repr(tasks)
+            raise KVConvertError(f"unknown task {given}; tasks: {', '.join(TASKS)} (or all)")
+        try:
+            sizes = tuple(int(n) for n in lengths.split(","))
+        except ValueError:
+            raise KVConvertError(f"--lengths must be comma-separated integers, got {lengths!r}") from None
+        if min(sizes) < 64 or samples < 1:
+            raise KVConvertError(f"--lengths must be at least 64 tokens and --samples at least 1, got {lengths!r}, "
+                                 f"{samples}")  # fmt: skip
+        return cls(names, sizes, samples, seed, allow_extrapolation, device, progress)
+
+
+def run_task_eval(model_path: str, reference_path: str | None, config: TaskEvalConfig) -> dict[str, Any]:
+    """Accuracy per task and length of the model and (same samples) its reference; peak prompt lengths
+    are checked against the model's positions first."""
+    from kvconvert.eval.tasks import run_tasks
+
+    start = time.perf_counter()
+    device = resolve_device(config.device)
+    model, tokenizer = load_for_eval(model_path, device)
+    limit = model_context(model)
+    if max(config.lengths) > limit and not config.allow_extrapolation:
+        raise KVConvertError(f"--lengths {max(config.lengths)} exceeds the model's {limit} positions "
+                             "(max_position_embeddings); --allow-extrapolation runs it anyway")  # fmt: skip
+    models = {"model": model}
+    if reference_path:
+        models["reference"] = load_for_eval(reference_path, device)[0]
+    result = run_tasks(models, tokenizer, config.tasks, config.lengths, config.samples, config.seed, config.chunk,
+                       config.progress)  # fmt: skip
+    result.update(model=model_path, reference=reference_path, device=str(device),
+                  seconds=round(time.perf_counter() - start, 1))  # fmt: skip
+    return result
+
+
+def format_task_table(result: dict[str, Any]) -> str:
+    """Accuracy per task (rows) and length (columns), the reference's beside the model's."""
+    names = [n for n in ("model", "reference") if n in result["accuracy"]]
+    header = ["task"] + [f"{n} {length}" for length in result["lengths"] for n in names]
+    rows = [[task] + [f"{result['accuracy'][n][task][str(length)]:.1f}" for length in result["lengths"] for n in names]
+            for task in result["tasks"]]  # fmt: skip
+    rows.append(["average"] + [f"{result['average'][n][str(length)]:.1f}" for length in result["lengths"]
+                               for n in names])  # fmt: skip
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)) for row in [header, *rows]]
+    note = f"{result['samples']} samples per task and length (seed {result['seed']}), accuracy in %"
+    return "\n".join(lines) + "\n" + note

@@ -40,7 +40,9 @@ Conversion details (per-layer decisions and errors, source sha256) are in `kvcon
 def is_eval_result(data: Any) -> bool:
     """Is ``data`` (parsed JSON) what ``eval --json`` writes? (``--json`` replaces only such a file, and the
     card reads only such a file.)"""
-    return isinstance(data, dict) and {"ppl", "kv_bytes_per_token", "tokens", "ctx"} <= set(data)
+    return isinstance(data, dict) and (
+        {"ppl", "kv_bytes_per_token", "tokens", "ctx"} <= set(data) or {"tasks", "lengths", "accuracy"} <= set(data)
+    )
 
 
 def _details(report: dict[str, Any]) -> str:

@@ -1,0 +1,265 @@
+"""RULER-style long-context tasks (Hsieh et al. 2024, "RULER: What's the Real Context Size of Your
+Long-Context Language Models?"), generated on the fly from the model's own tokenizer with a fixed seed and
+answered through the model's cache.
+
+Tasks (RULER's definitions, its answer prefixes and its ``string_match_all`` scoring: the fraction of the
+expected strings found in the generated answer):
+
+- ``niah_single``: one "special magic number" for a key hidden in an essay haystack (RULER's
+  niah_single_2); ``niah_multikey``: four needles with different keys, one asked for (niah_multikey_1);
+  ``niah_multivalue``: four numbers for one key, all asked for; ``niah_multiquery``: four keys, all asked for;
+- ``vt``: variable tracking, one chain of four hops (``VAR A = 12345``, ``VAR B = VAR A`` …) hidden in
+  repeated filler; every variable that holds the value is asked for;
+- ``cwe``: common-words extraction, a numbered list where ten words appear 30 times (from 4K tokens on; fewer
+  below, length ÷ 120, at least 4) and the rest 3 times; the ten are asked for;
+- ``fwe``: frequent-words extraction, coded text of random words drawn from a Zipf law (α = 2); the three
+  most frequent are asked for.
+
+Haystacks come from the calibration text the package ships (``kvconvert/calib_data``), repeated when a
+length needs more; words for ``cwe`` from the same text. Prompts go into the cache in chunks (bounded
+memory at any length), the answer is generated greedily through it: a method that drops, merges or
+quantizes cached tokens loses here what it loses in use.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvconvert.errors import KVConvertError
+
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+ESSAYS = Path(__file__).resolve().parents[1] / "calib_data"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One task instance: the prompt (its answer prefix included) as token ids, the strings a correct answer
+    contains, and how many tokens to generate."""
+
+    task: str
+    prompt: list[int]
+    answers: tuple[str, ...]
+    new_tokens: int
+
+
+def score(prediction: str, answers: tuple[str, ...]) -> float:
+    """RULER's ``string_match_all``: the fraction of ``answers`` found in ``prediction`` (case-insensitive)."""
+    text = prediction.lower()
+    return sum(answer.lower() in text for answer in answers) / len(answers)
+
+
+def essay_sentences() -> list[str]:
+    """The shipped text as sentences, files in name order (the haystack every length draws from)."""
+    text = " ".join(p.read_text().strip() for p in sorted(ESSAYS.glob("[0-9]*.txt")))
+    return [s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s]
+
+
+class _Tokens:
+    """Token counting and encoding with one tokenizer (no special tokens: the prompt adds BOS once)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        adds = tokenizer.bos_token_id is not None and getattr(tokenizer, "add_bos_token", False)
+        self.bos = [tokenizer.bos_token_id] if adds else []  # as the tokenizer would add it
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+
+def _fit(
+    build: Callable[[int], tuple[str, str]], tokens: _Tokens, length: int, new_tokens: int, most: int
+) -> tuple[str, int]:
+    """(prompt text, n) of ``build(n)`` (→ (prompt, answer prefix)) with the largest ``n`` ≤ ``most`` whose
+    prompt and answer fit in ``length`` tokens (binary search, as RULER sizes its haystacks)."""
+    low, high, best, fitted = 1, most, None, 0
+    while low <= high:
+        middle = (low + high) // 2
+        prompt, prefix = build(middle)
+        if len(tokens.bos) + tokens.count(prompt + prefix) + new_tokens <= length:
+            best, fitted, low = prompt + prefix, middle, middle + 1
+        else:
+            high = middle - 1
+    if best is None:
+        raise KVConvertError(f"a {length}-token prompt cannot hold the task's needles and question: give a longer one")
+    return best, fitted
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _word(rng: random.Random, size: int = 6) -> str:
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(size))
+
+
+def _niah(task: str, tokens: _Tokens, length: int, rng: random.Random, sentences: list[str]) -> Sample:
+    keys = [f"{_word(rng)}-{_word(rng)}" for _ in range(4)]
+    if task == "niah_single":
+        needles, asked = [(keys[0], _number(rng))], [keys[0]]
+    elif task == "niah_multikey":  # distractors: other keys' numbers
+        needles, asked = [(k, _number(rng)) for k in keys], [keys[0]]
+    elif task == "niah_multivalue":
+        needles, asked = [(keys[0], _number(rng)) for _ in range(4)], [keys[0]]
+    else:  # niah_multiquery
+        needles, asked = [(k, _number(rng)) for k in keys], keys
+    rng.shuffle(needles)
+    depths = sorted(rng.random() for _ in needles)
+    start = rng.randrange(len(sentences))
+    query = ", ".join(asked)
+    new_tokens = 32 * len(needles) if task in ("niah_multivalue", "niah_multiquery") else 32  # ~32 per number
+
+    def build(n: int) -> tuple[str, str]:
+        hay = [sentences[(start + i) % len(sentences)] for i in range(n)]
+        for offset, ((key, value), depth) in enumerate(zip(needles, depths, strict=True)):
+            hay.insert(int(depth * n) + offset, f"One of the special magic numbers for {key} is: {value}.")
+        prompt = (f"Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+                  f"I will quiz you about the numbers afterwards.\n{' '.join(hay)}\nWhat are all the special magic "
+                  f"numbers for {query} mentioned in the provided text?")  # fmt: skip
+        return prompt, f" The special magic numbers for {query} mentioned in the provided text are"
+
+    text = _fit(build, tokens, length, new_tokens, most=max(4, length))[0]
+    answers = tuple(value for key, value in needles if key in asked)
+    return Sample(task, tokens.bos + tokens.encode(text), answers, new_tokens)
+
+
+def _vt(tokens: _Tokens, length: int, rng: random.Random) -> Sample:
+    value = str(rng.randint(10_000, 99_999))
+    names = ["".join(rng.choice(string.ascii_uppercase) for _ in range(5)) for _ in range(5)]
+    chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, 5)]
+    depths = sorted(rng.random() for _ in chain)
+
+    def build(n: int) -> tuple[str, str]:
+        hay = [FILLER] * n
+        for offset, (line, depth) in enumerate(zip(chain, depths, strict=True)):
+            hay.insert(int(depth * n) + offset, line)
+        prompt = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+                  f"{' '.join(hay)}\nQuestion: Find all variables that are assigned the value {value} in the text "
+                  "above.")  # fmt: skip
+        return prompt, (f" Answer: According to the chain(s) of variable assignment in the text above, 5 variables "
+                        f"are assigned the value {value}, they are: ")  # fmt: skip
+
+    return Sample("vt", tokens.bos + tokens.encode(_fit(build, tokens, length, 30, most=max(4, length))[0]),
+                  tuple(names), 30)  # fmt: skip
+
+
+def _cwe(tokens: _Tokens, length: int, rng: random.Random, vocabulary: list[str]) -> Sample:
+    words = rng.sample(vocabulary, len(vocabulary))
+    common, rare = words[:10], words[10:]
+    frequency = max(4, min(30, length // 120))  # RULER's 30 from 4K on; fewer where 300 list lines do not fit
+
+    def build(n: int) -> tuple[str, str]:
+        listed = [w for w in common for _ in range(frequency)] + [w for w in rare[:n] for _ in range(3)]
+        random.Random(n).shuffle(listed)
+        numbered = "\n".join(f"{i + 1}. {w}" for i, w in enumerate(listed))
+        prompt = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+                  f"ones that appear most often.\n{numbered}\nQuestion: What are the 10 most common words in the above "
+                  "list?")  # fmt: skip
+        return prompt, " Answer: The top 10 words that appear most often in the list are:"
+
+    return Sample("cwe", tokens.bos + tokens.encode(_fit(build, tokens, length, 120, most=len(rare))[0]),
+                  tuple(common), 120)  # fmt: skip
+
+
+def _fwe(tokens: _Tokens, length: int, rng: random.Random) -> Sample:
+    vocabulary = list(dict.fromkeys(_word(rng, rng.randint(3, 5)) for _ in range(2000)))
+    weights = [1 / (rank + 1) ** 2.0 for rank in range(len(vocabulary))]
+    stream = rng.choices(vocabulary, weights, k=4 * length)  # more words than any prompt of ``length`` holds
+
+    def build(n: int) -> tuple[str, str]:
+        prompt = ("Read the following coded text and track the frequency of each coded word. Find the three most "
+                  f"frequently appeared coded words. {' '.join(stream[:n])}\nQuestion: Do not provide any "
+                  "explanation. Please ignore the dots '....'. What are the three most frequently appeared words in "
+                  "the above coded text?")  # fmt: skip
+        return prompt, " Answer: According to the coded text above, the three most frequently appeared words are:"
+
+    text, used = _fit(build, tokens, length, 50, most=len(stream))
+    top = tuple(word for word, _ in Counter(stream[:used]).most_common(3))
+    return Sample("fwe", tokens.bos + tokens.encode(text), top, 50)
+
+
+def cwe_vocabulary(sentences: list[str]) -> list[str]:
+    """Distinct lowercase words of 4–10 letters from the haystack text, in order of appearance."""
+    seen = dict.fromkeys(w for s in sentences for w in re.findall(r"[a-z]{4,10}", s.lower()))
+    return list(seen)
+
+
+def make_samples(tokenizer: Any, task: str, length: int, count: int, seed: int) -> list[Sample]:
+    """``count`` samples of ``task`` at ``length`` tokens (prompt + answer); the same arguments give the same
+    samples, so a model and its reference answer the very same prompts."""
+    if task not in TASKS:
+        raise KVConvertError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    tokens, sentences = _Tokens(tokenizer), essay_sentences()
+    vocabulary = cwe_vocabulary(sentences)
+    out = []
+    for i in range(count):
+        rng = random.Random(f"{seed}/{task}/{length}/{i}")
+        if task.startswith("niah"):
+            out.append(_niah(task, tokens, length, rng, sentences))
+        elif task == "vt":
+            out.append(_vt(tokens, length, rng))
+        elif task == "cwe":
+            out.append(_cwe(tokens, length, rng, vocabulary))
+        else:
+            out.append(_fwe(tokens, length, rng))
+    return out
+
+
+@torch.no_grad()
+def answer(model: Any, tokenizer: Any, sample: Sample, chunk: int = 512) -> str:
+    """Greedy answer to ``sample``: the prompt into the model's own cache ``chunk`` tokens at a time (only the
+    last position's logits kept), then ``new_tokens`` generated through it (stopping at end of sequence)."""
+    from kvconvert.devices import model_device
+
+    ids = torch.tensor([sample.prompt], device=model_device(model))
+    cache, logits = None, None
+    for start in range(0, ids.shape[1], chunk):
+        out = model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache, logits = out.past_key_values, out.logits
+    assert logits is not None  # the prompt has at least one token
+    eos = tokenizer.eos_token_id
+    generated: list[int] = []
+    for _ in range(sample.new_tokens):
+        token = int(logits[0, -1].argmax())
+        if token == eos:
+            break
+        generated.append(token)
+        if score(str(tokenizer.decode(generated, skip_special_tokens=True)), sample.answers) == 1:
+            break  # every answer is there already: more tokens cannot change the score (containment)
+        out = model(torch.tensor([[token]], device=ids.device), past_key_values=cache, use_cache=True)
+        cache, logits = out.past_key_values, out.logits
+    return str(tokenizer.decode(generated, skip_special_tokens=True))
+
+
+def run_tasks(
+    models: dict[str, Any], tokenizer: Any, tasks: tuple[str, ...], lengths: tuple[int, ...], samples: int,
+    seed: int = 0, chunk: int = 512, progress: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """Accuracy (0–100) per model, task and length on the same samples: ``{"accuracy": {model: {task:
+    {length: acc}}}, "average": {model: {length: acc}}, "samples": samples}``."""
+    from tqdm import tqdm
+
+    accuracy: dict[str, dict[str, dict[str, float]]] = {name: {} for name in models}
+    # every sample first: a length too short for a task is one error before any model has run
+    batches = {(task, length): make_samples(tokenizer, task, length, samples, seed)
+               for length in lengths for task in tasks}  # fmt: skip
+    for (task, length), batch in tqdm(batches.items(), desc="tasks", unit="task", disable=not progress):
+        for name, model in models.items():
+            got = [score(answer(model, tokenizer, s, chunk), s.answers) for s in batch]
+            accuracy[name].setdefault(task, {})[str(length)] = 100 * sum(got) / len(got)
+    average = {name: {str(n): sum(by_task[t][str(n)] for t in tasks) / len(tasks) for n in lengths}
+               for name, by_task in accuracy.items()}  # fmt: skip
+    return {"tasks": list(tasks), "lengths": list(lengths), "samples": samples, "seed": seed,
+            "accuracy": accuracy, "average": average}  # fmt: skip

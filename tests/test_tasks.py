@@ -1,0 +1,97 @@
+"""``kvconvert eval --tasks``: RULER-style samples (their lengths, needles, answers, determinism), the scoring,
+the chunked prefill, and the command's errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+import torch
+from helpers import run_cli
+
+from kvconvert.eval.tasks import TASKS, Sample, answer, make_samples, score
+
+
+@pytest.fixture(scope="module")
+def tokenizer(aidreams_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(aidreams_dir)
+
+
+def test_scoring_is_rulers_string_match_all():
+    assert score("The numbers are 1234567 and 7654321.", ("1234567", "7654321")) == 1.0
+    assert score("the numbers are 1234567", ("1234567", "7654321")) == 0.5
+    assert score("ABCDE", ("abcde",)) == 1.0 and score("", ("x",)) == 0.0
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_samples_fit_their_length_hold_their_answers_and_repeat_with_the_seed(tokenizer, task):
+    length = 1024
+    samples = make_samples(tokenizer, task, length, 3, seed=0)
+    assert make_samples(tokenizer, task, length, 3, seed=0) == samples
+    assert make_samples(tokenizer, task, length, 3, seed=1) != samples
+    for sample in samples:
+        # prompt + answer fit, and the haystack filled most of the room (RULER sizes it by binary search)
+        assert 0.8 * length <= len(sample.prompt) + sample.new_tokens <= length
+        text = tokenizer.decode(sample.prompt)
+        body = text[: text.rindex("Question") if "Question" in text else text.rindex("What are all")]
+        if task.startswith("niah") or task == "vt":
+            assert all(a in body for a in sample.answers), (task, sample.answers)
+        if task == "niah_multikey":  # three distractor numbers that are not the answer
+            assert len(re.findall(r"special magic numbers for \S+ is: \d{7}", body)) == 4
+        if task == "cwe":  # the ten answers are the ten most frequent list entries
+            counts = Counter(re.findall(r"^\d+\. (\w+)$", body, re.M))
+            assert set(sample.answers) == {w for w, _ in counts.most_common(10)}
+            assert counts.most_common(11)[9][1] > counts.most_common(11)[10][1]
+        if task == "fwe":
+            counts = Counter(body.split("coded words. ", 1)[1].split())
+            assert [w for w, _ in counts.most_common(3)] == list(sample.answers)
+
+
+@torch.no_grad()
+def test_the_prompt_goes_in_by_chunks_as_it_would_in_one_forward(tiny_model_dir):
+    """Chunked prefill through the cache gives the answer one forward gives (what bounds memory at 32K)."""
+    from helpers import load_reference
+
+    model = load_reference(tiny_model_dir("llama_gqa"))
+
+    class Digits:  # the tiny model's vocabulary as a tokenizer: ids in, their decimal strings out
+        eos_token_id = None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    prompt = torch.randint(3, 90, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    sample = Sample("niah_single", prompt, ("never",), 12)
+    assert answer(model, Digits(), sample, chunk=7) == answer(model, Digits(), sample, chunk=1000)
+
+
+def test_eval_tasks_scores_model_and_reference_on_the_same_samples(aidreams_dir, tmp_path):
+    out = tmp_path / "tasks.json"
+    result = run_cli("eval", "--model", str(aidreams_dir), "--reference", str(aidreams_dir), "--tasks",
+                     "niah_single,fwe", "--lengths", "512", "--allow-extrapolation", "--samples", "2",
+                     "--json", str(out), "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["tasks"] == ["niah_single", "fwe"] and data["lengths"] == [512]
+    assert data["accuracy"]["model"] == data["accuracy"]["reference"]  # the same model, the same samples
+    assert "average" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--tasks", "niah_single,sudoku"), "unknown task sudoku; tasks: niah_single"),
+        (("--tasks", "vt", "--lengths", "99999"), "exceeds the model's"),
+        (("--tasks", "niah_multivalue", "--lengths", "64"), "cannot hold the task's needles"),
+        (("--tasks", "vt", "--data", "x.txt"), "give --data"),
+        ((), "give --data"),
+    ],
+)
+def test_bad_task_arguments_are_one_line(aidreams_dir, args, says):
+    result = run_cli("eval", "--model", str(aidreams_dir), "--quiet", *args)
+    assert result.exit_code == 2, result.output
+    assert says in result.output and len(result.output.strip().splitlines()) == 1
