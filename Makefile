@@ -4,7 +4,7 @@ SHARED ?= ../shared
 DEMO := demo-out
 AIDREAMS := $(SHARED)/models/aidreams260K
 
-.PHONY: install demo test test-fast quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-quant bench-gemma bench-speed bench-kernels bench-frontier bench-vllm clean
+.PHONY: install demo test test-fast quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-quant bench-gemma bench-speed bench-kernels bench-frontier bench-vllm bench-longctx clean
 
 # torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
 install:
@@ -82,6 +82,10 @@ VLLM_VENV := bench/.cache/venv-vllm
 bench-vllm: install
 	bash bench/vllm_venv.sh $(VLLM_VENV)
 	$(PYTHON) bench/vllm_bench.py --engine-python $(VLLM_VENV)/bin/python
+
+# RULER-style tasks at 4K through the cache: SmolLM2 and four conversions on the same samples (about 40 minutes)
+bench-longctx: install
+	$(PYTHON) bench/longctx_bench.py
 
 bench-quick: install
 	$(PYTHON) bench/run.py --quick
