@@ -61,23 +61,19 @@ def truncating_fp8_store(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def kvconvert_side(model_dir: Path, scored: list[list[int]], prompts: list[list[int]], new_tokens: int) -> dict:
-    """The same measurements through kvconvert's runtime (the source: stock transformers)."""
-    from kvconvert.eval.quality import scored_logits
+    """The same measurements through kvconvert's runtime (the source: stock transformers): ``kvconvert eval``'s
+    context protocol over the same windows (they are consecutive, so its windowing finds them again)."""
+    from kvconvert.eval.quality import evaluate_quality
     from kvconvert.eval.runner import load_model
 
     model = load_model(str(model_dir))
-    nll, count = 0.0, 0
-    for window in scored:
-        logits, targets = scored_logits(model, torch.tensor([window]), None, CONTEXT)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-        nll += loss.item()
-        count += targets.numel()
+    quality = evaluate_quality(model, torch.tensor([t for w in scored for t in w]), CONTEXT + SCORED, context=CONTEXT)
     greedy = []
     for prompt in prompts:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, pad_token_id=0)  # fmt: skip
         greedy.append(out[0, len(prompt) :].tolist())
-    return {"ppl": math.exp(nll / count), "tokens": count, "greedy": greedy}
+    return {"ppl": quality.ppl, "tokens": quality.tokens, "greedy": greedy}
 
 
 def run_engine(python: str, model: Path, inputs: Path, out: Path, log: Path, kv_cache_dtype: str = "auto") -> dict:
