@@ -244,11 +244,15 @@ def convert(
 
         planned_storage = method.planned_storage(plan)
         storage = storage_report(planned_storage)
+        # an engine export may be another architecture (lorc --latent mla: DeepSeek-V3); the runtime builds that one
+        engine = method.engine_config(plan)
+        base_model_type = engine.get("model_type", source.config.model_type)
+        base_architecture = (engine.get("architectures") or [adapter.causal_lm_class_name()])[0]
         spec = RuntimeSpec(
             method=method.name,
             version=kvconvert.__version__,
-            base_model_type=source.config.model_type,
-            base_architecture=adapter.causal_lm_class_name(),
+            base_model_type=base_model_type,
+            base_architecture=base_architecture,
             attention_modules=adapter.attention_module_paths(),
             rotary_module=layout.rotary_module if layout.rotary else None,
             num_heads=layout.num_heads,
@@ -273,11 +277,10 @@ def convert(
             kvconvert=spec,
             dtype=str(target).removeprefix("torch."),
         )
-        if engine := method.engine_config(plan):
-            # weights and attention are the source's: engines (and transformers without remote code) load
-            # the source architecture, and trust_remote_code=True still reaches kvconvert's runtime (auto_map)
-            config.update(model_type=source.config.model_type, architectures=[adapter.causal_lm_class_name()],
-                          **engine)  # fmt: skip
+        if engine:
+            # engines (and transformers without remote code) load the architecture the export names (the source's,
+            # or the one it was rewritten into), and trust_remote_code=True still reaches kvconvert's runtime (auto_map)
+            config.update({"model_type": base_model_type, "architectures": [base_architecture], **engine})
         config.pop("torch_dtype", None)
         config.pop("transformers_version", None)  # keeps output byte-identical across installs
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

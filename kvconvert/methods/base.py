@@ -108,8 +108,9 @@ class Method(Generic[P]):
 
     def engine_config(self, plan: P) -> dict[str, Any]:
         """What ``config.json`` says to serving engines besides kvconvert's runtime spec (quant's fp8
-        ``quantization_config``). Non-empty: the output keeps the source's ``model_type``, so that engines
-        and stock transformers load it as the source architecture; empty: ``model_type: kvconvert``."""
+        ``quantization_config``; lorc's MLA export: a whole DeepSeek-V3 config, ``model_type`` and
+        ``architectures`` included). Non-empty: the output has the source's ``model_type`` (or the one given
+        here), so that engines and stock transformers load it without kvconvert; empty: ``model_type: kvconvert``."""
         return {}
 
     def planned_storage(self, plan: P) -> QuantSpec:

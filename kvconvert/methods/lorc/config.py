@@ -10,7 +10,7 @@ from kvconvert.methods.options import calib_option, calib_tokens_option, option,
 
 Schedule = Literal["progressive", "uniform", "auto"]
 Target = Literal["kv", "k", "v"]
-Latent = Literal["separate", "joint"]
+Latent = Literal["separate", "joint", "mla"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,15 @@ class LorcConfig:
     latent: Latent = option(
         "separate",
         help="One latent per layer for K and one for V (the paper), or joint: one latent both are rebuilt from, "
-        "K's and V's errors weighted by their measured loss (extension, MLA-style; needs --schedule auto).",
+        "K's and V's errors weighted by their measured loss (extension, MLA-style; needs --schedule auto), or "
+        "mla: a standard DeepSeek-V3 checkpoint (one latent + a shared RoPE key per layer, the same width in "
+        "every layer) that stock transformers, vLLM and SGLang load without kvconvert (extension; implies --calib).",
+    )
+    # latent="mla": the relative distances (tokens) over which a key part that loses its rotation is averaged
+    mla_distance: int | None = option(
+        None,
+        help="--latent mla: the key parts the shared RoPE key cannot hold are scored with their mean rotation over "
+        "relative distances 0..N-1 (default: the calibration chunk length).",
     )
 
     def __post_init__(self) -> None:
@@ -80,8 +88,20 @@ class LorcConfig:
                                  f"and {self.refine_chunks}")  # fmt: skip
         if self.refine_steps:
             object.__setattr__(self, "calibrate", True)  # it fits on calibration activations
-        if self.latent not in ("separate", "joint"):
-            raise KVConvertError(f"latent must be separate or joint, got {self.latent!r}")
+        if self.latent not in ("separate", "joint", "mla"):
+            raise KVConvertError(f"latent must be separate, joint or mla, got {self.latent!r}")
+        if self.mla_distance is not None and (self.latent != "mla" or self.mla_distance < 1):
+            raise KVConvertError(f"--mla-distance takes a whole number of tokens >= 1, with --latent mla; got "
+                                 f"{self.mla_distance}")  # fmt: skip
+        if self.latent == "mla":
+            # DeepSeek-V3's config has one kv_lora_rank for every layer and no per-layer opt-out
+            for wrong, reason in ((self.schedule == "auto", "--schedule auto (one latent width for every layer)"),
+                                  (self.threshold is not None, "--threshold (every layer becomes MLA)"),
+                                  (self.compress != "kv", "--compress k/v (MLA rebuilds keys and values)"),
+                                  (self.refine_steps > 0, "--refine-steps (not implemented for MLA yet)")):  # fmt: skip
+                if wrong:
+                    raise KVConvertError(f"--latent mla does not combine with {reason}")
+            object.__setattr__(self, "calibrate", True)  # the shared RoPE key and the latent are fitted on text
         if self.latent == "joint":
             if self.compress != "kv":
                 raise KVConvertError("--latent joint shares one latent between K and V: it needs --compress kv")

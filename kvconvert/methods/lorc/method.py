@@ -133,6 +133,21 @@ class LorcPlan:
     refine_log: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class MlaPlan:
+    """What ``latent="mla"`` decided: the one latent width, the calibration it fitted on (each layer's mean
+    ``x xᵀ`` of the attention inputs), the mean rotation of the key parts the shared RoPE key cannot hold
+    (``methods.lorc.mla``), the queries' scale and the DeepSeek-V3 config entries (``kvconvert.arch.mla``)."""
+
+    layout: AttentionLayout
+    kv_lora_rank: int
+    input_grams: list[torch.Tensor]
+    rotation: torch.Tensor
+    query_scale: float
+    engine: dict[str, Any]
+    calibration: dict[str, Any] = field(default_factory=dict)
+
+
 def probe_rank(config: LorcConfig, layers: int, width: int) -> int:
     """The rank every factored side would get under one uniform ratio: where ``auto`` measures each
     (layer, side)'s sensitivity, so the loss model is calibrated near the operating point."""
@@ -185,7 +200,7 @@ def plan_ranks(
     return LorcRanks(kappa_k, kappa_v, log10_cum, compressed, rank_k, rank_v, budget=cached / (2 * layers * width))
 
 
-class LorcMethod(Method[LorcPlan]):
+class LorcMethod(Method[LorcPlan | MlaPlan]):
     name = "lorc"
     # calibrated keys: weight their error by the queries (True) or by the inputs alone (the ablation)
     query_weighted_keys: ClassVar[bool] = True
@@ -199,6 +214,8 @@ class LorcMethod(Method[LorcPlan]):
     @classmethod
     def headline(cls, report: dict[str, Any]) -> str:
         params = report["params"]
+        if params["latent"] == "mla":
+            return f"lorc as DeepSeek-V3 MLA (kv_lora_rank {report['layers'][0]['rank']}), {budget_words(report)}"
         kind = f"{params['schedule']}, joint latent" if params["latent"] == "joint" else params["schedule"]
         return f"lorc {kind}, {budget_words(report)}"
 
@@ -207,8 +224,15 @@ class LorcMethod(Method[LorcPlan]):
 
     @classmethod
     def describe(cls, report: dict[str, Any]) -> str:
-        ranks = [r["rank_k"] for r in report["layers"]]
         params = report["params"]
+        if params.get("latent") == "mla":
+            return (
+                f"LoRC written as a standard DeepSeek-V3 checkpoint (multi-head latent attention, loads without "
+                f"kvconvert): per layer one latent of {report['layers'][0]['rank']} values that keys and values are "
+                "rebuilt from, plus one RoPE key shared by all heads (each frequency's principal direction across "
+                "the KV heads); fitted on calibration activations."
+            )
+        ranks = [r["rank_k"] for r in report["layers"]]
         how = "weighted by calibration activations" if params.get("calibrate") else "by SVD"
         if params.get("refine_steps"):
             how += f", refined by {params['refine_steps']} steps per layer on the attention output"
@@ -226,6 +250,9 @@ class LorcMethod(Method[LorcPlan]):
     @classmethod
     def report_table(cls, report: dict[str, Any]) -> str:
         params = report["params"]
+        if params["latent"] == "mla":
+            return layer_table(report, [("latent", "rank", ""), ("RoPE key kept", "rope_kept", ".3f"),
+                                        ("latent error", "latent_rel_output_error", ".3f")])  # fmt: skip
         error = "rel_output_error" if params["calibrate"] else "rel_frobenius_error"
         return layer_table(report, [
             ("κ(W_K)", "kappa_k", ".3g"), ("κ(W_V)", "kappa_v", ".3g"), ("log10 κ̃", "log10_kappa_cum", ".1f"),
@@ -240,8 +267,25 @@ class LorcMethod(Method[LorcPlan]):
         if layout.qk_norm and not layout.rotary:  # keys scored on the latent: no full-width key to normalise
             raise KVConvertError("lorc supports QK-norm only with RoPE (its keys are rebuilt, then normalised)")
 
-    def expected_kv_budget(self, plan: LorcPlan, layout: AttentionLayout) -> float:
+    def expected_kv_budget(self, plan: LorcPlan | MlaPlan, layout: AttentionLayout) -> float:
+        if isinstance(plan, MlaPlan):  # per token and layer: the latent and the shared RoPE key
+            return (plan.kv_lora_rank + layout.head_dim) / (2 * layout.kv_width)
         return plan.ranks.budget
+
+    def params(self) -> dict[str, Any]:
+        params = super().params()
+        if params["mla_distance"] is None:
+            del params["mla_distance"]  # its default: reports and recipes read as they did before the option
+        return params
+
+    def engine_config(self, plan: LorcPlan | MlaPlan) -> dict[str, Any]:
+        return plan.engine if isinstance(plan, MlaPlan) else {}
+
+    def check_storage(self, layout: AttentionLayout) -> None:
+        super().check_storage(layout)
+        if self.config.latent == "mla" and self.storage != type(self.storage)():
+            raise KVConvertError("--latent mla writes a DeepSeek-V3 checkpoint that engines cache in their own "
+                                 "format: it takes no --kv-* storage options")  # fmt: skip
 
     def _targets(
         self, weighting: Weighting | None, layout: AttentionLayout, layer: int, w: AttentionWeights
@@ -262,9 +306,11 @@ class LorcMethod(Method[LorcPlan]):
                                            else queries)  # fmt: skip
         return {"k": (w.k_weight, right, left_k), "v": (w.v_weight, right, linalg.block_cholesky(o_gram))}
 
-    def plan(self, ctx: PlanContext) -> LorcPlan:
+    def plan(self, ctx: PlanContext) -> LorcPlan | MlaPlan:
         """κ(W_K), κ(W_V) of every layer (full D × n_kv·d matrices, appendix D), then the ranks.
         Calibrated: the attention inputs' Grams first; auto: every side's loss curve (``_losses``)."""
+        if self.config.latent == "mla":
+            return self._mla_plan(ctx)
         layout, layers, source = ctx.layout, ctx.layers, ctx.source
         config = self.config
         calib, weighting, calibration = None, None, {}
@@ -322,6 +368,46 @@ class LorcMethod(Method[LorcPlan]):
         refined, refine_log, calibration["refine"] = self._refine(ctx, weighting, ranks,
                                                                   calib.chunks[: config.refine_chunks])  # fmt: skip
         return LorcPlan(layout, ranks, weighting, calibration, refined, refine_log)
+
+    def _mla_plan(self, ctx: PlanContext) -> MlaPlan:
+        """``latent="mla"``: refuse what DeepSeek-V3's attention cannot express (one line, before any
+        calibration), then each layer's input Gram on calibration text."""
+        from kvconvert.arch import adapter_for
+        from kvconvert.arch.mla import (LATENT_NORM_EPS, check_mla_source, deepseek_v3_config, deepseek_v3_scaling,
+                                        rope_frequencies)  # fmt: skip
+        from kvconvert.calib.stats import collect_layer_grams
+        from kvconvert.calib.text import calibration_set
+        from kvconvert.methods.lorc.mla import mean_rotation
+
+        layout, source, config = ctx.layout, ctx.source, self.config
+        adapter = adapter_for(source.config)
+        check_mla_source(adapter, layout)
+        if ctx.dtype == torch.float16:
+            # the latent runs at ~1e-5 (kv_a_layernorm's linear range): float16's subnormals there keep 3-4 bits
+            raise KVConvertError("--latent mla needs a float32 or bfloat16 checkpoint (its latent is scaled into "
+                                 "kv_a_layernorm's linear range, below float16's normal numbers): pass --dtype")  # fmt: skip
+        if any(b is not None for w in ctx.layers for b in (w.q_bias, w.k_bias, w.v_bias, w.o_bias)):
+            raise KVConvertError("--latent mla cannot express attention biases (DeepSeek-V3's query projection has "
+                                 "none)")  # fmt: skip
+        rope = layout.head_dim
+        kv_lora_rank = round(config.kv_budget * 2 * layout.kv_width) - rope
+        if kv_lora_rank < 1:
+            raise KVConvertError(f"kv_budget {config.kv_budget} is below what MLA can hold: its shared RoPE key alone "
+                                 f"is {rope / (2 * layout.kv_width):.3f} of this model's cache")  # fmt: skip
+        calib = calibration_set(source.path, config.calib, config.calib_tokens,
+                                min(config.chunk_len, layout.context), config.seed)  # fmt: skip
+        sums, heads = collect_layer_grams(source, adapter, calib.chunks, ctx.progress)
+        grams = [g / max(int(n), 1) for g, n in zip(sums, heads.tokens, strict=True)]
+        distance = config.mla_distance or int(calib.chunks.shape[1])
+        engine = deepseek_v3_config(source.config, layout, kv_lora_rank)
+        return MlaPlan(
+            layout, kv_lora_rank, grams,
+            rotation=mean_rotation(rope_frequencies(source.config, layout), distance),
+            query_scale=layout.scaling[0] / deepseek_v3_scaling({**source.config.to_dict(), **engine}),
+            engine=engine,
+            calibration={"source": calib.source, "tokens": calib.tokens, "chunk_len": int(calib.chunks.shape[1]),
+                         "mla_distance": distance, "latent_norm_eps": LATENT_NORM_EPS},
+        )  # fmt: skip
 
     def _refine(
         self, ctx: PlanContext, weighting: Weighting | None, plan: LorcRanks, chunks: torch.Tensor
@@ -472,8 +558,16 @@ class LorcMethod(Method[LorcPlan]):
                 points.append((rank_of(layer, side), measured[job]) if job in measured else points[-1])
 
     def convert_layer(
-        self, planned: LorcPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype
+        self, planned: LorcPlan | MlaPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype
     ) -> LayerOutput:
+        if isinstance(planned, MlaPlan):
+            from kvconvert.arch.mla import LATENT_NORM_EPS
+            from kvconvert.methods.lorc.mla import mla_attention
+
+            tensors, report = mla_attention(weights, planned.layout, planned.input_grams[layer], planned.kv_lora_rank,
+                                            planned.rotation, planned.query_scale, LATENT_NORM_EPS)  # fmt: skip
+            return LayerOutput({k: v.to(dtype) for k, v in tensors.items()},
+                               report={"layer": layer, "rank": planned.kv_lora_rank, **report})  # fmt: skip
         plan, layout = planned.ranks, planned.layout
         report: dict[str, Any] = {
             "layer": layer,
@@ -519,11 +613,17 @@ class LorcMethod(Method[LorcPlan]):
             report[f"{side}_sigma_next"] = float(svals[rank]) if rank < svals.numel() else 0.0
         return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
 
-    def summary(self, plan: LorcPlan) -> dict[str, Any]:
+    def summary(self, plan: LorcPlan | MlaPlan) -> dict[str, Any]:
         """Whole-model decisions (``kvconvert.json`` → ``plan``): the calibration and auto's probes."""
         return {"calibration": plan.calibration} if plan.calibration else {}
 
-    def runtime_spec(self, plan: LorcPlan, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
+    def runtime_spec(
+        self, plan: LorcPlan | MlaPlan, layout: AttentionLayout, tensor_names: list[list[str]]
+    ) -> dict[str, Any]:
+        if isinstance(plan, MlaPlan):
+            # stock DeepSeek-V3 attention caches the normalised latent and the shared RoPE key itself: kvconvert's
+            # runtime keeps every layer's stock module and cache layer
+            return {"lorc_layers": [None] * layout.num_layers, "lorc_mla": {"kv_lora_rank": plan.kv_lora_rank}}
         ranks = plan.ranks
         layers: list[dict[str, Any] | None] = []
         for i, names in enumerate(tensor_names):

@@ -1,0 +1,141 @@
+"""``lorc --latent mla``: one layer's attention rewritten as DeepSeek-V3's multi-head latent attention, float64.
+
+MLA caches per token and layer one latent ``c`` (``kv_lora_rank`` values, normalised by ``kv_a_layernorm``) that
+every head's keys-without-RoPE and values are rebuilt from (``kv_b_proj``), plus one rotary key part shared by
+all heads (``qk_rope_head_dim``). A GQA layer has a rotary key per KV head; RoPE turns a pair ``f`` of every
+head by the same angle, so any complex mixing *across* KV heads commutes with it (TransMLA's RoRoPE). Per
+frequency the keys of the ``Hkv`` heads form a complex vector ``z_f = k_f + i·k_{f+d/2}``; the shared key keeps
+its principal direction (``z_f ≈ a_f·(b_fᴴ z_f)``, weighted by how strongly each group's queries read that
+frequency), which loses nothing for MQA. What the shared key misses (the other ``Hkv − 1`` directions) cannot
+keep its rotation in this layout: it joins the values in the latent, and the queries that read it are turned
+by the mean rotation ``c_f = E[e^{iΔθ_f}]`` over the relative distances ``Δ`` the model attends across — the
+linear map closest to the true, distance-dependent one (≈ 1 for slow frequencies, ≈ 0 for fast ones, where
+the un-rotated part would only add noise; TransMLA keeps it at 1).
+
+The latent is the stacked [residual keys; values] factored like LoRC's joint latent (whitened by the inputs'
+Gram, keys weighted by the queries that read them, values by W_O). ``kv_a_layernorm`` is an RMSNorm that a
+converted model has no counterpart for: the latent's projection is scaled down until its mean square is
+``LATENT_MEAN_SQUARE`` of the norm's epsilon on calibration text, where the norm is linear (it multiplies by
+``1/√(ms + eps) ≈ 1/√eps``, off by ``ms/(2·eps)`` ≈ 5e-6 relative), and the norm's weight undoes the scale.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvconvert import linalg
+from kvconvert.arch import AttentionLayout, AttentionWeights
+
+F64 = linalg.F64
+LATENT_MEAN_SQUARE = 1e-5  # the latent's calibrated mean square, in units of the norm's epsilon
+
+
+def complex_pairs(weight: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Rows of a rotate-half projection ``[heads·d, D]`` as complex RoPE pairs ``[heads, d/2, D]``:
+    ``row f + i·row (f + d/2)``, which RoPE multiplies by ``e^{i·pos·θ_f}``."""
+    w = weight.to(F64).reshape(heads, head_dim, -1)
+    half = head_dim // 2
+    return torch.complex(w[:, :half], w[:, half:])
+
+
+def half_rows(pairs: torch.Tensor) -> torch.Tensor:
+    """Complex pairs ``[…, d/2, D]`` back to rotate-half rows ``[…, d, D]`` (real parts, then imaginary)."""
+    return torch.cat([pairs.real, pairs.imag], dim=-2)
+
+
+def interleaved_rows(pairs: torch.Tensor) -> torch.Tensor:
+    """Complex pairs ``[…, d/2, D]`` as DeepSeek's interleaved rows ``[…, d, D]``: pair f at rows 2f, 2f+1."""
+    return torch.stack([pairs.real, pairs.imag], dim=-2).flatten(-3, -2)
+
+
+def mean_rotation(frequencies: torch.Tensor, distance: int) -> torch.Tensor:
+    """``c_f = E[e^{iΔθ_f}]`` for ``Δ`` uniform over ``0 … distance − 1`` tokens, complex ``[pairs]``."""
+    delta = torch.arange(distance, dtype=F64)
+    return torch.exp(1j * delta[:, None] * frequencies.to(F64)[None, :]).mean(0)
+
+
+def shared_rotary_key(
+    keys: torch.Tensor, gram: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per frequency, the rank-1 ``z_f ≈ a_f (b_fᴴ z_f)`` of the KV heads' complex keys ``keys [Hkv, d/2, D]``
+    on inputs with Gram ``gram [D, D]`` minimising ``E Σ_g w_gf |z_gf − a_gf b_fᴴ z_f|²`` (``weights [Hkv, d/2]``
+    > 0): the top eigenvector ``ã`` of ``W^½ C_f W^½``, ``a = W^-½ ã``, ``b = W^½ ã``. Returns ``a, b [d/2, Hkv]``
+    and the weighted share of each frequency's key energy the shared key keeps ``[d/2]``."""
+    cov = torch.einsum("hfx,xy,gfy->fhg", keys, gram.to(keys.dtype), keys.conj())  # E[z zᴴ] per frequency
+    root = weights.T.clamp(min=1e-300).sqrt().to(keys.dtype)  # [d/2, Hkv]
+    eigenvalues, vectors = torch.linalg.eigh(root[:, :, None] * cov * root[:, None, :])
+    top = vectors[..., -1]
+    kept = eigenvalues[..., -1] / eigenvalues.sum(-1).clamp(min=1e-300)
+    return top / root, top * root, kept
+
+
+def mla_attention(
+    w: AttentionWeights, layout: AttentionLayout, gram: torch.Tensor, kv_lora_rank: int, rotation: torch.Tensor,
+    query_scale: float, norm_eps: float,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:  # fmt: skip
+    """DeepSeek-V3 attention tensors (names local to the block) for one source layer, and its report.
+
+    ``gram [D, D]``: the mean ``x xᵀ`` of the attention inputs on calibration text; ``rotation [d/2]``:
+    ``mean_rotation`` of the source's frequencies; ``query_scale``: source softmax scale ÷ DeepSeek's (folded
+    into the queries); ``norm_eps``: ``kv_a_layernorm``'s epsilon. Shapes (H query heads, Hkv KV heads, d head
+    width, r = ``kv_lora_rank``): ``q_proj [H·2d, D]`` (per head d nope rows, then d interleaved rope rows),
+    ``kv_a_proj_with_mqa [r + d, D]``, ``kv_a_layernorm [r]``, ``kv_b_proj [H·2d, r]`` (per head d key rows, d
+    value rows), ``o_proj`` unchanged.
+    """
+    heads, kv_heads, d = layout.num_heads, layout.num_kv_heads, layout.head_dim
+    group = heads // kv_heads
+    gram = gram.to(F64)
+    keys = complex_pairs(w.k_weight, kv_heads, d)  # [Hkv, d/2, D]
+    queries = complex_pairs(w.q_weight, heads, d)  # [H, d/2, D]
+    of_group = torch.arange(heads) // group
+    query_energy = torch.einsum("hfx,xy,hfy->hf", queries, gram.to(queries.dtype), queries.conj()).real
+    a, b, kept = shared_rotary_key(keys, gram, query_energy.view(kv_heads, group, -1).sum(1))
+    rope_key = torch.einsum("fh,hfx->fx", b.conj(), keys)  # [d/2, D]
+    residual = keys - torch.einsum("fh,fx->hfx", a, rope_key)  # [Hkv, d/2, D]: what the shared key misses
+    rope_query = queries * a.T.conj()[of_group][:, :, None]
+    nope_query = queries * rotation.to(queries.dtype)[None, :, None]
+
+    def group_grams(rows: torch.Tensor, sum_heads: int) -> torch.Tensor:  # [n·sum_heads, d, D] -> [n, d, d]
+        grams = torch.einsum("hdx,xy,hey->hde", rows, gram, rows)
+        return grams.view(-1, sum_heads, d, d).sum(1)
+
+    values = w.v_weight.to(F64)
+    o_gram = linalg.output_gram(w.o_weight, heads, kv_heads, d)
+    # each side's error relative to what it carries in the source: the whole key as its (RoPE'd, so only the
+    # diagonal counts) queries score it, the whole value as W_O reads it
+    query_diag = group_grams(half_rows(queries), group).diagonal(dim1=-2, dim2=-1)
+    key_energy = float((query_diag * group_grams(half_rows(keys), 1).diagonal(dim1=-2, dim2=-1)).sum())
+    value_energy = float((o_gram * group_grams(values.view(kv_heads, d, -1), 1)).sum())
+    # the residual keys are read by the turned, un-rotated queries: their whole Gram weights the error
+    nope_gram = group_grams(half_rows(nope_query), group)
+    stacked, left = linalg.stacked_weights(
+        [half_rows(residual).reshape(kv_heads * d, -1), values],
+        [1 / max(key_energy, 1e-300), 1 / max(value_energy, 1e-300)],
+        [linalg.block_cholesky(nope_gram, ridge=1e-6), linalg.block_cholesky(o_gram)],
+    )
+    rank = min(kv_lora_rank, *stacked.shape)
+    up, down, sigma = linalg.weighted_truncation(stacked, rank, linalg.gram_factor(gram), left)
+    if rank < kv_lora_rank:  # the inputs have fewer dimensions than the latent: the rest stays zero
+        up = torch.cat([up, up.new_zeros(up.shape[0], kv_lora_rank - rank)], dim=1)
+        down = torch.cat([down, down.new_zeros(kv_lora_rank - rank, down.shape[1])])
+    mean_square = float(torch.einsum("rx,xy,ry->", down, gram, down)) / kv_lora_rank
+    shrink = math.sqrt(LATENT_MEAN_SQUARE * norm_eps / mean_square) if mean_square > 0 else 1.0
+
+    up_key, up_value = (part.reshape(kv_heads, d, -1)[of_group] for part in up.split(kv_heads * d))
+    per_head_query = torch.cat([half_rows(nope_query), interleaved_rows(rope_query)], dim=1)  # [H, 2d, D]
+    tensors = {
+        "q_proj.weight": per_head_query.reshape(heads * 2 * d, -1) * query_scale,
+        "kv_a_proj_with_mqa.weight": torch.cat([down * shrink, interleaved_rows(rope_key)]),
+        "kv_a_layernorm.weight": torch.full((kv_lora_rank,), math.sqrt(norm_eps) / shrink, dtype=F64),
+        "kv_b_proj.weight": torch.cat([up_key, up_value], dim=1).reshape(heads * 2 * d, -1),
+        "o_proj.weight": w.o_weight.to(F64),
+    }
+    report = {
+        "rope_kept": float((kept * query_energy.view(kv_heads, group, -1).sum((0, 1))).sum()
+                           / query_energy.sum().clamp(min=1e-300)),
+        "latent_rel_output_error": linalg.relative_frobenius_error(sigma, rank),
+    }  # fmt: skip
+    return tensors, report

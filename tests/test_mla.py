@@ -1,0 +1,166 @@
+"""``lorc --latent mla``: a standard DeepSeek-V3 (MLA) checkpoint. The independent references: stock
+transformers' own ``DeepseekV3ForCausalLM`` (no remote code) for the export, the source model where the
+layout is exact (one KV head at full budget), plain torch for the per-frequency algebra."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from helpers import convert, generate_in_every_mode, kv_budget, left_padded, load_converted, load_reference, run_cli
+
+import kvconvert
+from kvconvert.methods.lorc.mla import complex_pairs, half_rows, interleaved_rows, mean_rotation, shared_rotary_key
+
+MLA = ("--latent", "mla", "--calib-tokens", "2048")
+
+
+@pytest.fixture(scope="module")
+def exports(tokenized_model_dir, tmp_path_factory):
+    """(kind, budget) -> (source, output)."""
+    made = {}
+    for kind, budget in (("llama_mqa", "1.0"), ("llama_gqa", "0.5"), ("llama_gqa", "1.0")):
+        src = tokenized_model_dir(kind)
+        out = tmp_path_factory.mktemp(f"mla-{kind}-{budget}") / "out"
+        convert("lorc", src, out, *MLA, "--kv-budget", budget)
+        made[kind, budget] = (src, out)
+    return made
+
+
+def _stock(out: Path):
+    """The export as stock transformers builds it, by its own class name (no kvconvert code, no remote code)."""
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert type(config).__name__ == "DeepseekV3Config"
+    return transformers.DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def test_one_kv_head_at_full_budget_is_the_source(exports):
+    """With one KV head the shared RoPE key is the key itself and a latent of the head width holds the value:
+    stock transformers' DeepSeek-V3 computes the source's logits (the latent norm is linear to ~5e-6 relative,
+    float32 sums: 1e-4 of the largest logit)."""
+    src, out = exports["llama_mqa", "1.0"]
+    ids, mask = left_padded()
+    reference = load_reference(src)(input_ids=ids, attention_mask=mask).logits
+    exported = _stock(out)(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert (exported - reference)[valid].abs().max() <= 1e-4 * reference.abs().max()
+
+
+@pytest.mark.parametrize("budget", ["0.5", "1.0"])
+def test_the_export_is_a_standard_deepseek_v3_checkpoint(exports, budget):
+    """config.json builds DeepSeek-V3 with every layer dense; the checkpoint holds exactly the tensors that
+    class expects (nothing missing or left over), in its shapes; the latent width is the budget's."""
+    _, out = exports["llama_gqa", budget]
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert "quantization_config" not in config
+    heads, d, layers = config["num_attention_heads"], 16, config["num_hidden_layers"]
+    assert config["kv_lora_rank"] == round(float(budget) * 2 * 2 * d) - d  # 2 KV heads of 16
+    assert config["qk_rope_head_dim"] == config["qk_nope_head_dim"] == config["v_head_dim"] == d
+    assert config["first_k_dense_replace"] == layers and config["q_lora_rank"] is None
+    model = transformers.DeepseekV3ForCausalLM(transformers.AutoConfig.from_pretrained(out))
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    tied = ("lm_head.weight",) if config.get("tie_word_embeddings") else ()  # stored once, as the embedding
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items() if name not in tied}
+    assert stored == expected
+    assert stored["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (config["kv_lora_rank"] + d, 64)
+    assert stored["model.layers.0.self_attn.q_proj.weight"] == (heads * 2 * d, 64)
+
+
+@torch.no_grad()
+def test_stock_transformers_and_both_kvconvert_loaders_agree(exports):
+    """No remote code, trust_remote_code=True and kvconvert.load run the same model: equal logits (1e-5)."""
+    _, out = exports["llama_gqa", "0.5"]
+    ids, mask = left_padded()
+    stock = _stock(out)(input_ids=ids, attention_mask=mask).logits
+    for model in (load_converted(out), kvconvert.load(out).eval()):
+        assert torch.allclose(model(input_ids=ids, attention_mask=mask).logits, stock, atol=1e-5, rtol=0)
+
+
+def test_generates_in_every_mode_and_caches_the_latent(exports):
+    """Greedy, sampling, beams, left padding, batches, with both loaders; the cache holds per token and layer
+    the latent and the shared RoPE key: (kv_lora_rank + d) / (2·Hkv·d) of the source's bytes, measured."""
+    src, out = exports["llama_gqa", "0.5"]
+    config = json.loads((out / "config.json").read_text())
+    for model in (load_converted(out), _stock(out)):
+        generate_in_every_mode(model)
+    ids = torch.randint(3, 90, (2, 96), generator=torch.Generator().manual_seed(3))
+    expected = (config["kv_lora_rank"] + 16) / (2 * 2 * 16)
+    report = json.loads((out / "kvconvert.json").read_text())
+    assert report["kv_budget_expected"] == pytest.approx(expected)
+    for model in (_stock(out), kvconvert.load(out).eval()):
+        with torch.no_grad():
+            assert kv_budget(load_reference(src), model, ids) == pytest.approx(expected)
+
+
+@torch.no_grad()
+def test_greedy_decode_through_the_cache_equals_one_forward(exports):
+    """The cached latent and RoPE key give the logits of a forward over the whole sequence."""
+    _, out = exports["llama_gqa", "0.5"]
+    model = _stock(out)
+    ids = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(4))
+    whole = model(ids).logits
+    first = model(ids[:, :25], use_cache=True)
+    rest = model(ids[:, 25:], past_key_values=first.past_key_values).logits
+    assert torch.allclose(rest, whole[:, 25:], atol=1e-5, rtol=0)
+
+
+def test_shared_rotary_key_is_exact_for_keys_that_share_one_direction():
+    """Keys of 3 heads that are one complex key times per-head complex factors (per frequency): the shared
+    key keeps all of it, and a·(bᴴ z) rebuilds every head; a second independent direction is partly lost."""
+    torch.manual_seed(0)
+    pairs, hidden, heads = 4, 10, 3
+    base = torch.randn(pairs, hidden, dtype=torch.complex128)
+    factors = torch.randn(heads, pairs, dtype=torch.complex128)
+    keys = factors[:, :, None] * base[None]
+    gram = torch.eye(hidden, dtype=torch.float64)
+    a, b, kept = shared_rotary_key(keys, gram, torch.rand(heads, pairs) + 0.1)
+    shared = torch.einsum("fh,hfx->fx", b.conj(), keys)
+    assert torch.allclose(torch.einsum("fh,fx->hfx", a, shared), keys, atol=1e-10)
+    assert torch.allclose(kept, torch.ones(pairs, dtype=torch.float64))
+    noisy = keys + torch.randn(heads, pairs, hidden, dtype=torch.complex128)
+    assert (shared_rotary_key(noisy, gram, torch.ones(heads, pairs))[2] < 1).all()
+
+
+def test_row_layouts_and_mean_rotation():
+    """Rotate-half rows -> complex pairs -> rows is the identity; interleaved rows put pair f at rows 2f, 2f+1
+    (DeepSeek's layout); the mean rotation is 1 at distance 1 and averages e^{iΔθ} over the distances."""
+    weight = torch.randn(2 * 8, 5, dtype=torch.float64)
+    pairs = complex_pairs(weight, 2, 8)
+    assert torch.equal(half_rows(pairs).reshape(16, 5), weight)
+    inter = interleaved_rows(pairs)
+    assert torch.equal(inter[0, 2], weight[1]) and torch.equal(inter[0, 3], weight[5])
+    theta = torch.tensor([0.0, 0.5, 3.0], dtype=torch.float64)
+    assert torch.allclose(mean_rotation(theta, 1), torch.ones(3, dtype=torch.complex128))
+    expected = sum(torch.exp(1j * k * theta) for k in range(7)) / 7
+    assert torch.allclose(mean_rotation(theta, 7), expected)
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "says"),
+    [
+        ("qwen2_gqa", (), "attention biases"),
+        ("qwen3", (), "qk_norm"),
+        ("mixtral", (), "differs outside attention"),
+        ("gpt2", (), "differs outside attention"),
+        ("llama_gqa", ("--kv-bits", "4"), "no --kv-* storage"),
+        ("llama_gqa", ("--dtype", "float16"), "float32 or bfloat16"),
+        ("llama_gqa", ("--schedule", "auto"), "--schedule auto"),
+        ("llama_gqa", ("--kv-budget", "0.2"), "below what MLA can hold"),
+    ],
+)
+def test_what_the_layout_cannot_express_is_refused_in_one_line(tokenized_model_dir, tmp_path, kind, extra, says):
+    src, out = tokenized_model_dir(kind), tmp_path / "out"
+    budget = () if "--kv-budget" in extra else ("--kv-budget", "0.5")
+    result = run_cli("lorc", "--model", str(src), "--out", str(out), "--quiet", *MLA, *budget, *extra)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvconvert: error:") and says in lines[0], result.stderr
+    assert not out.exists()
