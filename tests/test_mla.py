@@ -138,9 +138,11 @@ def test_row_layouts_and_mean_rotation():
     inter = interleaved_rows(pairs)
     assert torch.equal(inter[0, 2], weight[1]) and torch.equal(inter[0, 3], weight[5])
     theta = torch.tensor([0.0, 0.5, 3.0], dtype=torch.float64)
-    assert torch.allclose(mean_rotation(theta, 1), torch.ones(3, dtype=torch.complex128))
+    assert torch.allclose(mean_rotation(theta, torch.ones(1)), torch.ones(3, dtype=torch.complex128))
     expected = sum(torch.exp(1j * k * theta) for k in range(7)) / 7
-    assert torch.allclose(mean_rotation(theta, 7), expected)
+    assert torch.allclose(mean_rotation(theta, torch.ones(7)), expected)
+    spread = torch.tensor([[3.0, 1.0, 0.0]])  # attention 3:1 on distances 0 and 1
+    assert torch.allclose(mean_rotation(theta, spread), ((3 + torch.exp(1j * theta)) / 4)[None])
 
 
 @pytest.mark.parametrize(

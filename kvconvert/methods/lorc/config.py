@@ -62,8 +62,8 @@ class LorcConfig:
     # latent="mla": the relative distances (tokens) over which a key part that loses its rotation is averaged
     mla_distance: int | None = option(
         None,
-        help="--latent mla: the key parts the shared RoPE key cannot hold are scored with their mean rotation over "
-        "relative distances 0..N-1 (default: the calibration chunk length).",
+        help="--latent mla: score the key parts the shared RoPE key cannot hold with their mean rotation over "
+        "relative distances 0..N-1 spread evenly (default: as each head's attention spreads on calibration text).",
     )
 
     def __post_init__(self) -> None:

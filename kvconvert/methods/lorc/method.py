@@ -142,7 +142,7 @@ class MlaPlan:
     layout: AttentionLayout
     kv_lora_rank: int
     input_grams: list[torch.Tensor]
-    rotation: torch.Tensor
+    rotations: torch.Tensor  # [L, H, d/2] complex
     query_scale: float
     engine: dict[str, Any]
     calibration: dict[str, Any] = field(default_factory=dict)
@@ -375,9 +375,9 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         from kvconvert.arch import adapter_for
         from kvconvert.arch.mla import (LATENT_NORM_EPS, check_mla_source, deepseek_v3_config, deepseek_v3_scaling,
                                         rope_frequencies)  # fmt: skip
-        from kvconvert.calib.stats import collect_layer_grams
         from kvconvert.calib.text import calibration_set
         from kvconvert.methods.lorc.mla import mean_rotation
+        from kvconvert.methods.lorc.mla_stats import collect_mla_statistics
 
         layout, source, config = ctx.layout, ctx.source, self.config
         adapter = adapter_for(source.config)
@@ -396,17 +396,17 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
                                  f"is {rope / (2 * layout.kv_width):.3f} of this model's cache")  # fmt: skip
         calib = calibration_set(source.path, config.calib, config.calib_tokens,
                                 min(config.chunk_len, layout.context), config.seed)  # fmt: skip
-        sums, heads = collect_layer_grams(source, adapter, calib.chunks, ctx.progress)
-        grams = [g / max(int(n), 1) for g, n in zip(sums, heads.tokens, strict=True)]
-        distance = config.mla_distance or int(calib.chunks.shape[1])
+        grams, distances = collect_mla_statistics(source, adapter, calib.chunks, ctx.progress)
+        if config.mla_distance is not None:  # the user's uniform spread instead of the measured one
+            distances = torch.ones(*distances.shape[:2], config.mla_distance, dtype=distances.dtype)
         engine = deepseek_v3_config(source.config, layout, kv_lora_rank)
         return MlaPlan(
             layout, kv_lora_rank, grams,
-            rotation=mean_rotation(rope_frequencies(source.config, layout), distance),
+            rotations=mean_rotation(rope_frequencies(source.config, layout), distances),
             query_scale=layout.scaling[0] / deepseek_v3_scaling({**source.config.to_dict(), **engine}),
             engine=engine,
             calibration={"source": calib.source, "tokens": calib.tokens, "chunk_len": int(calib.chunks.shape[1]),
-                         "mla_distance": distance, "latent_norm_eps": LATENT_NORM_EPS},
+                         "latent_norm_eps": LATENT_NORM_EPS},
         )  # fmt: skip
 
     def _refine(
@@ -565,7 +565,7 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
             from kvconvert.methods.lorc.mla import mla_attention
 
             tensors, report = mla_attention(weights, planned.layout, planned.input_grams[layer], planned.kv_lora_rank,
-                                            planned.rotation, planned.query_scale, LATENT_NORM_EPS)  # fmt: skip
+                                            planned.rotations[layer], planned.query_scale, LATENT_NORM_EPS)  # fmt: skip
             return LayerOutput({k: v.to(dtype) for k, v in tensors.items()},
                                report={"layer": layer, "rank": planned.kv_lora_rank, **report})  # fmt: skip
         plan, layout = planned.ranks, planned.layout

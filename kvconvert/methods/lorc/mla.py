@@ -51,10 +51,14 @@ def interleaved_rows(pairs: torch.Tensor) -> torch.Tensor:
     return torch.stack([pairs.real, pairs.imag], dim=-2).flatten(-3, -2)
 
 
-def mean_rotation(frequencies: torch.Tensor, distance: int) -> torch.Tensor:
-    """``c_f = E[e^{iΔθ_f}]`` for ``Δ`` uniform over ``0 … distance − 1`` tokens, complex ``[pairs]``."""
-    delta = torch.arange(distance, dtype=F64)
-    return torch.exp(1j * delta[:, None] * frequencies.to(F64)[None, :]).mean(0)
+def mean_rotation(frequencies: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``c_f = E[e^{iΔθ_f}]`` with ``Δ`` distributed as ``weights [..., T]`` over ``0 … T − 1`` tokens (attention
+    probabilities summed by distance, or ones): complex ``[..., pairs]``. It minimises ``E|e^{iΔθ} − c|²``, the
+    error of a logit term whose rotation is replaced by one fixed factor, weighted as attention weights it."""
+    delta = torch.arange(weights.shape[-1], dtype=F64)
+    turns = torch.exp(1j * delta[:, None] * frequencies.to(F64)[None, :])  # [T, pairs]
+    weights = weights.to(F64)
+    return (weights.to(turns.dtype) @ turns) / weights.sum(-1, keepdim=True).clamp(min=1e-300)
 
 
 def shared_rotary_key(
@@ -78,8 +82,8 @@ def mla_attention(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:  # fmt: skip
     """DeepSeek-V3 attention tensors (names local to the block) for one source layer, and its report.
 
-    ``gram [D, D]``: the mean ``x xᵀ`` of the attention inputs on calibration text; ``rotation [d/2]``:
-    ``mean_rotation`` of the source's frequencies; ``query_scale``: source softmax scale ÷ DeepSeek's (folded
+    ``gram [D, D]``: the mean ``x xᵀ`` of the attention inputs on calibration text; ``rotation [H, d/2]``:
+    each query head's ``mean_rotation`` of the source's frequencies; ``query_scale``: source softmax scale ÷ DeepSeek's (folded
     into the queries); ``norm_eps``: ``kv_a_layernorm``'s epsilon. Shapes (H query heads, Hkv KV heads, d head
     width, r = ``kv_lora_rank``): ``q_proj [H·2d, D]`` (per head d nope rows, then d interleaved rope rows),
     ``kv_a_proj_with_mqa [r + d, D]``, ``kv_a_layernorm [r]``, ``kv_b_proj [H·2d, r]`` (per head d key rows, d
@@ -96,7 +100,7 @@ def mla_attention(
     rope_key = torch.einsum("fh,hfx->fx", b.conj(), keys)  # [d/2, D]
     residual = keys - torch.einsum("fh,fx->hfx", a, rope_key)  # [Hkv, d/2, D]: what the shared key misses
     rope_query = queries * a.T.conj()[of_group][:, :, None]
-    nope_query = queries * rotation.to(queries.dtype)[None, :, None]
+    nope_query = queries * rotation.to(queries.dtype)[:, :, None]
 
     def group_grams(rows: torch.Tensor, sum_heads: int) -> torch.Tensor:  # [n·sum_heads, d, D] -> [n, d, d]
         grams = torch.einsum("hdx,xy,hey->hde", rows, gram, rows)
@@ -104,16 +108,15 @@ def mla_attention(
 
     values = w.v_weight.to(F64)
     o_gram = linalg.output_gram(w.o_weight, heads, kv_heads, d)
-    # each side's error relative to what it carries in the source: the whole key as its (RoPE'd, so only the
-    # diagonal counts) queries score it, the whole value as W_O reads it
-    query_diag = group_grams(half_rows(queries), group).diagonal(dim1=-2, dim2=-1)
-    key_energy = float((query_diag * group_grams(half_rows(keys), 1).diagonal(dim1=-2, dim2=-1)).sum())
+    # both errors in one unit, the attention output's error through W_O, to first order: a value error reaches it
+    # directly; a key error δk moves head j's logit by δs = scale·q_jᵀδk, and the output by δs times the values
+    # W_O makes (E‖W_O,j v‖² ≈ their mean energy per head). So key errors, weighted by the queries that read
+    # them (turned and un-rotated: their whole Gram), count scale²·E‖W_O v‖²/H times.
     value_energy = float((o_gram * group_grams(values.view(kv_heads, d, -1), 1)).sum())
-    # the residual keys are read by the turned, un-rotated queries: their whole Gram weights the error
+    key_weight = layout.scaling[0] ** 2 * value_energy / heads
     nope_gram = group_grams(half_rows(nope_query), group)
     stacked, left = linalg.stacked_weights(
-        [half_rows(residual).reshape(kv_heads * d, -1), values],
-        [1 / max(key_energy, 1e-300), 1 / max(value_energy, 1e-300)],
+        [half_rows(residual).reshape(kv_heads * d, -1), values], [key_weight, 1.0],
         [linalg.block_cholesky(nope_gram, ridge=1e-6), linalg.block_cholesky(o_gram)],
     )
     rank = min(kv_lora_rank, *stacked.shape)
