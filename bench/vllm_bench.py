@@ -8,7 +8,11 @@ last SCORED scored) from vLLM's prompt logprobs, beside kvconvert's own runtime 
 (c) greedy generations, vLLM against kvconvert's runtime (tokens until the first difference); (d) decode
 throughput at batch 1 and 16 and vLLM's KV capacity, export against source. A fifth row is the source with
 vLLM's runtime flag ``--kv-cache-dtype fp8`` alone (no scales: 1.0), what serving fp8 costs without
-calibration. Writes bench/results/vllm-cpu-<date>.{json,md}.
+calibration. Then the MLA export (``lorc --latent mla``, DeepSeek-V3 layout): as written (vLLM's CPU MLA
+kernel takes only ``kv_lora_rank + qk_rope_head_dim = 576``, so it is refused there: the row records how), and
+with its latent zero-padded to 512 (the same model: the padded coordinates are 0, and the latent norm is
+linear), which vLLM runs, against kvconvert's own evaluation of that checkpoint. Writes
+bench/results/vllm-cpu-<date>.{json,md}.
 
     python bench/vllm_bench.py --engine-python bench/.cache/venv-vllm/bin/python
 """
@@ -60,13 +64,19 @@ def truncating_fp8_store(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def kvconvert_side(model_dir: Path, scored: list[list[int]], prompts: list[list[int]], new_tokens: int) -> dict:
+def kvconvert_side(
+    model_dir: Path,
+    scored: list[list[int]],
+    prompts: list[list[int]],
+    new_tokens: int,
+    dtype: torch.dtype | None = None,
+) -> dict:
     """The same measurements through kvconvert's runtime (the source: stock transformers): ``kvconvert eval``'s
     context protocol over the same windows (they are consecutive, so its windowing finds them again)."""
     from kvconvert.eval.quality import evaluate_quality
     from kvconvert.eval.runner import load_model
 
-    model = load_model(str(model_dir))
+    model = load_model(str(model_dir), dtype=dtype)
     quality = evaluate_quality(model, torch.tensor([t for w in scored for t in w]), CONTEXT + SCORED, context=CONTEXT)
     greedy = []
     for prompt in prompts:
@@ -76,10 +86,41 @@ def kvconvert_side(model_dir: Path, scored: list[list[int]], prompts: list[list[
     return {"ppl": quality.ppl, "tokens": quality.tokens, "greedy": greedy}
 
 
-def run_engine(python: str, model: Path, inputs: Path, out: Path, log: Path, kv_cache_dtype: str = "auto") -> dict:
+def padded_latent(export: Path, out: Path, rank: int) -> Path:
+    """A copy of an MLA export whose latent is zero-padded to ``rank``: zero rows in ``kv_a_proj_with_mqa``
+    (before the RoPE rows), zero columns in ``kv_b_proj``; the norm's weight extended. The padded coordinates
+    stay 0, and in the latent norm's linear range (``methods.lorc.mla``) its output is unchanged: the same model
+    with the cache shape vLLM's CPU MLA kernel takes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(export, out)
+    config = json.loads((out / "config.json").read_text())
+    old = config["kv_lora_rank"]
+    tensors = load_file(out / "model.safetensors")
+    for name in list(tensors):
+        tensor = tensors[name]
+        if name.endswith("kv_a_proj_with_mqa.weight"):
+            tensors[name] = torch.cat([tensor[:old], tensor.new_zeros(rank - old, tensor.shape[1]), tensor[old:]])
+        elif name.endswith("kv_a_layernorm.weight"):
+            tensors[name] = torch.cat([tensor, tensor[:1].expand(rank - old)])
+        elif name.endswith("kv_b_proj.weight"):
+            tensors[name] = torch.cat([tensor, tensor.new_zeros(tensor.shape[0], rank - old)], dim=1)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config["kv_lora_rank"] = rank
+    config["kvconvert"]["lorc_mla"]["kv_lora_rank"] = rank
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def run_engine(
+    python: str, model: Path, inputs: Path, out: Path, log: Path, kv_cache_dtype: str = "auto", extra: tuple = ()
+) -> dict:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     command = [python, str(ENGINE), "--model", str(model), "--inputs", str(inputs), "--out", str(out),
-               "--kv-cache-dtype", kv_cache_dtype]  # fmt: skip
+               "--kv-cache-dtype", kv_cache_dtype, *extra]  # fmt: skip
     with log.open("w") as handle:
         done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, check=False)
     if done.returncode != 0:
@@ -105,7 +146,7 @@ def main() -> None:
     started = time.time()
 
     from kvconvert.io.source import open_source
-    from kvconvert.methods import build_method
+    from kvconvert.methods import LorcConfig, build_method
     from kvconvert.pipeline import convert
     from kvconvert.recipe import storage_spec
 
@@ -119,6 +160,10 @@ def main() -> None:
         method = build_method("quant", None, storage)
         convert(open_source(str(source)), method, out, replace=True, progress=False)
         exports[f"fp8 export, scales per {strategy}"] = out
+    mla = work / "smollm2-135m-mla-0.5"
+    convert(open_source(str(source)), build_method("lorc", LorcConfig(kv_budget=0.5, latent="mla")), mla,
+            replace=True, progress=False)  # fmt: skip
+    mla_padded = padded_latent(mla, work / "smollm2-135m-mla-0.5-pad512", 512)
 
     scored, prompts, speed_prompt = token_windows(source, args.windows)
     inputs = work / "inputs.json"
@@ -129,18 +174,36 @@ def main() -> None:
 
     if args.reuse:
         print("--reuse: engine results already in bench/.cache/vllm are read, not measured again")
-    runs: list[tuple[str, Path, str]] = [("source", source, "auto"), ("source, --kv-cache-dtype fp8", source, "fp8")]
-    runs += [(label, out, "auto") for label, out in exports.items()]
+    runs: list[tuple[str, Path, str, tuple]] = [("source", source, "auto", ()),
+                                                 ("source, --kv-cache-dtype fp8", source, "fp8", ())]  # fmt: skip
+    runs += [(label, out, "auto", ()) for label, out in exports.items()]
+    # vLLM's CPU MLA backends: the reference one (any dtype: float32, comparable with kvconvert's float32 run) and
+    # the AMX one it picks by default (bfloat16 only)
+    reference_mla = ("--attention-backend", "CPU_MLA")
+    runs += [("MLA export 0.5 (kv_lora_rank 128 + RoPE 64)", mla, "auto", reference_mla),
+             ("MLA export 0.5, latent zero-padded to 512 (+ 64)", mla_padded, "auto", reference_mla),
+             ("MLA export 0.5, padded, bfloat16 (vLLM's AMX MLA)", mla_padded, "auto",
+              ("--dtype", "bfloat16"))]  # fmt: skip
     results: dict[str, Any] = {}
-    for label, model_dir, kv_dtype in runs:
-        slug = label.replace(" ", "-").replace(",", "").replace("--", "")
+    refused: dict[str, str] = {}
+    for label, model_dir, kv_dtype, extra in runs:
+        slug = label.replace(" ", "-").replace(",", "").replace("--", "").replace("(", "").replace(")", "")
         print(f"{label}: vLLM …", flush=True)
         engine_out = work / f"{slug}.json"
         if args.reuse and engine_out.exists():
             engine = json.loads(engine_out.read_text())
         else:
-            engine = run_engine(args.engine_python, model_dir, inputs, engine_out, work / f"{slug}.log", kv_dtype)
-        ours = kvconvert_side(model_dir, scored, prompts, args.new_tokens) if kv_dtype == "auto" else None
+            try:
+                engine = run_engine(args.engine_python, model_dir, inputs, engine_out, work / f"{slug}.log", kv_dtype,
+                                    extra)  # fmt: skip
+            except SystemExit as exc:
+                if model_dir != mla:
+                    raise
+                refused[label] = str(exc)  # the CPU MLA kernel's one head size: recorded, not fatal
+                print(refused[label], flush=True)
+                continue
+        dtype = torch.bfloat16 if "bfloat16" in extra else None
+        ours = kvconvert_side(model_dir, scored, prompts, args.new_tokens, dtype) if kv_dtype == "auto" else None
         results[label] = {"vllm": engine, "kvconvert": ours}
         if model_dir in exports.values():  # kvconvert with vLLM CPU's rounding: the gap left is everything else
             from kvconvert.runtime import kvconvert_storage
@@ -160,6 +223,9 @@ def main() -> None:
             )  # fmt: skip
 
     base = results["source"]["vllm"]
+    if "MLA export 0.5, latent zero-padded to 512 (+ 64)" in results:  # the padding changes nothing
+        results["MLA export 0.5, latent zero-padded to 512 (+ 64)"]["kvconvert_unpadded"] = kvconvert_side(
+            mla, scored, prompts, args.new_tokens)  # fmt: skip
     rows = []
     for label, entry in results.items():
         engine, ours = entry["vllm"], entry["kvconvert"]
@@ -189,8 +255,10 @@ def main() -> None:
         f"windows, {CONTEXT} tokens of context, {SCORED} scored; throughput: a {len(speed_prompt)}-token prompt, "
         f"{args.speed_tokens} new tokens, best of 2\n\n" + markdown_table(headers, rows)
     )
+    for label, why in refused.items():
+        table += f"\n\n{label}: refused by vLLM: {why}"
     payload = {"machine": machine(), "context": CONTEXT, "scored": SCORED, "windows": args.windows,
-               "results": results, "seconds": time.time() - started}  # fmt: skip
+               "results": results, "refused": refused, "seconds": time.time() - started}  # fmt: skip
     write_results("vllm-cpu", payload, table)
 
 

@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--attention-backend", default=None, help="vLLM's attention backend (default: its choice)")
     args = parser.parse_args()
 
     import os
@@ -101,7 +102,8 @@ def main() -> None:
     inputs = json.loads(Path(args.inputs).read_text())
     start = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
-              seed=0, enforce_eager=True, enable_prefix_caching=False, trust_remote_code=False)  # fmt: skip
+              seed=0, enforce_eager=True, enable_prefix_caching=False, trust_remote_code=False,
+              attention_config={"backend": args.attention_backend} if args.attention_backend else None)  # fmt: skip
     result: dict[str, Any] = {"model": args.model, "vllm_version": vllm.__version__,
                               "load_s": round(time.perf_counter() - start, 1)}  # fmt: skip
     result["cache"] = loaded_cache(llm)

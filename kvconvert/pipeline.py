@@ -204,16 +204,20 @@ def convert(
         header_bytes = header_reserve(source, max_shard_bytes)
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max_shard_bytes, header_bytes=header_bytes)
         with _BackgroundWrites(writer) as writes:
-            # tensors the method does not touch, in order: byte ranges batched into one job, each loaded
-            # (dtype-converted) tensor closing a batch so that at most one of them waits in memory
+            # tensors the method does not touch, in order (then those an export copies under another name): byte
+            # ranges batched into one job, each loaded (dtype-converted) tensor closing a batch so that at most one
+            # of them waits in memory
             batch: list[tuple[str, torch.Tensor | StoredTensor]] = []
-            for name in passthrough:
+            copies = [(name, name) for name in passthrough] + list(method.added_tensors(plan).items())
+            for out_name, name in copies:
                 stored = source.stored(name)
                 if stored is not None and (dtype == "auto" or stored.dtype not in FLOAT_NAMES):
-                    batch.append((name, stored))  # unchanged bytes: a kernel copy, never loaded
+                    batch.append((out_name, stored))  # unchanged bytes: a kernel copy, never loaded
                     continue
                 tensor = source.get(name)
-                batch.append((name, tensor.to(target) if tensor.is_floating_point() and dtype != "auto" else tensor))
+                batch.append(
+                    (out_name, tensor.to(target) if tensor.is_floating_point() and dtype != "auto" else tensor)
+                )
                 writes.submit(batch)
                 batch = []
                 del tensor

@@ -36,10 +36,11 @@ def tiny_config(kind: str):
         return LlamaConfig(
             hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **common
         )
-    if kind == "llama_mqa":  # one KV head: what DeepSeek-V3's shared RoPE key holds exactly
+    if kind == "llama_mqa":  # one KV head (what DeepSeek-V3's shared RoPE key holds exactly), tied output head
         return LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, **common
-        )
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
+            tie_word_embeddings=True, **common,
+        )  # fmt: skip
     if kind == "llama_gqa64":  # head width 64: what the token layout's int4 rows need (a multiple of 32)
         return LlamaConfig(
             hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, **common

@@ -50,6 +50,42 @@ def test_one_kv_head_at_full_budget_is_the_source(exports):
     assert (exported - reference)[valid].abs().max() <= 1e-4 * reference.abs().max()
 
 
+def test_rope_is_written_as_the_identity_yarn_with_the_sources_frequencies(exports, tokenized_model_dir, tmp_path):
+    """Plain RoPE goes out as YaRN with factor 1 (vLLM's CPU build turns MLA's strided q/k wrongly with its plain
+    rotary): transformers computes the source's frequencies from it, unscaled. A narrower RoPE key keeps the
+    fastest ones (base θ^(ρ/d))."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    src, out = exports["llama_gqa", "0.5"]
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 1.0
+    exported, source = (
+        DeepseekV3RotaryEmbedding(config),
+        LlamaRotaryEmbedding(transformers.AutoConfig.from_pretrained(src)),
+    )
+    assert exported.attention_scaling == 1.0
+    assert torch.allclose(exported.inv_freq.double(), source.inv_freq.double(), rtol=1e-6)
+    narrow = tmp_path / "narrow"
+    convert("lorc", tokenized_model_dir("llama_gqa"), narrow, *MLA, "--kv-budget", "0.5", "--mla-rope-dim", "8")
+    config = transformers.AutoConfig.from_pretrained(narrow)
+    assert config.qk_rope_head_dim == 8 and config.kv_lora_rank == 32 - 8
+    assert torch.allclose(DeepseekV3RotaryEmbedding(config).inv_freq.double(), source.inv_freq.double()[:4], rtol=1e-6)
+
+
+def test_a_tied_output_head_is_stored_untied(exports):
+    """vLLM's and SGLang's DeepSeek-V3 never tie lm_head to the embedding: the export stores it, equal to the
+    source's embedding, and says it is not tied."""
+    from safetensors import safe_open
+
+    src, out = exports["llama_mqa", "1.0"]
+    assert json.loads((src / "config.json").read_text())["tie_word_embeddings"] is True
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    with safe_open(out / "model.safetensors", "pt") as f, safe_open(src / "model.safetensors", "pt") as g:
+        assert "lm_head.weight" not in g.keys()
+        assert torch.equal(f.get_tensor("lm_head.weight"), g.get_tensor("model.embed_tokens.weight"))
+
+
 @pytest.mark.parametrize("budget", ["0.5", "1.0"])
 def test_the_export_is_a_standard_deepseek_v3_checkpoint(exports, budget):
     """config.json builds DeepSeek-V3 with every layer dense; the checkpoint holds exactly the tensors that
@@ -67,8 +103,7 @@ def test_the_export_is_a_standard_deepseek_v3_checkpoint(exports, budget):
 
     with safe_open(out / "model.safetensors", "pt") as f:
         stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    tied = ("lm_head.weight",) if config.get("tie_word_embeddings") else ()  # stored once, as the embedding
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items() if name not in tied}
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     assert stored == expected
     assert stored["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (config["kv_lora_rank"] + d, 64)
     assert stored["model.layers.0.self_attn.q_proj.weight"] == (heads * 2 * d, 64)
@@ -156,6 +191,9 @@ def test_row_layouts_and_mean_rotation():
         ("llama_gqa", ("--dtype", "float16"), "float32 or bfloat16"),
         ("llama_gqa", ("--schedule", "auto"), "--schedule auto"),
         ("llama_gqa", ("--kv-budget", "0.2"), "below what MLA can hold"),
+        ("llama_gqa", ("--mla-rope-dim", "32"), "at most the head width 16"),
+        # Llama 3.1's rope scaling slows all but the fastest of this tiny model's frequencies
+        ("llama3_rope", ("--mla-rope-dim", "8"), "rope scaling (llama3) changes"),
     ],
 )
 def test_what_the_layout_cannot_express_is_refused_in_one_line(tokenized_model_dir, tmp_path, kind, extra, says):

@@ -4,9 +4,12 @@ frequencies the shared rotary key keeps. The only place that knows DeepSeek-V3's
 
 A Llama-family decoder layer (RMSNorm → attention → RMSNorm → gated SiLU MLP) is a DeepSeek-V3 dense layer
 (``first_k_dense_replace`` = every layer) with the same tensor names outside attention, so only the attention
-block is rewritten. DeepSeek's RoPE part has ``qk_rope_head_dim`` dims at frequencies ``θ^(−2f/r)``: with
+block is rewritten. DeepSeek's RoPE part has ``qk_rope_head_dim = r`` dims at frequencies ``θ^(−2f/r)``: with
 ``r`` = the source's head width and the source's ``rope_parameters``, pair ``f`` turns at exactly the source's
 frequency ``f`` (any rope type that transformers computes from the head width: default, linear, llama3, yarn).
+A narrower ``r`` (64, what every engine's MLA kernels take, for a head width of 128) keeps the source's ``r/2``
+fastest frequencies: ``θ_src^(−2f/d) = (θ_src^(r/d))^(−2f/r)``, a default RoPE with base ``θ_src^(r/d)`` — exact
+where the source's scaling leaves those frequencies alone (llama3's does; linear and yarn do not: refused).
 """
 
 from __future__ import annotations
@@ -35,12 +38,12 @@ def check_mla_source(adapter: ArchAdapter, layout: AttentionLayout) -> None:
     model_type = adapter.config.model_type
     if model_type not in MLA_MODEL_TYPES:
         raise KVConvertError(
-            f"--latent mla writes a DeepSeek-V3 checkpoint, whose decoder layers are Llama's ({', '.join(MLA_MODEL_TYPES)}); "
-            f"{model_type} differs outside attention"
+            f"--latent mla writes a DeepSeek-V3 checkpoint, whose decoder layers are Llama's "
+            f"({', '.join(MLA_MODEL_TYPES)}); {model_type} differs outside attention"
         )
     if rope_frequencies(adapter.config, layout).numel() != layout.head_dim // 2:
-        raise KVConvertError("--latent mla needs RoPE on every dimension of a head (this model rotates only part of it: "
-                             "partial_rotary_factor)")  # fmt: skip
+        raise KVConvertError("--latent mla needs RoPE on every dimension of a head (this model rotates only part "
+                             "of it: partial_rotary_factor)")  # fmt: skip
 
 
 def rope_frequencies(config: Any, layout: AttentionLayout) -> torch.Tensor:
@@ -51,11 +54,44 @@ def rope_frequencies(config: Any, layout: AttentionLayout) -> torch.Tensor:
     return LlamaRotaryEmbedding(config).inv_freq.to(torch.float64)
 
 
-def deepseek_v3_config(config: Any, layout: AttentionLayout, kv_lora_rank: int) -> dict[str, Any]:
+def rope_parameters(config: Any, layout: AttentionLayout, rope_dim: int) -> dict[str, Any]:
+    """The export's ``rope_parameters`` for a shared RoPE key of ``rope_dim`` dims: the source's frequencies at its
+    full head width; narrower, the source's fastest ``rope_dim/2`` (one line when its rope scaling changes them,
+    or scales cos/sin).
+
+    Plain RoPE is written as YaRN with factor 1, which is the identity (the same frequencies, mscale 1) in
+    transformers, vLLM and SGLang: vLLM maps every other rope type of a DeepSeek model to its own DeepSeek-YaRN
+    rotary, while its plain one, on its CPU build, turns the strided query/key views of its MLA layer by the wrong
+    positions (position × num_heads, measured on SmolLM2's export: perplexity 327 instead of 26.8)."""
+    d = layout.head_dim
+    source = dict(getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta})
+    theta = float(source["rope_theta"])
+    if rope_dim == d:
+        if source.get("rope_type", "default") != "default":
+            return source  # transformers computes the source's scaled frequencies at the same width
+    elif rope_dim % 2 or not 0 < rope_dim < d:
+        raise KVConvertError(f"--mla-rope-dim must be even and at most the head width {d}; got {rope_dim}")
+    else:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rotary = LlamaRotaryEmbedding(config)
+        theta = theta ** (rope_dim / d)
+        wanted = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+        kept = rotary.inv_freq.to(torch.float64)[: rope_dim // 2]
+        if float(rotary.attention_scaling) != 1.0 or not torch.allclose(kept, wanted, rtol=1e-5, atol=0):
+            raise KVConvertError(
+                f"--mla-rope-dim {rope_dim} < the head width {d} keeps the fastest RoPE frequencies, which this "
+                f"model's rope scaling ({source.get('rope_type')}) changes: use {d}"
+            )
+    return {"rope_type": "yarn", "rope_theta": theta, "factor": 1.0,
+            "original_max_position_embeddings": int(config.max_position_embeddings)}  # fmt: skip
+
+
+def deepseek_v3_config(config: Any, layout: AttentionLayout, kv_lora_rank: int, rope_dim: int) -> dict[str, Any]:
     """``config.json`` entries (over the source's) of the DeepSeek-V3 export: every layer dense, no query
-    LoRA, one latent of ``kv_lora_rank`` plus a shared rotary key of the source's head width, keys and
-    values of the source's head width per query head, RoPE pairs interleaved (DeepSeek's layout, the one
-    vLLM's MLA kernels assume)."""
+    LoRA, one latent of ``kv_lora_rank`` plus a shared rotary key of ``rope_dim``, keys and values of the
+    source's head width per query head, RoPE pairs interleaved (DeepSeek's layout, the one vLLM's MLA
+    kernels assume)."""
     d = layout.head_dim
     return {
         "model_type": "deepseek_v3",
@@ -63,16 +99,28 @@ def deepseek_v3_config(config: Any, layout: AttentionLayout, kv_lora_rank: int) 
         "num_key_value_heads": layout.num_heads,  # kv_b_proj rebuilds keys and values for every query head
         "kv_lora_rank": kv_lora_rank,
         "q_lora_rank": None,
-        "qk_rope_head_dim": d,
+        "qk_rope_head_dim": rope_dim,
         "qk_nope_head_dim": d,
         "v_head_dim": d,
-        "head_dim": d,
+        "head_dim": rope_dim,  # transformers' rotary tables are as wide as the RoPE part
+        "rope_parameters": rope_parameters(config, layout, rope_dim),
         "rope_interleave": True,
         "first_k_dense_replace": layout.num_layers,  # every decoder layer keeps the source's dense MLP
         "num_nextn_predict_layers": 0,
         "attention_bias": False,
         "rms_norm_eps": LATENT_NORM_EPS,
+        # vLLM's and SGLang's DeepSeek models never tie the output head to the embedding (an absent lm_head stays
+        # zero there): the export stores it (``untied_head``)
+        "tie_word_embeddings": False,
     }
+
+
+def untied_head(config: Any, tensor_names: list[str]) -> dict[str, str]:
+    """Output tensor -> the source tensor it copies: the output head of a source that ties it to the embedding
+    (the Llama family's names), so engines that never tie DeepSeek-V3's head find it."""
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in tensor_names:
+        return {"lm_head.weight": "model.embed_tokens.weight"}
+    return {}
 
 
 def deepseek_v3_scaling(config: dict[str, Any]) -> float:

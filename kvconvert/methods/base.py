@@ -113,6 +113,11 @@ class Method(Generic[P]):
         here), so that engines and stock transformers load it without kvconvert; empty: ``model_type: kvconvert``."""
         return {}
 
+    def added_tensors(self, plan: P) -> dict[str, str]:
+        """Tensors outside attention an export adds, as output name -> the source tensor copied under it (lorc's
+        MLA export: the output head of a source that ties it, since engines do not tie DeepSeek-V3's)."""
+        return {}
+
     def planned_storage(self, plan: P) -> QuantSpec:
         """The storage the converted cache uses: ``storage``, unless the plan chose it (widths per layer)."""
         return self.storage

@@ -66,6 +66,12 @@ class LorcConfig:
         "relative distances 0..N-1 spread evenly (default: as each head's attention spreads on calibration text).",
     )
 
+    mla_rope_dim: int | None = option(
+        None,
+        help="--latent mla: width of the RoPE key all heads share (qk_rope_head_dim), which keeps the fastest "
+        "frequencies (default: the head width, at most 64: what engines' MLA kernels take).",
+    )
+
     def __post_init__(self) -> None:
         if not 0 < self.kv_budget <= 1:
             raise KVConvertError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
@@ -90,6 +96,8 @@ class LorcConfig:
             object.__setattr__(self, "calibrate", True)  # it fits on calibration activations
         if self.latent not in ("separate", "joint", "mla"):
             raise KVConvertError(f"latent must be separate, joint or mla, got {self.latent!r}")
+        if self.mla_rope_dim is not None and (self.latent != "mla" or self.mla_rope_dim < 2 or self.mla_rope_dim % 2):
+            raise KVConvertError(f"--mla-rope-dim takes an even width >= 2, with --latent mla; got {self.mla_rope_dim}")
         if self.mla_distance is not None and (self.latent != "mla" or self.mla_distance < 1):
             raise KVConvertError(f"--mla-distance takes a whole number of tokens >= 1, with --latent mla; got "
                                  f"{self.mla_distance}")  # fmt: skip

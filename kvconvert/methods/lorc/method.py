@@ -141,10 +141,12 @@ class MlaPlan:
 
     layout: AttentionLayout
     kv_lora_rank: int
+    rope_dim: int
     input_grams: list[torch.Tensor]
     rotations: torch.Tensor  # [L, H, d/2] complex
     query_scale: float
     engine: dict[str, Any]
+    added: dict[str, str] = field(default_factory=dict)  # output head of a tied source (``arch.mla.untied_head``)
     calibration: dict[str, Any] = field(default_factory=dict)
 
 
@@ -269,17 +271,21 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
 
     def expected_kv_budget(self, plan: LorcPlan | MlaPlan, layout: AttentionLayout) -> float:
         if isinstance(plan, MlaPlan):  # per token and layer: the latent and the shared RoPE key
-            return (plan.kv_lora_rank + layout.head_dim) / (2 * layout.kv_width)
+            return (plan.kv_lora_rank + plan.rope_dim) / (2 * layout.kv_width)
         return plan.ranks.budget
 
     def params(self) -> dict[str, Any]:
         params = super().params()
-        if params["mla_distance"] is None:
-            del params["mla_distance"]  # its default: reports and recipes read as they did before the option
+        for key in ("mla_distance", "mla_rope_dim"):
+            if params[key] is None:
+                del params[key]  # the default: reports and recipes read as they did before the option
         return params
 
     def engine_config(self, plan: LorcPlan | MlaPlan) -> dict[str, Any]:
         return plan.engine if isinstance(plan, MlaPlan) else {}
+
+    def added_tensors(self, plan: LorcPlan | MlaPlan) -> dict[str, str]:
+        return plan.added if isinstance(plan, MlaPlan) else {}
 
     def check_storage(self, layout: AttentionLayout) -> None:
         super().check_storage(layout)
@@ -373,8 +379,14 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         """``latent="mla"``: refuse what DeepSeek-V3's attention cannot express (one line, before any
         calibration), then each layer's input Gram on calibration text."""
         from kvconvert.arch import adapter_for
-        from kvconvert.arch.mla import (LATENT_NORM_EPS, check_mla_source, deepseek_v3_config, deepseek_v3_scaling,
-                                        rope_frequencies)  # fmt: skip
+        from kvconvert.arch.mla import (
+            LATENT_NORM_EPS,
+            check_mla_source,
+            deepseek_v3_config,
+            deepseek_v3_scaling,
+            rope_frequencies,  # fmt: skip
+            untied_head,
+        )
         from kvconvert.calib.text import calibration_set
         from kvconvert.methods.lorc.mla import mean_rotation
         from kvconvert.methods.lorc.mla_stats import collect_mla_statistics
@@ -385,26 +397,29 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         if ctx.dtype == torch.float16:
             # the latent runs at ~1e-5 (kv_a_layernorm's linear range): float16's subnormals there keep 3-4 bits
             raise KVConvertError("--latent mla needs a float32 or bfloat16 checkpoint (its latent is scaled into "
-                                 "kv_a_layernorm's linear range, below float16's normal numbers): pass --dtype")  # fmt: skip
+                                 "kv_a_layernorm's linear range, below float16's normal numbers): pass "
+                                 "--dtype")  # fmt: skip
         if any(b is not None for w in ctx.layers for b in (w.q_bias, w.k_bias, w.v_bias, w.o_bias)):
             raise KVConvertError("--latent mla cannot express attention biases (DeepSeek-V3's query projection has "
                                  "none)")  # fmt: skip
-        rope = layout.head_dim
+        rope = config.mla_rope_dim or min(layout.head_dim, 64)
+        engine = deepseek_v3_config(source.config, layout, 1, rope)  # refuses a RoPE width it cannot express
         kv_lora_rank = round(config.kv_budget * 2 * layout.kv_width) - rope
         if kv_lora_rank < 1:
             raise KVConvertError(f"kv_budget {config.kv_budget} is below what MLA can hold: its shared RoPE key alone "
                                  f"is {rope / (2 * layout.kv_width):.3f} of this model's cache")  # fmt: skip
+        engine["kv_lora_rank"] = kv_lora_rank
         calib = calibration_set(source.path, config.calib, config.calib_tokens,
                                 min(config.chunk_len, layout.context), config.seed)  # fmt: skip
         grams, distances = collect_mla_statistics(source, adapter, calib.chunks, ctx.progress)
         if config.mla_distance is not None:  # the user's uniform spread instead of the measured one
             distances = torch.ones(*distances.shape[:2], config.mla_distance, dtype=distances.dtype)
-        engine = deepseek_v3_config(source.config, layout, kv_lora_rank)
         return MlaPlan(
-            layout, kv_lora_rank, grams,
+            layout, kv_lora_rank, rope, grams,
             rotations=mean_rotation(rope_frequencies(source.config, layout), distances),
             query_scale=layout.scaling[0] / deepseek_v3_scaling({**source.config.to_dict(), **engine}),
             engine=engine,
+            added=untied_head(source.config, source.tensor_names()),
             calibration={"source": calib.source, "tokens": calib.tokens, "chunk_len": int(calib.chunks.shape[1]),
                          "latent_norm_eps": LATENT_NORM_EPS},
         )  # fmt: skip
@@ -561,13 +576,7 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         self, planned: LorcPlan | MlaPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype
     ) -> LayerOutput:
         if isinstance(planned, MlaPlan):
-            from kvconvert.arch.mla import LATENT_NORM_EPS
-            from kvconvert.methods.lorc.mla import mla_attention
-
-            tensors, report = mla_attention(weights, planned.layout, planned.input_grams[layer], planned.kv_lora_rank,
-                                            planned.rotations[layer], planned.query_scale, LATENT_NORM_EPS)  # fmt: skip
-            return LayerOutput({k: v.to(dtype) for k, v in tensors.items()},
-                               report={"layer": layer, "rank": planned.kv_lora_rank, **report})  # fmt: skip
+            return _mla_layer(planned, layer, weights, dtype)
         plan, layout = planned.ranks, planned.layout
         report: dict[str, Any] = {
             "layer": layer,
@@ -623,7 +632,8 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         if isinstance(plan, MlaPlan):
             # stock DeepSeek-V3 attention caches the normalised latent and the shared RoPE key itself: kvconvert's
             # runtime keeps every layer's stock module and cache layer
-            return {"lorc_layers": [None] * layout.num_layers, "lorc_mla": {"kv_lora_rank": plan.kv_lora_rank}}
+            return {"lorc_layers": [None] * layout.num_layers,
+                    "lorc_mla": {"kv_lora_rank": plan.kv_lora_rank, "rope_dim": plan.rope_dim}}  # fmt: skip
         ranks = plan.ranks
         layers: list[dict[str, Any] | None] = []
         for i, names in enumerate(tensor_names):
@@ -639,6 +649,17 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         if layout.qk_norm:  # per head (Qwen3: a [dk] weight) or over all heads at once (OLMo 2)
             spec["qk_norm"] = {"eps": layout.qk_norm_eps, "per_head": layout.qk_norm_per_head}
         return spec
+
+
+def _mla_layer(plan: MlaPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
+    """``latent="mla"``: one layer's DeepSeek-V3 attention tensors (``methods.lorc.mla``) and report."""
+    from kvconvert.arch.mla import LATENT_NORM_EPS
+    from kvconvert.methods.lorc.mla import mla_attention
+
+    tensors, report = mla_attention(weights, plan.layout, plan.input_grams[layer], plan.kv_lora_rank, plan.rope_dim,
+                                    plan.rotations[layer], plan.query_scale, LATENT_NORM_EPS)  # fmt: skip
+    return LayerOutput({k: v.to(dtype) for k, v in tensors.items()},
+                       report={"layer": layer, "rank": plan.kv_lora_rank, **report})  # fmt: skip
 
 
 def _affine(

@@ -77,17 +77,19 @@ def shared_rotary_key(
 
 
 def mla_attention(
-    w: AttentionWeights, layout: AttentionLayout, gram: torch.Tensor, kv_lora_rank: int, rotation: torch.Tensor,
-    query_scale: float, norm_eps: float,
+    w: AttentionWeights, layout: AttentionLayout, gram: torch.Tensor, kv_lora_rank: int, rope_dim: int,
+    rotation: torch.Tensor, query_scale: float, norm_eps: float,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:  # fmt: skip
     """DeepSeek-V3 attention tensors (names local to the block) for one source layer, and its report.
 
-    ``gram [D, D]``: the mean ``x xᵀ`` of the attention inputs on calibration text; ``rotation [H, d/2]``:
-    each query head's ``mean_rotation`` of the source's frequencies; ``query_scale``: source softmax scale ÷ DeepSeek's (folded
-    into the queries); ``norm_eps``: ``kv_a_layernorm``'s epsilon. Shapes (H query heads, Hkv KV heads, d head
-    width, r = ``kv_lora_rank``): ``q_proj [H·2d, D]`` (per head d nope rows, then d interleaved rope rows),
-    ``kv_a_proj_with_mqa [r + d, D]``, ``kv_a_layernorm [r]``, ``kv_b_proj [H·2d, r]`` (per head d key rows, d
-    value rows), ``o_proj`` unchanged.
+    ``gram [D, D]``: the mean ``x xᵀ`` of the attention inputs on calibration text; ``rope_dim`` (even, ≤ d):
+    the shared RoPE key's width, which keeps the ``rope_dim/2`` fastest frequencies (the slower ones join the
+    latent whole, turned by their mean rotation, ≈ 1 where they are slowest); ``rotation [H, d/2]``:
+    each query head's ``mean_rotation`` of the source's frequencies; ``query_scale``: source softmax scale ÷
+    DeepSeek's (folded into the queries); ``norm_eps``: ``kv_a_layernorm``'s epsilon. Shapes (H query heads,
+    Hkv KV heads, d head width, ρ = ``rope_dim``, r = ``kv_lora_rank``): ``q_proj [H·(d + ρ), D]`` (per head d nope rows, then ρ
+    interleaved rope rows), ``kv_a_proj_with_mqa [r + ρ, D]``, ``kv_a_layernorm [r]``, ``kv_b_proj [H·2d, r]``
+    (per head d key rows, d value rows), ``o_proj`` unchanged.
     """
     heads, kv_heads, d = layout.num_heads, layout.num_kv_heads, layout.head_dim
     group = heads // kv_heads
@@ -96,10 +98,12 @@ def mla_attention(
     queries = complex_pairs(w.q_weight, heads, d)  # [H, d/2, D]
     of_group = torch.arange(heads) // group
     query_energy = torch.einsum("hfx,xy,hfy->hf", queries, gram.to(queries.dtype), queries.conj()).real
-    a, b, kept = shared_rotary_key(keys, gram, query_energy.view(kv_heads, group, -1).sum(1))
-    rope_key = torch.einsum("fh,hfx->fx", b.conj(), keys)  # [d/2, D]
-    residual = keys - torch.einsum("fh,fx->hfx", a, rope_key)  # [Hkv, d/2, D]: what the shared key misses
-    rope_query = queries * a.T.conj()[of_group][:, :, None]
+    band = rope_dim // 2  # the fastest frequencies: pairs 0 … band − 1
+    a, b, kept = shared_rotary_key(keys[:, :band], gram, query_energy[:, :band].reshape(kv_heads, group, -1).sum(1))
+    rope_key = torch.einsum("fh,hfx->fx", b.conj(), keys[:, :band])  # [band, D]
+    # what the shared key misses: the rest of its band, and the slower frequencies whole. [Hkv, d/2, D]
+    residual = torch.cat([keys[:, :band] - torch.einsum("fh,fx->hfx", a, rope_key), keys[:, band:]], dim=1)
+    rope_query = queries[:, :band] * a.T.conj()[of_group][:, :, None]
     nope_query = queries * rotation.to(queries.dtype)[:, :, None]
 
     def group_grams(rows: torch.Tensor, sum_heads: int) -> torch.Tensor:  # [n·sum_heads, d, D] -> [n, d, d]
@@ -116,7 +120,8 @@ def mla_attention(
     key_weight = layout.scaling[0] ** 2 * value_energy / heads
     nope_gram = group_grams(half_rows(nope_query), group)
     stacked, left = linalg.stacked_weights(
-        [half_rows(residual).reshape(kv_heads * d, -1), values], [key_weight, 1.0],
+        [half_rows(residual).reshape(kv_heads * d, -1), values],
+        [key_weight, 1.0],
         [linalg.block_cholesky(nope_gram, ridge=1e-6), linalg.block_cholesky(o_gram)],
     )
     rank = min(kv_lora_rank, *stacked.shape)
@@ -128,17 +133,17 @@ def mla_attention(
     shrink = math.sqrt(LATENT_MEAN_SQUARE * norm_eps / mean_square) if mean_square > 0 else 1.0
 
     up_key, up_value = (part.reshape(kv_heads, d, -1)[of_group] for part in up.split(kv_heads * d))
-    per_head_query = torch.cat([half_rows(nope_query), interleaved_rows(rope_query)], dim=1)  # [H, 2d, D]
+    per_head_query = torch.cat([half_rows(nope_query), interleaved_rows(rope_query)], dim=1)  # [H, d + ρ, D]
     tensors = {
-        "q_proj.weight": per_head_query.reshape(heads * 2 * d, -1) * query_scale,
+        "q_proj.weight": per_head_query.reshape(heads * (d + rope_dim), -1) * query_scale,
         "kv_a_proj_with_mqa.weight": torch.cat([down * shrink, interleaved_rows(rope_key)]),
         "kv_a_layernorm.weight": torch.full((kv_lora_rank,), math.sqrt(norm_eps) / shrink, dtype=F64),
         "kv_b_proj.weight": torch.cat([up_key, up_value], dim=1).reshape(heads * 2 * d, -1),
         "o_proj.weight": w.o_weight.to(F64),
     }
     report = {
-        "rope_kept": float((kept * query_energy.view(kv_heads, group, -1).sum((0, 1))).sum()
-                           / query_energy.sum().clamp(min=1e-300)),
+        # the share of the query-weighted key energy that keeps its exact rotation
+        "rope_kept": float((kept * query_energy[:, :band].sum(0)).sum() / query_energy.sum().clamp(min=1e-300)),
         "latent_rel_output_error": linalg.relative_frobenius_error(sigma, rank),
     }  # fmt: skip
     return tensors, report
