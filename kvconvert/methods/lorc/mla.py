@@ -87,9 +87,9 @@ def mla_attention(
     latent whole, turned by their mean rotation, ≈ 1 where they are slowest); ``rotation [H, d/2]``:
     each query head's ``mean_rotation`` of the source's frequencies; ``query_scale``: source softmax scale ÷
     DeepSeek's (folded into the queries); ``norm_eps``: ``kv_a_layernorm``'s epsilon. Shapes (H query heads,
-    Hkv KV heads, d head width, ρ = ``rope_dim``, r = ``kv_lora_rank``): ``q_proj [H·(d + ρ), D]`` (per head d nope rows, then ρ
-    interleaved rope rows), ``kv_a_proj_with_mqa [r + ρ, D]``, ``kv_a_layernorm [r]``, ``kv_b_proj [H·2d, r]``
-    (per head d key rows, d value rows), ``o_proj`` unchanged.
+    Hkv KV heads, d head width, ρ = ``rope_dim``, r = ``kv_lora_rank``): ``q_proj [H·(d + ρ), D]`` (per head
+    d nope rows, then ρ interleaved rope rows), ``kv_a_proj_with_mqa [r + ρ, D]``, ``kv_a_layernorm [r]``,
+    ``kv_b_proj [H·2d, r]`` (per head d key rows, d value rows), ``o_proj`` unchanged.
     """
     heads, kv_heads, d = layout.num_heads, layout.num_kv_heads, layout.head_dim
     group = heads // kv_heads
