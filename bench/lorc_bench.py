@@ -5,8 +5,8 @@ wikitext-2 test (or ``--data tinystories``), first 4096 tokens, ctx 1024. Rows, 
 ranks), ``--schedule auto`` (activation-aware + loss-aware allocation), K-only variants, two
 compositions with 8-bit storage (budgets quoted against a 16-bit cache; scored through the cache,
 ``--chunk 128``), ``--refine-steps 100`` (layer-wise output refinement) and, last, ``--probe-rounds 2``
-(auto's loss curves re-measured where the first allocation put each side) and ``--latent joint`` (one
-latent per layer that K and V are both rebuilt from). A pure LoRC cache
+(auto's loss curves re-measured where the first allocation put each side), ``--latent joint`` (one
+latent per layer that K and V are both rebuilt from) and ``--latent mla`` (the DeepSeek-V3 export). A pure LoRC cache
 is an exact linear function of the hidden states, so its rows are teacher-forced; the stored rows are
 not. Writes bench/results/lorc-<date>[-<data>].{json,md}.
 """
@@ -73,6 +73,12 @@ VARIANTS: list[tuple[str, str, float, dict[str, Any], int | None]] = [
         {"schedule": "auto", "latent": "joint", "refine_steps": 100},
         None,
     ),
+    # a standard DeepSeek-V3 checkpoint (lorc --latent mla): one latent width for every layer, a RoPE key shared by
+    # all heads; an exact function of the hidden states like every LoRC cache, so teacher-forced too
+    ("--latent mla (DeepSeek-V3 export)", EXT, 1.0, {"latent": "mla"}, None),
+    ("--latent mla (DeepSeek-V3 export)", EXT, 0.75, {"latent": "mla"}, None),
+    ("--latent mla (DeepSeek-V3 export)", EXT, 0.5, {"latent": "mla"}, None),
+    ("--latent mla (DeepSeek-V3 export)", EXT, 0.3, {"latent": "mla"}, None),
 ]
 
 
@@ -114,7 +120,9 @@ def main() -> None:
             keys = ("ppl", "kl_mean", "top1_agreement", "kv_budget_measured", "kv_budget_vs_16bit")
             row.update({k: result[k] for k in keys})
             row["dppl"] = result["ppl"] / reference["ppl"] - 1
-            row["ranks"] = [[layer["rank_k"], layer["rank_v"]] for layer in method_report(dst)]
+            # per layer [K rank, V rank] ([latent, latent] for a joint or MLA latent)
+            row["ranks"] = [[layer.get("rank_k", layer.get("rank")), layer.get("rank_v", layer.get("rank"))]
+                            for layer in method_report(dst)]  # fmt: skip
             rows.append(row)
             print({k: v for k, v in row.items() if k != "ranks"}, flush=True)
     table_rows = []
