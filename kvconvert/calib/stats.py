@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,19 +65,11 @@ def accumulating_grams(model: Any, num_kv_heads: int, head_dim: int) -> Iterator
 
 def collect_head_grams(source: Any, adapter: Any, chunks: torch.Tensor, progress: bool = True) -> HeadGrams:
     """``HeadGrams`` of a checkpoint over ``chunks [n, T]``, computed one decoder layer at a time."""
-    from kvconvert.calib.sequential import run_layer_by_layer
-
     layout = adapter.layout()
-    result: list[HeadGrams] = []
-
-    @contextlib.contextmanager
-    def observe(model: Any) -> Iterator[None]:
-        with accumulating_grams(model, layout.num_kv_heads, layout.head_dim) as grams:
-            result.append(grams)
-            yield
-
-    run_layer_by_layer(source, adapter, chunks, observe, progress=progress)
-    return result[0]
+    grams = observe_layers(source, adapter, chunks, [
+        lambda model: accumulating_grams(model, layout.num_kv_heads, layout.head_dim),
+    ], progress)  # fmt: skip
+    return grams[0]
 
 
 @contextlib.contextmanager
@@ -105,28 +97,42 @@ def accumulating_input_grams(model: Any, attention_paths: list[str]) -> Iterator
             handle.remove()
 
 
+def observe_layers(
+    source: Any, adapter: Any, chunks: torch.Tensor, observers: Sequence[Callable[[Any], Any]], progress: bool = True
+) -> list[Any]:
+    """Feed ``chunks [n, T]`` through the checkpoint one decoder layer at a time with every observer's context
+    manager (``observer(model)``, e.g. ``accumulating_grams``) entered around the pass; what each one yielded,
+    in order."""
+    from kvconvert.calib.sequential import run_layer_by_layer
+
+    result: list[Any] = []
+
+    @contextlib.contextmanager
+    def observe(model: Any) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            result.extend(stack.enter_context(observer(model)) for observer in observers)
+            yield
+
+    run_layer_by_layer(source, adapter, chunks, observe, progress=progress)
+    return result
+
+
+def complete_input_grams(inputs: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``accumulating_input_grams``' result, checked: every attention layer ran."""
+    missing = [i for i, g in enumerate(inputs) if g is None]
+    if missing:
+        raise RuntimeError(f"attention layers {missing} never ran during calibration")
+    return [g for g in inputs if g is not None]
+
+
 def collect_layer_grams(
     source: Any, adapter: Any, chunks: torch.Tensor, progress: bool = True
 ) -> tuple[list[torch.Tensor], HeadGrams]:
     """Each attention layer's input Gram ``[D, D]`` and its per-head ``HeadGrams`` over ``chunks [n, T]``,
     float64, in one layer-by-layer pass."""
-    from kvconvert.calib.sequential import run_layer_by_layer
-
     layout = adapter.layout()
-    result: list[Any] = []
-
-    @contextlib.contextmanager
-    def observe(model: Any) -> Iterator[None]:
-        with (
-            accumulating_input_grams(model, adapter.attention_module_paths()) as inputs,
-            accumulating_grams(model, layout.num_kv_heads, layout.head_dim) as heads,
-        ):
-            result.extend([inputs, heads])
-            yield
-
-    run_layer_by_layer(source, adapter, chunks, observe, progress=progress)
-    inputs, heads = result
-    missing = [i for i, g in enumerate(inputs) if g is None]
-    if missing:
-        raise RuntimeError(f"attention layers {missing} never ran during calibration")
-    return [g for g in inputs if g is not None], heads
+    inputs, heads = observe_layers(source, adapter, chunks, [
+        lambda model: accumulating_input_grams(model, adapter.attention_module_paths()),
+        lambda model: accumulating_grams(model, layout.num_kv_heads, layout.head_dim),
+    ], progress)  # fmt: skip
+    return complete_input_grams(inputs), heads

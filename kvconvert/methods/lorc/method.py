@@ -229,10 +229,12 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         params = report["params"]
         if params.get("latent") == "mla":
             return (
-                f"LoRC written as a standard DeepSeek-V3 checkpoint (multi-head latent attention, loads without "
-                f"kvconvert): per layer one latent of {report['layers'][0]['rank']} values that keys and values are "
-                "rebuilt from, plus one RoPE key shared by all heads (each frequency's principal direction across "
-                "the KV heads); fitted on calibration activations."
+                f"LoRC written as a standard DeepSeek-V3 checkpoint (multi-head latent attention): per layer one "
+                f"latent of {report['layers'][0]['rank']} values that keys and values are rebuilt from, plus one RoPE "
+                "key shared by all heads (each frequency's principal direction across the KV heads); fitted on "
+                "calibration activations. Stock transformers loads it without remote code "
+                "(`AutoModelForCausalLM.from_pretrained(DIR)`: `DeepseekV3ForCausalLM`, whose cache holds the latent "
+                "and the RoPE key), and so do serving engines with MLA kernels (`vllm serve DIR`)."
             )
         ranks = [r["rank_k"] for r in report["layers"]]
         how = "weighted by calibration activations" if params.get("calibrate") else "by SVD"

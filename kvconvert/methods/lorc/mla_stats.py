@@ -42,25 +42,11 @@ def collect_mla_statistics(
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per layer the mean ``x xᵀ [D, D]`` of the attention inputs, and the attention-distance histograms
     ``[L, H, T]`` over ``chunks [n, T]``, float64."""
-    from kvconvert.calib.sequential import run_layer_by_layer
-    from kvconvert.calib.stats import accumulating_input_grams
+    from kvconvert.calib.stats import accumulating_input_grams, complete_input_grams, observe_layers
 
-    layout = adapter.layout()
-    result: list[Any] = []
-
-    @contextlib.contextmanager
-    def observe(model: Any) -> Iterator[None]:
-        with (
-            accumulating_input_grams(model, adapter.attention_module_paths()) as inputs,
-            accumulating_distances(model, layout.num_heads, int(chunks.shape[1])) as hist,
-        ):
-            result.extend([inputs, hist])
-            yield
-
-    run_layer_by_layer(source, adapter, chunks, observe, progress=progress)
-    inputs, hist = result
-    missing = [i for i, g in enumerate(inputs) if g is None]
-    if missing:
-        raise RuntimeError(f"attention layers {missing} never ran during calibration")
-    tokens = chunks.numel()
-    return [g / tokens for g in inputs], hist
+    heads = adapter.layout().num_heads
+    inputs, hist = observe_layers(source, adapter, chunks, [
+        lambda model: accumulating_input_grams(model, adapter.attention_module_paths()),
+        lambda model: accumulating_distances(model, heads, int(chunks.shape[1])),
+    ], progress)  # fmt: skip
+    return [g / chunks.numel() for g in complete_input_grams(inputs)], hist
