@@ -3,13 +3,20 @@ stories260K): the bytes a conversion writes — weights, config, recipe, and the
 local path set aside) — equal the digests recorded before the method-as-package redesign (#37), or the
 one-line refusal recorded then. A refactor that changes one output byte fails here.
 
-Regenerate deliberately with ``python -m tests.test_recipe_outputs`` (a change of output on purpose)."""
+The bytes of float results differ between CPU families (their BLAS kernels sum in other orders: SVDs, Grams and
+calibration passes end in other last bits), so each recipe and model keeps one set of digests per family it was
+recorded on — AMD EPYC (AVX-512) on 2026-11-25, Intel Xeon (AMX) on 2026-11-26, both with the code of b707c38 —
+and an output must equal one of them, byte for byte.
+
+Record this machine's digests with ``python -m tests.test_recipe_outputs`` (added beside the others: run it on the
+code whose outputs are the reference); ``--replace`` starts over (a change of output on purpose)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -71,10 +78,16 @@ def test_recipe_outputs_are_byte_identical(recipe, llama2c_models, tmp_path):
     golden = json.loads(GOLDEN.read_text())
     for name, source in llama2c_models.items():
         got = convert(recipe, source, tmp_path / name)
-        assert got == golden[recipe][name], f"{recipe} on {name}"
+        assert got in accepted(golden[recipe][name]), f"{recipe} on {name}"
+
+
+def accepted(recorded: Any) -> list[Any]:
+    """The outputs recorded for one recipe and model: one per CPU family (a list), or the one (older files)."""
+    return recorded if isinstance(recorded, list) else [recorded]
 
 
 if __name__ == "__main__":
+    import sys
     import tempfile
 
     from kvconvert.io.llama2c import import_llama2c
@@ -84,5 +97,12 @@ if __name__ == "__main__":
                   for name, tok in MODELS.items()}  # fmt: skip
         table = {recipe: {name: convert(recipe, source, Path(work) / f"{recipe}-{name}")
                           for name, source in models.items()} for recipe in RECIPES}  # fmt: skip
+    if "--replace" not in sys.argv and GOLDEN.exists():  # this machine's outputs beside those recorded elsewhere
+        before = json.loads(GOLDEN.read_text())
+        for recipe, outputs in table.items():
+            for name, got in outputs.items():
+                known = accepted(before.get(recipe, {}).get(name, []))
+                outputs[name] = known if got in known else [*known, got]
+                outputs[name] = outputs[name][0] if len(outputs[name]) == 1 else outputs[name]
     GOLDEN.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"wrote {GOLDEN}")

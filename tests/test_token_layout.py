@@ -142,8 +142,10 @@ def test_store_holds_the_reference_quantization(keys, width, group):
     expected = reference_token_layout(x[..., : 5 * group, :], group, size, keys)
     error = (store.read()[..., : 5 * group, :] - expected).abs()
     # equal, but for a code that flips where a value lies on a rounding boundary: the rotation's
-    # matmul sums in another order for another batch shape (the store quantizes block by block)
-    assert (error > 1e-5).float().mean() < 1e-3 and error.max() < 0.05
+    # matmul sums in another order for another batch shape (the store quantizes block by block), and
+    # how often depends on the CPU's float kernels (1–2 of 1920 tokens on an AMD EPYC, 17 on an Intel
+    # Xeon). A flipped code is in the rotated space: it moves its whole token a little, so count tokens.
+    assert (error > 1e-5).any(-1).float().mean() < 0.02 and error.max() < 0.05
     assert torch.equal(store.read()[..., 5 * group :, :], x[..., 5 * group :, :])  # the tail stays exact
     assert 0 < (expected - x[..., : 5 * group, :]).abs().mean() < 0.1
 
