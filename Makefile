@@ -76,12 +76,14 @@ bench-gemma: install
 bench-kernels: install
 	$(PYTHON) bench/kernels_bench.py
 
-# fp8 exports of SmolLM2 served by vLLM's CPU build (own virtualenv under bench/.cache): scales loaded,
-# perplexity beside kvconvert's runtime, greedy agreement, tokens/s and KV capacity (about 10 minutes)
+# fp8 and MLA exports of SmolLM2 served by vLLM's CPU build (own virtualenv under bench/.cache): scales loaded,
+# perplexity beside kvconvert's runtime, greedy agreement, tokens/s and KV capacity; then the MLA export's capacity
+# on a model with more cached values than vLLM's CPU MLA kernel size (about 30 minutes)
 VLLM_VENV := bench/.cache/venv-vllm
 bench-vllm: install
 	bash bench/vllm_venv.sh $(VLLM_VENV)
 	$(PYTHON) bench/vllm_bench.py --engine-python $(VLLM_VENV)/bin/python
+	$(PYTHON) bench/vllm_mla_capacity.py --engine-python $(VLLM_VENV)/bin/python
 
 # RULER-style tasks at 4K through the cache: SmolLM2 and four conversions on the same samples (about 40 minutes)
 bench-longctx: install
