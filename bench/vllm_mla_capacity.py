@@ -86,8 +86,9 @@ def main() -> None:
         f"a 2-layer Llama with 32 heads and 8 KV heads of 64 (random weights, seed 0), `lorc --latent mla "
         f"--kv-budget {BUDGET}` (kv_lora_rank 512 + RoPE 64, vLLM's reference CPU MLA backend); perplexity of the "
         f"random model on {args.windows} wikitext-2 windows ({CONTEXT} + {SCORED} scored)\n\n"
-        + markdown_table(["model", "vLLM KV capacity (tokens)", "× source", "vLLM ppl", "kvconvert ppl",
-                          "vLLM vs kvconvert"], rows)  # fmt: skip
+        + markdown_table(
+            ["model", "vLLM KV capacity (tokens)", "× source", "vLLM ppl", "kvconvert ppl", "vLLM vs kvconvert"], rows
+        )  # fmt: skip
     )
     payload = {"machine": machine(), "budget": BUDGET, "results": results, "seconds": time.time() - started}
     write_results("vllm-cpu-mla-capacity", payload, table)
