@@ -379,14 +379,14 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
 
     def _mla_plan(self, ctx: PlanContext) -> MlaPlan:
         """``latent="mla"``: refuse what DeepSeek-V3's attention cannot express (one line, before any
-        calibration), then each layer's input Gram on calibration text."""
+        calibration), then, on calibration text, each layer's input Gram and how far each head attends."""
         from kvconvert.arch import adapter_for
         from kvconvert.arch.mla import (
             LATENT_NORM_EPS,
             check_mla_source,
             deepseek_v3_config,
             deepseek_v3_scaling,
-            rope_frequencies,  # fmt: skip
+            rope_frequencies,
             untied_head,
         )
         from kvconvert.calib.text import calibration_set
