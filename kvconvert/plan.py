@@ -60,6 +60,9 @@ CANDIDATES: dict[str, list[tuple[str, dict[str, Any]]]] = {
          {"kv_budget": 0.5, "schedule": "auto", "latent": "joint"}),
         ("lorc 0.75, one K/V latent + 4-bit (ext.)",
          {"kv_budget": 0.75, "schedule": "auto", "latent": "joint", "kv_bits": 4, "kv_residual": 0}),
+        # a standard DeepSeek-V3 checkpoint that stock transformers and engines with MLA kernels load: what
+        # serving without kvconvert costs (refused, with the reason, on models the layout cannot express)
+        ("lorc 0.75 as a DeepSeek-V3 (MLA) checkpoint (engines' format, ext.)", {"kv_budget": 0.75, "latent": "mla"}),
     ],
     "zack": [
         ("zack 0.5 (paper)", {"kv_budget": 0.5}),
