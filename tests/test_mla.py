@@ -147,6 +147,34 @@ def test_greedy_decode_through_the_cache_equals_one_forward(exports):
     assert torch.allclose(rest, whole[:, 25:], atol=1e-5, rtol=0)
 
 
+@torch.no_grad()
+def test_decode_steps_in_the_latent_space_equal_the_expanded_attention(exports):
+    """kvconvert's runtime decodes a DeepSeek-V3 export without expanding the cache (scores against the latent
+    through W_UK, outputs through W_UV): on a left-padded batch every step's logits equal stock transformers',
+    which rebuilds every head's keys and values, to 1e-5, and so do the greedy tokens."""
+    from kvconvert.runtime.kvconvert_lorc import absorbed_mla_forward
+
+    _, out = exports["llama_gqa", "0.5"]
+    ours, stock = kvconvert.load(out).eval(), _stock(out)
+    assert all(m.self_attn.forward.__func__ is absorbed_mla_forward for m in ours.model.layers)
+    ids, mask = left_padded()
+    caches = [m(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values for m in (ours, stock)]
+    token = torch.tensor([[5], [9]])
+    for _ in range(8):
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        logits = []
+        for model, cache in zip((ours, stock), caches, strict=True):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
+            logits.append(model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                                use_cache=True).logits[:, -1])  # fmt: skip
+        assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=0)
+        token = logits[1].argmax(-1, keepdim=True)
+    ids, mask = left_padded()
+    greedy = [m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+              for m in (ours, stock)]  # fmt: skip
+    assert torch.equal(greedy[0], greedy[1])
+
+
 def test_shared_rotary_key_is_exact_for_keys_that_share_one_direction():
     """Keys of 3 heads that are one complex key times per-head complex factors (per frequency): the shared
     key keeps all of it, and a·(bᴴ z) rebuilds every head; a second independent direction is partly lost."""

@@ -8,11 +8,14 @@ are rebuilt from the latent (``k_up``) and rotated at read time (positions come 
 A joint layer (kvconvert's extension, MLA-style) caches one latent ``c = x·W_downᵀ`` that serves as both:
 keys are rebuilt from it (or scored against it) and every head's weighted latent goes into ``o_proj``.
 Layers the conversion left uncompressed keep transformers' own attention and a stock cache layer.
+A DeepSeek-V3 export (``lorc --latent mla``) keeps transformers' DeepSeek-V3 modules and cache; only its decode
+steps run here, in the latent space (``absorbed_mla_forward``).
 Copied verbatim into every lorc output directory; imports only torch and transformers.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -180,6 +183,64 @@ class LorcAttention(LatentAttention):
 def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None) -> LorcAttention | None:
     """None for layers left uncompressed: they keep the stock transformers attention."""
     return None if spec["lorc_layers"][layer_idx] is None else LorcAttention(spec, layer_idx, rotary)
+
+
+# query lengths up to this attend in the latent space; longer ones (prefill) expand keys and values as transformers does
+ABSORB_MAX_QUERY = 16
+
+
+class _LatentHeads:
+    """What transformers' attention functions read from a module, for every query head attending to one shared
+    latent key/value (multi-query attention in the latent space)."""
+
+    def __init__(self, module: nn.Module, heads: int):
+        self.num_key_value_groups = heads
+        self.is_causal = True
+        self.training = False
+        self.config = module.config
+        self.layer_idx = module.layer_idx
+
+
+def absorbed_mla_forward(
+    self: Any, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: Any, past_key_values: Cache | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    """transformers' ``DeepseekV3Attention.forward`` for a few query tokens, without expanding the cache: scores
+    are ``(q_nope·W_UK)·c + q_rope·k_rope`` and each head's output ``(Σ p·c)·W_UVᵀ`` (MLA's weight absorption), so a
+    decode step reads ``kv_lora_rank + qk_rope_head_dim`` values per cached token instead of rebuilding every head's
+    keys and values from them. The same cache, mask and attention function as the stock module."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as stock
+
+    batch, q_len = hidden_states.shape[:-1]
+    if q_len > ABSORB_MAX_QUERY or self.q_proj is None:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+    heads, nope, rope, rank = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+    q_pass, q_rot = self.q_proj(hidden_states).view(batch, q_len, heads, -1).transpose(1, 2).split([nope, rope], -1)
+    latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([rank, rope], dim=-1)
+    latent = self.kv_a_layernorm(latent).view(batch, 1, q_len, rank)
+    k_rot = k_rot.view(batch, 1, q_len, rope)
+    cos, sin = position_embeddings
+    rotate = stock.apply_rotary_pos_emb_interleave if self.config.rope_interleave else stock.apply_rotary_pos_emb
+    q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
+    if past_key_values is not None:
+        latent, k_rot = past_key_values.update(latent, k_rot, self.layer_idx)
+    w_uk, w_uv = self.kv_b_proj.weight.view(heads, -1, rank).split([nope, self.v_head_dim], dim=1)  # [H, ·, r]
+    query = torch.cat([torch.einsum("bhqd,hdr->bhqr", q_pass, w_uk), q_rot], dim=-1)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, stock.eager_attention_forward)
+    out, weights = attention(_LatentHeads(self, heads), query, torch.cat([latent, k_rot], dim=-1), latent,
+                             attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)  # fmt: skip
+    out = torch.einsum("bqhr,hvr->bqhv", out, w_uv).reshape(batch, q_len, -1)
+    return self.o_proj(out), weights
+
+
+def configure(model: Any) -> None:
+    """A DeepSeek-V3 export (``lorc_mla``): every attention module decodes in the latent space."""
+    spec = model.config.kvconvert
+    if "lorc_mla" in spec:
+        for path in spec["attention_modules"]:
+            module = model.get_submodule(path)
+            module.forward = types.MethodType(absorbed_mla_forward, module)
 
 
 def make_cache(spec: dict[str, Any]) -> CompressedCache:

@@ -22,6 +22,7 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping, r
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from .kvconvert_lorc import configure as configure_lorc
 from .kvconvert_lorc import make_attention as make_lorc_attention
 from .kvconvert_lorc import make_cache as make_lorc_cache
 from .kvconvert_minicache import configure as configure_minicache
@@ -43,7 +44,7 @@ from .kvconvert_zack import make_cache as make_zack_cache
 #                 cache factory: spec -> Cache; configure: model -> None, run once after construction)
 METHOD_RUNTIMES: dict[str, tuple[Any, Any, Any]] = {
     "slim": (SlimAttention, make_slim_cache, None),
-    "lorc": (make_lorc_attention, make_lorc_cache, None),
+    "lorc": (make_lorc_attention, make_lorc_cache, configure_lorc),
     "razor": (make_razor_attention, make_razor_cache, configure_razor),
     "zack": (make_zack_attention, make_zack_cache, None),
     "minicache": (make_minicache_attention, make_minicache_cache, configure_minicache),
