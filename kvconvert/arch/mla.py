@@ -8,8 +8,10 @@ block is rewritten. DeepSeek's RoPE part has ``qk_rope_head_dim = r`` dims at fr
 ``r`` = the source's head width and the source's ``rope_parameters``, pair ``f`` turns at exactly the source's
 frequency ``f`` (any rope type that transformers computes from the head width: default, linear, llama3, yarn).
 A narrower ``r`` (64, what every engine's MLA kernels take, for a head width of 128) keeps the source's ``r/2``
-fastest frequencies: ``θ_src^(−2f/d) = (θ_src^(r/d))^(−2f/r)``, a default RoPE with base ``θ_src^(r/d)`` — exact
-where the source's scaling leaves those frequencies alone (llama3's does; linear and yarn do not: refused).
+fastest frequencies: ``θ_src^(−2f/d) = (θ_src^(r/d))^(−2f/r)``, a plain RoPE with base ``θ_src^(r/d)`` (written as
+YaRN with factor 1: ``rope_parameters``) — exact where the source's scaling leaves those frequencies alone (llama3
+leaves only its fastest band alone, 28 of the 32 needed on Llama 3.1 at width 128; linear and yarn scale all or
+scale cos/sin): otherwise refused.
 """
 
 from __future__ import annotations
