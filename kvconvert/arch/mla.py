@@ -10,7 +10,7 @@ frequency ``f`` (any rope type that transformers computes from the head width: d
 A narrower ``r`` (64, what every engine's MLA kernels take, for a head width of 128) keeps the source's ``r/2``
 fastest frequencies: ``θ_src^(−2f/d) = (θ_src^(r/d))^(−2f/r)``, a plain RoPE with base ``θ_src^(r/d)`` (written as
 YaRN with factor 1: ``rope_parameters``) — exact where the source's scaling leaves those frequencies alone (llama3
-leaves only its fastest band alone, 28 of the 32 needed on Llama 3.1 at width 128; linear and yarn scale all or
+leaves only its fastest band alone, 29 of the 32 needed on Llama 3.1 at width 128; linear and yarn scale all or
 scale cos/sin): otherwise refused.
 """
 
