@@ -32,8 +32,9 @@ MLA_MODEL_TYPES = ("llama", "mistral", "qwen2")
 LATENT_NORM_EPS = 1e-6
 
 
-def check_mla_source(adapter: ArchAdapter, layout: AttentionLayout) -> None:
-    """Refuse, in one line, a source whose attention DeepSeek-V3's layout cannot express."""
+def check_mla_source(adapter: ArchAdapter, layout: AttentionLayout) -> torch.Tensor:
+    """Refuse, in one line, a source whose attention DeepSeek-V3's layout cannot express; its RoPE frequencies
+    (``rope_frequencies``) otherwise."""
     if layout.features:
         raise KVConvertError(f"--latent mla cannot express this model's {', '.join(layout.features)} in DeepSeek-V3's "
                              "attention")  # fmt: skip
@@ -43,9 +44,11 @@ def check_mla_source(adapter: ArchAdapter, layout: AttentionLayout) -> None:
             f"--latent mla writes a DeepSeek-V3 checkpoint, whose decoder layers are Llama's "
             f"({', '.join(MLA_MODEL_TYPES)}); {model_type} differs outside attention"
         )
-    if rope_frequencies(adapter.config, layout).numel() != layout.head_dim // 2:
+    frequencies = rope_frequencies(adapter.config, layout)
+    if frequencies.numel() != layout.head_dim // 2:
         raise KVConvertError("--latent mla needs RoPE on every dimension of a head (this model rotates only part "
                              "of it: partial_rotary_factor)")  # fmt: skip
+    return frequencies
 
 
 def rope_frequencies(config: Any, layout: AttentionLayout) -> torch.Tensor:

@@ -65,7 +65,6 @@ class LorcConfig:
         help="--latent mla: score the key parts the shared RoPE key cannot hold with their mean rotation over "
         "relative distances 0..N-1 spread evenly (default: as each head's attention spreads on calibration text).",
     )
-
     mla_rope_dim: int | None = option(
         None,
         help="--latent mla: width of the RoPE key all heads share (qk_rope_head_dim), which keeps the fastest "

@@ -386,7 +386,6 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
             check_mla_source,
             deepseek_v3_config,
             deepseek_v3_scaling,
-            rope_frequencies,
             untied_head,
         )
         from kvconvert.calib.text import calibration_set
@@ -395,7 +394,7 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
 
         layout, source, config = ctx.layout, ctx.source, self.config
         adapter = adapter_for(source.config)
-        check_mla_source(adapter, layout)
+        frequencies = check_mla_source(adapter, layout)
         if ctx.dtype == torch.float16:
             # the latent runs at ~1e-5 (kv_a_layernorm's linear range): float16's subnormals there keep 3-4 bits
             raise KVConvertError("--latent mla needs a float32 or bfloat16 checkpoint (its latent is scaled into "
@@ -418,7 +417,7 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
             distances = torch.ones(*distances.shape[:2], config.mla_distance, dtype=distances.dtype)
         return MlaPlan(
             layout, kv_lora_rank, rope, grams,
-            rotations=mean_rotation(rope_frequencies(source.config, layout), distances),
+            rotations=mean_rotation(frequencies, distances),
             query_scale=layout.scaling[0] / deepseek_v3_scaling({**source.config.to_dict(), **engine}),
             engine=engine,
             added=untied_head(source.config, source.tensor_names()),
