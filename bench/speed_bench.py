@@ -48,7 +48,7 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("lorc 0.5 uniform", {"method": "lorc", "kv_budget": 0.5, "schedule": "uniform"}),
     # one latent for K and V: its ranks come only from the calibrated allocation (minutes of probes)
     ("lorc 0.5 joint latent (ext.)", {"method": "lorc", "kv_budget": 0.5, "schedule": "auto", "latent": "joint"}),
-    # stock transformers' DeepSeek-V3 attention: it expands the latent into every head's keys and values each step
+    # the DeepSeek-V3 export, loaded as every candidate is (kvconvert's runtime: decode steps in the latent space)
     ("lorc 0.5 as DeepSeek-V3 MLA (ext.)", {"method": "lorc", "kv_budget": 0.5, "latent": "mla"}),
     ("zack 0.5", {"method": "zack", "kv_budget": 0.5}),
     # razor: which heads keep everything changes nothing here; a short profile keeps the bench fast
