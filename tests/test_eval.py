@@ -308,3 +308,54 @@ def test_eval_runs_every_forward_on_the_requested_device(tmp_path, monkeypatch):
     paths = {path for path, _ in seen}
     assert paths == {str(tmp_path / "q"), str(src)}  # both models, the bf16 copy included, ran
     assert all(devices == {want} for _, devices in seen), {d for _, ds in seen for d in ds}
+
+
+def test_chunked_context_prefill_equals_one_forward_and_records_costs(tiny_model_dir, tmp_path):
+    """``--context`` with ``--chunk``: the context goes into the cache ``chunk`` tokens at a time (a long
+    prompt's chunked prefill); for exact caches the scores are the one-forward protocol's. Prefill seconds and
+    peak memory are recorded per model, the reference's only when it went through its cache the same way."""
+    from tests.helpers import load_converted
+
+    model = build_tiny_model("llama_gqa")
+    ids = torch.randint(3, 90, (2 * 48,), generator=torch.Generator().manual_seed(3))
+    whole = evaluate_quality(model, ids, 48, model, context=32)
+    chunked = evaluate_quality(model, ids, 48, model, context=32, chunk=10)
+    assert chunked.ppl == pytest.approx(whole.ppl, rel=1e-6) and chunked.kl_mean == pytest.approx(0, abs=1e-9)
+    assert set(whole.costs) == {"model"} and set(chunked.costs) == {"model", "reference"}
+    for costs in chunked.costs.values():
+        assert costs.windows == 2 and costs.prefill_tokens == 64 and costs.prefill_seconds > 0
+    convert_slim(tiny_model_dir("llama"), tmp_path / "slim")
+    slim = load_converted(tmp_path / "slim")
+    one = evaluate_quality(slim, ids, 48, context=32).ppl
+    assert evaluate_quality(slim, ids, 48, context=32, chunk=7).ppl == pytest.approx(one, rel=1e-5)
+
+
+def test_peak_memory_counts_what_the_block_allocates():
+    from kvconvert.eval.memory import PeakMemory
+
+    with PeakMemory("cpu") as idle:
+        pass
+    if idle.bytes is None:
+        pytest.skip("no resident-set high-water mark on this platform")
+    with PeakMemory("cpu") as busy:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, written: resident
+        del block
+    assert busy.bytes is not None and 60 * 2**20 <= busy.bytes <= 80 * 2**20
+    assert idle.bytes < 8 * 2**20
+
+
+def test_eval_long_document_reports_prefill_and_peak_memory(tmp_path):
+    src = _source_and_4bit(tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i}" for i in torch.randint(3, 97, (400,), generator=torch.Generator()).tolist()))
+    out = tmp_path / "eval.json"
+    result = run_cli("eval", "--model", str(tmp_path / "q"), "--reference", str(src), "--data", str(text),
+                     "--context", "128", "--continuation", "32", "--chunk", "48", "--no-retrieval", "--no-speed",
+                     "--json", str(out), "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["tokens"] == 2 * 32 and "48 tokens per prefill forward" in data["window"]
+    for prefix in ("", "reference_"):
+        assert data[f"{prefix}prefill_seconds_per_window"] > 0 and data[f"{prefix}prefill_tokens_per_s"] > 0
+        assert data[f"{prefix}peak_memory_bytes"] is None or data[f"{prefix}peak_memory_bytes"] >= 0
+    assert "context prefill s" in result.output and "peak memory MB" in result.output

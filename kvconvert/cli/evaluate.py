@@ -16,7 +16,11 @@ from kvconvert.errors import KVConvertError
 @click.option("--data", default=None, help="Text file, or dataset spec name[:config]:split:column (not with --tasks).")
 @click.option("--ctx", type=int, default=1024, show_default=True, help="Window length (capped at the model's).")
 @click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of --data.")
-@click.option("--chunk", type=int, default=None, help="Feed each window through the cache N tokens at a time.")
+@click.option(
+    "--chunk", type=int, default=None,
+    help="Feed each window through the cache N tokens at a time; with --context, the context (chunked prefill: "
+         "bounded memory at long contexts; prefill time and peak memory reported beside --reference's).",
+)  # fmt: skip
 @click.option("--context", type=int, default=None, help="Context protocol: N tokens into the cache in one forward…")
 @click.option("--continuation", type=int, default=None, help="…then the next M scored in one forward through it.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Also write results here.")
@@ -105,8 +109,6 @@ def eval_command(
         raise KVConvertError(f"--chunk must be at least 1, got {chunk}")
     if (context is not None and context < 1) or (continuation is not None and continuation < 2):
         raise KVConvertError("--context must be at least 1 and --continuation at least 2")
-    if context is not None and chunk is not None:
-        raise KVConvertError("--chunk and --context are two protocols; give one")
     if lengths is not None and min(lengths) < 2:
         raise KVConvertError(f"--retrieval-lengths takes lengths of at least 2 tokens, got {retrieval_lengths!r}")
     if json_out is not None:  # before minutes of evaluation, not after

@@ -6,6 +6,8 @@ cache or its layers is counted once (shared storage is de-duplicated).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import types
 from typing import Any
 
@@ -62,3 +64,73 @@ def kv_bytes_per_token(model: Any, input_ids: torch.Tensor, short: int, long: in
         out = model(input_ids[:, :length], use_cache=True)
         sizes.append(cache_nbytes(out.past_key_values))
     return (sizes[1] - sizes[0]) / (long - short) / input_ids.shape[0]
+
+
+class PeakMemory:
+    """Peak memory a block of work adds above what was held when it started, in bytes (``None`` where the
+    platform cannot say). ``with PeakMemory(device) as peak: …`` then ``peak.bytes``.
+
+    On a GPU: torch's allocator statistics (reset at entry). On a CPU: the process's resident set, whose
+    high-water mark Linux resets on request (``/proc/self/clear_refs``), so the figure is this block's own peak
+    and not the process's lifetime maximum; it counts whatever the block allocates (activations, logits, the
+    cache), measured, as a user's ``top`` would see it. Elsewhere: ``None``.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.bytes: int | None = None
+        self._start: int | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        elif _reset_rss_peak():
+            self._start = _status_kib("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._start is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+        else:
+            self.bytes = max(0, _status_kib("VmHWM") * 1024 - self._start)
+
+
+@torch.no_grad()
+def page_in(model: torch.nn.Module) -> None:
+    """Read every weight once. transformers maps safetensors files into memory, so a CPU model's weights
+    become resident only as a forward first touches them; before a ``PeakMemory`` reading that would count
+    the weights as the work's own memory."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type == "cpu" and tensor.numel():
+            tensor.detach().reshape(-1)[:: max(1, 4096 // tensor.element_size())].sum()  # one read per page
+
+
+def _reset_rss_peak() -> bool:
+    _release_free_heap()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux ≥ 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def _release_free_heap() -> None:
+    """Hand memory the C allocator holds but nobody uses back to the system, so that the resident set at the
+    start of a measurement is what is alive (else one model's freed activations would count in the next's
+    start and hide its peak). glibc only; elsewhere a no-op."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field}")

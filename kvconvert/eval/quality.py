@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tqdm import tqdm
+
+from kvconvert.devices import model_device, synchronize
+from kvconvert.eval.memory import PeakMemory, page_in
 
 ROWS = 128  # positions whose full-vocabulary log-probs are held in float64 at once
 
@@ -19,6 +23,26 @@ class QualityResult:
     reference_ppl: float | None = None
     kl_mean: float | None = None  # mean over predicted tokens of KL(p_reference ‖ p_model), nats
     top1_agreement: float | None = None  # fraction of tokens whose argmax agrees
+    # context protocol only: per model ("model", "reference" when it went through its cache too)
+    costs: dict[str, WindowCosts] = field(default_factory=dict)
+
+
+@dataclass
+class WindowCosts:
+    """What putting a window's context into the cache costs: prefill seconds summed over windows, and the
+    largest peak memory one window's scoring (its prefill and its continuation) added (``PeakMemory``)."""
+
+    windows: int = 0
+    prefill_seconds: float = 0.0
+    prefill_tokens: int = 0
+    peak_bytes: int | None = None
+
+    def add(self, seconds: float, tokens: int, peak: int | None) -> None:
+        self.windows += 1
+        self.prefill_seconds += seconds
+        self.prefill_tokens += tokens
+        if peak is not None:
+            self.peak_bytes = max(peak, self.peak_bytes or 0)
 
 
 def windows(token_ids: torch.Tensor, ctx: int) -> list[torch.Tensor]:
@@ -41,24 +65,52 @@ def window_logits(model: Any, window: torch.Tensor, chunk: int | None) -> torch.
     return torch.cat(parts, dim=1)
 
 
+def prefill(model: Any, ids: torch.Tensor, chunk: int | None = None) -> tuple[Any, torch.Tensor]:
+    """``ids [b, n]`` into the model's own cache, ``chunk`` tokens per forward (None: one forward; chunks keep
+    a long prompt's activations bounded, as engines' chunked prefill does) -> (cache, logits ``[b, 1, V]`` of
+    the last position: only those are kept, a 262k vocabulary × 8K positions would be 8 GB)."""
+    cache, logits = None, None
+    step = chunk or ids.shape[1]
+    for start in range(0, ids.shape[1], step):
+        out = model(ids[:, start : start + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache, logits = out.past_key_values, out.logits
+    assert logits is not None, "prefill needs at least one token"
+    return cache, logits
+
+
 def scored_logits(
-    model: Any, window: torch.Tensor, chunk: int | None, context: int | None, through_cache: bool = True
+    model: Any,
+    window: torch.Tensor,
+    chunk: int | None,
+    context: int | None,
+    through_cache: bool = True,
+    costs: WindowCosts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits ``[1, m, V]``, targets ``[1, m]``) of the tokens a window scores.
 
     Without ``context``: every token after the first (``window_logits``). With ``context`` (the
-    context-compression protocol): the first ``context`` tokens go into the cache in one forward, the
-    rest are scored in one forward through that cache; ``through_cache=False`` (a stock reference,
-    for which the cache changes nothing) takes the same logits from one forward."""
+    context-compression protocol): the first ``context`` tokens go into the cache (in one forward, or
+    ``chunk`` tokens at a time), the rest are scored in one forward through that cache;
+    ``through_cache=False`` (a stock reference, for which the cache changes nothing) takes the same
+    logits from one forward. ``costs`` receives the prefill's seconds and the window's peak memory."""
     if context is None:
         return window_logits(model, window, chunk)[:, :-1], window[:, 1:]
     targets = window[:, context:]
     if not through_cache:
         return model(window[:, :-1], use_cache=False).logits[:, context - 1 :], targets
-    # only the context's last position is scored: its logits alone (a 262k vocabulary × 1536 positions is 1.6 GB)
-    prefix = model(window[:, :context], use_cache=True, logits_to_keep=1)
-    rest = model(window[:, context:-1], past_key_values=prefix.past_key_values, use_cache=True)
-    return torch.cat([prefix.logits[:, -1:], rest.logits], dim=1), targets
+    device = model_device(model)
+    with PeakMemory(device) as peak:
+        synchronize(device)
+        started = time.perf_counter()
+        cache, last = prefill(model, window[:, :context], chunk)
+        synchronize(device)
+        seconds = time.perf_counter() - started
+        rest = model(window[:, context:-1], past_key_values=cache, use_cache=True)
+        logits = torch.cat([last[:, -1:], rest.logits], dim=1)
+        del cache, rest
+    if costs is not None:
+        costs.add(seconds, context, peak.bytes)
+    return logits, targets
 
 
 @torch.no_grad()
@@ -75,17 +127,31 @@ def evaluate_quality(
 
     For every window ``w``: log-probs of ``w[1:]`` given ``w[:-1]`` from the model (fed ``chunk``
     tokens at a time when given; with ``context``, only the tokens after the first ``context``, read
-    through the cache, see ``scored_logits``) and from the reference (a stock model, always one
-    forward: feeding a full cache in chunks changes nothing but the time); NLL, KL and argmax
-    agreement are summed in float64.
+    through the cache, see ``scored_logits``) and from the reference (a stock model: one forward, since
+    feeding a full cache in chunks changes nothing but the time — except with ``context`` and ``chunk``
+    together, where it goes through its cache the same way so that prefill time and peak memory are
+    measured side by side); NLL, KL and argmax agreement are summed in float64.
     """
     nll = ref_nll = kl = 0.0
     agree = count = 0
+    costs: dict[str, WindowCosts] = {}
+    if context is not None:
+        for loaded in (model, reference):
+            if loaded is not None:  # peak memory counts what scoring adds, not weights paged in on first use
+                page_in(loaded)  # nor the one-off buffers of a first forward (thread pools, kernel caches)
+                prefill(loaded, token_ids[None, :16].to(model_device(loaded)))
+        costs["model"] = WindowCosts()
+        if reference is not None and chunk is not None:
+            costs["reference"] = WindowCosts()
     for window in tqdm(windows(token_ids, ctx), desc="eval", unit="window", disable=not progress):
         if context is not None and window.shape[1] <= context + 1:
             continue  # a trailing window without a continuation
-        logits, targets = scored_logits(model, window, chunk, context)
-        ref_logits = None if reference is None else scored_logits(reference, window, None, context, False)[0]
+        logits, targets = scored_logits(model, window, chunk, context, costs=costs.get("model"))
+        ref_logits = None
+        if reference is not None:
+            side_by_side = "reference" in costs
+            ref_logits = scored_logits(reference, window, chunk if side_by_side else None, context, side_by_side,
+                                       costs.get("reference"))[0]  # fmt: skip
         count += targets.numel()
         # float64 log-probs ROWS positions at a time: peak memory stays one window of logits in the model's dtype
         for start in range(0, targets.shape[1], ROWS):
@@ -100,7 +166,7 @@ def evaluate_quality(
                 agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
     if count == 0:
         raise ValueError("need at least 2 tokens to evaluate")
-    result = QualityResult(tokens=count, ppl=math.exp(nll / count))
+    result = QualityResult(tokens=count, ppl=math.exp(nll / count), costs=costs)
     if reference is not None:
         result.reference_ppl = math.exp(ref_nll / count)
         result.kl_mean = kl / count

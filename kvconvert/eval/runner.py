@@ -13,7 +13,7 @@ from kvconvert.devices import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.data import load_text
 from kvconvert.eval.memory import cache_nbytes, kv_bytes_per_token
-from kvconvert.eval.quality import evaluate_quality
+from kvconvert.eval.quality import evaluate_quality, prefill
 from kvconvert.eval.retrieval import copy_accuracy, ordinary_token_ids, passkey_accuracy
 from kvconvert.eval.speed import measure_speed, side_by_side
 from kvconvert.io.source import read_json
@@ -107,13 +107,14 @@ def cache_dtype_bytes(model: Any) -> int:
 
 
 @torch.no_grad()
-def bytes_after_context(model: Any, ids: torch.Tensor) -> int:
-    """Bytes the cache holds once ``ids [1, n]`` went in: all but the last token in one forward, the last
-    as one decode step. (transformers' sliding-window layers keep a view of a whole prefill until their
-    next update; the decode step releases it, so every cache is measured in its steady state.)"""
+def bytes_after_context(model: Any, ids: torch.Tensor, chunk: int | None = None) -> int:
+    """Bytes the cache holds once ``ids [1, n]`` went in: all but the last token in one forward (or ``chunk``
+    tokens at a time), the last as one decode step. (transformers' sliding-window layers keep a view of a
+    whole prefill until their next update; the decode step releases it, so every cache is measured in its
+    steady state.)"""
     if ids.shape[1] == 1:
         return cache_nbytes(model(ids, use_cache=True).past_key_values)
-    cache = model(ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
+    cache = prefill(model, ids[:, :-1], chunk)[0]
     return cache_nbytes(model(ids[:, -1:], past_key_values=cache, use_cache=True).past_key_values)
 
 
@@ -123,7 +124,8 @@ def measure_kv(model: Any, ids: torch.Tensor, config: EvalConfig, ctx: int) -> t
     two prompt lengths (fixed overheads cancel)."""
     if config.context is not None:
         sample = ids[None, : config.context]
-        return bytes_after_context(model, sample) / sample.shape[1], {"kv_measured_after": sample.shape[1]}
+        measured = bytes_after_context(model, sample, config.chunk)
+        return measured / sample.shape[1], {"kv_measured_after": sample.shape[1]}
     long = min(ctx, ids.numel(), 512)
     short = max(1, long // 4)
     return kv_bytes_per_token(model, ids[None, :long], short, long), {"kv_measured_between": [short, long]}
@@ -191,6 +193,7 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
         "ctx": ctx,
         "window": (
             f"{config.context} context tokens in the cache, {config.continuation} scored through it"
+            + ("" if config.chunk is None else f" ({config.chunk} tokens per prefill forward)")
             if protocol
             else "non-overlapping"
             if config.chunk is None
@@ -203,6 +206,11 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
         result.update(
             reference_ppl=quality.reference_ppl, kl_mean=quality.kl_mean, top1_agreement=quality.top1_agreement
         )
+    for name, costs in quality.costs.items():  # the context protocol: what a long prompt costs to take in
+        prefix = "" if name == "model" else "reference_"
+        result[f"{prefix}prefill_seconds_per_window"] = costs.prefill_seconds / costs.windows
+        result[f"{prefix}prefill_tokens_per_s"] = costs.prefill_tokens / costs.prefill_seconds
+        result[f"{prefix}peak_memory_bytes"] = costs.peak_bytes
 
     result["kv_bytes_per_token"], how = measure_kv(model, ids, config, ctx)
     result.update(how)
@@ -282,6 +290,10 @@ def _meaningless_context_warning(model_path: str, result: dict[str, Any]) -> str
     )
 
 
+def _megabytes(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**20:.0f}"
+
+
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
@@ -294,6 +306,12 @@ def format_table(result: dict[str, Any]) -> str:
         ("KV bytes/token", f"{result['kv_bytes_per_token']:.0f}",
          f"{result['reference_kv_bytes_per_token']:.0f}" if has_ref else ""),
     ]  # fmt: skip
+    if "prefill_seconds_per_window" in result:
+        ref_prefill = result.get("reference_prefill_seconds_per_window")
+        rows.append(("context prefill s", f"{result['prefill_seconds_per_window']:.2f}",
+                     "" if ref_prefill is None else f"{ref_prefill:.2f}"))  # fmt: skip
+        rows.append(("peak memory MB", _megabytes(result["peak_memory_bytes"]),
+                     _megabytes(result.get("reference_peak_memory_bytes")) if has_ref else ""))  # fmt: skip
     if "decode_tokens_per_s" in result:
         rows.append(("prefill tok/s", f"{result['prefill_tokens_per_s']:.1f}",
                      f"{result['reference_prefill_tokens_per_s']:.1f}" if has_ref else ""))  # fmt: skip

@@ -222,13 +222,10 @@ def answer(model: Any, tokenizer: Any, sample: Sample, chunk: int = 512) -> str:
     """Greedy answer to ``sample``: the prompt into the model's own cache ``chunk`` tokens at a time (only the
     last position's logits kept), then ``new_tokens`` generated through it (stopping at end of sequence)."""
     from kvconvert.devices import model_device
+    from kvconvert.eval.quality import prefill
 
     ids = torch.tensor([sample.prompt], device=model_device(model))
-    cache, logits = None, None
-    for start in range(0, ids.shape[1], chunk):
-        out = model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache, logits = out.past_key_values, out.logits
-    assert logits is not None  # the prompt has at least one token
+    cache, logits = prefill(model, ids, chunk)
     eos = tokenizer.eos_token_id
     generated: list[int] = []
     for _ in range(sample.new_tokens):
