@@ -4,12 +4,14 @@ against its source on the very same samples (``kvconvert eval --tasks``, ``kvcon
 A first cut of the issue's suite: SmolLM2 at the lengths given (default 4096), the conversions below, N samples
 per task (default 5: the average over seven tasks to about ±8 points). Each answer is generated greedily
 through the model's cache after a chunked prefill. kvpress side by side and Gemma 3 at 16K are not in it yet.
-Writes bench/results/longctx-<date>.{json,md}.
+Writes bench/results/longctx-<date>.{json,md}. ``--ppl``: long-document perplexity through the cache instead, with
+prefill time and peak memory beside the source's (bench/results/longdoc-<date>.{json,md}).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -18,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, markdown_table, write_results  # noqa: E402
-from bench.models import prepare_models  # noqa: E402
+from bench.models import SHARED, prepare_models  # noqa: E402
 
 # (label, recipe, budget against a 16-bit cache at long context as the conversion reports it)
 CANDIDATES: list[tuple[str, dict[str, Any]]] = [
@@ -31,14 +33,85 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
 ]  # fmt: skip
 
 
+# long-document perplexity (``--ppl``): a recipe per method and budget class, compositions with storage included
+PPL_CANDIDATES: list[tuple[str, dict[str, Any]]] = [
+    *CANDIDATES,
+    ("quant 4-bit token layout, sink 4 (ext.)",
+     {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
+    ("quant 2-bit, sink 4 + rotated values (ext.)",
+     {"method": "quant", "kv_bits": 2, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
+    ("razor + 2-bit, sink 4 + rotated values (ext.)",
+     {"method": "razor", "profile_tokens": 256, "kv_bits": 2, "kv_residual": 32, "kv_sink": 4, "kv_rotate": True}),
+    ("zack 0.5 (paper)", {"method": "zack", "kv_budget": 0.5}),
+    ("lorc 0.5, one K/V latent, ranks by measured loss (ext.)",
+     {"method": "lorc", "kv_budget": 0.5, "schedule": "auto", "latent": "joint"}),
+    ("minicache + 4-bit", {"method": "minicache", "kv_bits": 4, "kv_residual": 0}),
+]  # fmt: skip
+
+
+def long_document(args: argparse.Namespace, started: float) -> None:
+    """Perplexity of the last ``continuation`` tokens of ``length``-token windows of wikitext-2 whose start went
+    into each model's cache in chunks of 512,
+    beside the source on the same windows; prefill seconds and peak memory of both, measured in one process."""
+    from kvconvert.eval.runner import EvalConfig, run_eval
+    from kvconvert.io.source import open_source
+    from kvconvert.methods import build_method
+    from kvconvert.pipeline import convert
+    from kvconvert.recipe import parse_recipe
+
+    source = prepare_models()["smollm2-135m"]
+    data = str(SHARED / "data" / "wikitext2" / "wikitext2_raw_test.txt")
+    wanted = [c for c in PPL_CANDIDATES if args.only is None or any(p in c[0] for p in args.only.split("|"))]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    results: list[dict[str, Any]] = []
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (label, recipe) in enumerate(wanted):
+            name, method_config, storage = parse_recipe(recipe, label)
+            directory = Path(tmp) / str(i)
+            convert(open_source(str(source)), build_method(name, method_config, storage), directory, progress=False)
+            for length in lengths:
+                # windows of ``length`` tokens (SmolLM2's positions end at 8192): context + scored continuation
+                config = EvalConfig(data=data, context=length - args.continuation, continuation=args.continuation,
+                                    chunk=512, max_tokens=args.windows * length, speed=False,
+                                    retrieval=False, progress=False)  # fmt: skip
+                r = run_eval(str(directory), str(source), config)
+                results.append({"label": label, "recipe": recipe, "length": length, **r})
+                rows.append([label, str(length), f"{r['kv_budget_vs_16bit']:.3f}", f"{r['ppl']:.3f}",
+                             f"{100 * (r['ppl'] / r['reference_ppl'] - 1):+.2f} %", f"{r['kl_mean']:.4f}",
+                             f"{r['prefill_seconds_per_window']:.1f} / {r['reference_prefill_seconds_per_window']:.1f}",
+                             f"{_mb(r['peak_memory_bytes'])} / {_mb(r['reference_peak_memory_bytes'])}"])  # fmt: skip
+                print(" | ".join(rows[-1]), flush=True)
+            shutil.rmtree(directory)
+    source_ppl = {str(r["length"]): r["reference_ppl"] for r in results}
+    headers = ["model", "context", "KV budget", "ppl", "Δppl", "KL", "prefill s (model / source)",
+               "peak MB (model / source)"]  # fmt: skip
+    table = (f"SmolLM2-135M (float32), wikitext-2 test: {args.windows} windows of `context` tokens, the last "
+             f"{args.continuation} scored through the cache after the rest was prefilled 512 at a time; source ppl "
+             f"{', '.join(f'{v:.3f} at {k}' for k, v in source_ppl.items())}. Peak memory: the resident set's high-"
+             "water mark above the loaded models while one window is scored (its logits included); KV budget "
+             "measured against a 16-bit cache.\n\n" + markdown_table(headers, rows))  # fmt: skip
+    write_results("longdoc", {"machine": machine(), "results": results, "seconds": time.time() - started}, table)
+
+
+def _mb(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**20:.0f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096")
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--tasks", default="all")
     parser.add_argument("--only", default=None, help="candidates whose label contains this text ('|': any of several)")
+    parser.add_argument("--ppl", action="store_true", help="long-document perplexity instead of the tasks")
+    parser.add_argument("--windows", type=int, default=2, help="with --ppl: windows scored per length")
+    parser.add_argument("--continuation", type=int, default=512, help="with --ppl: tokens scored per window")
     args = parser.parse_args()
     started = time.time()
+    if args.ppl:
+        long_document(args, started)
+        return
 
     import kvconvert
     from kvconvert.eval.runner import TaskEvalConfig, load_for_eval

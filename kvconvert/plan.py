@@ -82,6 +82,12 @@ CANDIDATES: dict[str, list[tuple[str, dict[str, Any]]]] = {
 }  # fmt: skip
 
 
+# the long-context tasks a plan scores by default, from TASK_MIN_LENGTH tokens on: retrieval is what a compressed
+# cache loses first, and below 2K tokens a window of a few hundred holds most needles anyway
+AUTO_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
+TASK_MIN_LENGTH = 2048
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanConfig:
     budgets: tuple[float, ...] = (0.5, 0.35, 0.25, 0.15)
@@ -94,6 +100,18 @@ class PlanConfig:
     windows: int = 2
     device: str = "auto"
     progress: bool = True
+    chunk: int = 512  # context tokens per prefill forward: memory stays bounded at 8K-32K (≤ 512: one forward)
+    # long-context tasks at the window's length (context + continuation); None: AUTO_TASKS from TASK_MIN_LENGTH on
+    tasks: tuple[str, ...] | None = None
+    task_samples: int = 5  # per task
+    max_task_drop: float = 2.0  # points of average accuracy a recommended recipe may lose against the source
+    task_tries: int = 3  # candidates task-checked per pick, in order of KL (each costs a conversion and the tasks)
+    task_seed: int = 0
+
+    def task_names(self) -> tuple[str, ...]:
+        if self.tasks is not None:
+            return self.tasks
+        return AUTO_TASKS if self.context + self.continuation >= TASK_MIN_LENGTH else ()
 
     def __post_init__(self) -> None:
         if not self.budgets or any(not 0 < b <= 1 for b in self.budgets):
@@ -105,6 +123,8 @@ class PlanConfig:
             raise KVConvertError("--context must be >= 1, --continuation >= 2 and --windows >= 1")
         if self.max_dppl is not None and self.max_dppl < 0:
             raise KVConvertError(f"--max-dppl must be >= 0, got {self.max_dppl}")
+        if self.task_samples < 1 or self.task_tries < 1 or self.max_task_drop < 0:
+            raise KVConvertError("--task-samples and --task-tries must be >= 1 and --max-task-drop >= 0")
 
 
 def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -117,9 +137,21 @@ def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return front
 
 
-def best_within(rows: list[dict[str, Any]], budget: float) -> dict[str, Any] | None:
+def _first_passing(ordered: list[dict[str, Any]], passes: Any, tries: int) -> tuple[dict[str, Any] | None, list[str]]:
+    """The first of ``ordered`` that ``passes`` among the first ``tries`` (each check may cost minutes), and
+    the labels of those checked and rejected."""
+    rejected: list[str] = []
+    for row in ordered[:tries]:
+        if passes(row):
+            return row, rejected
+        rejected.append(row["label"])
+    return None, rejected
+
+
+def best_within(rows: list[dict[str, Any]], budget: float, passes: Any = None, tries: int = 3) -> dict[str, Any] | None:
     """The winner at ``budget``: the lowest mean KL to the source among candidates that hold at most that
-    much, with the best candidate of any other method as ``runner_up`` and the margins; None if none fits.
+    much (and, with ``passes``, the first of the ``tries`` best by KL that passes it: the long-context task
+    check), with the best candidate of any other method as ``runner_up`` and the margins; None if none fits.
 
     KL, not Δppl: both measure what the cache loses on the scored tokens, but Δppl reads the model's
     probability of the one token the text has, KL its whole distribution against the source's. At a
@@ -129,20 +161,28 @@ def best_within(rows: list[dict[str, Any]], budget: float) -> dict[str, Any] | N
     fitting = sorted((r for r in rows if r["kv_budget"] <= budget), key=lambda r: (r["kl"], r["dppl"]))
     if not fitting:
         return None
-    winner = fitting[0]
-    other = next((r for r in fitting if r["method"] != winner["method"]), None)
+    winner, rejected = (fitting[0], []) if passes is None else _first_passing(fitting, passes, tries)
+    if winner is None:
+        return {"budget": budget, "winner": None, "rejected_by_tasks": rejected}
+    other = next((r for r in fitting if r["method"] != winner["method"] and r["label"] not in rejected), None)
     return {
         "budget": budget, "winner": winner["label"], "method": winner["method"], "dppl": winner["dppl"],
         "kl": winner["kl"], "kv_budget": winner["kv_budget"], "runner_up": None if other is None else other["label"],
         "margin_kl": None if other is None else other["kl"] - winner["kl"],
         "margin_dppl": None if other is None else other["dppl"] - winner["dppl"],
+        "task_drop": winner.get("task_drop"), "rejected_by_tasks": rejected,
     }  # fmt: skip
 
 
-def smallest_within(rows: list[dict[str, Any]], max_dppl: float) -> dict[str, Any] | None:
-    """The candidate with the smallest budget whose Δppl is at most ``max_dppl`` %."""
-    fitting = [r for r in rows if r["dppl"] <= max_dppl]
-    return min(fitting, key=lambda r: (r["kv_budget"], r["dppl"])) if fitting else None
+def smallest_within(
+    rows: list[dict[str, Any]], max_dppl: float, passes: Any = None, tries: int = 3
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """The candidate with the smallest budget whose Δppl is at most ``max_dppl`` % (and that ``passes``, among
+    the ``tries`` smallest), and the labels the task check rejected."""
+    fitting = sorted((r for r in rows if r["dppl"] <= max_dppl), key=lambda r: (r["kv_budget"], r["dppl"]))
+    if passes is None:
+        return (fitting[0] if fitting else None), []
+    return _first_passing(fitting, passes, tries)
 
 
 def scoring_ids(source_path: Path, config: PlanConfig) -> tuple[torch.Tensor, str]:
@@ -179,14 +219,13 @@ def run_plan(model: str, out: Path, config: PlanConfig, replace: bool = False) -
 def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from kvconvert.devices import computing_on, resolve_device
-    from kvconvert.eval.quality import evaluate_quality
-    from kvconvert.eval.runner import EvalConfig, budget_vs_16bit, load_model, model_context
+    from kvconvert.calib.text import load_tokenizer
+    from kvconvert.devices import resolve_device
+    from kvconvert.eval.quality import FixedReference, evaluate_quality
+    from kvconvert.eval.runner import EvalConfig, bytes_16bit, load_model, model_context
+    from kvconvert.eval.tasks import average_accuracy, make_batches
     from kvconvert.io.outdir import atomic_output_dir
     from kvconvert.io.source import open_source
-    from kvconvert.methods import build_method
-    from kvconvert.pipeline import convert
-    from kvconvert.recipe import parse_recipe, recipe_text
 
     device = resolve_device(config.device)
     source = open_source(model)
@@ -197,8 +236,14 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
     if ctx > model_context(reference):
         raise KVConvertError(f"--context + --continuation = {ctx} exceeds the model's context of "
                              f"{model_context(reference)}")  # fmt: skip
-    eval_config = EvalConfig(data=scored_on, context=config.context, continuation=config.continuation)
+    tokenizer = load_tokenizer(source.path)
+    # every task sample first: a window too short for a task's needles is one error before minutes of work
+    batches = make_batches(tokenizer, config.task_names(), (ctx,), config.task_samples, config.task_seed)
+    eval_config = EvalConfig(data=scored_on, context=config.context, continuation=config.continuation,
+                             chunk=config.chunk)  # fmt: skip
     ids = ids.to(device)
+    fixed = FixedReference(reference, ids, ctx, config.context)  # the source's logits, once for every candidate
+    reference_bytes = bytes_16bit(str(source.path), reference, ids, eval_config, ctx)
     jobs = [(m, label, recipe) for m in config.methods for label, recipe in CANDIDATES[m]]
     rows: list[dict[str, Any]] = []
     refused: list[dict[str, Any]] = []
@@ -208,31 +253,55 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
     ):
         for index, (name, label, recipe) in enumerate(tqdm(jobs, desc="candidates", disable=not config.progress)):
             started = time.perf_counter()
-            full = {"method": name, **recipe}
+            directory = Path(work) / f"c{index}"
             try:
-                name, method_config, storage = parse_recipe(full, label)
-                if config.calib is not None and hasattr(method_config, "calib"):
-                    method_config = dataclasses.replace(method_config, calib=config.calib)
-                method = build_method(name, method_config, storage)
-                directory = Path(work) / f"c{index}"
-                with computing_on(device):  # calibration and head profiles run where scoring does
-                    convert(source, method, directory, progress=False)
+                recipe_dict = _convert_candidate(source, {"method": name, **recipe}, label, config, directory, device)
             except KVConvertError as exc:
-                refused.append({"label": label, "method": name, "recipe": full, "reason": str(exc)})
+                refused.append({"label": label, "method": name, "recipe": {"method": name, **recipe},
+                                "reason": str(exc)})  # fmt: skip
                 continue
             candidate = load_model(str(directory), device=device)
-            quality = evaluate_quality(candidate, ids, ctx, reference, context=config.context)
+            quality = evaluate_quality(candidate, ids, ctx, fixed, context=config.context, chunk=config.chunk)
             assert quality.reference_ppl is not None
-            budget = budget_vs_16bit(str(directory), str(source.path), candidate, reference, ids, eval_config, ctx)
+            budget = bytes_16bit(str(directory), candidate, ids, eval_config, ctx) / reference_bytes
             rows.append({
-                "label": label, "method": name, "recipe": yaml.safe_load(recipe_text(method)),
+                "label": label, "method": name, "recipe": recipe_dict,
                 "kv_budget": budget, "ppl": quality.ppl, "reference_ppl": quality.reference_ppl,
                 "dppl": 100 * (quality.ppl / quality.reference_ppl - 1), "kl": quality.kl_mean,
                 "top1": quality.top1_agreement, "seconds": time.perf_counter() - started,
             })  # fmt: skip
             del candidate
             shutil.rmtree(directory)  # one candidate on disk at a time (each is a whole checkpoint)
-        result = _summary(model, scored_on, config, rows, refused, str(device))
+
+        tasks = None
+        passes = None
+        if batches:
+            from kvconvert.eval.tasks import task_accuracy
+
+            started = time.perf_counter()
+            source_tasks = task_accuracy(reference, tokenizer, batches, config.chunk)
+            source_average = average_accuracy(source_tasks)[str(ctx)]
+            tasks = {"names": list(config.task_names()), "length": ctx, "samples": config.task_samples,
+                     "seed": config.task_seed, "max_drop": config.max_task_drop, "source": source_tasks,
+                     "source_average": source_average, "seconds": time.perf_counter() - started}  # fmt: skip
+
+            def passes(row: dict[str, Any]) -> bool:
+                """Task accuracy of a candidate (converted again from its recipe, once) within the bound."""
+                if "task_drop" not in row:
+                    began = time.perf_counter()
+                    directory = Path(work) / "tasks"
+                    _convert_candidate(source, row["recipe"], row["label"], config, directory, device)
+                    candidate = load_model(str(directory), device=device)
+                    row["tasks"] = task_accuracy(candidate, tokenizer, batches, config.chunk)
+                    row["task_average"] = average_accuracy(row["tasks"])[str(ctx)]
+                    row["task_drop"] = source_average - row["task_average"]
+                    row["task_seconds"] = time.perf_counter() - began
+                    del candidate
+                    shutil.rmtree(directory)
+                return bool(row["task_drop"] <= config.max_task_drop)
+
+        result = _summary(model, scored_on, config, rows, refused, str(device), passes)
+        result["tasks"] = tasks
         (tmp / "frontier.json").write_text(json.dumps(result, indent=2) + "\n")
         plot_frontier(result, tmp / "frontier.png")
         (tmp / "recipes").mkdir()
@@ -246,28 +315,50 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
     return result
 
 
+def _convert_candidate(
+    source: Any, full: dict[str, Any], label: str, config: PlanConfig, directory: Path, device: torch.device
+) -> dict[str, Any]:
+    """Convert one candidate recipe into ``directory``; return the recipe as ``kvconvert run`` reads it
+    (``KVConvertError`` when the method refuses this model). The same recipe converts to the same bytes."""
+    from kvconvert.devices import computing_on
+    from kvconvert.methods import build_method
+    from kvconvert.pipeline import convert
+    from kvconvert.recipe import parse_recipe, recipe_text
+
+    name, method_config, storage = parse_recipe(full, label)
+    if config.calib is not None and hasattr(method_config, "calib"):
+        method_config = dataclasses.replace(method_config, calib=config.calib)
+    method = build_method(name, method_config, storage)
+    with computing_on(device):  # calibration and head profiles run where scoring does
+        convert(source, method, directory, progress=False)
+    return dict(yaml.safe_load(recipe_text(method)))
+
+
 def _recipe_file(row: dict[str, Any]) -> str:
+    tasks = "" if "task_drop" not in row else f", long-context tasks {0.0 - row['task_drop']:+.1f} points vs the source"
     header = (f"# kvconvert plan: {row['label']}; measured budget {row['kv_budget']:.3f} of a 16-bit cache, "
-              f"Δppl {row['dppl']:+.2f} %, KL {row['kl']:.4f}\n")  # fmt: skip
+              f"Δppl {row['dppl']:+.2f} %, KL {row['kl']:.4f}{tasks}\n")  # fmt: skip
     return header + yaml.safe_dump(row["recipe"], sort_keys=False)
 
 
 def _summary(model: str, scored_on: str, config: PlanConfig, rows: list[dict[str, Any]],
-             refused: list[dict[str, Any]], device: str) -> dict[str, Any]:  # fmt: skip
+             refused: list[dict[str, Any]], device: str, passes: Any = None) -> dict[str, Any]:  # fmt: skip
     front = pareto_front(rows)
     picks = []
     for budget in sorted(config.budgets, reverse=True):
-        pick = best_within(rows, budget)
+        pick = best_within(rows, budget, passes, config.task_tries)
         picks.append(pick if pick is not None else {"budget": budget, "winner": None})
     within = None
     if config.max_dppl is not None:
-        best = smallest_within(rows, config.max_dppl)
+        best, rejected = smallest_within(rows, config.max_dppl, passes, config.task_tries)
         within = {"max_dppl": config.max_dppl, "winner": None if best is None else best["label"],
                   "kv_budget": None if best is None else best["kv_budget"],
-                  "dppl": None if best is None else best["dppl"]}  # fmt: skip
+                  "dppl": None if best is None else best["dppl"], "rejected_by_tasks": rejected,
+                  "task_drop": None if best is None else best.get("task_drop")}  # fmt: skip
     return {
         "model": model, "scored_on": scored_on, "device": device,
-        "protocol": {"context": config.context, "continuation": config.continuation, "windows": config.windows},
+        "protocol": {"context": config.context, "continuation": config.continuation, "windows": config.windows,
+                     "chunk": config.chunk},
         "reference_ppl": rows[0]["reference_ppl"] if rows else None,
         "candidates": rows, "refused": refused, "pareto": [r["label"] for r in front],
         "budgets": picks, "max_dppl": within,
@@ -306,23 +397,40 @@ def plot_frontier(result: dict[str, Any], path: Path) -> None:
 
 
 def format_report(result: dict[str, Any]) -> str:
-    """Human-readable summary: the winner at each budget and by how much, the refusals."""
+    """Human-readable summary: the winner at each budget and by how much, the task check, the refusals."""
     lines = [f"scored on {result['scored_on']}; reference ppl {result['reference_ppl']:.3f}"
              if result["reference_ppl"] is not None else f"scored on {result['scored_on']}"]  # fmt: skip
+    tasks = result.get("tasks")
+    drops = {r["label"]: r["task_drop"] for r in result["candidates"] if "task_drop" in r}
+    if tasks is not None:
+        lines.append(f"tasks {', '.join(tasks['names'])} at {tasks['length']} tokens, {tasks['samples']} samples each "
+                     f"(seed {tasks['seed']}): source {tasks['source_average']:.1f} %; a recipe is recommended only "
+                     f"within {tasks['max_drop']:g} points of it")  # fmt: skip
+
+    def rejected(pick: dict[str, Any]) -> str:
+        names = pick.get("rejected_by_tasks") or []
+        return "".join(f"\n  rejected by the tasks: {n} ({0.0 - drops[n]:+.1f} points)" for n in names)
+
+    def task_note(drop: float | None) -> str:
+        return "" if drop is None else f", tasks {0.0 - drop:+.1f} points"
+
     for pick in result["budgets"]:
         if pick["winner"] is None:
-            lines.append(f"budget {pick['budget']:g}: no candidate fits")
+            why = "no candidate passes the task check" if pick.get("rejected_by_tasks") else "no candidate fits"
+            lines.append(f"budget {pick['budget']:g}: {why}{rejected(pick)}")
             continue
         runner_up = pick["runner_up"]
         margin = "" if runner_up is None else (
             f"; runner-up {runner_up}: KL +{pick['margin_kl']:.4f}, Δppl {pick['margin_dppl']:+.2f}")  # fmt: skip
         lines.append(f"budget {pick['budget']:g}: {pick['winner']} (budget {pick['kv_budget']:.3f}, "
-                     f"KL {pick['kl']:.4f}, Δppl {pick['dppl']:+.2f} %){margin}")  # fmt: skip
+                     f"KL {pick['kl']:.4f}, Δppl {pick['dppl']:+.2f} %{task_note(pick.get('task_drop'))})"
+                     f"{margin}{rejected(pick)}")  # fmt: skip
     within = result["max_dppl"]
     if within is not None:
         found = "nothing" if within["winner"] is None else (
-            f"{within['winner']} at budget {within['kv_budget']:.3f} (Δppl {within['dppl']:+.2f} %)")  # fmt: skip
-        lines.append(f"within Δppl {within['max_dppl']:g} %: {found}")
+            f"{within['winner']} at budget {within['kv_budget']:.3f} (Δppl {within['dppl']:+.2f} %"
+            f"{task_note(within.get('task_drop'))})")  # fmt: skip
+        lines.append(f"within Δppl {within['max_dppl']:g} %: {found}{rejected(within)}")
     for row in result["refused"]:
         lines.append(f"refused: {row['label']}: {row['reason']}")
     return "\n".join(lines)

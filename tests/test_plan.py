@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import shutil
 
 import pytest
 import yaml
@@ -51,8 +52,29 @@ def test_winner_runner_up_and_smallest_within():
     assert (pick["winner"], pick["runner_up"]) == ("q4", "r") and pick["margin_dppl"] == pytest.approx(3.6)
     assert best_within(rows, 0.16)["winner"] == "r3" and best_within(rows, 0.16)["runner_up"] is None
     assert best_within(rows, 0.1) is None
-    assert smallest_within(rows, 1.0)["label"] == "q3"
-    assert smallest_within(rows, 0.1) is None
+    assert smallest_within(rows, 1.0)[0]["label"] == "q3"
+    assert smallest_within(rows, 0.1) == (None, [])
+
+
+def test_task_check_walks_candidates_by_kl_within_the_tries():
+    """With a task check, the winner is the first of the ``tries`` best by KL that passes; those it rejected are
+    named, the runner-up is never a rejected one, and past the tries nothing is recommended."""
+    rows = [row("q4", "quant", 0.28, 0.2, kl=0.01), row("q3", "quant", 0.22, 0.6, kl=0.02),
+            row("r", "razor", 0.18, 3.8, kl=0.03), row("z", "zack", 0.25, 5.0, kl=0.04)]  # fmt: skip
+    failing = {"q4", "q3"}
+    checked: list[str] = []
+
+    def passes(r: dict) -> bool:
+        checked.append(r["label"])
+        return r["label"] not in failing
+
+    pick = best_within(rows, 0.3, passes, tries=3)
+    assert pick is not None and pick["winner"] == "r" and pick["rejected_by_tasks"] == ["q4", "q3"]
+    assert pick["runner_up"] == "z" and checked == ["q4", "q3", "r"]
+    assert best_within(rows, 0.3, passes, tries=2) == {"budget": 0.3, "winner": None, "rejected_by_tasks": ["q4", "q3"]}
+    assert smallest_within(rows, 4.0, passes, tries=3) == (rows[2], [])
+    failing.add("r")
+    assert smallest_within(rows, 4.0, passes, tries=3) == (None, ["r", "q3", "q4"])
 
 
 def test_winner_is_ranked_by_kl_not_by_noisy_dppl():
@@ -206,3 +228,53 @@ def test_plan_keeps_one_candidate_on_disk_at_a_time(tokenized_model_dir, tmp_pat
     assert result.exit_code == 0, result.output
     assert len(removed) == len(plan.CANDIDATES["quant"])
     assert all(len(names) == 1 for names in removed), removed
+
+
+@pytest.mark.slow
+def test_plan_recommends_only_recipes_within_the_task_drop(tokenized_model_dir, tmp_path, monkeypatch):
+    """``--tasks``: the source and each checked candidate answer the same samples (made once, at the window's
+    length); a budget's winner is the best by KL whose accuracy is within ``--max-task-drop`` of the source's.
+    Accuracy is faked by bits (a tiny random model answers nothing), the rest is the real plan."""
+    import kvconvert.eval.tasks as tasks
+
+    seen: list[tuple] = []
+
+    def fake_accuracy(model, tokenizer, batches, chunk=512):
+        seen.append(tuple((key, tuple(tuple(s.prompt) for s in batch)) for key, batch in batches.items()))
+        spec = getattr(model.config, "kvconvert", None)
+        bits = 16 if spec is None else (spec.get("kv_quant") or {}).get("bits", 16)
+        return {task: {str(length): 100.0 if bits >= 8 else 50.0} for task, length in batches}
+
+    monkeypatch.setattr(tasks, "task_accuracy", fake_accuracy)
+    src = tmp_path / "src"  # the tiny model with room for prompts that hold needles in its character tokens
+    shutil.copytree(tokenized_model_dir("llama_gqa64"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    plan_dir = tmp_path / "plan"
+    result = run_cli("plan", "--model", str(src), "--out", str(plan_dir),
+                     "--methods", "quant", "--budgets", "0.6,0.3", "--context", "992", "--continuation", "32",
+                     "--windows", "1", "--tasks", "niah_single,niah_multikey", "--task-samples", "2",
+                     "--device", "cpu", "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    frontier = json.loads((plan_dir / "frontier.json").read_text())
+    assert frontier["tasks"]["source_average"] == 100.0 and frontier["tasks"]["length"] == 1024
+    assert len(set(seen)) == 1 and len(seen) >= 2  # every model answered the very same prompts
+    high, low = frontier["budgets"]
+    assert high["winner"] is not None and high["task_drop"] == 0.0
+    fitting = sorted((r for r in frontier["candidates"] if r["kv_budget"] <= 0.3), key=lambda r: (r["kl"], r["dppl"]))
+    assert fitting and low["winner"] is None  # every candidate below 8 bits loses 50 points: none is recommended
+    assert low["rejected_by_tasks"] == [r["label"] for r in fitting[:3]]
+    assert not (plan_dir / "recipes" / "budget-0.3.yaml").exists()
+    assert "tasks +0.0 points" in result.output and "budget 0.3: no candidate passes the task check" in result.output
+    assert "long-context tasks +0.0 points" in (plan_dir / "recipes" / "budget-0.6.yaml").read_text()
+
+
+def test_plan_task_errors_are_one_line(tokenized_model_dir, tmp_path):
+    src = str(tokenized_model_dir("llama_gqa64"))
+    for args, message in ((["--tasks", "niah_magic"], "unknown task niah_magic"),
+                          (["--tasks", "niah_multivalue", "--context", "40", "--continuation", "24"],
+                           "cannot hold the task's needles"),
+                          (["--max-task-drop", "-1"], "--max-task-drop >= 0")):  # fmt: skip
+        result = run_cli("plan", "--model", src, "--out", str(tmp_path / "plan"), "--methods", "quant", *args)
+        assert result.exit_code == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "plan").exists()

@@ -24,6 +24,18 @@ from kvconvert.plan import CANDIDATES as PLAN_CANDIDATES
 @click.option("--context", type=int, default=512, show_default=True, help="Tokens into the cache per window.")
 @click.option("--continuation", type=int, default=128, show_default=True, help="Tokens scored through it.")
 @click.option("--windows", type=int, default=2, show_default=True, help="Windows scored per candidate.")
+@click.option("--tasks", default="auto", show_default=True,
+              help="Long-context tasks scored at the window's length (--context + --continuation), comma-separated "
+                   "(see `kvconvert eval --tasks`), or none; auto: the four needle-in-a-haystack tasks from 2048 "
+                   "tokens on, none below.")  # fmt: skip
+@click.option("--task-samples", type=int, default=5, show_default=True, help="Samples per task.")
+@click.option("--max-task-drop", type=float, default=2.0, show_default=True,
+              help="A recipe is recommended only if its average task accuracy is within this many points of the "
+                   "source's.")  # fmt: skip
+@click.option("--task-tries", type=int, default=3, show_default=True,
+              help="Candidates task-checked per budget, best KL first (each is converted again and answers every "
+                   "sample).")  # fmt: skip
+@click.option("--task-seed", type=int, default=0, show_default=True, help="Which task samples.")
 @click.option("--device", default="auto", show_default=True, help="Where scoring runs: cpu, cuda, cuda:N, auto.")
 @click.option("--build", type=click.Path(path_type=Path), default=None,
               help="Also build the winner at --kv-budget into this directory.")  # fmt: skip
@@ -32,7 +44,8 @@ from kvconvert.plan import CANDIDATES as PLAN_CANDIDATES
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def plan(model: str, out: Path, budgets: str, max_dppl: float | None, methods: str, calib: str | None,
-         data: str | None, context: int, continuation: int, windows: int, device: str, build: Path | None,
+         data: str | None, context: int, continuation: int, windows: int, tasks: str, task_samples: int,
+         max_task_drop: float, task_tries: int, task_seed: int, device: str, build: Path | None,
          build_budget: float | None, force: bool, quiet: bool) -> None:  # fmt: skip
     """Convert and score every method's candidates on this model; write the frontier and the recipe
     that wins at each budget (build it with `kvconvert run PLAN/recipes/budget-B.yaml`)."""
@@ -53,6 +66,8 @@ def plan(model: str, out: Path, budgets: str, max_dppl: float | None, methods: s
         budgets=budget_values if build_budget is None else tuple(sorted({*budget_values, build_budget})),
         max_dppl=max_dppl, methods=tuple(m.strip() for m in methods.split(",") if m.strip()), calib=calib,
         data=data, context=context, continuation=continuation, windows=windows, device=device, progress=not quiet,
+        tasks=_task_names(tasks), task_samples=task_samples, max_task_drop=max_task_drop, task_tries=task_tries,
+        task_seed=task_seed,
     )  # fmt: skip
     result = run_plan(model, out, config, replace=force)
     click.echo(format_report(result))
@@ -66,3 +81,12 @@ def plan(model: str, out: Path, budgets: str, max_dppl: float | None, methods: s
             raise KVConvertError(f"no candidate fits --kv-budget {build_budget:g}; the plan is in {out}")
         run_recipe(recipe, ConversionOptions(model=model, out=build, device=device, force=force, quiet=quiet))
         click.echo(f"built {recipe.name} into {build}")
+
+
+def _task_names(tasks: str) -> tuple[str, ...] | None:
+    """``--tasks``: None for auto, () for none, else known task names (one line listing them otherwise)."""
+    from kvconvert.eval.tasks import parse_task_names
+
+    if tasks.strip() in ("auto", "none"):
+        return None if tasks.strip() == "auto" else ()
+    return parse_task_names(tasks, keywords=("auto", "none"))

@@ -113,6 +113,23 @@ def scored_logits(
     return logits, targets
 
 
+class FixedReference:
+    """A stock reference's scored logits on the windows of one text, computed once: a planner scores many
+    candidates against the same source on the same windows (at 8K tokens each reference forward costs as
+    much as a candidate's). Pass it to ``evaluate_quality`` as the reference."""
+
+    @torch.no_grad()
+    def __init__(self, model: Any, token_ids: torch.Tensor, ctx: int, context: int | None = None):
+        self.logits = [
+            scored_logits(model, w, None, context, False)[0] for w in _scored_windows(token_ids, ctx, context)
+        ]
+
+
+def _scored_windows(token_ids: torch.Tensor, ctx: int, context: int | None) -> list[torch.Tensor]:
+    """The windows that score something: with ``context``, a trailing window without a continuation is dropped."""
+    return [w for w in windows(token_ids, ctx) if context is None or w.shape[1] > context + 1]
+
+
 @torch.no_grad()
 def evaluate_quality(
     model: Any,
@@ -137,18 +154,21 @@ def evaluate_quality(
     costs: dict[str, WindowCosts] = {}
     if context is not None:
         for loaded in (model, reference):
-            if loaded is not None:  # peak memory counts what scoring adds, not weights paged in on first use
+            if loaded is not None and not isinstance(
+                loaded, FixedReference
+            ):  # peak memory counts what scoring adds, not weights paged in on first use
                 page_in(loaded)  # nor the one-off buffers of a first forward (thread pools, kernel caches)
                 prefill(loaded, token_ids[None, :16].to(model_device(loaded)))
         costs["model"] = WindowCosts()
-        if reference is not None and chunk is not None:
+        if reference is not None and chunk is not None and not isinstance(reference, FixedReference):
             costs["reference"] = WindowCosts()
-    for window in tqdm(windows(token_ids, ctx), desc="eval", unit="window", disable=not progress):
-        if context is not None and window.shape[1] <= context + 1:
-            continue  # a trailing window without a continuation
+    scored = _scored_windows(token_ids, ctx, context)
+    for index, window in enumerate(tqdm(scored, desc="eval", unit="window", disable=not progress)):
         logits, targets = scored_logits(model, window, chunk, context, costs=costs.get("model"))
         ref_logits = None
-        if reference is not None:
+        if isinstance(reference, FixedReference):
+            ref_logits = reference.logits[index]
+        elif reference is not None:
             side_by_side = "reference" in costs
             ref_logits = scored_logits(reference, window, chunk if side_by_side else None, context, side_by_side,
                                        costs.get("reference"))[0]  # fmt: skip

@@ -142,14 +142,17 @@ def budget_vs_16bit(
     tokens, its fp16 scales, deliberate float32 norms) counts at what it would really cost. A stock
     reference's cache holds only its dtype's K and V, so its 16-bit bytes follow without a second run."""
 
-    def bytes_16bit(path: str, loaded: Any) -> float:
-        if cache_dtype_bytes(loaded) == 2:
-            return measure_kv(loaded, ids, config, ctx)[0]
-        if getattr(loaded.config, "kvconvert", None) is None:
-            return measure_kv(loaded, ids, config, ctx)[0] * 2 / cache_dtype_bytes(loaded)
-        return measure_kv(load_model(path, dtype=torch.bfloat16, device=ids.device), ids, config, ctx)[0]
+    reference_bytes = bytes_16bit(reference_path, reference, ids, config, ctx)
+    return bytes_16bit(model_path, model, ids, config, ctx) / reference_bytes
 
-    return bytes_16bit(model_path, model) / bytes_16bit(reference_path, reference)
+
+def bytes_16bit(path: str, loaded: Any, ids: torch.Tensor, config: EvalConfig, ctx: int) -> float:
+    """KV bytes per token of the model at ``path`` (``loaded``) as deployed in 16 bits (``budget_vs_16bit``)."""
+    if cache_dtype_bytes(loaded) == 2:
+        return measure_kv(loaded, ids, config, ctx)[0]
+    if getattr(loaded.config, "kvconvert", None) is None:
+        return measure_kv(loaded, ids, config, ctx)[0] * 2 / cache_dtype_bytes(loaded)
+    return measure_kv(load_model(path, dtype=torch.bfloat16, device=ids.device), ids, config, ctx)[0]
 
 
 def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) -> dict[str, Any]:
@@ -367,13 +370,9 @@ class TaskEvalConfig:
     @classmethod
     def parse(cls, tasks: str, lengths: str, samples: int, seed: int, allow_extrapolation: bool, device: str,
               progress: bool) -> TaskEvalConfig:  # fmt: skip
-        from kvconvert.eval.tasks import TASKS
+        from kvconvert.eval.tasks import parse_task_names
 
-        names = TASKS if tasks.strip() == "all" else tuple(t.strip() for t in tasks.split(",") if t.strip())
-        unknown = [t for t in names if t not in TASKS]
-        if unknown or not names:
-            given = ", ".join(unknown) or repr(tasks)
-            raise KVConvertError(f"unknown task {given}; tasks: {', '.join(TASKS)} (or all)")
+        names = parse_task_names(tasks)
         try:
             sizes = tuple(int(n) for n in lengths.split(","))
         except ValueError:

@@ -52,6 +52,17 @@ class Sample:
     new_tokens: int
 
 
+def parse_task_names(text: str, keywords: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``--tasks``: comma-separated task names or ``all``; one line listing the tasks (and ``keywords``, which a
+    caller handles itself) for anything else."""
+    names = TASKS if text.strip() == "all" else tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [t for t in names if t not in TASKS]
+    if unknown or not names:
+        raise KVConvertError(f"unknown task {', '.join(unknown) or repr(text)}; tasks: {', '.join(TASKS)} "
+                             f"(or {', '.join(('all', *keywords))})")  # fmt: skip
+    return names
+
+
 def score(prediction: str, answers: tuple[str, ...]) -> float:
     """RULER's ``string_match_all``: the fraction of ``answers`` found in ``prediction`` (case-insensitive)."""
     text = prediction.lower()
@@ -240,6 +251,33 @@ def answer(model: Any, tokenizer: Any, sample: Sample, chunk: int = 512) -> str:
     return str(tokenizer.decode(generated, skip_special_tokens=True))
 
 
+Batches = dict[tuple[str, int], list[Sample]]
+
+
+def make_batches(
+    tokenizer: Any, tasks: tuple[str, ...], lengths: tuple[int, ...], samples: int, seed: int = 0
+) -> Batches:
+    """Every sample of every task and length, made before any model runs (a length too short for a task is one
+    error up front), so that each model answers the very same prompts."""
+    return {(task, length): make_samples(tokenizer, task, length, samples, seed) for length in lengths
+            for task in tasks}  # fmt: skip
+
+
+def task_accuracy(model: Any, tokenizer: Any, batches: Batches, chunk: int = 512) -> dict[str, dict[str, float]]:
+    """Accuracy (0–100) of one model per task and length: ``{task: {length: acc}}``."""
+    accuracy: dict[str, dict[str, float]] = {}
+    for (task, length), batch in batches.items():
+        got = [score(answer(model, tokenizer, s, chunk), s.answers) for s in batch]
+        accuracy.setdefault(task, {})[str(length)] = 100 * sum(got) / len(got)
+    return accuracy
+
+
+def average_accuracy(accuracy: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Mean over tasks per length."""
+    lengths = next(iter(accuracy.values()))
+    return {n: sum(by_length[n] for by_length in accuracy.values()) / len(accuracy) for n in lengths}
+
+
 def run_tasks(
     models: dict[str, Any], tokenizer: Any, tasks: tuple[str, ...], lengths: tuple[int, ...], samples: int,
     seed: int = 0, chunk: int = 512, progress: bool = False,
@@ -249,14 +287,11 @@ def run_tasks(
     from tqdm import tqdm
 
     accuracy: dict[str, dict[str, dict[str, float]]] = {name: {} for name in models}
-    # every sample first: a length too short for a task is one error before any model has run
-    batches = {(task, length): make_samples(tokenizer, task, length, samples, seed)
-               for length in lengths for task in tasks}  # fmt: skip
-    for (task, length), batch in tqdm(batches.items(), desc="tasks", unit="task", disable=not progress):
+    batches = make_batches(tokenizer, tasks, lengths, samples, seed)
+    for key, batch in tqdm(batches.items(), desc="tasks", unit="task", disable=not progress):
         for name, model in models.items():
-            got = [score(answer(model, tokenizer, s, chunk), s.answers) for s in batch]
-            accuracy[name].setdefault(task, {})[str(length)] = 100 * sum(got) / len(got)
-    average = {name: {str(n): sum(by_task[t][str(n)] for t in tasks) / len(tasks) for n in lengths}
-               for name, by_task in accuracy.items()}  # fmt: skip
+            for task, by_length in task_accuracy(model, tokenizer, {key: batch}, chunk).items():
+                accuracy[name].setdefault(task, {}).update(by_length)
+    average = {name: average_accuracy(by_task) for name, by_task in accuracy.items()}
     return {"tasks": list(tasks), "lengths": list(lengths), "samples": samples, "seed": seed,
             "accuracy": accuracy, "average": average}  # fmt: skip
