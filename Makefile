@@ -86,8 +86,12 @@ bench-vllm: install
 	$(PYTHON) bench/vllm_mla_capacity.py --engine-python $(VLLM_VENV)/bin/python
 
 # RULER-style tasks at 4K through the cache: SmolLM2 and four conversions on the same samples (about 40 minutes)
+KVPRESS_VENV := bench/.cache/venv-kvpress
+# about 2.5 hours on 2 cores: tasks at 4K beside kvpress's presses, then long-document perplexity at 8K
 bench-longctx: install
-	$(PYTHON) bench/longctx_bench.py
+	bash bench/kvpress_venv.sh $(KVPRESS_VENV)
+	$(PYTHON) bench/longctx_bench.py --kvpress-python $(KVPRESS_VENV)/bin/python
+	$(PYTHON) bench/longctx_bench.py --ppl --lengths 8192
 
 bench-quick: install
 	$(PYTHON) bench/run.py --quick

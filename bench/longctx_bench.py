@@ -27,6 +27,8 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("quant fp8 (vLLM/SGLang format)", {"method": "quant", "kv_format": "fp8"}),
     ("quant 4-bit, sink 4 + rotated values (ext.)",
      {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
+    ("quant 3-bit, sink 4 + rotated values (ext.)",
+     {"method": "quant", "kv_bits": 3, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
     ("razor (paper)", {"method": "razor", "profile_tokens": 256}),
     ("razor + 4-bit token layout, sink 4 (ext.)",
      {"method": "razor", "profile_tokens": 256, "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
@@ -98,6 +100,44 @@ def _mb(value: int | None) -> str:
     return "n/a" if value is None else f"{value / 2**20:.0f}"
 
 
+# kvpress 0.5.5's presses the issue names (DuoAttention needs head patterns from the Hub: none for SmolLM2)
+PRESSES = ("StreamingLLM", "SnapKV", "ExpectedAttention", "TOVA", "KVzip", "AdaKV + ExpectedAttention")
+
+
+def kvpress_accuracy(args: argparse.Namespace, source: Path, batches: dict) -> dict[str, dict[str, dict[str, float]]]:
+    """kvpress's presses on the very same samples (``bench/kvpress_engine.py`` in kvpress's own virtualenv): the
+    context compressed to each budget (kvpress's compression ratio = 1 − budget: it drops tokens of a 16-bit
+    cache), then the question read through it. ``{"press@budget": {task: {length: accuracy}}}``; the
+    uncompressed source run the same way is ``"kvpress, no press@1"``, a check of the two protocols."""
+    import json
+    import subprocess
+
+    from kvconvert.eval.tasks import score
+
+    keys = list(batches)
+    samples = [s for key in keys for s in batches[key]]
+    budgets = [float(b) for b in args.kvpress_budgets.split(",")]
+    presses = [["none", 0.0]] + [[p, round(1 - b, 4)] for b in budgets for p in args.presses.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job.write_text(json.dumps({"model": str(source), "presses": presses, "samples": [
+            {"context": s.prompt[: s.question_at], "question": s.prompt[s.question_at :], "answers": list(s.answers),
+             "new_tokens": s.new_tokens} for s in samples]}))  # fmt: skip
+        engine = Path(__file__).with_name("kvpress_engine.py")
+        subprocess.run([args.kvpress_python, str(engine), str(job), str(out)], check=True)
+        answers = json.loads(out.read_text())["answers"]
+    result: dict[str, dict[str, dict[str, float]]] = {}
+    for (name, ratio), texts in zip(presses, answers.values(), strict=True):
+        label = "kvpress, no press@1" if name == "none" else f"kvpress {name}@{1 - ratio:g}"
+        start = 0
+        for task, length in keys:
+            got = [score(t, s.answers) for t, s in zip(texts[start : start + len(batches[task, length])],
+                                                       batches[task, length], strict=True)]  # fmt: skip
+            result.setdefault(label, {}).setdefault(task, {})[str(length)] = 100 * sum(got) / len(got)
+            start += len(got)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096")
@@ -105,6 +145,11 @@ def main() -> None:
     parser.add_argument("--tasks", default="all")
     parser.add_argument("--only", default=None, help="candidates whose label contains this text ('|': any of several)")
     parser.add_argument("--ppl", action="store_true", help="long-document perplexity instead of the tasks")
+    parser.add_argument("--kvpress-python", default=None, help="kvpress's virtualenv python: its presses side by side")
+    parser.add_argument("--kvpress-budgets", default="0.5,0.25", help="budgets the presses run at (1 − ratio)")
+    parser.add_argument(
+        "--presses", default="StreamingLLM,SnapKV,ExpectedAttention,TOVA,KVzip,AdaKV + ExpectedAttention"
+    )
     parser.add_argument("--windows", type=int, default=2, help="with --ppl: windows scored per length")
     parser.add_argument("--continuation", type=int, default=512, help="with --ppl: tokens scored per window")
     args = parser.parse_args()
@@ -115,7 +160,7 @@ def main() -> None:
 
     import kvconvert
     from kvconvert.eval.runner import TaskEvalConfig, load_for_eval
-    from kvconvert.eval.tasks import run_tasks
+    from kvconvert.eval.tasks import average_accuracy, make_batches, run_tasks
     from kvconvert.io.source import open_source
     from kvconvert.methods import build_method
     from kvconvert.pipeline import convert
@@ -135,9 +180,17 @@ def main() -> None:
             budgets[label] = result.report.get("kv_budget_expected_vs_16bit", result.report["kv_budget_expected"])
             models[label] = kvconvert.load(Path(tmp) / str(i)).eval()
         outcome = run_tasks(models, tokenizer, config.tasks, config.lengths, config.samples, progress=True)
+    labels = list(models)
+    if args.kvpress_python:
+        batches = make_batches(tokenizer, config.tasks, config.lengths, config.samples)  # run_tasks' samples
+        for label, accuracy in kvpress_accuracy(args, source, batches).items():
+            labels.append(label)
+            budgets[label] = float(label.rsplit("@", 1)[1])
+            outcome["accuracy"][label] = accuracy
+            outcome["average"][label] = average_accuracy(accuracy)
 
     rows = []
-    for label in models:
+    for label in labels:
         cells = [f"{outcome['accuracy'][label][task][str(n)]:.0f}" for n in config.lengths for task in config.tasks]
         rows.append([label, f"{budgets[label]:.3f}", *cells,
                      *(f"{outcome['average'][label][str(n)]:.1f}" for n in config.lengths)])  # fmt: skip

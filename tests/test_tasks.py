@@ -38,6 +38,10 @@ def test_samples_fit_their_length_hold_their_answers_and_repeat_with_the_seed(to
         assert 0.8 * length <= len(sample.prompt) + sample.new_tokens <= length
         text = tokenizer.decode(sample.prompt)
         body = text[: text.rindex("Question") if "Question" in text else text.rindex("What are all")]
+        # the question starts where the sample says (kvpress's protocol compresses only what comes before)
+        question = tokenizer.decode(sample.prompt[sample.question_at :]).lstrip()
+        assert question.startswith(("Question:", "What are all")), question[:40]
+        assert body.rstrip().endswith(tokenizer.decode(sample.prompt[: sample.question_at]).rstrip()[-40:])
         if task.startswith("niah") or task == "vt":
             assert all(a in body for a in sample.answers), (task, sample.answers)
         if task == "niah_multikey":  # three distractor numbers that are not the answer

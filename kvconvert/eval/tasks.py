@@ -50,6 +50,9 @@ class Sample:
     prompt: list[int]
     answers: tuple[str, ...]
     new_tokens: int
+    # where the question starts in ``prompt``: tools that compress only the context (kvpress's protocol: the
+    # question is read through the compressed cache afterwards) split the prompt here
+    question_at: int = 0
 
 
 def parse_task_names(text: str, keywords: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -88,6 +91,16 @@ class _Tokens:
 
     def count(self, text: str) -> int:
         return len(self.encode(text))
+
+    def sample(self, task: str, text: str, answers: tuple[str, ...], new_tokens: int) -> Sample:
+        """The sample of a fitted prompt ``text``, its question located (the last line that asks)."""
+        marker = max(text.rfind("\nQuestion:"), text.rfind("\nWhat are all"))
+        try:
+            offsets = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+            before = next(i for i, (start, _) in enumerate(offsets) if start >= marker)
+        except (NotImplementedError, StopIteration):  # a slow tokenizer: the prefix's own tokens
+            before = self.count(text[:marker])
+        return Sample(task, self.bos + self.encode(text), answers, new_tokens, len(self.bos) + before)
 
 
 def _fit(
@@ -143,7 +156,7 @@ def _niah(task: str, tokens: _Tokens, length: int, rng: random.Random, sentences
 
     text = _fit(build, tokens, length, new_tokens, most=max(4, length))[0]
     answers = tuple(value for key, value in needles if key in asked)
-    return Sample(task, tokens.bos + tokens.encode(text), answers, new_tokens)
+    return tokens.sample(task, text, answers, new_tokens)
 
 
 def _vt(tokens: _Tokens, length: int, rng: random.Random) -> Sample:
@@ -162,8 +175,7 @@ def _vt(tokens: _Tokens, length: int, rng: random.Random) -> Sample:
         return prompt, (f" Answer: According to the chain(s) of variable assignment in the text above, 5 variables "
                         f"are assigned the value {value}, they are: ")  # fmt: skip
 
-    return Sample("vt", tokens.bos + tokens.encode(_fit(build, tokens, length, 30, most=max(4, length))[0]),
-                  tuple(names), 30)  # fmt: skip
+    return tokens.sample("vt", _fit(build, tokens, length, 30, most=max(4, length))[0], tuple(names), 30)
 
 
 def _cwe(tokens: _Tokens, length: int, rng: random.Random, vocabulary: list[str]) -> Sample:
@@ -180,8 +192,7 @@ def _cwe(tokens: _Tokens, length: int, rng: random.Random, vocabulary: list[str]
                   "list?")  # fmt: skip
         return prompt, " Answer: The top 10 words that appear most often in the list are:"
 
-    return Sample("cwe", tokens.bos + tokens.encode(_fit(build, tokens, length, 120, most=len(rare))[0]),
-                  tuple(common), 120)  # fmt: skip
+    return tokens.sample("cwe", _fit(build, tokens, length, 120, most=len(rare))[0], tuple(common), 120)
 
 
 def _fwe(tokens: _Tokens, length: int, rng: random.Random) -> Sample:
@@ -198,7 +209,7 @@ def _fwe(tokens: _Tokens, length: int, rng: random.Random) -> Sample:
 
     text, used = _fit(build, tokens, length, 50, most=len(stream))
     top = tuple(word for word, _ in Counter(stream[:used]).most_common(3))
-    return Sample("fwe", tokens.bos + tokens.encode(text), top, 50)
+    return tokens.sample("fwe", text, top, 50)
 
 
 def cwe_vocabulary(sentences: list[str]) -> list[str]:

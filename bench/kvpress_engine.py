@@ -1,0 +1,79 @@
+"""kvpress side of ``make bench-longctx``: runs inside ``bench/.cache/venv-kvpress`` (kvpress 0.5.5, transformers
+< 5.3) and imports nothing from kvconvert.
+
+``python kvpress_engine.py JOB.json OUT.json``. The job: ``{"model": DIR, "samples": [{"context": [ids],
+"question": [ids], "answers": [str], "new_tokens": N}], "presses": [[name, compression_ratio], ...]}``. Each press
+answers every sample the way kvpress's own pipeline does (``KVPressTextGenerationPipeline._forward``): the context
+goes through the model in one forward inside the press's context manager (which compresses the cache as it is
+filled), then the question is read through the compressed cache and the answer generated greedily, stopping at
+end of sequence or once every expected string is in it (containment: the score cannot change after that, the
+same rule kvconvert's side uses). Writes ``{"answers": {"name@ratio": [str, ...]}, "seconds": {...}}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import kvpress
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+PRESSES = {
+    "StreamingLLM": lambda r: kvpress.StreamingLLMPress(compression_ratio=r),
+    "SnapKV": lambda r: kvpress.SnapKVPress(compression_ratio=r),
+    "ExpectedAttention": lambda r: kvpress.ExpectedAttentionPress(compression_ratio=r),
+    "TOVA": lambda r: kvpress.TOVAPress(compression_ratio=r),
+    "KVzip": lambda r: kvpress.KVzipPress(compression_ratio=r),
+    "AdaKV + ExpectedAttention": lambda r: kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=r)),
+}
+
+
+@torch.no_grad()
+def answer(model, tokenizer, press, sample) -> str:
+    context = torch.tensor([sample["context"]])
+    question = torch.tensor([sample["question"]])
+    cache = DynamicCache()
+    with press(model) if press is not None else contextlib.nullcontext():
+        model.model(input_ids=context, past_key_values=cache)
+    length = context.shape[1]  # positions continue after the whole context, as kvpress's pipeline does
+    positions = torch.arange(length, length + question.shape[1])[None]
+    logits = model(input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1).logits
+    position = length + question.shape[1]
+    generated: list[int] = []
+    for _ in range(sample["new_tokens"]):
+        token = int(logits[0, -1].argmax())
+        if token == tokenizer.eos_token_id:
+            break
+        generated.append(token)
+        text = tokenizer.decode(generated, skip_special_tokens=True).lower()
+        if all(a.lower() in text for a in sample["answers"]):
+            break
+        logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
+                       position_ids=torch.tensor([[position]])).logits  # fmt: skip
+        position += 1
+    return tokenizer.decode(generated, skip_special_tokens=True)
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(job["model"])
+    answers, seconds = {}, {}
+    for name, ratio in job["presses"]:
+        press = None if name == "none" else PRESSES[name](ratio)
+        started = time.perf_counter()
+        key = f"{name}@{ratio}"
+        answers[key] = [answer(model, tokenizer, press, s) for s in job["samples"]]
+        seconds[key] = time.perf_counter() - started
+        print(f"{key}: {seconds[key]:.0f} s", file=sys.stderr, flush=True)
+    Path(sys.argv[2]).write_text(json.dumps({"answers": answers, "seconds": seconds,
+                                             "transformers": __import__("transformers").__version__}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
