@@ -279,7 +279,11 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
             from kvconvert.eval.tasks import task_accuracy
 
             started = time.perf_counter()
-            source_tasks = task_accuracy(reference, tokenizer, batches, config.chunk)
+
+            def bar(label: str) -> str | None:
+                return f"tasks: {label}" if config.progress else None
+
+            source_tasks = task_accuracy(reference, tokenizer, batches, config.chunk, bar("source"))
             source_average = average_accuracy(source_tasks)[str(ctx)]
             tasks = {"names": list(config.task_names()), "length": ctx, "samples": config.task_samples,
                      "seed": config.task_seed, "max_drop": config.max_task_drop, "source": source_tasks,
@@ -292,7 +296,7 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
                     directory = Path(work) / "tasks"
                     _convert_candidate(source, row["recipe"], row["label"], config, directory, device)
                     candidate = load_model(str(directory), device=device)
-                    row["tasks"] = task_accuracy(candidate, tokenizer, batches, config.chunk)
+                    row["tasks"] = task_accuracy(candidate, tokenizer, batches, config.chunk, bar(row["label"]))
                     row["task_average"] = average_accuracy(row["tasks"])[str(ctx)]
                     row["task_drop"] = source_average - row["task_average"]
                     row["task_seconds"] = time.perf_counter() - began

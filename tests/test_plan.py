@@ -239,7 +239,7 @@ def test_plan_recommends_only_recipes_within_the_task_drop(tokenized_model_dir, 
 
     seen: list[tuple] = []
 
-    def fake_accuracy(model, tokenizer, batches, chunk=512):
+    def fake_accuracy(model, tokenizer, batches, chunk=512, progress=None):
         seen.append(tuple((key, tuple(tuple(s.prompt) for s in batch)) for key, batch in batches.items()))
         spec = getattr(model.config, "kvconvert", None)
         bits = 16 if spec is None else (spec.get("kv_quant") or {}).get("bits", 16)
