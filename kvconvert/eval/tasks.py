@@ -305,14 +305,9 @@ def run_tasks(
 ) -> dict[str, Any]:  # fmt: skip
     """Accuracy (0–100) per model, task and length on the same samples: ``{"accuracy": {model: {task:
     {length: acc}}}, "average": {model: {length: acc}}, "samples": samples}``."""
-    from tqdm import tqdm
-
-    accuracy: dict[str, dict[str, dict[str, float]]] = {name: {} for name in models}
     batches = make_batches(tokenizer, tasks, lengths, samples, seed)
-    for key, batch in tqdm(batches.items(), desc="tasks", unit="task", disable=not progress):
-        for name, model in models.items():
-            for task, by_length in task_accuracy(model, tokenizer, {key: batch}, chunk).items():
-                accuracy[name].setdefault(task, {}).update(by_length)
+    accuracy = {name: task_accuracy(model, tokenizer, batches, chunk, f"tasks: {name}" if progress else None)
+                for name, model in models.items()}  # fmt: skip
     average = {name: average_accuracy(by_task) for name, by_task in accuracy.items()}
     return {"tasks": list(tasks), "lengths": list(lengths), "samples": samples, "seed": seed,
             "accuracy": accuracy, "average": average}  # fmt: skip
