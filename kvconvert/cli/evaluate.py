@@ -72,12 +72,14 @@ def eval_command(
     """Perplexity, KL/top-1 vs --reference, measured KV bytes/token, speed, passkey and copy tests."""
     import json
 
+    from kvconvert.devices import check_kernel_setting, resolve_device
     from kvconvert.eval.runner import EvalConfig, format_table, run_eval
     from kvconvert.io.model_card import is_eval_result
     from kvconvert.io.outdir import refuse_foreign_file, write_text_atomic
 
     if (tasks is None) == (data is None):
         raise KVConvertError("give --data (perplexity, KV bytes, speed) or --tasks (long-context tasks)")
+    check_kernel_setting(resolve_device(device))
     if tasks is not None:
         from kvconvert.eval.runner import TaskEvalConfig, format_task_table, run_task_eval
 

@@ -49,11 +49,13 @@ def plan(model: str, out: Path, budgets: str, max_dppl: float | None, methods: s
          build_budget: float | None, force: bool, quiet: bool) -> None:  # fmt: skip
     """Convert and score every method's candidates on this model; write the frontier and the recipe
     that wins at each budget (build it with `kvconvert run PLAN/recipes/budget-B.yaml`)."""
+    from kvconvert.devices import check_kernel_setting, resolve_device
     from kvconvert.plan import PlanConfig, format_report, run_plan
 
     if quiet:
         silence_libraries()
     refuse_existing(out, force)  # before the source and the reference model load
+    check_kernel_setting(resolve_device(device))
     try:
         budget_values = tuple(float(b) for b in budgets.split(","))
     except ValueError:

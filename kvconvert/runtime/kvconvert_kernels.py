@@ -115,18 +115,48 @@ def triton_available() -> bool:
     return triton is not None
 
 
+KERNEL_CHOICES = ("auto", "torch", "triton")
+KERNEL_DEVICES = ("cuda", "xpu")  # where compiled Triton kernels run (ROCm GPUs are "cuda" to torch)
+
+
+def kernels_requested() -> str:
+    """``KVCONVERT_KERNELS``, checked: ``auto`` (unset), ``torch`` or ``triton``. A misspelt value, or ``triton``
+    where Triton is not installed, raises a one-line ``ValueError``: asking for the kernels and silently getting
+    the torch path would make a user's kernel measurement a measurement of something else."""
+    choice = os.environ.get("KVCONVERT_KERNELS", "auto").strip().lower() or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"KVCONVERT_KERNELS={choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
+    if choice == "triton" and triton is None:
+        raise ValueError("KVCONVERT_KERNELS=triton, but Triton is not installed (pip install triton); "
+                         "KVCONVERT_KERNELS=torch runs the torch path")  # fmt: skip
+    return choice
+
+
+def check_kernel_device(device: torch.device) -> None:
+    """The Triton kernels run on ``device``: a GPU, or any device under ``TRITON_INTERPRET=1`` (tests). Else a
+    one-line ``ValueError`` naming the device and the flag that runs the torch path instead."""
+    if device.type not in KERNEL_DEVICES and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"KVCONVERT_KERNELS=triton: the Triton kernels run on a GPU, this model runs on {device}; "
+                         "set KVCONVERT_KERNELS=torch (the default path) or TRITON_INTERPRET=1 to interpret "
+                         "them")  # fmt: skip
+
+
 def use_kernels(tensor: torch.Tensor) -> bool:
-    """Whether decode runs the Triton kernels: only when asked, ``KVCONVERT_KERNELS=triton`` (on CPU with
-    ``TRITON_INTERPRET=1``: tests); ``auto`` (default) and ``torch`` keep each runtime's torch code.
+    """Whether decode runs the Triton kernels on ``tensor``'s device: only when asked, ``KVCONVERT_KERNELS=triton``
+    (on a CPU only with ``TRITON_INTERPRET=1``: tests); ``auto`` (default) and ``torch`` keep each runtime's torch
+    code. Asked for where they cannot run: a ``ValueError`` (``kernels_requested``, ``check_kernel_device``),
+    never a silent fall-back.
 
     Why not by default on CUDA: measured end to end on an H100 (``make bench-kernels``, bf16, a
     12-layer MHA Llama; bench/results/kernels-h100-2026-11-23.md), every runtime's torch path decoded
     faster than its kernels: at batch 1 slim's kernels ran at 0.45–0.56×, LoRC's 0.75–0.80×,
     razor's 0.83–0.92× of the torch path (8K and 32K context), at batch 16 (8K) 0.66×, 0.97×, 0.92×.
     The kernels reach 1–12 % of the HBM bandwidth (SDPA: 60–92 %) and each adds a Triton launch to
-    an eager step that is bound by launches already. ``tensor`` is kept for callers' symmetry."""
-    del tensor
-    return os.environ.get("KVCONVERT_KERNELS", "auto") == "triton" and triton is not None
+    an eager step that is bound by launches already."""
+    if kernels_requested() != "triton":
+        return False
+    check_kernel_device(tensor.device)
+    return True
 
 
 BLOCK_N = 32  # tokens per tile: a multiple of 16 for tensor-core dots, small enough for the interpreter
