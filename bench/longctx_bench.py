@@ -4,8 +4,8 @@ against its source on the very same samples (``kvconvert eval --tasks``, ``kvcon
 SmolLM2 (or ``--model gemma3-270m``) at the lengths given (default 4096), the conversions below, N samples
 per task (default 5: the average over seven tasks to about ±8 points), kvpress's presses on the same samples with
 ``--kvpress-python``. Each answer is generated greedily through the model's cache after a chunked prefill.
-Writes bench/results/<name>-<date>.{json,md} (``--name``, default longctx). ``--ppl``: long-document perplexity through the cache instead, with
-prefill time and peak memory beside the source's (bench/results/longdoc-<date>.{json,md}).
+Writes bench/results/<name>-<date>.{json,md} (``--name``, default longctx). ``--ppl``: long-document perplexity
+through the cache instead, with prefill time and peak memory beside the source's (default name longdoc).
 """
 
 from __future__ import annotations

@@ -75,6 +75,9 @@ def main() -> None:
     parser.add_argument("--serving", default=None, help="CONTEXT:ROWS: tokens/s within the source's cache memory")
     parser.add_argument("--only", default=None, help="candidates whose label contains this text ('|': any of several)")
     parser.add_argument("--name", default="speed", help="results file stem (bench/results/NAME-<date>.*)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="batch 1 also from static caches through torch.compile (fullgraph), against the compiled "
+                             "source; methods without a static cache get no compiled row")  # fmt: skip
     args = parser.parse_args()
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
@@ -91,7 +94,8 @@ def main() -> None:
                 models[label] = _converted(source_dir, recipe, label, Path(tmp) / f"m{len(models)}")
                 recipes[label] = recipe
         batches = [int(b) for b in args.batches.split(",")]
-        rows += _measure("smollm2-135m (fp32)", models, recipes, contexts, args.steps, args.rounds, batches)
+        rows += _measure("smollm2-135m (fp32)", models, recipes, contexts, args.steps, args.rounds, batches,
+                         args.compiled)  # fmt: skip
         if args.serving:
             context, rows_ = (int(x) for x in args.serving.split(":"))
             serving = _serving(models, context, rows_, args.steps, args.rounds)
@@ -102,10 +106,12 @@ def main() -> None:
             models = {"source": AutoModelForCausalLM.from_pretrained(mha).eval(),
                       "slim": _converted(mha, slim, "slim", Path(tmp) / "slim")}  # fmt: skip
             rows += _measure("random MHA Llama 8×1024 (fp32)", models, {"slim": slim}, contexts, args.steps,
-                             args.rounds, batches)  # fmt: skip
+                             args.rounds, batches, args.compiled)  # fmt: skip
     table = markdown_table(
-        ["source", "context", "batch", "model", "decode tok/s", "× source", "cache MiB", "cache ÷ source (fp32)"],
-        [[r["source"], r["context"], r["batch"], r["model"], f"{r['decode_tokens_per_s']:.2f}",
+        ["source", "context", "batch", "decode", "model", "decode tok/s", "× source", "cache MiB",
+         "cache ÷ source (fp32)"],
+        [[r["source"], r["context"], r["batch"], "compiled, static cache" if r["compiled"] else "eager",
+          r["model"], f"{r['decode_tokens_per_s']:.2f}",
           f"{r['ratio_to_source']:.2f}", f"{r['cache_bytes_after_prefill'] / 2**20:.1f}",
           f"{r['cache_ratio_to_source']:.3f}"] for r in rows],
     )  # fmt: skip
@@ -156,15 +162,19 @@ def _serving(models: dict[str, Any], context: int, rows: int, steps: int, rounds
 
 
 def _measure(source: str, models: dict[str, Any], recipes: dict[str, Any], contexts: list[int], steps: int,
-             rounds: int, batches: list[int]) -> list[dict[str, Any]]:  # fmt: skip
-    """Rows of one group of models timed side by side against ``models["source"]``."""
+             rounds: int, batches: list[int], compiled: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+    """Rows of one group of models timed side by side against ``models["source"]``; with ``compiled``, batch 1 also
+    from static caches through ``torch.compile`` against the compiled source (``side_by_side(compiled=True)``)."""
     rows = []
-    for context, batch in ((c, b) for c in contexts for b in batches):
-        measured = side_by_side(models, context, steps, rounds, batch=batch)  # prefill in chunks of 2048 tokens
+    runs = [(c, b, False) for c in contexts for b in batches] + [(c, 1, True) for c in contexts if compiled]
+    for context, batch, static in runs:
+        # prefill in chunks of 2048 tokens
+        measured = side_by_side(models, context, steps, rounds, batch=batch, compiled=static)
         source_speed, source_bytes = measured["source"]["decode_tokens_per_s"], measured["source"]["cache_bytes"]
         for label, row in measured.items():
             rows.append({
-                "source": source, "context": context, "batch": batch, "model": label, "recipe": recipes.get(label),
+                "source": source, "context": context, "batch": batch, "compiled": static, "model": label,
+                "recipe": recipes.get(label),
                 "decode_tokens_per_s": row["decode_tokens_per_s"],
                 "ratio_to_source": row["decode_tokens_per_s"] / source_speed,
                 "cache_bytes_after_prefill": row["cache_bytes"],

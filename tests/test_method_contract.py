@@ -158,18 +158,3 @@ def test_its_report_reads_back(method, converted):
     assert cls.headline(report).startswith(method) and "KV budget" in cls.headline(report)
     assert cls.describe(report).strip()
     assert isinstance(cls.report_table(report), str)
-
-
-@pytest.mark.parametrize("method", ALL)
-@torch.no_grad()
-def test_a_static_cache_request_is_not_silently_ignored(method, converted):
-    """The runtimes' caches grow with the sequence (no preallocated static cache yet): asking generate for
-    one warns, and decoding goes on from the method's cache, as it would without the request."""
-    from helpers import left_padded
-
-    model = load_converted(converted(method, "compressing")[1])
-    ids, mask = left_padded()
-    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    with pytest.warns(UserWarning, match="cache_implementation='static' is not supported yet"):
-        static = model.generate(**common, cache_implementation="static")
-    assert torch.equal(static, model.generate(**common))

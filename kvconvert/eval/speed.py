@@ -42,14 +42,19 @@ def ragged_batch(vocab: int, context: int, batch: int, seed: int = 0) -> tuple[t
 
 @torch.no_grad()
 def _prefill(
-    model: Any, ids: torch.Tensor, chunk: int | None = None, mask: torch.Tensor | None = None
-) -> dict[str, Any]:
+    model: Any, ids: torch.Tensor, chunk: int | None = None, mask: torch.Tensor | None = None,
+    static_length: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Feed ``ids`` into a fresh cache, ``chunk`` tokens per call (None: all at once). Chunks bound the
     runtimes' score matrices (``[b, H, chunk, n]``: 10 GB for one 16K-token call on SmolLM2). ``mask``:
     left padding, positions counting the real tokens only as ``generate`` counts them (then kept in the
-    state for the decode steps)."""
+    state for the decode steps). ``static_length``: start from an empty static cache of that many tokens, as
+    ``generate(cache_implementation="static")`` does (a kvconvert checkpoint swaps in its own)."""
+    from transformers import StaticCache
+
     padded: dict[str, Any] = {}
-    step, cache = chunk or ids.shape[1], None
+    step = chunk or ids.shape[1]
+    cache = None if static_length is None else StaticCache(config=model.config, max_cache_len=static_length)
     positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
     for start in range(0, ids.shape[1], step):
         end = start + step
@@ -69,6 +74,7 @@ def _decode(model: Any, state: dict[str, Any], steps: int) -> float:
     the next positions; all updated); seconds taken."""
     cache, token, device = state["cache"], state["token"], model_device(model)
     mask, position = state.get("mask"), state.get("next")
+    forward = state.get("forward", model)
     synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
@@ -77,7 +83,7 @@ def _decode(model: Any, state: dict[str, Any], steps: int) -> float:
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             padded = {"attention_mask": mask, "position_ids": position}
             position = position + 1
-        out = model(token, past_key_values=cache, use_cache=True, **padded)
+        out = forward(token, past_key_values=cache, use_cache=True, **padded)
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     synchronize(device)
     state["cache"], state["token"] = cache, token
@@ -94,27 +100,41 @@ def side_by_side(
     seed: int = 0,
     chunk: int | None = 2048,
     batch: int = 1,
+    compiled: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Decode speed of several models after the same ``context`` random tokens, measured in one process:
     each model prefills once (its own cache), then the models take turns decoding ``steps`` greedy
     tokens, ``rounds`` times, so that a slow spell of the machine hits all of them; the best round
     counts. ``chunk``: prefill that many tokens per call (bounds memory at long context; None: all at
     once). ``batch`` > 1: that many left-padded rows of different lengths (``ragged_batch``), decoded
-    together. Returns, per model, decode tokens/s (all rows) and the bytes its cache held after the prefill."""
+    together. ``compiled``: each model decodes from a static cache (what ``generate(cache_implementation=
+    "static")`` makes, sized for the whole run) through ``torch.compile(forward, fullgraph=True)``, batch 1 only;
+    a model whose cache is not static (its method has none yet) gets no figure. Returns, per model, decode
+    tokens/s (all rows) and the bytes its cache held after the prefill."""
     from kvconvert.eval.memory import cache_nbytes
 
+    if compiled and batch != 1:
+        raise ValueError("compiled decode is measured at batch 1 (a growing padding mask would recompile each step)")
     vocab = next(iter(models.values())).config.vocab_size
     ids, mask = ragged_batch(vocab, context, batch, seed)
     states, best = {}, {}
     for name, model in models.items():
         device = model_device(model)
         # batch 1 has no padding: no mask, positions implied (the plain decode loop users write)
-        states[name] = _prefill(model, ids.to(device), chunk, mask.to(device) if batch > 1 else None)
-        states[name]["bytes"] = cache_nbytes(states[name]["cache"])
-        _decode(model, states[name], 1)  # warm-up step
-        best[name] = float("inf")
+        static = context + (rounds + 1) * steps + 2 if compiled else None
+        state = _prefill(model, ids.to(device), chunk, mask.to(device) if batch > 1 else None, static)
+        if compiled and not state["cache"].is_compileable:
+            continue
+        state["bytes"] = cache_nbytes(state["cache"])
+        if compiled:
+            state["forward"] = torch.compile(model.forward, fullgraph=True, dynamic=False)
+        _decode(model, state, 2 if compiled else 1)  # warm-up (compiled: the graph is built here)
+        states[name], best[name] = state, float("inf")
+    if compiled:  # measured: the first steps of each graph after another model's compile run up to 100× slower
+        for name in states:
+            _decode(models[name], states[name], steps)
     for _ in range(rounds):
-        for name, model in models.items():
-            best[name] = min(best[name], _decode(model, states[name], steps))
+        for name in states:
+            best[name] = min(best[name], _decode(models[name], states[name], steps))
     return {name: {"decode_tokens_per_s": batch * steps / best[name], "cache_bytes": states[name]["bytes"]}
-            for name in models}  # fmt: skip
+            for name in states}  # fmt: skip

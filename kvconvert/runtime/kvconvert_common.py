@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from .kvconvert_codec import QuantSpec
 from .kvconvert_kernels import HeadColumns, packed_decode_triton
-from .kvconvert_storage import KVLayer
+from .kvconvert_storage import KVLayer, stock_layer
 from .kvconvert_tokenstore import TokenStore
 
 
@@ -70,6 +70,86 @@ class LatentLayer(KVLayer):
         self.is_initialized = False
 
 
+class StaticLatentLayer(KVLayer):
+    """``LatentLayer`` preallocated for ``max_cache_len`` tokens (``generate(cache_implementation="static")``): keys
+    ``[b, max_cache_len, wk]`` and optional values written in place, so that a decode step has the same shapes
+    and tensor addresses every time (``torch.compile``, CUDA graphs). ``update`` returns the whole buffers; the
+    slots not written yet are masked out by the attention mask, sized by ``get_mask_sizes`` as transformers'
+    ``StaticLayer`` sizes it. 16-bit storage only (quantized storage keeps the growing ``LatentLayer``)."""
+
+    is_compileable = True
+
+    def __init__(self, max_cache_len: int):
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        # tokens written: a tensor, as transformers' StaticLayer keeps it (a Python int would be baked into a
+        # compiled graph)
+        self.filled = torch.tensor(0)
+        self.keys = self.values = None
+
+    def slots(self, count: int) -> torch.Tensor:
+        """Where the next ``count`` tokens go: ``[count]`` int64."""
+        return torch.arange(count, device=self.filled.device) + self.filled
+
+    def update(  # type: ignore[override]
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Write ``[b, q, w]`` states at the next slots; return the whole ``[b, max_cache_len, w]`` buffers."""
+        batch, count = key_states.shape[:2]
+        if not self.is_initialized:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.keys = key_states.new_zeros(batch, self.max_cache_len, key_states.shape[-1])
+            if value_states is not None:
+                self.values = value_states.new_zeros(batch, self.max_cache_len, value_states.shape[-1])
+            self.filled = self.filled.to(self.device)
+            if not torch.compiler.is_compiling():  # fixed addresses: what CUDA graphs replay against
+                for buffer in (self.keys, self.values, self.filled):
+                    if buffer is not None:
+                        torch._dynamo.mark_static_address(buffer)
+            self.is_initialized = True
+        if not torch.compiler.is_compiling() and int(self.filled) + count > self.max_cache_len:
+            raise ValueError(f"this static cache holds {self.max_cache_len} tokens and already has "
+                             f"{int(self.filled)}: {count} more do not fit; generate with a larger "
+                             "max_length / max_cache_len, or cache_implementation='dynamic'")  # fmt: skip
+        slots = self.slots(count)
+        assert self.keys is not None
+        self.keys.index_copy_(1, slots, key_states)
+        if value_states is not None:
+            assert self.values is not None
+            self.values.index_copy_(1, slots, value_states)
+        self.filled.add_(count)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> Any:
+        return self.filled if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def rows(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[0]
+
+    def crop_to(self, length: int) -> None:
+        """Later slots are left as they are: the mask hides them until they are written again."""
+        self.filled.fill_(min(length, int(self.filled)))
+
+    def apply(self, fn: Any) -> None:
+        if self.keys is not None:
+            self.keys = fn(self.keys)
+        if self.values is not None:
+            self.values = fn(self.values)
+
+    def reset(self) -> None:
+        """Zeroed in place: the buffers keep their addresses for the next generation."""
+        for buffer in (self.keys, self.values):
+            if buffer is not None:
+                buffer.zero_()
+        self.filled.zero_()
+
+
 class CompressedCache(Cache):
     """Per layer a ``LatentLayer`` (compressed layers) or a stock ``DynamicLayer`` (layers a method
     leaves untouched), plus one ``[b, n]`` int32 position table shared by all layers when RoPE has
@@ -78,9 +158,10 @@ class CompressedCache(Cache):
 
     is_kvconvert_cache = True
 
-    def __init__(self, layers: Sequence[DynamicLayer], track_positions: bool):
+    def __init__(self, layers: Sequence[Any], track_positions: bool):
         super().__init__(layers=list(layers))
         self.track_positions = track_positions
+        self.static = any(isinstance(layer, StaticLatentLayer) for layer in layers)
         self.positions: torch.Tensor | None = None
         # cos/sin of all cached positions, computed by the first layer of a forward pass and
         # reused by the others; released when the forward pass ends (never kept between steps).
@@ -95,6 +176,8 @@ class CompressedCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Append ``[b, q, w]`` states; return all keys, values and positions ``[b, n]``."""
         layer = self.layers[layer_idx]
+        if isinstance(layer, StaticLatentLayer):
+            return self._update_static(layer, new_keys, new_values, position_ids)
         assert isinstance(layer, LatentLayer)
         keys, values = layer.update(new_keys, new_values)
         if not self.track_positions:
@@ -107,6 +190,26 @@ class CompressedCache(Cache):
                 new_positions if self.positions is None else torch.cat([self.positions, new_positions], dim=1)
             )
         return keys, values, self.positions[:, : keys.shape[1]]
+
+    def _update_static(
+        self, layer: StaticLatentLayer, new_keys: torch.Tensor, new_values: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        """``update_latent`` on a static layer: every layer writes this step's positions into the one
+        ``[b, max_cache_len]`` table at the same slots (the same values: cheaper than knowing which layer is first
+        inside a compiled graph)."""
+        slots = layer.slots(new_keys.shape[1])
+        keys, values = layer.update(new_keys, new_values)
+        if not self.track_positions:
+            return keys, values, None
+        assert position_ids is not None
+        if self.positions is None:
+            self.positions = torch.zeros(keys.shape[:2], dtype=torch.int32, device=keys.device)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.positions)
+        new_positions = position_ids.to(torch.int32).expand(new_keys.shape[0], new_keys.shape[1])
+        self.positions.index_copy_(1, slots, new_positions)
+        return keys, values, self.positions
 
     def rope_for_keys(
         self, rotary: nn.Module, like: torch.Tensor, positions: torch.Tensor
@@ -121,11 +224,14 @@ class CompressedCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.positions = None
+        if self.static and self.positions is not None:
+            self.positions.zero_()  # in place: a compiled graph holds its address
+        else:
+            self.positions = None
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
-        if self.positions is not None and tokens_to_remove:
+        if self.positions is not None and tokens_to_remove and not self.static:
             self.positions = self.positions[:, :tokens_to_remove]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -142,6 +248,26 @@ class CompressedCache(Cache):
         super().reorder_cache(beam_idx)
         if self.positions is not None:
             self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+
+
+def latent_layers(spec: dict[str, Any], compressed: Sequence[bool], max_cache_len: int | None) -> list[Any]:
+    """The cache layers of a latent-cache method (lorc, zack, slim): ``LatentLayer`` where ``compressed``, the
+    stock layer elsewhere; with ``max_cache_len`` (a static cache was asked for) ``StaticLatentLayer`` and
+    transformers' ``StaticLayer`` instead, unless ``static_refusal`` has a reason not to."""
+    quant = QuantSpec.from_spec(spec)
+    if max_cache_len is not None and static_refusal(spec) is None:
+        return [StaticLatentLayer(max_cache_len) if c else StaticLayer(max_cache_len) for c in compressed]
+    return [LatentLayer(quant, i) if c else stock_layer(quant, i) for i, c in enumerate(compressed)]
+
+
+def static_refusal(spec: dict[str, Any]) -> str | None:
+    """Why a latent-cache checkpoint cannot have a static cache, or None: quantized storage re-packs blocks as the
+    sequence grows, and sliding-window layers need the window's own static layer (not built)."""
+    if QuantSpec.from_spec(spec).quantized:
+        return "its quantized storage re-packs blocks as the sequence grows"
+    if spec.get("local_layers"):
+        return "it has sliding-window layers"
+    return None
 
 
 class LayerStateCache(Cache):
@@ -251,8 +377,8 @@ def rotary_for_keys(
 
 
 def default_position_ids(cache: Cache | None, layer_idx: int, q_len: int, device: torch.device) -> torch.Tensor:
-    past = cache.get_seq_length(layer_idx) if cache is not None else 0
-    return torch.arange(past, past + q_len, device=device)[None]
+    past = cache.get_seq_length(layer_idx) if cache is not None else 0  # a 0-d tensor for a static cache
+    return (torch.arange(q_len, device=device) + past)[None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

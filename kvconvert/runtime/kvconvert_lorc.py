@@ -22,18 +22,16 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from .kvconvert_codec import QuantSpec
 from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
-    LatentLayer,
     additive_mask,
     apply_rotary,
+    latent_layers,
     rotary_for_keys,
     softmax_rows,
 )
 from .kvconvert_kernels import use_kernels
-from .kvconvert_storage import stock_layer
 
 
 class HeadNorm(nn.Module):
@@ -243,9 +241,7 @@ def configure(model: Any) -> None:
             module.forward = types.MethodType(absorbed_mla_forward, module)
 
 
-def make_cache(spec: dict[str, Any]) -> CompressedCache:
-    quant = QuantSpec.from_spec(spec)
-    layers = [stock_layer(quant, i) if layer is None else LatentLayer(quant, i)
-              for i, layer in enumerate(spec["lorc_layers"])]  # fmt: skip
-    rope_needed = spec.get("rotary_module") is not None
-    return CompressedCache(layers, track_positions=rope_needed)
+def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> CompressedCache:
+    """Latents for the factored layers, stock layers for the rest; static when ``max_cache_len`` is given."""
+    layers = latent_layers(spec, [layer is not None for layer in spec["lorc_layers"]], max_cache_len)
+    return CompressedCache(layers, track_positions=spec.get("rotary_module") is not None)

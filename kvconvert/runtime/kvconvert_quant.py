@@ -215,7 +215,8 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
     return None
 
 
-def make_cache(spec: dict[str, Any]) -> LayerStateCache:
+def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerStateCache:
+    """``max_cache_len`` (a static cache asked for) is not honoured: this cache grows with the sequence."""
     quant = QuantSpec.from_spec(spec)
     layer_class = Fp8Layer if quant.fp8 else TokenLayoutLayer if quant.layout == "token" else QuantizedLayer
     layers = range(len(spec["attention_modules"]))

@@ -445,7 +445,8 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
     return None
 
 
-def make_cache(spec: dict[str, Any]) -> LayerStateCache:
+def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerStateCache:
+    """``max_cache_len`` (a static cache asked for) is not honoured: this cache grows with the sequence."""
     razor = spec["razor"]
     kv_heads = int(spec["num_kv_heads"])
     quant = QuantSpec.from_spec(spec)

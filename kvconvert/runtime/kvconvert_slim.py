@@ -13,13 +13,12 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from .kvconvert_codec import QuantSpec
 from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
-    LatentLayer,
     additive_mask,
     apply_rotary,
+    latent_layers,
     rotary_for_keys,
     softmax_rows,
 )
@@ -110,8 +109,7 @@ class SlimAttention(LatentAttention):
         return self.o_proj(out)
 
 
-def make_cache(spec: dict[str, Any]) -> CompressedCache:
-    """Per layer only the pre-RoPE keys (``LatentLayer`` with no values)."""
-    quant = QuantSpec.from_spec(spec)
-    layers = [LatentLayer(quant, i) for i in range(len(spec["attention_modules"]))]
+def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> CompressedCache:
+    """Per layer only the pre-RoPE keys (``LatentLayer`` with no values); static when ``max_cache_len`` is given."""
+    layers = latent_layers(spec, [True] * len(spec["attention_modules"]), max_cache_len)
     return CompressedCache(layers, track_positions=spec.get("rotary_module") is not None)

@@ -16,14 +16,13 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from .kvconvert_codec import QuantSpec
 from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
-    LatentLayer,
     additive_mask,
     apply_rotary,
     default_position_ids,
+    latent_layers,
     softmax_rows,
 )
 from .kvconvert_kernels import use_kernels
@@ -157,7 +156,6 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | Non
     return ZackAttention(spec, layer_idx, rotary)
 
 
-def make_cache(spec: dict[str, Any]) -> CompressedCache:
+def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> CompressedCache:
     # keys are cached after RoPE and rotation: no positions to remember
-    quant = QuantSpec.from_spec(spec)
-    return CompressedCache([LatentLayer(quant, i) for i in range(len(spec["zack_layers"]))], track_positions=False)
+    return CompressedCache(latent_layers(spec, [True] * len(spec["zack_layers"]), max_cache_len), track_positions=False)

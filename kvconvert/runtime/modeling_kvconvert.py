@@ -22,6 +22,7 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping, r
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from .kvconvert_common import static_refusal
 from .kvconvert_lorc import configure as configure_lorc
 from .kvconvert_lorc import make_attention as make_lorc_attention
 from .kvconvert_lorc import make_cache as make_lorc_cache
@@ -105,7 +106,15 @@ class KVConvertMixin:
         if past_key_values is not None and getattr(past_key_values, "is_kvconvert_cache", False):
             return past_key_values
         if past_key_values is None or past_key_values.get_seq_length() == 0:
-            return make_cache(self.config.kvconvert)
+            static_length = _static_length(past_key_values)
+            cache = make_cache(self.config.kvconvert, max_cache_len=static_length)
+            if static_length is not None and not cache.is_compileable:  # say so: fixed shapes were asked for
+                spec = self.config.kvconvert
+                reason = static_refusal(spec) or "no static cache is built for this method yet"
+                warnings.warn(f"kvconvert: this {spec['method']} checkpoint decodes from a cache that grows with the "
+                              f"sequence ({reason}); the static cache asked for is not used",
+                              stacklevel=3)  # fmt: skip
+            return cache
         raise ValueError(
             f"this kvconvert checkpoint needs its own cache; got a filled {type(past_key_values).__name__}. "
             "Pass past_key_values=None and reuse the cache returned in the outputs."
@@ -137,7 +146,7 @@ class KVConvertMixin:
 
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any):
         requested = getattr(generation_config, "cache_implementation", None)
-        if requested not in (None, "dynamic"):  # say so: a user asking for "static" expects fixed shapes
+        if requested not in (None, "dynamic", "static"):  # say so ("static": kvconvert_cache does)
             warnings.warn(
                 f"kvconvert: this checkpoint decodes from its {self.config.kvconvert['method']} cache, which grows "
                 f"with the sequence; cache_implementation={requested!r} is not supported yet and is ignored",
@@ -147,6 +156,15 @@ class KVConvertMixin:
         if model_kwargs.get("past_key_values") is not None:
             model_kwargs["past_key_values"] = self.kvconvert_cache(model_kwargs["past_key_values"])
         return result
+
+
+def _static_length(cache: Cache | None) -> int | None:
+    """The length an empty stock static cache was made for (``generate(cache_implementation="static")`` makes
+    one before the model sees it), or None for any other cache."""
+    if cache is None or not cache.is_compileable:
+        return None
+    length = cache.get_max_length()
+    return length if length > 0 else None
 
 
 _CONCRETE_CLASSES: dict[type, type] = {}
