@@ -276,7 +276,7 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
         tasks = None
         passes = None
         if batches:
-            from kvconvert.eval.tasks import task_accuracy
+            from kvconvert.eval.tasks import checked_accuracy, task_accuracy
 
             started = time.perf_counter()
 
@@ -290,13 +290,18 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
                      "source_average": source_average, "seconds": time.perf_counter() - started}  # fmt: skip
 
             def passes(row: dict[str, Any]) -> bool:
-                """Task accuracy of a candidate (converted again from its recipe, once) within the bound."""
+                """Task accuracy of a candidate (converted again from its recipe, once) within the bound; the check
+                stops at the sample after which the bound is out of reach (``checked_accuracy``), and the drop
+                recorded is then a lower bound (``task_check_stopped``)."""
                 if "task_drop" not in row:
                     began = time.perf_counter()
                     directory = Path(work) / "tasks"
                     _convert_candidate(source, row["recipe"], row["label"], config, directory, device)
                     candidate = load_model(str(directory), device=device)
-                    row["tasks"] = task_accuracy(candidate, tokenizer, batches, config.chunk, bar(row["label"]))
+                    floor = source_average - config.max_task_drop
+                    row["tasks"], complete = checked_accuracy(candidate, tokenizer, batches, config.chunk,
+                                                              bar(row["label"]), floor)  # fmt: skip
+                    row["task_check_stopped"] = not complete
                     row["task_average"] = average_accuracy(row["tasks"])[str(ctx)]
                     row["task_drop"] = source_average - row["task_average"]
                     row["task_seconds"] = time.perf_counter() - began
@@ -406,6 +411,7 @@ def format_report(result: dict[str, Any]) -> str:
              if result["reference_ppl"] is not None else f"scored on {result['scored_on']}"]  # fmt: skip
     tasks = result.get("tasks")
     drops = {r["label"]: r["task_drop"] for r in result["candidates"] if "task_drop" in r}
+    stopped = {r["label"] for r in result["candidates"] if r.get("task_check_stopped")}
     if tasks is not None:
         lines.append(f"tasks {', '.join(tasks['names'])} at {tasks['length']} tokens, {tasks['samples']} samples each "
                      f"(seed {tasks['seed']}): source {tasks['source_average']:.1f} %; a recipe is recommended only "
@@ -413,7 +419,8 @@ def format_report(result: dict[str, Any]) -> str:
 
     def rejected(pick: dict[str, Any]) -> str:
         names = pick.get("rejected_by_tasks") or []
-        return "".join(f"\n  rejected by the tasks: {n} ({0.0 - drops[n]:+.1f} points)" for n in names)
+        return "".join(f"\n  rejected by the tasks: {n} ({'at most ' if n in stopped else ''}{0.0 - drops[n]:+.1f} "
+                       f"points{', stopped once out of reach' if n in stopped else ''})" for n in names)  # fmt: skip
 
     def task_note(drop: float | None) -> str:
         return "" if drop is None else f", tasks {0.0 - drop:+.1f} points"

@@ -237,15 +237,17 @@ def test_plan_recommends_only_recipes_within_the_task_drop(tokenized_model_dir, 
     Accuracy is faked by bits (a tiny random model answers nothing), the rest is the real plan."""
     import kvconvert.eval.tasks as tasks
 
-    seen: list[tuple] = []
+    answered: list[list[tuple]] = []  # per check (source first), the prompts answered in order
 
-    def fake_accuracy(model, tokenizer, batches, chunk=512, progress=None):
-        seen.append(tuple((key, tuple(tuple(s.prompt) for s in batch)) for key, batch in batches.items()))
+    def fake_answer(model, tokenizer, sample, chunk=512):
+        if not answered or tuple(sample.prompt) == answered[0][0]:  # every check starts at the first sample
+            answered.append([])
+        answered[-1].append(tuple(sample.prompt))
         spec = getattr(model.config, "kvconvert", None)
         bits = 16 if spec is None else (spec.get("kv_quant") or {}).get("bits", 16)
-        return {task: {str(length): 100.0 if bits >= 8 else 50.0} for task, length in batches}
+        return sample.answers[0] if bits >= 8 else "wrong"  # below 8 bits every answer is wrong
 
-    monkeypatch.setattr(tasks, "task_accuracy", fake_accuracy)
+    monkeypatch.setattr(tasks, "answer", fake_answer)
     src = tmp_path / "src"  # the tiny model with room for prompts that hold needles in its character tokens
     shutil.copytree(tokenized_model_dir("llama_gqa64"), src)
     config = json.loads((src / "config.json").read_text())
@@ -258,12 +260,18 @@ def test_plan_recommends_only_recipes_within_the_task_drop(tokenized_model_dir, 
     assert result.exit_code == 0, result.output
     frontier = json.loads((plan_dir / "frontier.json").read_text())
     assert frontier["tasks"]["source_average"] == 100.0 and frontier["tasks"]["length"] == 1024
-    assert len(set(seen)) == 1 and len(seen) >= 2  # every model answered the very same prompts
+    source_prompts, *others = answered
+    assert len(source_prompts) == 4 and others  # 2 tasks × 2 samples
+    assert all(prompts == source_prompts[: len(prompts)] for prompts in others)  # the very same prompts, in order
     high, low = frontier["budgets"]
     assert high["winner"] is not None and high["task_drop"] == 0.0
     fitting = sorted((r for r in frontier["candidates"] if r["kv_budget"] <= 0.3), key=lambda r: (r["kl"], r["dppl"]))
     assert fitting and low["winner"] is None  # every candidate below 8 bits loses 50 points: none is recommended
     assert low["rejected_by_tasks"] == [r["label"] for r in fitting[:3]]
+    # each rejected check stopped after its first wrong answer: the 2-point bound was out of reach
+    assert all(r["task_check_stopped"] and r["task_drop"] == 25.0 for r in fitting[:3])
+    assert sum(len(prompts) == 1 for prompts in others) == len(fitting[:3])
+    assert "(at most -25.0 points, stopped once out of reach)" in result.output
     assert not (plan_dir / "recipes" / "budget-0.3.yaml").exists()
     assert "tasks +0.0 points" in result.output and "budget 0.3: no candidate passes the task check" in result.output
     assert "long-context tasks +0.0 points" in (plan_dir / "recipes" / "budget-0.6.yaml").read_text()

@@ -99,3 +99,38 @@ def test_bad_task_arguments_are_one_line(aidreams_dir, args, says):
     result = run_cli("eval", "--model", str(aidreams_dir), "--quiet", *args)
     assert result.exit_code == 2, result.output
     assert says in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_check_against_a_floor_stops_once_out_of_reach_with_the_same_verdict(seed, monkeypatch):
+    """``checked_accuracy`` with a floor: the verdict (average ≥ floor at every length) is the full run's, it
+    stops at the first sample after which the floor is out of reach, and what it returns bounds the full run's
+    accuracies from above. Answers are faked by a random pattern of right and wrong."""
+    import random
+
+    import kvconvert.eval.tasks as tasks
+
+    rng = random.Random(seed)
+    batches = {(task, length): [Sample(task, [i, length], (f"a{i}",), 4) for i in range(rng.randint(1, 4))]
+               for task in ("niah_single", "vt", "cwe") for length in (64, 128)}  # fmt: skip
+    right = {id(s): rng.random() < 0.8 for batch in batches.values() for s in batch}
+    asked: list[int] = []
+
+    def fake_answer(model, tokenizer, sample, chunk=512):
+        asked.append(id(sample))
+        return sample.answers[0] if right[id(sample)] else "no"
+
+    monkeypatch.setattr(tasks, "answer", fake_answer)
+    full = tasks.task_accuracy(None, None, batches)
+    floor = rng.choice([50.0, 75.0, 90.0, 100.0])
+    asked.clear()
+    bounded, complete = tasks.checked_accuracy(None, None, batches, floor=floor)
+    passes = min(tasks.average_accuracy(full).values()) >= floor
+    assert (min(tasks.average_accuracy(bounded).values()) >= floor) == passes
+    assert all(bounded[t][n] >= full[t][n] for t in full for n in full[t])
+    if passes:
+        assert complete and bounded == full
+    elif not complete:  # it stopped at the first sample that put the floor out of reach, not later
+        order = [id(s) for batch in batches.values() for s in batch]
+        assert asked == order[: len(asked)] and not right[asked[-1]]
+    assert len(asked) == (sum(map(len, batches.values())) if complete else len(asked))
