@@ -302,16 +302,14 @@ def checked_accuracy(
             accuracy.setdefault(task, {})[str(length)] = 100 * (right[task, length] + left[task, length]) / len(batch)
         return accuracy
 
-    for key, batch in batches.items():
-        for s in batch:
-            right[key] += score(answer(model, tokenizer, s, chunk), s.answers)
-            left[key] -= 1
-            bar.update()
-            if floor is not None and min(average_accuracy(accuracies()).values()) < floor - 1e-9:
-                bar.close()
-                return accuracies(), sum(left.values()) == 0
+    for key, s in ((key, s) for key, batch in batches.items() for s in batch):
+        right[key] += score(answer(model, tokenizer, s, chunk), s.answers)
+        left[key] -= 1
+        bar.update()
+        if floor is not None and min(average_accuracy(accuracies()).values()) < floor - 1e-9:
+            break
     bar.close()
-    return accuracies(), True
+    return accuracies(), sum(left.values()) == 0
 
 
 def average_accuracy(accuracy: dict[str, dict[str, float]]) -> dict[str, float]:

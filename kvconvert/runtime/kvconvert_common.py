@@ -254,9 +254,9 @@ def latent_layers(spec: dict[str, Any], compressed: Sequence[bool], max_cache_le
     """The cache layers of a latent-cache method (lorc, zack, slim): ``LatentLayer`` where ``compressed``, the
     stock layer elsewhere; with ``max_cache_len`` (a static cache was asked for) ``StaticLatentLayer`` and
     transformers' ``StaticLayer`` instead, unless ``static_refusal`` has a reason not to."""
-    quant = QuantSpec.from_spec(spec)
     if max_cache_len is not None and static_refusal(spec) is None:
         return [StaticLatentLayer(max_cache_len) if c else StaticLayer(max_cache_len) for c in compressed]
+    quant = QuantSpec.from_spec(spec)
     return [LatentLayer(quant, i) if c else stock_layer(quant, i) for i, c in enumerate(compressed)]
 
 
