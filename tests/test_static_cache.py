@@ -1,7 +1,7 @@
-"""Static caches: ``generate(cache_implementation="static")`` gives the latent-cache methods (lorc, zack, slim) a
-preallocated cache with fixed shapes and addresses, which ``torch.compile`` (fullgraph: CUDA-graph ready) decodes
-from; the other methods say so and keep their growing cache. On CPU through generate's own compile path
-(``CompileConfig._compile_all_devices``, what transformers provides for testing it off GPU)."""
+"""Static caches: ``generate(cache_implementation="static")`` gives the latent-cache methods (lorc, zack, slim) and
+fp8 storage a preallocated cache with fixed shapes and addresses, which ``torch.compile`` (fullgraph: CUDA-graph
+ready) decodes from; the other methods say so and keep their growing cache. On CPU through generate's own compile
+path (``CompileConfig._compile_all_devices``, what transformers provides for testing it off GPU)."""
 
 from __future__ import annotations
 
@@ -126,6 +126,70 @@ def test_compiled_speed_is_measured_only_for_static_caches(converted, tokenized_
     assert all(row["decode_tokens_per_s"] > 0 for row in measured.values())
     with pytest.raises(ValueError, match="batch 1"):
         side_by_side(models, context=40, batch=2, compiled=True)
+
+
+@pytest.fixture(scope="module")
+def fp8_export(tokenized_model_dir, tmp_path_factory):
+    """(source, output) of the GQA tiny model exported with fp8 scales per KV head (vLLM's format)."""
+    from helpers import convert
+
+    src = tokenized_model_dir("llama_gqa")
+    out = tmp_path_factory.mktemp("fp8-static") / "out"
+    convert("quant", src, out, "--kv-format", "fp8", "--kv-scale-strategy", "head", "--calib-tokens", "1024")
+    return src, out
+
+
+@torch.no_grad()
+def test_fp8_storage_has_a_static_cache_that_decodes_as_its_growing_one(fp8_export):
+    """fp8 stores each token alone (static scales), so it is preallocated like transformers' StaticCache: every
+    search on a left-padded batch gives the tokens (and greedy logits) of the growing fp8 cache."""
+    model = load_converted(fp8_export[1])
+    for name, kwargs in SEARCHES.items():
+        dynamic, static = _generate(model, **kwargs), _generate(model, cache_implementation="static", **kwargs)
+        assert torch.equal(static.sequences, dynamic.sequences), name
+        if name == "greedy":
+            for step, (a, b) in enumerate(zip(dynamic.logits, static.logits, strict=True)):
+                assert_same_logits(a, b, f"fp8 step {step}")
+            assert _layer_classes(static) == {"StaticFp8Layer"} and static.past_key_values.is_compileable
+            assert _layer_classes(dynamic) == {"Fp8Layer"}
+
+
+@torch.no_grad()
+def test_fp8_static_cache_equals_stock_transformers_with_compressed_tensors(fp8_export):
+    """Independent reference: stock transformers loads the export without remote code, compressed-tensors
+    fake-quantizes keys and values with its scales, into transformers' own StaticCache."""
+    pytest.importorskip("compressed_tensors")
+    import transformers
+
+    stock = transformers.AutoModelForCausalLM.from_pretrained(fp8_export[1]).eval()
+    ours = _generate(load_converted(fp8_export[1]), cache_implementation="static")
+    theirs = _generate(stock, cache_implementation="static")
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for a, b in zip(ours.logits, theirs.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_compiled_decode_from_the_fp8_static_cache(fp8_export):
+    model = load_converted(fp8_export[1])
+    eager = _generate(model)
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    compiled = _generate(model, cache_implementation="static", compile_config=config)
+    assert getattr(model, "_compiled_call", None) is not None
+    assert torch.equal(compiled.sequences, eager.sequences)
+    for step, (a, b) in enumerate(zip(eager.logits, compiled.logits, strict=True)):
+        assert_same_logits(a, b, f"fp8 step {step}")
+
+
+def test_a_static_fp8_cache_too_short_is_one_clear_error(fp8_export):
+    model = load_converted(fp8_export[1])
+    ids, mask = left_padded()
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 2)
+    with torch.no_grad():
+        cache = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).past_key_values
+        with pytest.raises(ValueError, match=r"holds 26 tokens and already has 24: 3 more do not fit"):
+            model(input_ids=ids[:, :3], past_key_values=cache, use_cache=True)
 
 
 def test_lossless_table_covers_the_static_methods():

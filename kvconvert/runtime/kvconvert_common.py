@@ -14,7 +14,7 @@ from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from .kvconvert_codec import QuantSpec
 from .kvconvert_kernels import HeadColumns, packed_decode_triton
-from .kvconvert_storage import KVLayer, stock_layer
+from .kvconvert_storage import KVLayer, StaticKVLayer, stock_layer
 from .kvconvert_tokenstore import TokenStore
 
 
@@ -70,26 +70,13 @@ class LatentLayer(KVLayer):
         self.is_initialized = False
 
 
-class StaticLatentLayer(KVLayer):
-    """``LatentLayer`` preallocated for ``max_cache_len`` tokens (``generate(cache_implementation="static")``): keys
-    ``[b, max_cache_len, wk]`` and optional values written in place, so that a decode step has the same shapes
-    and tensor addresses every time (``torch.compile``, CUDA graphs). ``update`` returns the whole buffers; the
-    slots not written yet are masked out by the attention mask, sized by ``get_mask_sizes`` as transformers'
-    ``StaticLayer`` sizes it. 16-bit storage only (quantized storage keeps the growing ``LatentLayer``)."""
+class StaticLatentLayer(StaticKVLayer):
+    """``LatentLayer`` preallocated for ``max_cache_len`` tokens (``StaticKVLayer``): keys ``[b, max_cache_len, wk]``
+    and optional values. ``update`` returns the whole buffers. 16-bit storage only (quantized storage keeps the
+    growing ``LatentLayer``)."""
 
-    is_compileable = True
-
-    def __init__(self, max_cache_len: int):
-        super().__init__()
-        self.max_cache_len = max_cache_len
-        # tokens written: a tensor, as transformers' StaticLayer keeps it (a Python int would be baked into a
-        # compiled graph)
-        self.filled = torch.tensor(0)
-        self.keys = self.values = None
-
-    def slots(self, count: int) -> torch.Tensor:
-        """Where the next ``count`` tokens go: ``[count]`` int64."""
-        return torch.arange(count, device=self.filled.device) + self.filled
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
@@ -101,53 +88,15 @@ class StaticLatentLayer(KVLayer):
             self.keys = key_states.new_zeros(batch, self.max_cache_len, key_states.shape[-1])
             if value_states is not None:
                 self.values = value_states.new_zeros(batch, self.max_cache_len, value_states.shape[-1])
-            self.filled = self.filled.to(self.device)
-            if not torch.compiler.is_compiling():  # fixed addresses: what CUDA graphs replay against
-                for buffer in (self.keys, self.values, self.filled):
-                    if buffer is not None:
-                        torch._dynamo.mark_static_address(buffer)
-            self.is_initialized = True
-        if not torch.compiler.is_compiling() and int(self.filled) + count > self.max_cache_len:
-            raise ValueError(f"this static cache holds {self.max_cache_len} tokens and already has "
-                             f"{int(self.filled)}: {count} more do not fit; generate with a larger "
-                             "max_length / max_cache_len, or cache_implementation='dynamic'")  # fmt: skip
-        slots = self.slots(count)
+            self._initialized(self.device)
+        slots = self._write_slots(count)
         assert self.keys is not None
         self.keys.index_copy_(1, slots, key_states)
         if value_states is not None:
             assert self.values is not None
             self.values.index_copy_(1, slots, value_states)
-        self.filled.add_(count)
+        self._advance(count)
         return self.keys, self.values
-
-    def get_seq_length(self) -> Any:
-        return self.filled if self.is_initialized else 0
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.max_cache_len, 0
-
-    def get_max_length(self) -> int:
-        return self.max_cache_len
-
-    def rows(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[0]
-
-    def crop_to(self, length: int) -> None:
-        """Later slots are left as they are: the mask hides them until they are written again."""
-        self.filled.fill_(min(length, int(self.filled)))
-
-    def apply(self, fn: Any) -> None:
-        if self.keys is not None:
-            self.keys = fn(self.keys)
-        if self.values is not None:
-            self.values = fn(self.values)
-
-    def reset(self) -> None:
-        """Zeroed in place: the buffers keep their addresses for the next generation."""
-        for buffer in (self.keys, self.values):
-            if buffer is not None:
-                buffer.zero_()
-        self.filled.zero_()
 
 
 class CompressedCache(Cache):
@@ -261,9 +210,11 @@ def latent_layers(spec: dict[str, Any], compressed: Sequence[bool], max_cache_le
 
 
 def static_refusal(spec: dict[str, Any]) -> str | None:
-    """Why a latent-cache checkpoint cannot have a static cache, or None: quantized storage re-packs blocks as the
-    sequence grows, and sliding-window layers need the window's own static layer (not built)."""
-    if QuantSpec.from_spec(spec).quantized:
+    """Why a checkpoint whose method has static cache layers (lorc, zack, slim; quant's fp8) cannot have a static
+    cache, or None: integer storage re-packs blocks as the sequence grows (fp8 stores each token alone), and
+    sliding-window layers need the window's own static layer (not built)."""
+    quant = QuantSpec.from_spec(spec)
+    if quant.quantized and not quant.fp8:
         return "its quantized storage re-packs blocks as the sequence grows"
     if spec.get("local_layers"):
         return "it has sliding-window layers"

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .kvconvert_codec import QuantSpec, fp8_read, fp8_store
+from .kvconvert_codec import FP8, QuantSpec, fp8_read, fp8_store
 from .kvconvert_tokenstore import TokenStore
 
 
@@ -154,6 +154,117 @@ class Fp8Layer(KVLayer):
         self.key_codes = self.value_codes = None
         self.keys = self.values = None
         self.is_initialized = False
+
+
+class StaticKVLayer(KVLayer):
+    """Base of kvconvert's preallocated cache layers (``generate(cache_implementation="static")``): state buffers
+    of ``max_cache_len`` tokens, named in ``buffers``, written in place at slots counted by a
+    0-d tensor, so that a decode step has the same shapes and tensor addresses every time (``torch.compile``,
+    CUDA graphs). Masks are sized for the whole buffer, as transformers' ``StaticLayer`` sizes them: the slots not
+    written yet are masked out."""
+
+    is_compileable = True
+    buffers: tuple[str, ...] = ("keys", "values")
+
+    def __init__(self, max_cache_len: int):
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        # tokens written: a tensor, as transformers' StaticLayer keeps it (a Python int would be baked into a
+        # compiled graph)
+        self.filled = torch.tensor(0)
+        for name in self.buffers:
+            setattr(self, name, None)
+
+    def _held(self) -> list[torch.Tensor]:
+        return [t for t in (getattr(self, name) for name in self.buffers) if t is not None]
+
+    def _initialized(self, device: torch.device) -> None:
+        """Called once the buffers are allocated (on ``device``): fixes their addresses."""
+        self.filled = self.filled.to(device)
+        if not torch.compiler.is_compiling():  # fixed addresses: what CUDA graphs replay against
+            for buffer in (*self._held(), self.filled):
+                torch._dynamo.mark_static_address(buffer)
+        self.is_initialized = True
+
+    def slots(self, count: int) -> torch.Tensor:
+        """Where the next ``count`` tokens go (``[count]`` int64)."""
+        return torch.arange(count, device=self.filled.device) + self.filled
+
+    def _write_slots(self, count: int) -> torch.Tensor:
+        """``slots``, after checking they fit (eagerly: a compiled step cannot raise, as with transformers'
+        ``StaticLayer``, which never checks); the caller writes them, then ``_advance``s."""
+        if not torch.compiler.is_compiling() and int(self.filled) + count > self.max_cache_len:
+            raise ValueError(f"this static cache holds {self.max_cache_len} tokens and already has "
+                             f"{int(self.filled)}: {count} more do not fit; generate with a larger "
+                             "max_length / max_cache_len, or cache_implementation='dynamic'")  # fmt: skip
+        return self.slots(count)
+
+    def _advance(self, count: int) -> None:
+        self.filled.add_(count)
+
+    def get_seq_length(self) -> Any:
+        return self.filled if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def rows(self) -> int:
+        held = self._held()
+        return held[0].shape[0] if held else 0
+
+    def crop_to(self, length: int) -> None:
+        """Later slots are left as they are: the mask hides them until they are written again."""
+        self.filled.fill_(min(length, int(self.filled)))
+
+    def apply(self, fn: Any) -> None:
+        for name in self.buffers:
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+
+    def reset(self) -> None:
+        """Zeroed in place: the buffers keep their addresses for the next generation."""
+        for buffer in self._held():
+            buffer.zero_()
+        self.filled.zero_()
+
+
+class StaticFp8Layer(StaticKVLayer):
+    """``Fp8Layer`` preallocated for ``max_cache_len`` tokens (``StaticKVLayer``): codes ``[b, Hkv, max_cache_len,
+    d]`` held as uint8 (torch has no ``index_copy_`` for float8 on the CPU; the bytes are the e4m3 codes), read
+    back whole with the layer's static scales, as ``Fp8Layer`` reads its growing codes."""
+
+    buffers = ("key_codes", "value_codes")
+    key_codes: torch.Tensor | None
+    value_codes: torch.Tensor | None
+
+    def __init__(self, quant: QuantSpec, layer: int, max_cache_len: int):
+        super().__init__(max_cache_len)
+        if quant.scales is None:
+            raise ValueError("fp8 storage needs calibrated scales; this checkpoint's kv_quant has none")
+        k, v = quant.scales[layer]
+        self.key_scale, self.value_scale = torch.tensor(k), torch.tensor(v)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        count = key_states.shape[-2]
+        if not self.is_initialized:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.key_scale, self.value_scale = self.key_scale.to(self.device), self.value_scale.to(self.device)
+            batch, heads, _, _ = key_states.shape
+            self.key_codes = torch.zeros(batch, heads, self.max_cache_len, key_states.shape[-1], dtype=torch.uint8,
+                                         device=self.device)  # fmt: skip
+            self.value_codes = torch.zeros(batch, heads, self.max_cache_len, value_states.shape[-1],
+                                           dtype=torch.uint8, device=self.device)  # fmt: skip
+            self._initialized(self.device)
+        assert self.key_codes is not None and self.value_codes is not None
+        slots = self._write_slots(count)
+        self.key_codes.index_copy_(2, slots, fp8_store(key_states, self.key_scale).view(torch.uint8))
+        self.value_codes.index_copy_(2, slots, fp8_store(value_states, self.value_scale).view(torch.uint8))
+        self._advance(count)
+        return (fp8_read(self.key_codes.view(FP8), self.key_scale, self.dtype),
+                fp8_read(self.value_codes.view(FP8), self.value_scale, self.dtype))  # fmt: skip
 
 
 def stock_layer(quant: QuantSpec, layer: int) -> DynamicLayer:
