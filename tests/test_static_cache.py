@@ -13,7 +13,8 @@ from default_methods import COMPRESSING, LOSSLESS
 from helpers import assert_same_logits, left_padded, load_converted, load_reference
 from transformers import CompileConfig, StaticCache
 
-STATIC = ("lorc", "slim", "zack")  # the methods with a static cache
+STATIC = ("lorc", "slim", "zack", "quant")  # the methods with a static cache
+STATIC_LAYERS = {"StaticLatentLayer", "StaticStoreLayer", "StaticFp8Layer"}  # kvconvert's
 SEARCHES = {
     "greedy": {"do_sample": False},
     "beams": {"num_beams": 2, "do_sample": False},
@@ -21,8 +22,8 @@ SEARCHES = {
 }
 
 
-def _generate(model, **kwargs):
-    ids, mask = left_padded()
+def _generate(model, length: int = 24, **kwargs):
+    ids, mask = left_padded(length)
     torch.manual_seed(7)
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, pad_token_id=0,
                           return_dict_in_generate=True, output_logits=True, **kwargs)  # fmt: skip
@@ -43,8 +44,8 @@ def test_static_cache_decodes_as_the_growing_one(method, converted):
         if name == "greedy":
             for step, (a, b) in enumerate(zip(dynamic.logits, static.logits, strict=True)):
                 assert_same_logits(a, b, f"{method} step {step}")  # the same sums over more (masked) slots
-            assert "StaticLatentLayer" in _layer_classes(static) and static.past_key_values.is_compileable
-            assert "StaticLatentLayer" not in _layer_classes(dynamic)
+            assert _layer_classes(static) & STATIC_LAYERS and static.past_key_values.is_compileable
+            assert not _layer_classes(dynamic) & STATIC_LAYERS
 
 
 @pytest.mark.parametrize("method", STATIC)
@@ -85,16 +86,107 @@ def test_methods_without_a_static_cache_say_so_and_decode_as_before(method, conv
     assert not static.past_key_values.is_compileable
 
 
-def test_quantized_storage_keeps_the_growing_cache_and_says_why(tokenized_model_dir, tmp_path):
+# quantized storage: prompts of 200 tokens, so that prefill quantizes whole blocks and decode fills one more
+QUANTIZED = {
+    "quant 4-bit": ("quant", ("--kv-bits", "4", "--kv-residual", "16")),
+    "quant 3-bit, sink + rotation, groups of 32": ("quant", ("--kv-bits", "3", "--kv-residual", "0", "--kv-sink", "4",
+                                                             "--kv-rotate", "--kv-group", "32")),
+    "lorc 0.5 + 4-bit": ("lorc", ("--kv-budget", "0.5", "--schedule", "uniform", "--kv-bits", "4",
+                                  "--kv-residual", "8")),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def quantized(tokenized_model_dir, tmp_path_factory):
     from helpers import convert
 
-    out = tmp_path / "lorc-4bit"
-    convert("lorc", tokenized_model_dir("llama_gqa"), out, "--kv-budget", "0.5", "--schedule", "uniform",
-            "--kv-bits", "4")  # fmt: skip
+    made = {}
+    for name, (method, args) in QUANTIZED.items():
+        made[name] = tmp_path_factory.mktemp("static-quantized") / "out"
+        convert(method, tokenized_model_dir("llama_gqa"), made[name], *args)
+    return made
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_quantized_storage_has_a_static_cache_that_holds_what_the_growing_one_holds(name, quantized):
+    """Blocks quantized at prefill and during decode, sinks, rotation, residual tokens: every search gives the
+    growing quantized cache's tokens, and greedy its logits (the stores hold the same values bit for bit,
+    ``test_static_store_holds_what_the_growing_store_holds``). Logits of the unpadded row: a left-padded row's
+    padding states are garbage (a fully masked query averages over every slot, and a static cache has more), and
+    per-channel key blocks take their range over the padding too, so its real tokens' codes may differ a little."""
+    model = load_converted(quantized[name])
+    for search, kwargs in SEARCHES.items():
+        dynamic = _generate(model, 200, **kwargs)
+        static = _generate(model, 200, cache_implementation="static", **kwargs)
+        assert torch.equal(static.sequences, dynamic.sequences), f"{name}, {search}"
+        if search == "greedy":
+            for step, (a, b) in enumerate(zip(dynamic.logits, static.logits, strict=True)):
+                assert_same_logits(a[0], b[0], f"{name} step {step}")
+            assert static.past_key_values.is_compileable
+            assert _layer_classes(static) & STATIC_LAYERS
+
+
+def test_compiled_decode_from_a_static_quantized_cache(quantized):
+    model = load_converted(quantized["quant 3-bit, sink + rotation, groups of 32"])
+    eager = _generate(model, 200)
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    compiled = _generate(model, 200, cache_implementation="static", compile_config=config)
+    assert getattr(model, "_compiled_call", None) is not None
+    assert torch.equal(compiled.sequences, eager.sequences)
+    for step, (a, b) in enumerate(zip(eager.logits, compiled.logits, strict=True)):
+        assert_same_logits(a, b, f"quant 3-bit step {step}")
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("bits, group, residual, sink, rotate", [
+    (4, 64, 128, 0, False), (3, 32, 0, 4, True), (2, 32, 32, 4, False), (8, 64, 16, 0, True), (16, 64, 128, 0, False),
+])  # fmt: skip
+def test_static_store_holds_what_the_growing_store_holds(bits, group, residual, sink, rotate, per_channel):
+    """Independent of how tokens arrive (prefill chunks, single decode tokens), ``StaticTokenStore`` gives each step
+    exactly what ``TokenStore.extend`` gives it: bit for bit, except that a rotation is a float matrix product whose
+    rounding may differ with the operand's layout, which can move a value across a rounding boundary (one code)."""
+    from kvconvert.runtime.kvconvert_codec import QuantSpec
+    from kvconvert.runtime.kvconvert_tokenstore import StaticTokenStore, TokenStore
+
+    spec = QuantSpec(bits=bits, group=group, residual=residual, sink=sink, rotate=rotate)
+    chunks = [37, 1, 1, 90, *[1] * 100, 70, *[1] * 40]
+    x = torch.randn(2, 3, sum(chunks), 64, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.5, 4, 64)
+    x[..., :4, :] *= 10  # sink-like outliers
+    growing, static = TokenStore(spec, per_channel), StaticTokenStore(spec, per_channel, sum(chunks) + 5)
+    filled = 0
+    for count in chunks:
+        new = x[..., filled : filled + count, :]
+        expected = growing.extend(new)
+        got = static.extend(new, torch.tensor(filled))[..., : filled + count, :]
+        filled += count
+        if rotate:
+            assert (got != expected).float().mean() < 1e-3, f"after {filled} tokens"
+        else:
+            assert torch.equal(got, expected), f"after {filled} tokens"
+
+
+def test_the_token_layout_keeps_its_growing_cache_and_says_why(tokenized_model_dir, tmp_path):
+    from helpers import convert
+
+    out = tmp_path / "token"
+    convert("quant", tokenized_model_dir("llama_gqa64"), out, "--kv-bits", "4", "--kv-layout", "token",
+            "--kv-residual", "0")  # fmt: skip
     model = load_converted(out)
-    with pytest.warns(UserWarning, match="quantized storage re-packs blocks"):
+    with pytest.warns(UserWarning, match="token layout"):
         static = _generate(model, cache_implementation="static")
-    assert "StaticLatentLayer" not in _layer_classes(static)
+    assert not static.past_key_values.is_compileable
+
+
+def test_a_static_quantized_cache_refuses_to_crop_below_what_it_holds(quantized):
+    model = load_converted(quantized["quant 4-bit"])
+    ids, mask = left_padded(100)
+    cache = StaticCache(config=model.config, max_cache_len=120)
+    with torch.no_grad():
+        cache = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(-10)
 
 
 def test_a_static_cache_too_short_is_one_clear_error(converted):
@@ -116,7 +208,7 @@ def test_compiled_speed_is_measured_only_for_static_caches(converted, tokenized_
 
     models = {"source": load_reference(tokenized_model_dir("llama_gqa")),
               "zack": load_converted(converted("zack", "compressing")[1]),
-              "quant": load_converted(converted("quant", "compressing")[1])}  # fmt: skip
+              "razor": load_converted(converted("razor", "compressing")[1])}  # fmt: skip
     torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

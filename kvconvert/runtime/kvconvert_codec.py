@@ -225,17 +225,26 @@ def packed_width(width: int, bits: int) -> int:
     return 3 * math.ceil(width / 8) if bits == 3 else math.ceil(width / (8 // bits))
 
 
-@functools.cache
 def rotation(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """An orthogonal ``[size, size]`` float32 matrix that spreads every channel over the group: a
     Hadamard matrix with random column signs (fixed seed) where ``size`` is a power of two, else the
     Q of a seeded Gaussian's QR. Only ever applied and undone inside one runtime, so nothing about
     it is stored. Built once per (size, device) (on a GPU each build was a blocking host copy per
     layer per step); callers must not modify it."""
+    if torch.compiler.is_compiling():  # dynamo warns about functools caches; the table is traced as a constant
+        return _rotation_table(size, device)
+    return _rotation_cached(size, device)
+
+
+def _rotation_table(size: int, device: torch.device | str) -> torch.Tensor:
     key = (size, str(torch.device(device)))
     if key not in _ROTATIONS:
         _ROTATIONS[key] = _build_rotation(size).to(device)
     return _ROTATIONS[key]
+
+
+# eager callers (every layer, every step) skip building the key
+_rotation_cached = functools.cache(_rotation_table)
 
 
 _ROTATIONS: dict[tuple[int, str], torch.Tensor] = {}
@@ -379,7 +388,11 @@ def _fused_dequantize(
 ) -> torch.Tensor:
     """``target = codes·scale + zero`` (one pass, float32 arithmetic, stored in ``target``'s dtype);
     ``target`` is a view of ``out``, which is returned."""
-    torch.addcmul(block.zero.float()[..., None], codes, block.scale.float()[..., None], out=target)
+    zero, scale = block.zero.float()[..., None], block.scale.float()[..., None]
+    if torch.compiler.is_compiling():  # dynamo takes no strided out=; inductor fuses the copy into the product
+        target.copy_(torch.addcmul(zero, codes, scale))
+    else:
+        torch.addcmul(zero, codes, scale, out=target)
     return out
 
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .kvconvert_codec import QuantSpec
 from .kvconvert_kernels import HeadColumns, packed_decode_triton
-from .kvconvert_storage import KVLayer, StaticKVLayer, stock_layer
+from .kvconvert_storage import KVLayer, StaticStoreLayer, static_stock_layer, stock_layer
 from .kvconvert_tokenstore import TokenStore
 
 
@@ -70,33 +70,9 @@ class LatentLayer(KVLayer):
         self.is_initialized = False
 
 
-class StaticLatentLayer(StaticKVLayer):
-    """``LatentLayer`` preallocated for ``max_cache_len`` tokens (``StaticKVLayer``): keys ``[b, max_cache_len, wk]``
-    and optional values. ``update`` returns the whole buffers. 16-bit storage only (quantized storage keeps the
-    growing ``LatentLayer``)."""
-
-    keys: torch.Tensor | None
-    values: torch.Tensor | None
-
-    def update(  # type: ignore[override]
-        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Write ``[b, q, w]`` states at the next slots; return the whole ``[b, max_cache_len, w]`` buffers."""
-        batch, count = key_states.shape[:2]
-        if not self.is_initialized:
-            self.dtype, self.device = key_states.dtype, key_states.device
-            self.keys = key_states.new_zeros(batch, self.max_cache_len, key_states.shape[-1])
-            if value_states is not None:
-                self.values = value_states.new_zeros(batch, self.max_cache_len, value_states.shape[-1])
-            self._initialized(self.device)
-        slots = self._write_slots(count)
-        assert self.keys is not None
-        self.keys.index_copy_(1, slots, key_states)
-        if value_states is not None:
-            assert self.values is not None
-            self.values.index_copy_(1, slots, value_states)
-        self._advance(count)
-        return self.keys, self.values
+class StaticLatentLayer(StaticStoreLayer):
+    """``LatentLayer`` preallocated for ``max_cache_len`` tokens (``StaticStoreLayer``): keys ``[b, max_cache_len,
+    wk]`` and optional values, quantized as ``LatentLayer``'s are where the checkpoint asks for it."""
 
 
 class CompressedCache(Cache):
@@ -203,19 +179,18 @@ def latent_layers(spec: dict[str, Any], compressed: Sequence[bool], max_cache_le
     """The cache layers of a latent-cache method (lorc, zack, slim): ``LatentLayer`` where ``compressed``, the
     stock layer elsewhere; with ``max_cache_len`` (a static cache was asked for) ``StaticLatentLayer`` and
     transformers' ``StaticLayer`` instead, unless ``static_refusal`` has a reason not to."""
-    if max_cache_len is not None and static_refusal(spec) is None:
-        return [StaticLatentLayer(max_cache_len) if c else StaticLayer(max_cache_len) for c in compressed]
     quant = QuantSpec.from_spec(spec)
+    if max_cache_len is not None and static_refusal(spec) is None:
+        return [StaticLatentLayer(max_cache_len, quant, i) if c else static_stock_layer(quant, i, max_cache_len)
+                for i, c in enumerate(compressed)]  # fmt: skip
     return [LatentLayer(quant, i) if c else stock_layer(quant, i) for i, c in enumerate(compressed)]
 
 
 def static_refusal(spec: dict[str, Any]) -> str | None:
-    """Why a checkpoint whose method has static cache layers (lorc, zack, slim; quant's fp8) cannot have a static
-    cache, or None: integer storage re-packs blocks as the sequence grows (fp8 stores each token alone), and
-    sliding-window layers need the window's own static layer (not built)."""
-    quant = QuantSpec.from_spec(spec)
-    if quant.quantized and not quant.fp8:
-        return "its quantized storage re-packs blocks as the sequence grows"
+    """Why a checkpoint whose method has static cache layers (lorc, zack, slim, quant) cannot have a static cache,
+    or None: the token layout's int4 packing and sliding-window layers have no static layer (not built)."""
+    if QuantSpec.from_spec(spec).layout == "token":
+        return "its token layout (torch's CPU int4 packing) has no static layer yet"
     if spec.get("local_layers"):
         return "it has sliding-window layers"
     return None
@@ -226,7 +201,7 @@ class LayerStateCache(Cache):
 
     is_kvconvert_cache = True
 
-    def __init__(self, layers: Sequence[DynamicLayer]):
+    def __init__(self, layers: Sequence[CacheLayerMixin]):
         super().__init__(layers=list(layers))
 
 

@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec, rotation
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, static_refusal
-from .kvconvert_storage import Fp8Layer, QuantizedLayer, StaticFp8Layer, sliding_layer
+from .kvconvert_storage import Fp8Layer, QuantizedLayer, sliding_layer, static_stock_layer
 from .kvconvert_tokenlayout import TokenLayoutStore, cpu_int4_rows
 
 IMPLEMENTATION = "kvconvert_quant"
@@ -216,12 +216,12 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
 
 
 def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerStateCache:
-    """With ``max_cache_len`` (a static cache asked for), fp8 storage is preallocated (``StaticFp8Layer``); integer
-    storage grows with the sequence whatever is asked (``static_refusal`` says why)."""
+    """With ``max_cache_len`` (a static cache asked for), every layer's storage preallocated (``static_stock_layer``),
+    unless ``static_refusal`` has a reason not to (the token layout, sliding-window layers)."""
     quant = QuantSpec.from_spec(spec)
     layers = range(len(spec["attention_modules"]))
     if max_cache_len is not None and static_refusal(spec) is None:
-        return LayerStateCache([StaticFp8Layer(quant, i, max_cache_len) for i in layers])
+        return LayerStateCache([static_stock_layer(quant, i, max_cache_len) for i in layers])
     layer_class = Fp8Layer if quant.fp8 else TokenLayoutLayer if quant.layout == "token" else QuantizedLayer
     return LayerStateCache([sliding_layer(spec, i) or layer_class(quant, i) for i in layers])
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from .kvconvert_codec import FP8, QuantSpec, fp8_read, fp8_store
-from .kvconvert_tokenstore import TokenStore
+from .kvconvert_tokenstore import StaticTokenStore, TokenStore
 
 
 def select_rows_fn(index: torch.Tensor) -> Any:
@@ -267,12 +267,71 @@ class StaticFp8Layer(StaticKVLayer):
                 fp8_read(self.value_codes.view(FP8), self.value_scale, self.dtype))  # fmt: skip
 
 
+class StaticStoreLayer(StaticKVLayer):
+    """``QuantizedLayer`` (or, as ``StaticLatentLayer``, ``LatentLayer``) preallocated for ``max_cache_len`` tokens
+    (``StaticKVLayer``): keys per channel and values per token in ``StaticTokenStore``s, which hold what the growing
+    layers' stores hold (plain buffers at 16 bits). ``update`` takes ``[..., q, w]`` states (values optional) and
+    returns every slot ``[..., max_cache_len, w]``, the past below the quantized count from its codes, the rest
+    exact."""
+
+    buffers = ()
+
+    def __init__(self, max_cache_len: int, quant: QuantSpec | None = None, layer: int = 0):
+        super().__init__(max_cache_len)
+        self.quant, self.layer = quant or QuantSpec(), layer
+        self.key_store = StaticTokenStore(self.quant.side(layer, keys=True), True, max_cache_len)
+        self.value_store: StaticTokenStore | None = None
+
+    def _held(self) -> list[torch.Tensor]:
+        return self.key_store.held() + ([] if self.value_store is None else self.value_store.held())
+
+    def update(  # type: ignore[override]
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        count = key_states.shape[-2]
+        first = not self.is_initialized
+        if first:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.filled = self.filled.to(self.device)
+        self._write_slots(count)  # the room check
+        keys = self.key_store.extend(key_states, self.filled)
+        values = None
+        if value_states is not None:
+            if self.value_store is None:
+                side = self.quant.side(self.layer, keys=False)
+                self.value_store = StaticTokenStore(side, False, self.max_cache_len)
+            values = self.value_store.extend(value_states, self.filled)
+        if first:  # the stores allocate at their first tokens
+            self._initialized(self.device)
+        self._advance(count)
+        return keys, values
+
+    def apply(self, fn: Any) -> None:
+        self.key_store.apply(fn)
+        if self.value_store is not None:
+            self.value_store.apply(fn)
+
+    def crop_to(self, length: int) -> None:
+        """Quantized: only to the length held (the float tokens a shorter cache would need again are overwritten)."""
+        if self.quant.quantized and length < int(self.filled):
+            raise ValueError("a static quantized cache cannot be cropped; use cache_implementation='dynamic'")
+        super().crop_to(length)
+
+
 def stock_layer(quant: QuantSpec, layer: int) -> DynamicLayer:
     """The cache layer of a layer a method leaves untouched: transformers' own, or quantized."""
     if quant.fp8:
         return Fp8Layer(quant, layer)
     quantized = quant.side(layer, keys=True).quantized or quant.side(layer, keys=False).quantized
     return QuantizedLayer(quant, layer) if quantized else DynamicLayer()
+
+
+def static_stock_layer(quant: QuantSpec, layer: int, max_cache_len: int) -> CacheLayerMixin:
+    """``stock_layer`` preallocated for ``max_cache_len`` tokens (a static cache)."""
+    if quant.fp8:
+        return StaticFp8Layer(quant, layer, max_cache_len)
+    quantized = quant.side(layer, keys=True).quantized or quant.side(layer, keys=False).quantized
+    return StaticStoreLayer(max_cache_len, quant, layer) if quantized else StaticLayer(max_cache_len)
 
 
 class QuantizedSlidingLayer(QuantizedLayer):

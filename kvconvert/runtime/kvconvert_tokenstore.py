@@ -254,3 +254,185 @@ class TokenStore:
         self._clear()
         self.front_dropped = front_dropped
         self.append(kept)
+
+
+# --------------------------------------------------------------------------- the static store
+
+
+class StaticTokenStore:
+    """``TokenStore``'s storage preallocated for ``max_len`` tokens (a static cache: fixed shapes and addresses,
+    what ``torch.compile`` and CUDA graphs need), holding the same values: whole blocks quantized as soon as
+    ``residual + group`` tokens wait, the newest in float, the sink exact.
+
+    Buffers: ``codes``/``scale``/``zero`` for ``ceil(max_len / group)`` blocks (block i holds positions
+    ``i·group …``), a float ``ring`` of the newest ``residual + group`` tokens (slot = position mod its length)
+    and the exact ``head`` (sink). Which tokens are quantized is a function of the count alone,
+    ``Q(n) = max(0, ⌊(n − residual) / group⌋·group)`` (what ``TokenStore.append`` reaches however the tokens
+    arrive), so a decode step needs no data-dependent branch: ``extend`` reads, as ``TokenStore.extend`` does,
+    positions below ``Q(p)`` from the codes and the rest exact, then stores the token and rewrites the one block
+    that may just have filled (its old codes where it did not). A prefill (several tokens) runs eagerly and
+    quantizes its whole blocks at once. Storage without quantization is a plain buffer. The KIVI layout only
+    (the token layout's int4 packing is read by its own decode step)."""
+
+    def __init__(self, quant: QuantSpec, per_channel: bool, max_len: int):
+        self.quant, self.per_channel = quant, per_channel
+        self.rotate = quant.rotate and not per_channel
+        group = quant.group
+        self.blocks = -(-max_len // group)
+        self.max_len = max_len
+        self.ring_len = quant.residual + group
+        self.codes: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.zero: torch.Tensor | None = None
+        self.ring: torch.Tensor | None = None
+        self.head: torch.Tensor | None = None
+        self.width = 0
+
+    def tensors(self) -> list[str]:
+        return ["codes", "scale", "zero", "ring", "head"]
+
+    def held(self) -> list[torch.Tensor]:
+        return [t for t in (getattr(self, name) for name in self.tensors()) if t is not None]
+
+    def apply(self, fn: Any) -> None:
+        for name in self.tensors():
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+
+    def _allocate(self, new: torch.Tensor) -> None:
+        *lead, _, width = new.shape
+        self.width, spec = width, self.quant
+        if not spec.quantized:  # 16 bits: the ring is the whole buffer
+            self.ring = new.new_zeros(*lead, self.max_len, width)
+            return
+        # the shapes of one block's codes, scales and zeros, from the codec itself, repeated for every block
+        probe = quantize_tokens(new.new_zeros(*lead, spec.group, width), spec.bits, spec.group, self.per_channel,
+                                self.rotate)  # fmt: skip
+        axis = -3 if self.per_channel else -2  # the block (per channel) or token (per token) axis of the codes
+        self.codes, self.scale, self.zero = (_repeated(t, dim, self.blocks) for t, dim in
+                                             ((probe.codes, axis), (probe.scale, -2), (probe.zero, -2)))  # fmt: skip
+        self.ring = new.new_zeros(*lead, self.ring_len, width)
+        if spec.sink:
+            self.head = new.new_zeros(*lead, spec.sink, width)
+
+    def quantized_count(self, count: Any) -> Any:
+        """``Q(count)``: tokens in quantized blocks once ``count`` are stored (an int, or a 0-d tensor)."""
+        group, residual = self.quant.group, self.quant.residual
+        if isinstance(count, int):
+            return max(0, (count - residual) // group * group)
+        return ((count - residual).clamp(min=0) // group) * group
+
+    # --- reading
+    def extend(self, new: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+        """Store ``new [..., q, w]`` at positions ``filled …``; return every slot ``[..., max_len, w]`` as the
+        step attends to them (slots past ``filled + q`` hold anything: the mask hides them)."""
+        if self.ring is None:
+            self._allocate(new)
+        out = self._read(new, filled)
+        if new.shape[-2] == 1:
+            self._write_one(new, filled)
+        else:
+            self._write_many(new, int(filled))
+        return out
+
+    def _read(self, new: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+        assert self.ring is not None
+        count = new.shape[-2]
+        steps = torch.arange(count, device=new.device) + filled
+        if not self.quant.quantized:
+            self.ring.index_copy_(-2, steps, new)
+            return self.ring
+        assert self.codes is not None and self.scale is not None and self.zero is not None
+        spec, lead = self.quant, self.ring.shape[:-2]
+        length = self.blocks * spec.group
+        # one slot past the last block: where the ring's stale slots are written, then cut off
+        out = self.ring.new_empty(*lead, length + 1, self.width)
+        dequantize_tokens(QuantizedBlock(self.codes, self.scale, self.zero), spec.bits, spec.group, self.width,
+                          self.per_channel, out.dtype, self.rotate, out[..., :length, :])  # fmt: skip
+        # ring slot s holds the newest position ≡ s (mod ring_len) before this step; exact where not quantized
+        slots = torch.arange(self.ring_len, device=new.device)
+        positions = filled - 1 - (filled - 1 - slots).remainder(self.ring_len)
+        exact = (positions >= self.quantized_count(filled)) & (positions >= 0)
+        out.index_copy_(-2, torch.where(exact, positions, length), self.ring)
+        out.index_copy_(-2, steps, new)
+        if self.head is not None:  # the sink, exact (its block holds stand-ins)
+            sink = self.head.shape[-2]
+            held = (torch.arange(sink, device=new.device) < filled).view(-1, 1)
+            out[..., :sink, :] = torch.where(held, self.head, out[..., :sink, :])
+        return out[..., : self.max_len, :]
+
+    # --- writing
+    def _quantize_into(self, tokens: torch.Tensor, first_block: Any, keep: Any = None) -> None:
+        """Quantize ``tokens [..., k·group, w]`` (whole blocks) into blocks ``first_block …``; with ``keep`` (a 0-d
+        bool tensor, one block) the old codes stay where it is True."""
+        assert self.codes is not None and self.scale is not None and self.zero is not None
+        spec = self.quant
+        block = quantize_tokens(tokens, spec.bits, spec.group, self.per_channel, self.rotate)
+        blocks = tokens.shape[-2] // spec.group
+        index = torch.arange(blocks, device=tokens.device) + first_block
+        within = torch.arange(spec.group, device=tokens.device)
+        rows = index if self.per_channel else (index[:, None] * spec.group + within).flatten()
+        axis = -3 if self.per_channel else -2
+        codes, scale, zero = block.codes, block.scale, block.zero
+        if keep is not None:
+            codes = torch.where(keep, self.codes.index_select(axis, rows), codes)
+            scale = torch.where(keep, self.scale.index_select(-2, rows), scale)
+            zero = torch.where(keep, self.zero.index_select(-2, rows), zero)
+        self.codes.index_copy_(axis, rows, codes)
+        self.scale.index_copy_(-2, rows, scale)
+        self.zero.index_copy_(-2, rows, zero)
+
+    def _with_stand_ins(self, tokens: torch.Tensor, first: Any) -> torch.Tensor:
+        """``tokens`` (starting at block ``first``) with the sink replaced by the token after it in block 0, so
+        its outliers widen no channel's range (as ``TokenStore.append`` does)."""
+        sink = self.quant.sink
+        if not sink:
+            return tokens
+        stand_in = tokens[..., sink : sink + 1, :].expand(*tokens.shape[:-2], sink, tokens.shape[-1])
+        replaced = torch.cat([stand_in, tokens[..., sink:, :]], dim=-2)
+        if isinstance(first, int):
+            return replaced if first == 0 else tokens
+        return torch.where(first == 0, replaced, tokens)
+
+    def _write_one(self, new: torch.Tensor, filled: torch.Tensor) -> None:
+        """One token at position ``filled``, with tensor ops only (a compiled decode step)."""
+        assert self.ring is not None
+        if not self.quant.quantized:
+            return  # written by ``_read``
+        spec = self.quant
+        self.ring.index_copy_(-2, filled.view(1).remainder(self.ring_len), new)
+        if self.head is not None:
+            slot = filled.clamp(max=spec.sink - 1).view(1)
+            self.head.index_copy_(-2, slot, torch.where(filled < spec.sink, new, self.head.index_select(-2, slot)))
+        total = filled + 1
+        filled_up = (total - spec.residual >= spec.group) & ((total - spec.residual) % spec.group == 0)
+        block = ((total - spec.residual) // spec.group - 1).clamp(min=0)
+        positions = block * spec.group + torch.arange(spec.group, device=new.device)
+        tokens = self._with_stand_ins(self.ring.index_select(-2, positions.remainder(self.ring_len)), block)
+        self._quantize_into(tokens, block, keep=~filled_up)
+
+    def _write_many(self, new: torch.Tensor, filled: int) -> None:
+        """A prefill's ``q`` tokens at ``filled …`` (eager: Python counts)."""
+        assert self.ring is not None
+        if not self.quant.quantized:
+            return  # written by ``_read``
+        spec, count = self.quant, new.shape[-2]
+        total = filled + count
+        before, after = self.quantized_count(filled), self.quantized_count(total)
+        if after > before:  # the tokens of the blocks that fill: from the ring, then from ``new``
+            old = torch.arange(before, filled, device=new.device).remainder(self.ring_len)
+            exact = torch.cat([self.ring.index_select(-2, old), new], dim=-2)[..., : after - before, :]
+            self._quantize_into(self._with_stand_ins(exact, before // spec.group), before // spec.group)
+        start = max(filled, total - self.ring_len)
+        slots = torch.arange(start, total, device=new.device).remainder(self.ring_len)
+        self.ring.index_copy_(-2, slots, new[..., start - filled :, :])
+        if self.head is not None and filled < spec.sink:
+            end = min(spec.sink, total)
+            self.head[..., filled:end, :] = new[..., : end - filled, :]
+
+
+def _repeated(block: torch.Tensor, dim: int, times: int) -> torch.Tensor:
+    """Zeros shaped like ``block`` with ``dim`` ``times`` as long."""
+    shape = list(block.shape)
+    shape[dim] *= times
+    return block.new_zeros(shape)
