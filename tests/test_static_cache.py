@@ -179,6 +179,29 @@ def test_the_token_layout_keeps_its_growing_cache_and_says_why(tokenized_model_d
     assert not static.past_key_values.is_compileable
 
 
+@pytest.mark.parametrize(
+    "storage",
+    [
+        ("--kv-bits", "4", "--kv-residual", "8"),
+        ("--kv-bits", "3", "--kv-residual", "0", "--kv-sink", "2", "--kv-rotate"),
+    ],
+)
+def test_interleaved_sliding_layers_keep_transformers_static_window(storage, tokenized_model_dir, tmp_path):
+    """Gemma 3 (local layers of 8 tokens between global ones): quant's global layers are preallocated, its local
+    ones get transformers' own static window, and decoding past the window gives the growing cache's tokens."""
+    from helpers import convert
+
+    out = tmp_path / "gemma3"
+    convert("quant", tokenized_model_dir("gemma3"), out, *storage)
+    model = load_converted(out)
+    for search, kwargs in SEARCHES.items():
+        dynamic = _generate(model, 100, **kwargs)
+        static = _generate(model, 100, cache_implementation="static", **kwargs)
+        assert torch.equal(static.sequences, dynamic.sequences), search
+    assert "StaticSlidingWindowLayer" in _layer_classes(static) and _layer_classes(static) & STATIC_LAYERS
+    assert static.past_key_values.is_compileable
+
+
 def test_a_static_quantized_cache_refuses_to_crop_below_what_it_holds(quantized):
     model = load_converted(quantized["quant 4-bit"])
     ids, mask = left_padded(100)

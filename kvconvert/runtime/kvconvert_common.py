@@ -188,11 +188,14 @@ def latent_layers(spec: dict[str, Any], compressed: Sequence[bool], max_cache_le
 
 def static_refusal(spec: dict[str, Any]) -> str | None:
     """Why a checkpoint whose method has static cache layers (lorc, zack, slim, quant) cannot have a static cache,
-    or None: the token layout's int4 packing and sliding-window layers have no static layer (not built)."""
-    if QuantSpec.from_spec(spec).layout == "token":
+    or None: the token layout's int4 packing has no static layer, nor have sliding-window layers except those
+    quant keeps stock (transformers' own static window; not built)."""
+    quant = QuantSpec.from_spec(spec)
+    if quant.layout == "token":
         return "its token layout (torch's CPU int4 packing) has no static layer yet"
-    if spec.get("local_layers"):
-        return "it has sliding-window layers"
+    stock_windows = spec.get("method") == "quant" and not (quant.include_local and quant.quantized)
+    if spec.get("local_layers") and not stock_windows:
+        return "its sliding-window layers have no static layer here yet"
     return None
 
 

@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec, rotation
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, static_refusal
-from .kvconvert_storage import Fp8Layer, QuantizedLayer, sliding_layer, static_stock_layer
+from .kvconvert_storage import Fp8Layer, QuantizedLayer, sliding_layer, static_sliding_layer, static_stock_layer
 from .kvconvert_tokenlayout import TokenLayoutStore, cpu_int4_rows
 
 IMPLEMENTATION = "kvconvert_quant"
@@ -217,11 +217,14 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
 
 def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerStateCache:
     """With ``max_cache_len`` (a static cache asked for), every layer's storage preallocated (``static_stock_layer``),
-    unless ``static_refusal`` has a reason not to (the token layout, sliding-window layers)."""
+    and transformers' own static window on sliding-window layers kept stock, unless ``static_refusal`` has a reason
+    not to."""
     quant = QuantSpec.from_spec(spec)
     layers = range(len(spec["attention_modules"]))
     if max_cache_len is not None and static_refusal(spec) is None:
-        return LayerStateCache([static_stock_layer(quant, i, max_cache_len) for i in layers])
+        length = max_cache_len
+        return LayerStateCache([static_sliding_layer(spec, i, length) or static_stock_layer(quant, i, length)
+                                for i in layers])  # fmt: skip
     layer_class = Fp8Layer if quant.fp8 else TokenLayoutLayer if quant.layout == "token" else QuantizedLayer
     return LayerStateCache([sliding_layer(spec, i) or layer_class(quant, i) for i in layers])
 

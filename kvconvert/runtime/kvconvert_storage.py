@@ -7,7 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.cache_utils import (
+    CacheLayerMixin,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
 
 from .kvconvert_codec import FP8, QuantSpec, fp8_read, fp8_store
 from .kvconvert_tokenstore import StaticTokenStore, TokenStore
@@ -376,6 +382,14 @@ class QuantizedSlidingLayer(QuantizedLayer):
     def crop_to(self, length: int) -> None:
         if length < self.cumulative_length:
             raise ValueError("a sliding-window cache cannot be cropped: the tokens it dropped are gone")
+
+
+def static_sliding_layer(spec: dict[str, Any], layer: int, max_cache_len: int) -> CacheLayerMixin | None:
+    """``sliding_layer`` preallocated (a static cache): transformers' own ``StaticSlidingWindowLayer`` for a
+    sliding-window layer kept stock; None for a global layer."""
+    if layer not in (spec.get("local_layers") or ()):
+        return None
+    return StaticSlidingWindowLayer(max_cache_len, int(spec["sliding_window"]))
 
 
 def sliding_layer(spec: dict[str, Any], layer: int) -> DynamicLayer | None:
