@@ -164,13 +164,13 @@ class Fp8Layer(KVLayer):
 
 class StaticKVLayer(KVLayer):
     """Base of kvconvert's preallocated cache layers (``generate(cache_implementation="static")``): state buffers
-    of ``max_cache_len`` tokens, named in ``buffers``, written in place at slots counted by a
-    0-d tensor, so that a decode step has the same shapes and tensor addresses every time (``torch.compile``,
-    CUDA graphs). Masks are sized for the whole buffer, as transformers' ``StaticLayer`` sizes them: the slots not
-    written yet are masked out."""
+    of ``max_cache_len`` tokens (the attributes named in ``buffers``, or what ``_held`` returns), written in place at
+    slots counted by a 0-d tensor, so that a decode step has the same shapes and tensor addresses every time
+    (``torch.compile``, CUDA graphs). Masks are sized for the whole buffer, as transformers' ``StaticLayer`` sizes
+    them: the slots not written yet are masked out."""
 
     is_compileable = True
-    buffers: tuple[str, ...] = ("keys", "values")
+    buffers: tuple[str, ...] = ()
 
     def __init__(self, max_cache_len: int):
         super().__init__()
@@ -279,8 +279,6 @@ class StaticStoreLayer(StaticKVLayer):
     layers' stores hold (plain buffers at 16 bits). ``update`` takes ``[..., q, w]`` states (values optional) and
     returns every slot ``[..., max_cache_len, w]``, the past below the quantized count from its codes, the rest
     exact."""
-
-    buffers = ()
 
     def __init__(self, max_cache_len: int, quant: QuantSpec | None = None, layer: int = 0):
         super().__init__(max_cache_len)
