@@ -103,8 +103,9 @@ class ReferenceStore:
             if first:  # the sink is quantized as a copy of its successor, and kept exact
                 exact = torch.cat([exact[..., spec.sink : spec.sink + 1, :].expand_as(exact[..., : spec.sink, :]),
                                    exact[..., spec.sink :, :]], dim=-2)  # fmt: skip
-            aged = reference_fake_quant(exact, spec.bits, spec.group, self.per_channel,
-                                        spec.rotate and not self.per_channel)  # fmt: skip
+            # values rotated in the store, unless quant folded the rotation into W_V / W_O (they arrive rotated)
+            rotate = spec.rotate and not spec.rotate_in_weights and not self.per_channel
+            aged = reference_fake_quant(exact, spec.bits, spec.group, self.per_channel, rotate)
             if first:
                 aged[..., : spec.sink, :] = self.tail[..., : spec.sink, :].float()
             aged = aged.to(self.tail.dtype)
@@ -366,8 +367,8 @@ def test_measured_bytes_equal_the_accounting(bits, extension, tiny_model_dir, tm
     src = tiny_model_dir("llama_gqa")  # 3 layers, 2 KV heads of 16 dims
     report = convert("quant", src, tmp_path / "q", "--kv-bits", str(bits), "--kv-group", "16", "--kv-residual", "16",
                      *extension)  # fmt: skip
-    assert report["kv_storage"] == {"bits": bits, "group": 16, "residual": 16,
-                                    **({"sink": 4, "rotate": True} if extension else {})}  # fmt: skip
+    extended = {"sink": 4, "rotate": True, "rotate_in_weights": True} if extension else {}
+    assert report["kv_storage"] == {"bits": bits, "group": 16, "residual": 16, **extended}
     model, reference = load_converted(tmp_path / "q"), load_reference(src)
     ids = torch.randint(3, 90, (1, 144), generator=torch.Generator().manual_seed(0))
     measured = kv_bytes_per_token(model, ids, 48, 144)  # both lengths: whole blocks + the same tail

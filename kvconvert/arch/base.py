@@ -128,6 +128,14 @@ class ArchAdapter:
     def attention_module_paths(self) -> list[str]:
         return [self.attention_module_template.format(i=i) for i in range(self.layout().num_layers)]
 
+    # the value and output projections are separate tensors that ``value_output_tensors`` can name
+    writes_values: ClassVar[bool] = False
+
+    def value_output_tensors(self, weights: AttentionWeights) -> dict[str, torch.Tensor]:
+        """``weights``' value and output projections (and value bias) under their local checkpoint names, for a
+        method that rewrites only those (``quant --kv-rotate`` folding its rotation in) and keeps the stock module."""
+        raise NotImplementedError(f"{self.family} cannot write its value projection alone")
+
     def key_norm(self, attention: Any) -> tuple[Any, torch.Tensor, float] | None:
         """A loaded attention module's QK-norm on keys as ``(key projection module, weight, eps)``: the
         keys are ``weight · k / √(mean(k²) + eps)`` of the projection's output ``k``, over each head's

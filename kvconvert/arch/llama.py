@@ -17,6 +17,13 @@ class LlamaAdapter(ArchAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe")
     attention_name_pattern = re.compile(r"^(?P<prefix>(?:model\.)?layers\.(?P<layer>\d+)\.self_attn\.)(?P<local>.+)$")
     attention_module_template = "model.layers.{i}.self_attn"
+    writes_values = True
+
+    def value_output_tensors(self, weights: AttentionWeights) -> dict[str, torch.Tensor]:
+        tensors = {"v_proj.weight": weights.v_weight, "o_proj.weight": weights.o_weight}
+        if weights.v_bias is not None:
+            tensors["v_proj.bias"] = weights.v_bias
+        return tensors
 
     def head_dim(self) -> int:
         c = self.config
@@ -114,6 +121,7 @@ class Phi3Adapter(LlamaAdapter):
 
     family = "phi3"
     model_types = ("phi3",)
+    writes_values = False  # v is rows of the fused qkv_proj
 
     def read_attention(self, tensors: dict[str, torch.Tensor]) -> AttentionWeights:
         layout = self.layout()

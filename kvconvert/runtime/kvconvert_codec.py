@@ -23,7 +23,9 @@ storage on SmolLM2 (docs/quant.md, the project repository):
   Hadamard matrix where the group size is a power of two, QuaRot's trick), which spreads outlier
   channels over the group; the rotation is undone on reading, so attention sees the same values up
   to rounding. Keys are not rotated: per-channel quantization already gives outlier channels their
-  own scale, and rotating them measured no better.
+  own scale, and rotating them measured no better. ``rotate_in_weights``: ``quant`` folded the rotation into
+  W_V and W_O (QuaRot's offline form), so values arrive rotated, are stored and read as they are, and attention's
+  output is rotated back by W_O: a decode step no longer rotates every cached value back.
 
 ``bits == 16`` means no quantization: the store is a plain growing tensor (today's behaviour).
 
@@ -71,6 +73,7 @@ class QuantSpec:
     scale_strategy: str = "tensor"  # fp8: one scale per layer ("tensor") or per KV head ("head")
     # fp8, once calibrated: per layer (key scales, value scales), one per KV head or one for the layer
     scales: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...] | None = None
+    rotate_in_weights: bool = False  # the values' rotation is folded into W_V / W_O (module docstring)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS or self.scale_strategy not in SCALE_STRATEGIES:
@@ -102,6 +105,8 @@ class QuantSpec:
             raise ValueError(f"3-bit keys pack 8 tokens in 3 bytes: kv group must be a multiple of 8, got {self.group}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"kv layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.rotate_in_weights and not (self.rotate and self.layout == "kivi"):
+            raise ValueError("values rotated in the weights need --kv-rotate and KIVI's layout")
         if self.layout == "token" and (self.bits != 4 or self.layers is not None or self.group % 32):
             raise ValueError("the token layout is 4-bit storage (one width for every layer) with a kv group that is a "
                              f"multiple of 32; got {self.bits} bits, group {self.group}"
@@ -110,6 +115,11 @@ class QuantSpec:
     @property
     def fp8(self) -> bool:
         return self.format == "fp8"
+
+    @property
+    def rotates_values(self) -> bool:
+        """The stores rotate values themselves (``rotate``, not folded into the weights)."""
+        return self.rotate and not self.rotate_in_weights
 
     @property
     def quantized(self) -> bool:
@@ -133,7 +143,8 @@ class QuantSpec:
                    bool(entry.get("include_local", False)), str(entry.get("layout", "kivi")),
                    str(entry.get("format", "int")), str(entry.get("scale_strategy", "tensor")),
                    None if entry.get("scales") is None else tuple(
-                       (tuple(map(float, k)), tuple(map(float, v))) for k, v in entry["scales"]))  # fmt: skip
+                       (tuple(map(float, k)), tuple(map(float, v))) for k, v in entry["scales"]),
+                   bool(entry.get("rotate_in_weights", False)))  # fmt: skip
 
     def to_spec(self) -> dict[str, Any]:
         spec: dict[str, Any]
@@ -153,6 +164,8 @@ class QuantSpec:
             spec["sink"] = self.sink
         if self.rotate:
             spec["rotate"] = True
+        if self.rotate_in_weights:
+            spec["rotate_in_weights"] = True
         if self.include_local:
             spec["include_local"] = True
         if self.layout != "kivi":

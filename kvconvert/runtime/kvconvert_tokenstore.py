@@ -33,7 +33,7 @@ class TokenStore:
 
     def __init__(self, quant: QuantSpec, per_channel: bool):
         self.quant, self.per_channel = quant, per_channel
-        self.rotate = quant.rotate and not per_channel  # keys keep per-channel scales instead
+        self.rotate = quant.rotates_values and not per_channel  # keys keep per-channel scales instead
         self._clear()
 
     def _clear(self) -> None:
@@ -276,7 +276,7 @@ class StaticTokenStore:
 
     def __init__(self, quant: QuantSpec, per_channel: bool, max_len: int):
         self.quant, self.per_channel = quant, per_channel
-        self.rotate = quant.rotate and not per_channel
+        self.rotate = quant.rotates_values and not per_channel
         group = quant.group
         self.blocks = -(-max_len // group)
         self.max_len = max_len

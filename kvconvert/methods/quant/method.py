@@ -1,4 +1,4 @@
-"""``kvconvert quant``: quantized KV-cache storage alone (KIVI's layout), every weight unchanged.
+"""``kvconvert quant``: quantized KV-cache storage alone (KIVI's layout), the model unchanged.
 
 The baseline every other method is compared with at equal bytes: keys per channel over blocks of
 tokens, values per token, the newest tokens unquantized (``kvconvert/runtime/kvconvert_codec.py``).
@@ -10,6 +10,11 @@ With ``--kv-format fp8`` the output is the serving engines' format instead: floa
 with static scales calibrated on text (``kvconvert.methods.quant.fp8``), written as compressed-tensors'
 ``kv_cache_scheme``, so that vLLM and SGLang load the checkpoint as it is and stock transformers does with
 compressed-tensors installed; kvconvert's runtime reads the same scales.
+
+With ``--kv-rotate`` (values rotated per channel group before quantizing) the rotation is folded into W_V and
+W_O where the architecture keeps them as separate tensors and the groups tile a head
+(``kvconvert.methods.quant.rotation``): the model computes what the source computes, and a decode step reads
+the stored values as they are instead of rotating every cached value back (half the values' read measured at 4K).
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 @dataclass(frozen=True)
 class QuantPlan:
-    """With ``--kv-budget``: the storage with a width per layer and side, and how it was chosen."""
+    """The storage when conversion decided something about it: widths per layer and side (``--kv-budget``), fp8
+    scales, or the values' rotation folded into the weights (``rotated_values``: what writes W_V and W_O)."""
 
     storage: QuantSpec
     report: dict[str, Any]  # kvconvert.json's ``plan``
+    layout: AttentionLayout | None = None
+    rotated_values: Any = None  # the adapter's ``value_output_tensors`` when the rotation is folded
 
 
 class QuantMethod(Method[QuantPlan | None]):
@@ -55,6 +63,11 @@ class QuantMethod(Method[QuantPlan | None]):
     @classmethod
     def describe(cls, report: dict[str, Any]) -> str:
         text = "Weights and attention are unchanged; only the cache's storage is quantized (below)."
+        if (report.get("plan") or {}).get("values_rotated_in_weights"):
+            text = (
+                "The values' rotation is folded into W_V and W_O (the model computes what the source computes); "
+                "attention is unchanged and the cache's storage is quantized (below)."
+            )
         plan = report.get("plan") or {}
         if "layers" in plan:
             text += (
@@ -88,7 +101,24 @@ class QuantMethod(Method[QuantPlan | None]):
             )
 
     def plan(self, ctx: PlanContext) -> QuantPlan | None:
-        """With ``kv_budget``: measure each layer's and side's sensitivity and allocate the widths."""
+        """With ``kv_budget``: measure each layer's and side's sensitivity and allocate the widths; with ``kv_rotate``,
+        fold the rotation into the weights where the architecture allows."""
+        plan = self._plan_storage(ctx)
+        storage = self.storage if plan is None else plan.storage
+        if ctx.source is None or not storage.rotate or storage.layout != "kivi":
+            return plan
+        from kvconvert.arch import adapter_for
+        from kvconvert.runtime.kvconvert_codec import channel_groups
+
+        adapter, layout = adapter_for(ctx.source.config), ctx.layout
+        groups, size = channel_groups(layout.head_dim, storage.group)
+        if not adapter.writes_values or groups * size != layout.head_dim:
+            return plan  # the stores rotate (and rotate back) themselves, as every method's do
+        report = {**({} if plan is None else plan.report), "values_rotated_in_weights": True}
+        return QuantPlan(dataclasses.replace(storage, rotate_in_weights=True), report, layout,
+                         adapter.value_output_tensors)  # fmt: skip
+
+    def _plan_storage(self, ctx: PlanContext) -> QuantPlan | None:
         layout, source = ctx.layout, ctx.source
         if self.storage.fp8:
             return self._plan_fp8(ctx)
@@ -164,6 +194,17 @@ class QuantMethod(Method[QuantPlan | None]):
     def convert_layer(
         self, plan: QuantPlan | None, layer: int, weights: AttentionWeights, dtype: torch.dtype
     ) -> LayerOutput:
+        if plan is not None and plan.rotated_values is not None:
+            from kvconvert.methods.quant.rotation import fold_value_rotation
+            from kvconvert.runtime.kvconvert_codec import channel_groups, rotation
+
+            layout = plan.layout
+            assert layout is not None
+            size = channel_groups(layout.head_dim, plan.storage.group)[1]
+            folded = fold_value_rotation(weights, layout.num_heads, layout.num_kv_heads, layout.head_dim,
+                                         rotation(size))  # fmt: skip
+            tensors = {name: t.to(dtype) for name, t in plan.rotated_values(folded).items()}
+            return LayerOutput(tensors=tensors, report={"layer": layer}, passthrough=True)
         if plan is None or plan.storage.scales is None:
             return LayerOutput(tensors={}, report={"layer": layer}, passthrough=True)
         from kvconvert.methods.quant.fp8 import scale_tensor
