@@ -33,11 +33,12 @@ def _generate(model):
                           output_logits=True, return_dict_in_generate=True)  # fmt: skip
 
 
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2_gqa", "gemma3"])  # plain, q/k/v biases, QK-norm + local layers
 @torch.no_grad()
-def test_folded_weights_compute_what_the_source_computes(folded, tokenized_model_dir, tmp_path):
+def test_folded_weights_compute_what_the_source_computes(kind, tokenized_model_dir, tmp_path):
     """At storage that quantizes nothing yet (8 bits, every token recent) the converted model's logits are the
     source's; its W_V differs from the source's (the rotation is in it) and the spec says so."""
-    src = tokenized_model_dir("llama_gqa")
+    src = tokenized_model_dir(kind)
     out = tmp_path / "exact"
     report = convert("quant", src, out, "--kv-bits", "8", "--kv-residual", "1000", "--kv-rotate")
     assert report["kv_storage"]["rotate_in_weights"] and report["plan"]["values_rotated_in_weights"]
