@@ -177,8 +177,8 @@ class CompressedCache(Cache):
 
 def latent_layers(spec: dict[str, Any], compressed: Sequence[bool], max_cache_len: int | None) -> list[Any]:
     """The cache layers of a latent-cache method (lorc, zack, slim): ``LatentLayer`` where ``compressed``, the
-    stock layer elsewhere; with ``max_cache_len`` (a static cache was asked for) ``StaticLatentLayer`` and
-    transformers' ``StaticLayer`` instead, unless ``static_refusal`` has a reason not to."""
+    stock layer elsewhere; with ``max_cache_len`` (a static cache was asked for) ``StaticLatentLayer`` and the
+    stock layer's static form (``static_stock_layer``) instead, unless ``static_refusal`` has a reason not to."""
     quant = QuantSpec.from_spec(spec)
     if max_cache_len is not None and static_refusal(spec) is None:
         return [StaticLatentLayer(max_cache_len, quant, i) if c else static_stock_layer(quant, i, max_cache_len)

@@ -62,13 +62,13 @@ class QuantMethod(Method[QuantPlan | None]):
 
     @classmethod
     def describe(cls, report: dict[str, Any]) -> str:
+        plan = report.get("plan") or {}
         text = "Weights and attention are unchanged; only the cache's storage is quantized (below)."
-        if (report.get("plan") or {}).get("values_rotated_in_weights"):
+        if plan.get("values_rotated_in_weights"):
             text = (
                 "The values' rotation is folded into W_V and W_O (the model computes what the source computes); "
                 "attention is unchanged and the cache's storage is quantized (below)."
             )
-        plan = report.get("plan") or {}
         if "layers" in plan:
             text += (
                 f" Widths per layer (keys, values) were allocated by measured loss for a budget of "
