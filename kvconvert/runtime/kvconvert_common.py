@@ -186,14 +186,14 @@ def latent_layers(spec: dict[str, Any], compressed: Sequence[bool], max_cache_le
     return [LatentLayer(quant, i) if c else stock_layer(quant, i) for i, c in enumerate(compressed)]
 
 
-def static_refusal(spec: dict[str, Any]) -> str | None:
-    """Why a checkpoint whose method has static cache layers (lorc, zack, slim, quant) cannot have a static cache,
-    or None: the token layout's int4 packing has no static layer, nor have sliding-window layers except those
-    quant keeps stock (transformers' own static window; not built)."""
+def static_refusal(spec: dict[str, Any], static_windows: bool = False) -> str | None:
+    """Why a checkpoint cannot have a static cache, or None: the token layout's int4 packing has no static layer,
+    nor have sliding-window layers, unless the caller gives those it keeps stock transformers' own static window
+    (``static_windows``; quant does)."""
     quant = QuantSpec.from_spec(spec)
     if quant.layout == "token":
         return "its token layout (torch's CPU int4 packing) has no static layer yet"
-    stock_windows = spec.get("method") == "quant" and not (quant.include_local and quant.quantized)
+    stock_windows = static_windows and not (quant.include_local and quant.quantized)
     if spec.get("local_layers") and not stock_windows:
         return "its sliding-window layers have no static layer here yet"
     return None

@@ -221,7 +221,7 @@ def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerS
     not to."""
     quant = QuantSpec.from_spec(spec)
     layers = range(len(spec["attention_modules"]))
-    if max_cache_len is not None and static_refusal(spec) is None:
+    if max_cache_len is not None and static_refusal(spec, static_windows=True) is None:
         length = max_cache_len
         return LayerStateCache([static_sliding_layer(spec, i, length) or static_stock_layer(quant, i, length)
                                 for i in layers])  # fmt: skip

@@ -196,14 +196,14 @@ class StaticKVLayer(KVLayer):
         """Where the next ``count`` tokens go (``[count]`` int64)."""
         return torch.arange(count, device=self.filled.device) + self.filled
 
-    def _write_slots(self, count: int) -> torch.Tensor:
-        """``slots``, after checking they fit (eagerly: a compiled step cannot raise, as with transformers'
-        ``StaticLayer``, which never checks); the caller writes them, then ``_advance``s."""
+    def _check_room(self, count: int) -> None:
+        """One line instead of an index error when ``count`` more tokens do not fit (eagerly: a compiled step cannot
+        raise, as with transformers' ``StaticLayer``, which never checks). Then the caller writes, and
+        ``_advance``s."""
         if not torch.compiler.is_compiling() and int(self.filled) + count > self.max_cache_len:
             raise ValueError(f"this static cache holds {self.max_cache_len} tokens and already has "
                              f"{int(self.filled)}: {count} more do not fit; generate with a larger "
                              "max_length / max_cache_len, or cache_implementation='dynamic'")  # fmt: skip
-        return self.slots(count)
 
     def _advance(self, count: int) -> None:
         self.filled.add_(count)
@@ -265,7 +265,8 @@ class StaticFp8Layer(StaticKVLayer):
                                            dtype=torch.uint8, device=self.device)  # fmt: skip
             self._initialized(self.device)
         assert self.key_codes is not None and self.value_codes is not None
-        slots = self._write_slots(count)
+        self._check_room(count)
+        slots = self.slots(count)
         self.key_codes.index_copy_(2, slots, fp8_store(key_states, self.key_scale).view(torch.uint8))
         self.value_codes.index_copy_(2, slots, fp8_store(value_states, self.value_scale).view(torch.uint8))
         self._advance(count)
@@ -297,7 +298,7 @@ class StaticStoreLayer(StaticKVLayer):
         if first:
             self.dtype, self.device = key_states.dtype, key_states.device
             self.filled = self.filled.to(self.device)
-        self._write_slots(count)  # the room check
+        self._check_room(count)
         keys = self.key_store.extend(key_states, self.filled)
         values = None
         if value_states is not None:

@@ -288,14 +288,13 @@ class StaticTokenStore:
         self.head: torch.Tensor | None = None
         self.width = 0
 
-    def tensors(self) -> list[str]:
-        return ["codes", "scale", "zero", "ring", "head"]
+    TENSORS = ("codes", "scale", "zero", "ring", "head")
 
     def held(self) -> list[torch.Tensor]:
-        return [t for t in (getattr(self, name) for name in self.tensors()) if t is not None]
+        return [t for t in (getattr(self, name) for name in self.TENSORS) if t is not None]
 
     def apply(self, fn: Any) -> None:
-        for name in self.tensors():
+        for name in self.TENSORS:
             if getattr(self, name) is not None:
                 setattr(self, name, fn(getattr(self, name)))
 
@@ -328,6 +327,10 @@ class StaticTokenStore:
         step attends to them (slots past ``filled + q`` hold anything: the mask hides them)."""
         if self.ring is None:
             self._allocate(new)
+        assert self.ring is not None
+        if not self.quant.quantized:  # a plain buffer: written in place, returned whole
+            self.ring.index_copy_(-2, torch.arange(new.shape[-2], device=new.device) + filled, new)
+            return self.ring
         out = self._read(new, filled)
         if new.shape[-2] == 1:
             self._write_one(new, filled)
@@ -339,9 +342,6 @@ class StaticTokenStore:
         assert self.ring is not None
         count = new.shape[-2]
         steps = torch.arange(count, device=new.device) + filled
-        if not self.quant.quantized:
-            self.ring.index_copy_(-2, steps, new)
-            return self.ring
         assert self.codes is not None and self.scale is not None and self.zero is not None
         spec, lead = self.quant, self.ring.shape[:-2]
         length = self.blocks * spec.group
@@ -397,8 +397,6 @@ class StaticTokenStore:
     def _write_one(self, new: torch.Tensor, filled: torch.Tensor) -> None:
         """One token at position ``filled``, with tensor ops only (a compiled decode step)."""
         assert self.ring is not None
-        if not self.quant.quantized:
-            return  # written by ``_read``
         spec = self.quant
         self.ring.index_copy_(-2, filled.view(1).remainder(self.ring_len), new)
         if self.head is not None:
@@ -414,8 +412,6 @@ class StaticTokenStore:
     def _write_many(self, new: torch.Tensor, filled: int) -> None:
         """A prefill's ``q`` tokens at ``filled …`` (eager: Python counts)."""
         assert self.ring is not None
-        if not self.quant.quantized:
-            return  # written by ``_read``
         spec, count = self.quant, new.shape[-2]
         total = filled + count
         before, after = self.quantized_count(filled), self.quantized_count(total)
