@@ -310,7 +310,7 @@ def default_position_ids(cache: Cache | None, layer_idx: int, q_len: int, device
     return (torch.arange(q_len, device=device) + past)[None]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_major: bool = False) -> torch.Tensor:
     """Rotate the first ``r = cos.shape[-1]`` dims of every head (partial rotary leaves the rest).
 
     Shapes: x ``[b, h, n, dk]``, cos/sin ``[b|1, n, r]`` with ``r <= dk``. Same result as
@@ -318,20 +318,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     multiply-adds: ``rotate_half`` (a roll, i.e. a concatenation) would copy x once more and, on a
     CPU, cost 8× the arithmetic (measured on 16×4096×64). Slim and LoRC re-rotate every cached key
     at each step, so this is their decode's hot loop.
+
+    ``x`` a token-major cache viewed per head (``[b, n, h, dk]`` transposed): by default rotated in its own
+    layout and returned as the same kind of view (what a kernel reading token rows wants); ``head_major``
+    writes a contiguous ``[b, h, n, dk]`` instead, which a score product ``q @ kᵀ`` reads as it is: rotating
+    into it costs what rotating in place does, and the product no longer copies the keys per head first
+    (a LoRC decode step at 8 rows × 1K tokens: 1.2 ms a layer instead of 2.2 on 2 cores).
     """
     if x.dim() == 4 and not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
-        # a token-major cache viewed per head: rotate it in its own layout ([b, n, h, dk]), where the
-        # elementwise passes run contiguously (3× faster on a CPU than through the strided view)
+        writable = not (torch.compiler.is_compiling() or x.requires_grad or cos.requires_grad or sin.requires_grad)
+        if head_major and cos.shape[-1] == x.shape[-1] and writable:  # out= takes neither dynamo nor autograd
+            out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+            return _rotate(x, cos.unsqueeze(1), sin.unsqueeze(1), out=out)
+        # rotated in its own layout ([b, n, h, dk]), where the elementwise passes run contiguously (3× faster
+        # on a CPU than writing through the strided view)
         return _rotate(x.transpose(1, 2), cos.unsqueeze(2), sin.unsqueeze(2)).transpose(1, 2)
     return _rotate(x, cos.unsqueeze(1), sin.unsqueeze(1))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary`` with cos/sin already broadcastable to ``x[..., :r]``."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``apply_rotary`` with cos/sin already broadcastable to ``x[..., :r]``; ``out`` (full rotary only): where the
+    result is written."""
     r = cos.shape[-1]
     half = r // 2
     rotated = x if r == x.shape[-1] else x[..., :r]
-    out = rotated * cos
+    out = rotated * cos if out is None else torch.mul(rotated, cos, out=out)
     out[..., :half].addcmul_(rotated[..., half:], sin[..., :half], value=-1)
     out[..., half:].addcmul_(rotated[..., :half], sin[..., half:])
     return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)

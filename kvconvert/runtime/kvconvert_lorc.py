@@ -141,6 +141,7 @@ class LorcAttention(LatentAttention):
 
         query = self._normed(self.q_proj(hidden_states), "q_norm", h)
         query = query.view(batch, q_len, h, -1).transpose(1, 2)  # [b, h, q, dk or r_k]
+        kernel = q_len == 1 and use_kernels(hidden_states)
         if not self.absorbed_keys:
             full_keys = self._normed(keys if self.rank_k is None else self.k_up(keys), "k_norm", hkv)
             key_heads = self._grouped(full_keys)  # [b, Hkv, n, dk]
@@ -149,8 +150,8 @@ class LorcAttention(LatentAttention):
                 query = apply_rotary(query, cos, sin)
                 assert key_positions is not None
                 key_cos, key_sin = rotary_for_keys(cache, rotary, keys, key_positions)
-                key_heads = apply_rotary(key_heads, key_cos, key_sin)
-        if q_len == 1 and use_kernels(hidden_states):
+                key_heads = apply_rotary(key_heads, key_cos, key_sin, head_major=not kernel)
+        if kernel:
             key_tokens = keys if self.absorbed_keys else key_heads.transpose(1, 2).reshape(batch, kv_len, -1)
             bias = additive_mask(attention_mask, 1, kv_len, torch.float32, keys.device)
             out = self.decode_with_kernel(query.reshape(batch, -1), key_tokens, values, bias)

@@ -68,6 +68,7 @@ class SlimAttention(LatentAttention):
         batch, q_len, _ = hidden_states.shape
         h, dk = self.num_heads, self.head_dim
         rotary = self.rotary
+        kernel = q_len == 1 and use_kernels(hidden_states)
 
         query = self.q_proj(hidden_states).view(batch, q_len, h, dk).transpose(1, 2)  # [b, h, q, dk]
         new_keys = self.k_proj(hidden_states)  # [b, q, e], before RoPE
@@ -80,10 +81,10 @@ class SlimAttention(LatentAttention):
             query = apply_rotary(query, cos, sin)
             assert key_positions is not None
             key_cos, key_sin = rotary_for_keys(cache, rotary, keys, key_positions)
-            key_heads = apply_rotary(key_heads, key_cos, key_sin)
+            key_heads = apply_rotary(key_heads, key_cos, key_sin, head_major=not kernel)
 
         bias = additive_mask(attention_mask, q_len, kv_len, query.dtype, query.device)
-        if q_len == 1 and use_kernels(hidden_states):
+        if kernel:
             # option 2 in one launch: scores on the RoPE'd keys, weights applied to the pre-RoPE rows
             rotated_rows = key_heads.transpose(1, 2).reshape(batch, kv_len, h * dk)
             mixed = self.decode_with_kernel(query.reshape(batch, h * dk), rotated_rows, keys, bias)
