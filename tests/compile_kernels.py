@@ -39,6 +39,24 @@ def signature(kernel: object, dtype: str, constexprs: dict[str, object]) -> dict
     return types
 
 
+def kivi_signature(kernel: object, constexprs: dict[str, object]) -> dict[str, str]:
+    types = {}
+    for name in kernel.arg_names:  # type: ignore[attr-defined]
+        if name in constexprs:
+            types[name] = "constexpr"
+        elif name == "scale":
+            types[name] = "fp32"
+        elif name in ("key_codes", "value_codes"):
+            types[name] = "*u8"
+        elif name in ("key_scale", "key_zero", "value_scale", "value_zero"):
+            types[name] = "*fp16"
+        elif name in ("query", "bias", "part_acc", "part_ml"):
+            types[name] = "*fp32"
+        else:  # head counts, lengths, strides
+            types[name] = "i32"
+    return types
+
+
 def main() -> None:
     packed, razor = kernels._packed_decode_kernel, kernels._razor_decode_kernel
     for capability in (80, 90):
@@ -50,6 +68,13 @@ def main() -> None:
                 assert triton.compile(source, target=target).asm["cubin"]
             consts = {"D": 128, "SINGLE": dtype == "fp32", "BLOCK_N": 32, "BLOCK_D": 128}
             source = ASTSource(razor, signature(razor, dtype, consts), constexprs=consts)
+            assert triton.compile(source, target=target).asm["cubin"]
+        # KIVI's layout: uint8 codes, float16 scales and zeros, float32 queries and partials; heads of 128, blocks
+        # of 64 tokens (the default group), Llama 3's 4 query heads per KV head padded to a 16-row dot
+        kivi = kernels._kivi_decode_kernel
+        for has_bias, dot in ((True, "ieee"), (False, "tf32")):
+            consts = {"G": 4, "D": 128, "HALF": 32, "HAS_BIAS": has_bias, "G_PAD": 16, "D_HALF": 64, "DOT": dot}
+            source = ASTSource(kivi, kivi_signature(kivi, consts), constexprs=consts)
             assert triton.compile(source, target=target).asm["cubin"]
     print("compiled")
 

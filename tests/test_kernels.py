@@ -9,8 +9,12 @@ import math
 import pytest
 import torch
 
+from kvconvert.runtime.kvconvert_codec import QuantSpec, dequantize_tokens, quantize_tokens
 from kvconvert.runtime.kvconvert_kernels import (
     HeadColumns,
+    kivi_decode_reference,
+    kivi_decode_triton,
+    merge_partials,
     packed_decode_reference,
     packed_decode_triton,
     razor_decode_reference,
@@ -139,6 +143,131 @@ def test_razor_reference_is_eq5():
     log_n = torch.tensor([math.log(n_d)])
     got = razor_decode_reference(q, k, v, no_bias, k, v, no_bias, ck, cv, log_n, other, first, scale)
     torch.testing.assert_close(got[0, 0], expected, **TOL)
+
+
+# -- quantized storage in KIVI's layout ------------------------------------------------------
+
+
+def kivi_cache(batch: int, kv_heads: int, dim: int, block: int, blocks: int, value_group: int, dtype: torch.dtype):
+    """Random keys and values ``[b, Hkv, blocks·block, d]`` in 4-bit KIVI storage (the codec's own quantizer), and
+    the same cache dequantized by the codec."""
+    keys, values = (torch.randn(batch, kv_heads, blocks * block, dim, device=DEVICE).to(dtype) for _ in range(2))
+    k, v = quantize_tokens(keys, 4, block, True), quantize_tokens(values, 4, value_group, False)
+    plain = (dequantize_tokens(k, 4, block, dim, True, torch.float32),
+             dequantize_tokens(v, 4, value_group, dim, False, torch.float32))  # fmt: skip
+    return (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero), plain
+
+
+def attention(query, keys, values, bias, scale):
+    """Plain softmax attention ``[b, Hkv, G, d]`` over ``[b, Hkv, n, d]``, ``bias [b, n]``."""
+    scores = torch.einsum("bhgd,bhnd->bhgn", query.float(), keys) * scale
+    return torch.softmax(scores if bias is None else scores + bias[:, None, None], -1) @ values
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "batch,kv_heads,group,dim,block,blocks,value_group",
+    [(2, 2, 3, 64, 32, 3, 64), (1, 1, 4, 32, 64, 5, 16), (3, 3, 1, 64, 32, 4, 128), (1, 2, 8, 128, 32, 2, 64)],
+)
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto-splits", "3-splits"])
+def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, blocks, value_group, dtype, splits):
+    """The kernel's partial softmax (merged) against its plain-torch reference and against attention over the
+    codec's own dequantized cache: channel scales per block, value scales per token and channel group, padding."""
+    torch.manual_seed(blocks * 10 + dim)
+    cache, (keys, values) = kivi_cache(batch, kv_heads, dim, block, blocks, value_group, dtype)
+    query = torch.randn(batch, kv_heads, group, dim, device=DEVICE).to(dtype)
+    bias = torch.zeros(batch, blocks * block, device=DEVICE)
+    bias[-1, : block + 3] = NEG  # left padding over a whole block and more in the last row
+    for b in (bias, None):
+        expected = attention(query, keys, values, b, 0.3)
+        reference = merge_partials([kivi_decode_reference(query, *cache, b, 0.3)])
+        got = merge_partials([kivi_decode_triton(query, *cache, b, 0.3, splits=splits, precise=True)])
+        torch.testing.assert_close(reference, expected, **TOL)
+        torch.testing.assert_close(got, expected, **TOL)
+        # half-precision queries take TF32 products on a GPU (the interpreter computes them in float32)
+        fast = merge_partials([kivi_decode_triton(query, *cache, b, 0.3, splits=splits)])
+        torch.testing.assert_close(fast, expected, atol=3e-3, rtol=3e-3)
+
+
+def test_merge_partials_is_attention_over_the_union():
+    torch.manual_seed(0)
+    query, keys, values = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 9, 8), torch.randn(2, 1, 9, 8)
+    parts = []
+    for part in (slice(0, 4), slice(4, 9)):
+        scores = torch.einsum("bhgd,bhnd->bhgn", query, keys[:, :, part])
+        top = scores.amax(-1)
+        probs = torch.exp(scores - top[..., None])
+        parts.append((probs @ values[:, :, part], torch.stack([top, probs.sum(-1)], -1)))
+    torch.testing.assert_close(merge_partials(parts), attention(query, keys, values, None, 1.0), **TOL)
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated-values"])
+@torch.no_grad()
+def test_kivi_decode_step_is_attention_over_the_stores(rotate, monkeypatch):
+    """One decode step from the stores (quantized blocks through the kernel; sink, float tail and this step's token
+    exact; values the store rotated rotated back) equals SDPA over what the stores read back."""
+    from kvconvert.runtime.kvconvert_quant import kivi_decode
+    from kvconvert.runtime.kvconvert_tokenstore import TokenStore
+
+    torch.manual_seed(1)
+    quant = QuantSpec(bits=4, group=32, residual=8, sink=3, rotate=rotate)
+    keys, values = TokenStore(quant, per_channel=True), TokenStore(quant, per_channel=False)
+    past_k, past_v = torch.randn(2, 2, 77, 64, device=DEVICE), torch.randn(2, 2, 77, 64, device=DEVICE)
+    keys.append(past_k)
+    values.append(past_v)
+    assert keys.quantized_tokens == 64 and values.rotate == rotate and keys.head is not None
+    query, key, value = torch.randn(2, 6, 1, 64, device=DEVICE), *torch.randn(2, 2, 2, 1, 64, device=DEVICE)
+    bias = torch.zeros(2, 1, 1, 78, device=DEVICE)
+    bias[1, ..., :40] = NEG  # left padding past the sink and into the second block
+    k, v = keys.read(then=key), values.read(then=value)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=bias, scale=0.125,
+                                                                enable_gqa=True)  # fmt: skip
+    torch.testing.assert_close(kivi_decode(query, key, value, bias, keys, values, 0.125), expected, **TOL)
+
+
+KIVI_RECIPES = {
+    "sink-rotated-residual": ["--kv-bits", "4", "--kv-group", "32", "--kv-residual", "16", "--kv-sink", "4",
+                              "--kv-rotate"],
+    "groups-of-64": ["--kv-bits", "4", "--kv-group", "64", "--kv-residual", "0"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(KIVI_RECIPES))
+@torch.no_grad()
+def test_quant_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_model_dir, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    """A 4-bit KIVI checkpoint loaded with KVCONVERT_KERNELS=triton: greedy decoding of a left-padded batch whose
+    cache holds quantized blocks gives the torch path's tokens and logits, every decode step of every layer in
+    one kernel launch; loaded without it, the model keeps its own attention."""
+    import kvconvert
+    import kvconvert.runtime.kvconvert_quant as runtime
+    from tests.helpers import assert_same_logits, left_padded, run_cli
+
+    result = run_cli("quant", "--model", str(tokenized_model_dir("llama_gqa64")), "--out", str(tmp_path / "m"),
+                     "--quiet", *KIVI_RECIPES[name])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert kvconvert.load(tmp_path / "m").config._attn_implementation != runtime.IMPLEMENTATION
+    monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
+    model = kvconvert.load(tmp_path / "m").eval().to(DEVICE)
+    assert model.config._attn_implementation == runtime.IMPLEMENTATION
+    ids, mask = (t.to(DEVICE) for t in left_padded(length=100, pad=37, seed=3))
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    launches = []
+
+    def counted(*a, **k):
+        launches.append(1)
+        return kivi_decode_triton(*a, **k)
+
+    monkeypatch.setattr(runtime, "kivi_decode_triton", counted)
+    outputs = {}
+    for choice in ("torch", "triton"):
+        monkeypatch.setenv("KVCONVERT_KERNELS", choice)
+        outputs[choice] = model.generate(ids, **kwargs)
+        assert len(launches) == (0 if choice == "torch" else 11 * model.config.num_hidden_layers)
+    for step, (a, b) in enumerate(zip(outputs["torch"].logits, outputs["triton"].logits, strict=True)):
+        assert_same_logits(a, b, f"{name} decode step {step}")
+    assert torch.equal(outputs["torch"].sequences, outputs["triton"].sequences)
 
 
 # -- the kernels inside converted models -----------------------------------------------------

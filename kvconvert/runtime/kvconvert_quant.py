@@ -25,10 +25,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kvconvert_codec import QuantSpec, rotation
+from .kvconvert_codec import QuantSpec, channel_groups, rotation
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, static_refusal
+from .kvconvert_kernels import kernels_requested, kivi_decode_triton, kivi_kernel_fits, merge_partials, use_kernels
 from .kvconvert_storage import Fp8Layer, QuantizedLayer, sliding_layer, static_sliding_layer, static_stock_layer
 from .kvconvert_tokenlayout import TokenLayoutStore, cpu_int4_rows
+from .kvconvert_tokenstore import TokenStore
 
 IMPLEMENTATION = "kvconvert_quant"
 
@@ -147,6 +149,92 @@ def token_decode(
     return out.view(batch, heads, 1, dim)
 
 
+def kivi_decode(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
+    keys: TokenStore, values: TokenStore, scaling: float,
+) -> torch.Tensor:  # fmt: skip
+    """One decode step over a 4-bit cache in KIVI's layout with the Triton kernel (``kivi_decode_triton``).
+
+    ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]``, ``bias [b|1, 1, 1, n]`` additive or None;
+    the stores hold the ``n − 1`` earlier tokens, at least one block quantized. The kernel reads the quantized
+    blocks (the sink's stand-ins masked); the exact sink, the float tail and this step's token are attended here,
+    and the two partial softmaxes merged. Values the store rotated (``--kv-rotate`` where the weights could not
+    take it) come out of the kernel rotated: the rotation is undone on its ``[b, H, d]`` output, not on the cache.
+    Returns ``[b, H, 1, d]`` float32."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    kb, vb = keys.blocks, values.blocks
+    assert kb is not None and vb is not None and keys.tail is not None and values.tail is not None
+    n_q, sink = keys.quantized_tokens, (0 if keys.head is None else keys.head.shape[-2])
+    q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
+    bias_q = None if bias is None else bias[:, 0, 0, :n_q].float().expand(batch, n_q)
+    if sink:  # the first block holds stand-ins for the sink: its exact copies are attended below instead
+        bias_q = torch.zeros(batch, n_q, device=query.device) if bias_q is None else bias_q.clone()
+        bias_q[:, :sink] = torch.finfo(torch.float32).min
+    acc, ml = kivi_decode_triton(q, kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero, bias_q, scaling,
+                                 precise=query.dtype == torch.float32)  # fmt: skip
+    if values.rotate:  # acc is linear in the values: rotate the weighted sum back per channel group
+        size = channel_groups(dim, values.quant.group)[1]
+        acc = (acc.view(*acc.shape[:-1], -1, size) @ rotation(size, acc.device).T).flatten(-2)
+    exact_k = [t for t in (keys.head, keys.tail, key) if t is not None]
+    exact_v = [t for t in (values.head, values.tail, value) if t is not None]
+    k_exact, v_exact = torch.cat(exact_k, dim=-2).float(), torch.cat(exact_v, dim=-2).float()
+    scores = torch.einsum("bhgd,bhnd->bhgn", q, k_exact) * scaling  # [b, Hkv, G, s + t + 1]
+    if bias is not None:
+        scores = scores + torch.cat([bias[..., :sink], bias[..., n_q:]], dim=-1).float()  # [b|1, 1, 1, ·]
+    top = scores.amax(-1)
+    probs = torch.exp(scores - top[..., None])
+    exact = torch.einsum("bhgn,bhnd->bhgd", probs, v_exact), torch.stack([top, probs.sum(-1)], dim=-1)
+    return merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
+
+
+class KiviLayer(QuantizedLayer):
+    """``QuantizedLayer`` that the KIVI kernel can read (``KVCONVERT_KERNELS=triton``: ``configure`` routed the
+    model's attention through ``quant_attention``). Until ``quant_attention`` first calls ``attend`` it is a plain
+    ``QuantizedLayer`` (``update`` returns the past dequantized), so a model whose attention was not routed reads
+    it as one; once routed, ``update`` only records and ``attend`` does the work: decode steps from the codes when
+    the kernels are asked for and can read them (4-bit, ``kivi_kernel_fits``), else dequantize-then-SDPA."""
+
+    routed = False
+
+    def reset(self) -> None:
+        super().reset()
+        self.routed = False
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.routed:
+            return super().update(key_states, value_states, *args, **kwargs)
+        return key_states, value_states
+
+    def kernel_reads(self, query: torch.Tensor) -> bool:
+        keys, values = self.key_store, self.value_store
+        fits = all(kivi_kernel_fits(store.quant.bits, keys.quant.group, query.shape[-1]) for store in (keys, values))
+        return query.shape[2] == 1 and keys.blocks is not None and fits and not keys.offset and use_kernels(query)
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
+        if not self.routed:  # the first step: ``update`` stored it and handed back its exact tokens
+            self.routed = True
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        keys, values = self.key_store, self.value_store
+        if self.kernel_reads(query):
+            bias = additive_mask(attention_mask, 1, len(keys) + 1, torch.float32, query.device)
+            out = kivi_decode(query, key, value, bias, keys, values, scaling).to(query.dtype)
+            keys.append(key)
+            values.append(value)
+            return out.transpose(1, 2).contiguous(), None
+        k, v = keys.extend(key), values.extend(value)
+        return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)
+
+
+def kivi_routed(model: Any) -> bool:
+    """Whether ``configure`` routes a KIVI-layout model's attention through ``quant_attention`` (so that its decode
+    steps can run the KIVI kernel): the kernels asked for when the model is loaded (``KVCONVERT_KERNELS=triton``),
+    and no attention-logit soft-capping, which the kernel does not apply."""
+    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    return kernels_requested() == "triton" and softcap is None
+
+
 class TokenLayoutLayer(QuantizedLayer):
     """A stock attention layer's keys and values in the token layout. ``update`` only records this
     step's states; ``quant_attention`` reads the stores and commits the step (like razor's layers)."""
@@ -225,11 +313,13 @@ def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerS
         length = max_cache_len
         return LayerStateCache([static_sliding_layer(spec, i, length) or static_stock_layer(quant, i, length)
                                 for i in layers])  # fmt: skip
-    layer_class = Fp8Layer if quant.fp8 else TokenLayoutLayer if quant.layout == "token" else QuantizedLayer
+    layer_class = Fp8Layer if quant.fp8 else TokenLayoutLayer if quant.layout == "token" else KiviLayer
     return LayerStateCache([sliding_layer(spec, i) or layer_class(quant, i) for i in layers])
 
 
 def configure(model: Any) -> None:
-    """Token layout: route attention through ``quant_attention`` (KIVI's layout keeps the model's own)."""
-    if QuantSpec.from_spec(model.config.kvconvert).layout == "token":
+    """Token layout: route attention through ``quant_attention``; KIVI's layout keeps the model's own unless its
+    decode steps are to run the KIVI kernel (``kivi_routed``)."""
+    quant = QuantSpec.from_spec(model.config.kvconvert)
+    if quant.layout == "token" or (not quant.fp8 and kivi_routed(model)):
         model.set_attn_implementation(IMPLEMENTATION)
