@@ -125,6 +125,22 @@ def kernel_cases(batch: int, n: int, device: str, dtype: torch.dtype, small: boo
                   "run": lambda: razor(rq, fk, fv, fb, shk, shv, sb, ck, cv, cl, kind, slot, dk**-0.5),
                   "ref": lambda: kernels.razor_decode_reference(rq, fk, fv, fb, shk, shv, sb, ck, cv, cl, kind, slot,
                                                                 dk**-0.5)})  # fmt: skip
+
+    # quant 4-bit in KIVI's layout (groups of 64 tokens / channels): codes as stored, read by the kernel directly
+    from kvconvert.runtime.kvconvert_codec import quantize_tokens
+
+    block, width = 64, max(dk, 32)  # the kernel's smallest head is 32 wide (``kivi_kernel_fits``)
+    tokens = n // block * block
+    if tokens:
+        kq = quantize_tokens(rand(batch, kv_heads, tokens, width).float(), 4, block, True)
+        vq = quantize_tokens(rand(batch, kv_heads, tokens, width).float(), 4, block, False)
+        store = (kq.codes, kq.scale, kq.zero, vq.codes, vq.scale, vq.zero)
+        qq = rand(batch, kv_heads, group, width)
+        kivi = kernels.kivi_decode_triton if qq.is_cuda else kernels.kivi_decode_reference
+        merge = kernels.merge_partials
+        cases.append({"kernel": "quant 4-bit KIVI (codes)", "bytes": sum(t.numel() * t.element_size() for t in store),
+                      "run": lambda: merge([kivi(qq, *store, None, width**-0.5)]),
+                      "ref": lambda: merge([kernels.kivi_decode_reference(qq.float(), *store, None, width**-0.5)])})  # fmt: skip
     return cases
 
 
@@ -182,6 +198,10 @@ def end_to_end(contexts: list[int], batches: list[int], device: str, small: bool
         runs = [(name, model, "torch") for name, model in models.items()]
         if device == "cuda":
             runs += [(f"{name} [Triton kernels]", models[name], "triton") for name in models if name in KERNEL_USERS]
+            # KIVI's kernel needs the model loaded with the kernels asked for (its attention is routed at load)
+            os.environ["KVCONVERT_KERNELS"] = "triton"
+            routed = kvconvert.load(paths["quant 4-bit KIVI"]).to(device=device, dtype=dtype).eval()
+            runs.append(("quant 4-bit KIVI [Triton kernels]", routed, "triton"))
         for context in contexts:  # every model at one (context, batch) before the next: same conditions
             for batch in batches:
                 ids = torch.randint(3, 32000, (batch, context + new_tokens + 1), device=device)
