@@ -226,30 +226,41 @@ def test_kivi_decode_step_is_attention_over_the_stores(rotate, monkeypatch):
 
 
 KIVI_RECIPES = {
-    "sink-rotated-residual": ["--kv-bits", "4", "--kv-group", "32", "--kv-residual", "16", "--kv-sink", "4",
-                              "--kv-rotate"],
-    "groups-of-64": ["--kv-bits", "4", "--kv-group", "64", "--kv-residual", "0"],
+    "quant-sink-rotated-residual": ["quant", "--kv-bits", "4", "--kv-group", "32", "--kv-residual", "16",
+                                    "--kv-sink", "4", "--kv-rotate"],
+    "quant-groups-of-64": ["quant", "--kv-bits", "4", "--kv-group", "64", "--kv-residual", "0"],
+    # razor's retrieval heads from their codes, its windows (quantized too) through the head-wise kernel
+    "razor-4bit": ["razor", "--induction-frac", "0.5", "--echo-frac", "0", "--window", "6", "--window-frac", "0.1",
+                   "--sink", "2", "--profile-tokens", "16", "--kv-bits", "4", "--kv-group", "32", "--kv-residual", "0"],
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(KIVI_RECIPES))
 @torch.no_grad()
-def test_quant_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_model_dir, tmp_path,
-                                                                     monkeypatch):  # fmt: skip
+def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_model_dir, tmp_path, monkeypatch):
     """A 4-bit KIVI checkpoint loaded with KVCONVERT_KERNELS=triton: greedy decoding of a left-padded batch whose
-    cache holds quantized blocks gives the torch path's tokens and logits, every decode step of every layer in
-    one kernel launch; loaded without it, the model keeps its own attention."""
+    cache holds quantized blocks gives the torch path's tokens and logits, every decode step of every layer (razor:
+    of every layer with retrieval heads) in one KIVI kernel launch; loaded without it, a quant checkpoint keeps its
+    model's own attention."""
     import kvconvert
     import kvconvert.runtime.kvconvert_quant as runtime
     from tests.helpers import assert_same_logits, left_padded, run_cli
 
-    result = run_cli("quant", "--model", str(tokenized_model_dir("llama_gqa64")), "--out", str(tmp_path / "m"),
-                     "--quiet", *KIVI_RECIPES[name])  # fmt: skip
+    command, *args = KIVI_RECIPES[name]
+    result = run_cli(command, "--model", str(tokenized_model_dir("llama_gqa64")), "--out", str(tmp_path / "m"),
+                     "--quiet", *args)  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert kvconvert.load(tmp_path / "m").config._attn_implementation != runtime.IMPLEMENTATION
+    if command == "quant":
+        assert kvconvert.load(tmp_path / "m").config._attn_implementation != runtime.IMPLEMENTATION
     monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
     model = kvconvert.load(tmp_path / "m").eval().to(DEVICE)
-    assert model.config._attn_implementation == runtime.IMPLEMENTATION
+    spec = model.config.kvconvert
+    layers = model.config.num_hidden_layers
+    if command == "quant":
+        assert model.config._attn_implementation == runtime.IMPLEMENTATION
+    else:
+        layers = sum(bool(heads) for heads in spec["razor"]["retrieval_kv_heads"])
+        assert 0 < layers
     ids, mask = (t.to(DEVICE) for t in left_padded(length=100, pad=37, seed=3))
     kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True, output_logits=True)  # fmt: skip
@@ -264,7 +275,7 @@ def test_quant_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, token
     for choice in ("torch", "triton"):
         monkeypatch.setenv("KVCONVERT_KERNELS", choice)
         outputs[choice] = model.generate(ids, **kwargs)
-        assert len(launches) == (0 if choice == "torch" else 11 * model.config.num_hidden_layers)
+        assert len(launches) == (0 if choice == "torch" else 11 * layers)
     for step, (a, b) in enumerate(zip(outputs["torch"].logits, outputs["triton"].logits, strict=True)):
         assert_same_logits(a, b, f"{name} decode step {step}")
     assert torch.equal(outputs["torch"].sequences, outputs["triton"].sequences)

@@ -188,6 +188,14 @@ def kivi_decode(
     return merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
 
 
+def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int) -> bool:
+    """``kivi_decode`` can read these stores: KIVI's layout (keys per channel), 4-bit on both sides in blocks the
+    kernel takes (``kivi_kernel_fits``), at least one block quantized and none dropped from the front."""
+    fits = all(kivi_kernel_fits(store.quant.bits, keys.quant.group, dim) for store in (keys, values))
+    layout = keys.per_channel and not isinstance(keys, TokenLayoutStore)
+    return layout and fits and keys.blocks is not None and not keys.offset
+
+
 class KiviLayer(QuantizedLayer):
     """``QuantizedLayer`` that the KIVI kernel can read (``KVCONVERT_KERNELS=triton``: ``configure`` routed the
     model's attention through ``quant_attention``). Until ``quant_attention`` first calls ``attend`` it is a plain
@@ -206,18 +214,13 @@ class KiviLayer(QuantizedLayer):
             return super().update(key_states, value_states, *args, **kwargs)
         return key_states, value_states
 
-    def kernel_reads(self, query: torch.Tensor) -> bool:
-        keys, values = self.key_store, self.value_store
-        fits = all(kivi_kernel_fits(store.quant.bits, keys.quant.group, query.shape[-1]) for store in (keys, values))
-        return query.shape[2] == 1 and keys.blocks is not None and fits and not keys.offset and use_kernels(query)
-
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
         if not self.routed:  # the first step: ``update`` stored it and handed back its exact tokens
             self.routed = True
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         keys, values = self.key_store, self.value_store
-        if self.kernel_reads(query):
+        if query.shape[2] == 1 and kivi_kernel_reads(keys, values, query.shape[-1]) and use_kernels(query):
             bias = additive_mask(attention_mask, 1, len(keys) + 1, torch.float32, query.device)
             out = kivi_decode(query, key, value, bias, keys, values, scaling).to(query.dtype)
             keys.append(key)

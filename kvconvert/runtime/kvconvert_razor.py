@@ -20,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .kvconvert_codec import QuantSpec
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
-from .kvconvert_quant import decodes_from_codes, token_decode
+from .kvconvert_quant import decodes_from_codes, kivi_decode, kivi_kernel_reads, token_decode
 from .kvconvert_storage import KVLayer, sliding_layer
 from .kvconvert_tokenlayout import TokenLayoutStore
 from .kvconvert_tokenstore import TokenStore
@@ -239,8 +239,9 @@ class RazorLayer(KVLayer):
         self._derived = self._extra = None
 
     def commit(self, new_k: torch.Tensor, new_v: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """``extend`` then ``evict``: for a step that attended without the stores' help (the kernel's)."""
-        self.extend(new_k, new_v)
+        """``extend`` then ``evict``: for a step that attended without the stores' help (the kernel's); nothing is
+        read back (a quantized store would dequantize itself for nobody)."""
+        self.extend(new_k, new_v, read_full=False, read_short=False)
         self.evict(valid)
 
     # --- cache protocol
@@ -402,15 +403,18 @@ def _decode_with_kernel(
     layer: RazorLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, group: int,
     scale: float,
 ) -> torch.Tensor:  # fmt: skip
-    """One decode step of every head in one launch (``razor_decode_triton``); ``[b, H, 1, d]``."""
+    """One decode step of every head in one launch (``razor_decode_triton``); ``[b, H, 1, d]``. Retrieval heads
+    stored 4-bit in KIVI's layout are read from their codes by the KIVI kernel instead (``kivi_decode``), not
+    dequantized for the head-wise kernel (which then gets an empty stand-in for them)."""
     batch, heads, _, dim = query.shape
     total = layer.seen + 1
     row_bias = bias[:, 0, -1, :].expand(batch, total).float()
     empty = query.new_zeros(batch, 1, 1, dim)  # stands in for a kind of head this layer does not have
     r, o = layer.retrieval, layer.others
-    past = layer.past_full()
-    full_k = (key[:, r] if past is None else torch.cat([past[0], key[:, r]], 2)) if r else empty
-    full_v = (value[:, r] if past is None else torch.cat([past[1], value[:, r]], 2)) if r else empty
+    from_codes = bool(r) and kivi_kernel_reads(layer.full_k, layer.full_v, dim)
+    past = None if from_codes else layer.past_full()
+    full_k = (key[:, r] if past is None else torch.cat([past[0], key[:, r]], 2)) if r and not from_codes else empty
+    full_v = (value[:, r] if past is None else torch.cat([past[1], value[:, r]], 2)) if r and not from_codes else empty
     if o:
         past_k, past_v = layer.past_short()
         short_k, short_v = torch.cat(past_k + [key[:, o]], 2), torch.cat(past_v + [value[:, o]], 2)
@@ -431,8 +435,14 @@ def _decode_with_kernel(
     kv_of = [h // group for h in range(heads)]
     kind = torch.tensor([0 if g in r else 1 for g in kv_of], device=query.device)
     slot = torch.tensor([r.index(g) if g in r else o.index(g) for g in kv_of], device=query.device)
-    out = razor_decode_triton(query[:, :, 0], full_k, full_v, row_bias if r else row_bias[:, :1], short_k, short_v,
-                              short_bias, comp_k, comp_v, comp_logit, kind, slot, scale)  # fmt: skip
+    # the stand-in's one zero token unmasked: heads reading it compute a finite, discarded output
+    full_bias = row_bias if full_k is not empty else row_bias.new_zeros(batch, 1)
+    out = razor_decode_triton(query[:, :, 0], full_k, full_v, full_bias, short_k, short_v, short_bias, comp_k, comp_v,
+                              comp_logit, kind, slot, scale)  # fmt: skip
+    if from_codes:
+        at, heads_at = _span(r), _span(_query_heads(r, group))
+        decoded = kivi_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale)
+        out[:, heads_at] = decoded[:, :, 0]
     return out.to(query.dtype)[:, :, None]
 
 
