@@ -137,10 +137,10 @@ def kernel_cases(batch: int, n: int, device: str, dtype: torch.dtype, small: boo
         store = (kq.codes, kq.scale, kq.zero, vq.codes, vq.scale, vq.zero)
         qq = rand(batch, kv_heads, group, width)
         kivi = kernels.kivi_decode_triton if qq.is_cuda else kernels.kivi_decode_reference
-        merge = kernels.merge_partials
+        merge, reference = kernels.merge_partials, kernels.kivi_decode_reference
         cases.append({"kernel": "quant 4-bit KIVI (codes)", "bytes": sum(t.numel() * t.element_size() for t in store),
                       "run": lambda: merge([kivi(qq, *store, None, width**-0.5)]),
-                      "ref": lambda: merge([kernels.kivi_decode_reference(qq.float(), *store, None, width**-0.5)])})  # fmt: skip
+                      "ref": lambda: merge([reference(qq.float(), *store, None, width**-0.5)])})  # fmt: skip
     return cases
 
 

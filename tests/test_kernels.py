@@ -260,7 +260,7 @@ def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_m
         assert model.config._attn_implementation == runtime.IMPLEMENTATION
     else:
         layers = sum(bool(heads) for heads in spec["razor"]["retrieval_kv_heads"])
-        assert 0 < layers
+        assert layers > 0
     ids, mask = (t.to(DEVICE) for t in left_padded(length=100, pad=37, seed=3))
     kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True, output_logits=True)  # fmt: skip

@@ -418,14 +418,20 @@ def kivi_decode_reference(
     return acc, torch.stack([m, p.sum(-1)], dim=-1)
 
 
+def combine_partials(acc: torch.Tensor, ml: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials of disjoint token sets stacked along ``dim`` (``acc [..., d]``, ``ml [..., 2]``: unnormalised sums
+    and (max, denominator), as ``kivi_decode_reference`` returns them) -> the partial of their union:
+    ``Σ acc_i·e^{m_i − M}`` and ``(M, Σ l_i·e^{m_i − M})``, ``M = max m_i``."""
+    top = ml[..., 0].amax(dim, keepdim=True)
+    weight = torch.exp(ml[..., 0] - top)
+    total = (ml[..., 1] * weight).sum(dim)
+    return (acc * weight[..., None]).sum(dim), torch.stack([top.squeeze(dim), total], dim=-1)
+
+
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Softmax attention over the union of disjoint token sets from their partials ``(acc [..., d], ml [..., 2])``
-    (as ``kivi_decode_reference`` returns them): ``Σ acc_i·e^{m_i − M} / Σ l_i·e^{m_i − M}``, ``M = max m_i``."""
-    top = torch.stack([ml[..., 0] for _, ml in parts]).amax(0)
-    weights = [torch.exp(ml[..., 0] - top) for _, ml in parts]
-    numerator = sum(acc * w[..., None] for (acc, _), w in zip(parts, weights, strict=True))
-    denominator = sum(ml[..., 1] * w for (_, ml), w in zip(parts, weights, strict=True))
-    return numerator / denominator[..., None]
+    """Softmax attention over the union of disjoint token sets from their partials (``combine_partials``)."""
+    acc, ml = combine_partials(torch.stack([a for a, _ in parts]), torch.stack([m for _, m in parts]))
+    return acc / ml[..., 1:]
 
 
 def kivi_kernel_fits(bits: int, block: int, dim: int) -> bool:
@@ -559,9 +565,4 @@ def kivi_decode_triton(
     )  # fmt: skip
     shape = (batch, kv_heads, n_splits, group)
     acc, ml = part_acc.view(*shape, dim), part_ml.view(*shape, 2)
-    if n_splits == 1:
-        return acc[:, :, 0], ml[:, :, 0]
-    top = ml[..., 0].amax(2, keepdim=True)
-    weight = torch.exp(ml[..., 0] - top)  # [b, Hkv, S, G]
-    return ((acc * weight[..., None]).sum(2),
-            torch.stack([top[:, :, 0], (ml[..., 1] * weight).sum(2)], dim=-1))  # fmt: skip
+    return (acc[:, :, 0], ml[:, :, 0]) if n_splits == 1 else combine_partials(acc, ml, dim=2)
