@@ -13,6 +13,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import kvconvert.runtime.kvconvert_kernels as kernels  # noqa: E402
+import kvconvert.runtime.kvconvert_kivi_kernel as kivi_kernel  # noqa: E402
 
 # lengths and strides; everything else not listed is a pointer to the input dtype
 INTS = {"n", "n_full", "n_short", "sqb", "skb", "skn", "svb", "svn", "sbb", "sob", "sqh", "sfb", "sfh", "sfn", "sfbb",
@@ -71,7 +72,7 @@ def main() -> None:
             assert triton.compile(source, target=target).asm["cubin"]
         # KIVI's layout: uint8 codes, float16 scales and zeros, float32 queries and partials; heads of 128, blocks
         # of 64 tokens (the default group), Llama 3's 4 query heads per KV head padded to a 16-row dot
-        kivi = kernels._kivi_decode_kernel
+        kivi = kivi_kernel._kivi_decode_kernel
         for has_bias, dot in ((True, "ieee"), (False, "tf32")):
             consts = {"G": 4, "D": 128, "HALF": 32, "HAS_BIAS": has_bias, "G_PAD": 16, "D_HALF": 64, "DOT": dot}
             source = ASTSource(kivi, kivi_signature(kivi, consts), constexprs=consts)

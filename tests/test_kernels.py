@@ -12,15 +12,13 @@ import torch
 from kvconvert.runtime.kvconvert_codec import QuantSpec, dequantize_tokens, quantize_tokens
 from kvconvert.runtime.kvconvert_kernels import (
     HeadColumns,
-    kivi_decode_reference,
-    kivi_decode_triton,
-    merge_partials,
     packed_decode_reference,
     packed_decode_triton,
     razor_decode_reference,
     razor_decode_triton,
     triton_available,
 )
+from kvconvert.runtime.kvconvert_kivi_kernel import kivi_decode_reference, kivi_decode_triton, merge_partials
 
 pytestmark = pytest.mark.slow  # Triton's interpreter / wheel builds: minutes; `make test-fast` skips them
 

@@ -27,7 +27,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec, channel_groups, rotation
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, static_refusal
-from .kvconvert_kernels import kernels_requested, kivi_decode_triton, kivi_kernel_fits, merge_partials, use_kernels
+from .kvconvert_kernels import kernels_requested, use_kernels
+from .kvconvert_kivi_kernel import kivi_decode_triton, kivi_kernel_fits, merge_partials
 from .kvconvert_storage import Fp8Layer, QuantizedLayer, sliding_layer, static_sliding_layer, static_stock_layer
 from .kvconvert_tokenlayout import TokenLayoutStore, cpu_int4_rows
 from .kvconvert_tokenstore import TokenStore

@@ -405,16 +405,19 @@ def _decode_with_kernel(
 ) -> torch.Tensor:  # fmt: skip
     """One decode step of every head in one launch (``razor_decode_triton``); ``[b, H, 1, d]``. Retrieval heads
     stored 4-bit in KIVI's layout are read from their codes by the KIVI kernel instead (``kivi_decode``), not
-    dequantized for the head-wise kernel (which then gets an empty stand-in for them)."""
+    dequantized for the head-wise kernel (which then gets a zero stand-in for them)."""
     batch, heads, _, dim = query.shape
     total = layer.seen + 1
     row_bias = bias[:, 0, -1, :].expand(batch, total).float()
     empty = query.new_zeros(batch, 1, 1, dim)  # stands in for a kind of head this layer does not have
     r, o = layer.retrieval, layer.others
     from_codes = bool(r) and kivi_kernel_reads(layer.full_k, layer.full_v, dim)
-    past = None if from_codes else layer.past_full()
-    full_k = (key[:, r] if past is None else torch.cat([past[0], key[:, r]], 2)) if r and not from_codes else empty
-    full_v = (value[:, r] if past is None else torch.cat([past[1], value[:, r]], 2)) if r and not from_codes else empty
+    if from_codes:  # one zero token per retrieval head (each reads its own slot): computed, then replaced below
+        full_k = full_v = query.new_zeros(batch, len(r), 1, dim)
+    else:
+        past = layer.past_full()
+        full_k = (key[:, r] if past is None else torch.cat([past[0], key[:, r]], 2)) if r else empty
+        full_v = (value[:, r] if past is None else torch.cat([past[1], value[:, r]], 2)) if r else empty
     if o:
         past_k, past_v = layer.past_short()
         short_k, short_v = torch.cat(past_k + [key[:, o]], 2), torch.cat(past_v + [value[:, o]], 2)
@@ -435,8 +438,8 @@ def _decode_with_kernel(
     kv_of = [h // group for h in range(heads)]
     kind = torch.tensor([0 if g in r else 1 for g in kv_of], device=query.device)
     slot = torch.tensor([r.index(g) if g in r else o.index(g) for g in kv_of], device=query.device)
-    # the stand-in's one zero token unmasked: heads reading it compute a finite, discarded output
-    full_bias = row_bias if full_k is not empty else row_bias.new_zeros(batch, 1)
+    # the stand-in's zero token unmasked: heads reading it compute a finite output, replaced below
+    full_bias = row_bias if r and not from_codes else row_bias.new_zeros(batch, 1)
     out = razor_decode_triton(query[:, :, 0], full_k, full_v, full_bias, short_k, short_v, short_bias, comp_k, comp_v,
                               comp_logit, kind, slot, scale)  # fmt: skip
     if from_codes:

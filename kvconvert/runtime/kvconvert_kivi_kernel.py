@@ -1,0 +1,200 @@
+"""Decode over quantized storage in KIVI's layout: a Triton kernel that reads 4-bit codes as stored, its plain-torch
+reference, and the merge of partial softmaxes the runtimes use to join it with the exact tokens they attend to
+themselves. Copied verbatim into every output directory; Triton is optional (see ``kvconvert_kernels``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .kvconvert_kernels import _pow2, _split_len, triton
+
+if triton is not None:
+    import triton.language as tl
+
+# ``kivi_decode`` reads a 4-bit cache in KIVI's layout as it is stored (``kvconvert_codec``): keys per channel, in
+# blocks of B tokens (``key_codes [b, Hkv, nb, d, B/2]``: channel c's B codes two per byte, token 2j in the low
+# nibble; ``key_scale/zero [b, Hkv, nb, d]``), values per token (``value_codes [b, Hkv, n, P]``: channels 2i and
+# 2i + 1 in byte i; ``value_scale/zero [b, Hkv, n, groups]``, channel c in group c // size). A KV head's G query
+# rows share every code they read (one ``tl.dot`` over the group's rows), keys are dequantized per block with its
+# channel scales, values per token, and nothing of the cache is ever written back in float. The exact parts of the
+# cache (sink copies, recent tokens, this step's token) are few: the caller attends to them in torch and merges
+# with the kernel's partial result (``merge_partials``), as flash-decoding merges its splits.
+
+
+def kivi_decode_reference(
+    query: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor, key_zero: torch.Tensor,
+    value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``query [b, Hkv, G, d]``, the cache as above (4-bit), ``bias [b, n]`` additive or None. Returns the
+    unnormalised partial ``(acc [b, Hkv, G, d], ml [b, Hkv, G, 2])``: ``acc = Σ exp(s − m)·v`` with ``m`` the
+    largest score and ``l = Σ exp(s − m)``. Plain torch: every code unpacked and dequantized, then attention."""
+    batch, kv_heads, blocks, dim, half = key_codes.shape
+    block, n = 2 * half, value_codes.shape[2]
+    nibbles = torch.stack([key_codes & 15, key_codes >> 4], dim=-1).flatten(-2).float()  # [b, Hkv, nb, d, B]
+    keys = nibbles * key_scale.float()[..., None] + key_zero.float()[..., None]
+    keys = keys.transpose(-1, -2).reshape(batch, kv_heads, blocks * block, dim)  # [b, Hkv, n, d]
+    codes = torch.stack([value_codes & 15, value_codes >> 4], dim=-1).flatten(-2)[..., :dim].float()
+    size = math.ceil(dim / value_scale.shape[-1])
+    group = torch.arange(dim, device=query.device) // size
+    values = codes * value_scale.float()[..., group] + value_zero.float()[..., group]  # [b, Hkv, n, d]
+    scores = torch.einsum("bhgd,bhnd->bhgn", query.float(), keys[:, :, :n]) * scale
+    if bias is not None:
+        scores = scores + bias.float()[:, None, None, :]
+    m = scores.amax(-1)
+    p = torch.exp(scores - m[..., None])
+    acc = torch.einsum("bhgn,bhnd->bhgd", p, values)
+    return acc, torch.stack([m, p.sum(-1)], dim=-1)
+
+
+def combine_partials(acc: torch.Tensor, ml: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials of disjoint token sets stacked along ``dim`` (``acc [..., d]``, ``ml [..., 2]``: unnormalised sums
+    and (max, denominator), as ``kivi_decode_reference`` returns them) -> the partial of their union:
+    ``Σ acc_i·e^{m_i − M}`` and ``(M, Σ l_i·e^{m_i − M})``, ``M = max m_i``."""
+    top = ml[..., 0].amax(dim, keepdim=True)
+    weight = torch.exp(ml[..., 0] - top)
+    total = (ml[..., 1] * weight).sum(dim)
+    return (acc * weight[..., None]).sum(dim), torch.stack([top.squeeze(dim), total], dim=-1)
+
+
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Softmax attention over the union of disjoint token sets from their partials (``combine_partials``)."""
+    acc, ml = combine_partials(torch.stack([a for a, _ in parts]), torch.stack([m for _, m in parts]))
+    return acc / ml[..., 1:]
+
+
+def kivi_kernel_fits(bits: int, block: int, dim: int) -> bool:
+    """What ``kivi_decode_triton`` reads: 4-bit codes, blocks of a power of two ≥ 32 tokens (each half a
+    ``tl.dot`` operand of ≥ 16) and heads of a power-of-two width ≥ 32."""
+    return bits == 4 and all(x >= 32 and x & (x - 1) == 0 for x in (block, dim))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _kivi_values(codes, scales, zeros, tokens, p, halves, n, size, svn, sgn, DOT: tl.constexpr):
+        """``p [G_PAD, T]`` times the values of ``tokens [T]`` (dequantized per token and channel group), as
+        the even channels' and the odd channels' sums ``[G_PAD, D/2]`` each."""
+        inside = (tokens < n)[:, None]
+        v = tl.load(codes + tokens[:, None] * svn + halves[None, :], mask=inside, other=0)
+        g_lo = (2 * halves // size)[None, :]
+        g_hi = ((2 * halves + 1) // size)[None, :]
+        rows_s, rows_z = scales + tokens[:, None] * sgn, zeros + tokens[:, None] * sgn
+        v_lo = (v & 15).to(tl.float32) * tl.load(rows_s + g_lo, mask=inside, other=0.0).to(tl.float32)
+        v_lo += tl.load(rows_z + g_lo, mask=inside, other=0.0).to(tl.float32)
+        v_hi = (v >> 4).to(tl.float32) * tl.load(rows_s + g_hi, mask=inside, other=0.0).to(tl.float32)
+        v_hi += tl.load(rows_z + g_hi, mask=inside, other=0.0).to(tl.float32)
+        return tl.dot(p, v_lo, input_precision=DOT), tl.dot(p, v_hi, input_precision=DOT)
+
+    @triton.jit
+    def _kivi_decode_kernel(
+        query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias, part_acc, part_ml,
+        kv_heads, n, blocks_per_split, scale, size,
+        sqr, skr, skb, skd, ssr, ssb, svr, svn, sgr, sgn, sbb, spr, sps, smr, sms,
+        G: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, G_PAD: tl.constexpr,
+        D_HALF: tl.constexpr, DOT: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row × KV head r, split j): the G query rows of KV head r over the blocks of split j, two
+        half-blocks at a time (even and odd tokens: the two nibbles of a key byte), each value's even and odd
+        channels (the two nibbles of a value byte) accumulated apart. Writes unnormalised sums, channel
+        2i + parity at column 2i + parity, and (max, denominator) per query row. ``DOT``: the products' precision,
+        ``ieee`` (float32, as a float32 model computes) or ``tf32`` (tensor cores, for half-precision models:
+        still finer than their own bfloat16 / float16 products)."""
+        r = tl.program_id(0)
+        split = tl.program_id(1)
+        row = r // kv_heads
+        heads = tl.arange(0, G_PAD)
+        chans = tl.arange(0, D)
+        halves = tl.arange(0, D_HALF)
+        live = heads < G
+        q = tl.load(query + r * sqr + heads[:, None] * D + chans[None, :], mask=live[:, None], other=0.0)
+        q = q.to(tl.float32) * scale
+        m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+        l_i = tl.zeros((G_PAD,), tl.float32)
+        acc_lo = tl.zeros((G_PAD, D_HALF), tl.float32)
+        acc_hi = tl.zeros((G_PAD, D_HALF), tl.float32)
+        pairs = tl.arange(0, HALF)
+        first = split * blocks_per_split
+        for blk in range(first, first + blocks_per_split):
+            if blk * 2 * HALF < n:
+                base = key_codes + r * skr + blk * skb
+                packed = tl.load(base + chans[:, None] * skd + pairs[None, :])  # [D, HALF] uint8
+                k_scale = tl.load(key_scale + r * ssr + blk * ssb + chans).to(tl.float32)
+                k_zero = tl.load(key_zero + r * ssr + blk * ssb + chans).to(tl.float32)
+                # q·k = Σ_c (q_c·s_c)·code + Σ_c q_c·z_c: the scale folds into the query, the zero into one bias
+                q_scaled = q * k_scale[None, :]
+                offset = tl.sum(q * k_zero[None, :], axis=1)  # [G_PAD]
+                s_even = tl.dot(q_scaled, (packed & 15).to(tl.float32), input_precision=DOT) + offset[:, None]
+                s_odd = tl.dot(q_scaled, (packed >> 4).to(tl.float32), input_precision=DOT) + offset[:, None]
+                even = blk * 2 * HALF + 2 * pairs
+                odd = even + 1
+                if HAS_BIAS:
+                    s_even += tl.load(bias + row * sbb + even, mask=even < n, other=0.0)[None, :]
+                    s_odd += tl.load(bias + row * sbb + odd, mask=odd < n, other=0.0)[None, :]
+                s_even = tl.where((even < n)[None, :], s_even, float("-inf"))
+                s_odd = tl.where((odd < n)[None, :], s_odd, float("-inf"))
+                m_new = tl.maximum(m_i, tl.maximum(tl.max(s_even, axis=1), tl.max(s_odd, axis=1)))
+                alpha = tl.exp(m_i - m_new)
+                p_even = tl.exp(s_even - m_new[:, None])
+                p_odd = tl.exp(s_odd - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p_even, axis=1) + tl.sum(p_odd, axis=1)
+                acc_lo = acc_lo * alpha[:, None]
+                acc_hi = acc_hi * alpha[:, None]
+                lo, hi = _kivi_values(value_codes + r * svr, value_scale + r * sgr, value_zero + r * sgr, even, p_even,
+                                      halves, n, size, svn, sgn, DOT)  # fmt: skip
+                acc_lo += lo
+                acc_hi += hi
+                lo, hi = _kivi_values(value_codes + r * svr, value_scale + r * sgr, value_zero + r * sgr, odd, p_odd,
+                                      halves, n, size, svn, sgn, DOT)  # fmt: skip
+                acc_lo += lo
+                acc_hi += hi
+                m_i = m_new
+        out = part_acc + r * spr + split * sps + heads[:, None] * D
+        tl.store(out + 2 * halves[None, :], acc_lo, mask=live[:, None])
+        tl.store(out + 2 * halves[None, :] + 1, acc_hi, mask=live[:, None])
+        ml = part_ml + r * smr + split * sms + heads * 2
+        tl.store(ml, m_i, mask=live)
+        tl.store(ml + 1, l_i, mask=live)
+
+
+def kivi_decode_triton(
+    query: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor, key_zero: torch.Tensor,
+    value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
+    scale: float, splits: int | None = None, precise: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``kivi_decode_reference`` in one launch, grid (rows × KV heads, token splits of whole blocks), the splits
+    merged as ``merge_partials`` merges. ``precise``: float32 products (default: when the query is float32), else
+    TF32 on tensor cores."""
+    precise = query.dtype == torch.float32 if precise is None else precise
+    assert triton is not None, "Triton is not installed (pip install 'kvconvert[kernels]')"
+    batch, kv_heads, group, dim = query.shape
+    blocks, half = key_codes.shape[2], key_codes.shape[-1]
+    assert kivi_kernel_fits(4, 2 * half, dim), "kivi_decode_triton: 4-bit codes, blocks of 2^k >= 32, dims >= 32"
+    n = value_codes.shape[2]
+    query = query.float().contiguous()
+    key_codes, value_codes = key_codes.contiguous(), value_codes.contiguous()
+    key_scale, key_zero = key_scale.contiguous(), key_zero.contiguous()
+    value_scale, value_zero = value_scale.contiguous(), value_zero.contiguous()
+    per_split = _split_len(blocks, batch * kv_heads, query.device, 1, splits)  # in blocks
+    n_splits = triton.cdiv(blocks, per_split)
+    rows = batch * kv_heads
+    part_acc = torch.empty(rows, n_splits, group, dim, dtype=torch.float32, device=query.device)
+    part_ml = torch.empty(rows, n_splits, group, 2, dtype=torch.float32, device=query.device)
+    bias_t = bias.float().contiguous() if bias is not None else part_acc  # any pointer when HAS_BIAS is off
+    size = math.ceil(dim / value_scale.shape[-1])
+    _kivi_decode_kernel[(rows, n_splits)](
+        query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias_t, part_acc, part_ml,
+        kv_heads, n, per_split, scale, size,
+        group * dim, key_codes.stride(1), key_codes.stride(2), key_codes.stride(3), key_scale.stride(1),
+        key_scale.stride(2), value_codes.stride(1), value_codes.stride(2), value_scale.stride(1),
+        value_scale.stride(2), bias_t.stride(0), part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
+        part_ml.stride(1),
+        G=group, D=dim, HALF=half, HAS_BIAS=bias is not None, G_PAD=max(16, _pow2(group)), D_HALF=dim // 2,
+        DOT="ieee" if precise else "tf32",
+    )  # fmt: skip
+    shape = (batch, kv_heads, n_splits, group)
+    acc, ml = part_acc.view(*shape, dim), part_ml.view(*shape, 2)
+    return (acc[:, :, 0], ml[:, :, 0]) if n_splits == 1 else combine_partials(acc, ml, dim=2)
