@@ -8,7 +8,9 @@ model is a random-weight MHA Llama (12 layers, hidden 1024, 16 heads) converted 
 uniform), razor, minicache and quant (4-bit, both layouts), so no download is needed; each runs its
 torch path (the default), slim/LoRC/razor also with ``KVCONVERT_KERNELS=triton``, all with SDPA's
 cuDNN backend excluded (see ``sdpa_backends``). Every kernel's output is checked against its float32
-reference first. ``--smoke`` runs tiny sizes on the CPU through the torch references (checks the
+reference first. Then the serving figure (``--serving``, default 8192:16): the original's cache for 16 rows of
+8K tokens is the memory budget, each model decodes the most rows its cache fits there, tokens/s of all rows against
+the original's. ``--smoke`` runs tiny sizes on the CPU through the torch references (checks the
 script, measures nothing meaningful). Writes bench/results/kernels-<date>.{json,md}.
 """
 
@@ -166,8 +168,10 @@ CONVERSIONS: list[tuple[str, dict[str, Any]]] = [
 KERNEL_USERS = {"slim", "lorc 0.5", "razor"}  # also timed with KVCONVERT_KERNELS=triton
 
 
-def end_to_end(contexts: list[int], batches: list[int], device: str, small: bool, new_tokens: int) -> list[dict]:
-    """Decode tokens/s of a random MHA Llama and its conversions; prompts prefilled in 512-token chunks."""
+def end_to_end(contexts: list[int], batches: list[int], device: str, small: bool, new_tokens: int,
+               serving: tuple[int, int] | None = None) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """Decode tokens/s of a random MHA Llama and its conversions; prompts prefilled in 512-token chunks. With
+    ``serving`` (context, rows) also the serving figure (``serving_rows``). Returns (rows, serving rows)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import kvconvert
@@ -221,8 +225,39 @@ def end_to_end(contexts: list[int], batches: list[int], device: str, small: bool
                                  "peak_gpu_bytes": peak})  # fmt: skip
                     del cache
                     print(rows[-1], flush=True)
+        served = [] if serving is None else serving_rows(runs, *serving, device, new_tokens)
     os.environ.pop("KVCONVERT_KERNELS", None)
-    return rows
+    return rows, served
+
+
+def serving_rows(runs: list[tuple[str, Any, str]], context: int, rows: int, device: str,
+                 new_tokens: int) -> list[dict[str, Any]]:  # fmt: skip
+    """What a fixed memory serves: the original's cache for ``rows`` rows of ``context`` tokens is the budget; each
+    model decodes the most rows whose cache fits it (bytes per row measured on one row), tokens/s of all rows
+    against the original's at ``rows``."""
+    from kvconvert.eval.memory import cache_nbytes
+
+    ids = torch.randint(3, 32000, (1, context + new_tokens + 1), device=device)
+    per_row = {}
+    for label, model, choice in runs:
+        os.environ["KVCONVERT_KERNELS"] = choice
+        with sdpa_backends():
+            per_row[label] = cache_nbytes(decode_rate(model, ids, context, 1)[1])
+    budget = per_row["original"] * rows
+    out: list[dict[str, Any]] = []
+    for label, model, choice in runs:
+        fits = max(1, int(budget // per_row[label]))
+        os.environ["KVCONVERT_KERNELS"] = choice
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        batch = torch.randint(3, 32000, (fits, context + new_tokens + 1), device=device)
+        with sdpa_backends():
+            rate = decode_rate(model, batch, context, new_tokens)[0]
+        out.append({"model": label, "context": context, "rows": fits, "cache_bytes_per_row": per_row[label],
+                    "decode_tokens_per_s": rate, "ratio_to_original": rate / out[0]["decode_tokens_per_s"]
+                    if out else 1.0})  # fmt: skip
+        print(out[-1], flush=True)
+    return out
 
 
 def sdpa_backends() -> Any:
@@ -262,6 +297,9 @@ def main() -> None:
     parser.add_argument("--e2e-batches", default=None, help="end-to-end batches (default: --batches)")
     parser.add_argument("--kernels-only", action="store_true", help="skip the end-to-end decode")
     parser.add_argument("--copy-to", default=None, help="also write the results into this folder")
+    parser.add_argument("--serving", default=None,
+                        help="CONTEXT:ROWS (default 8192:16; --smoke 64:2): tokens/s of each model at the "
+                             "most rows its cache fits into the original's cache for ROWS rows")  # fmt: skip
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu" and not args.smoke:
@@ -286,10 +324,13 @@ def main() -> None:
                 print(kernel_rows[-1], flush=True)
     e2e_contexts = [int(c) for c in args.e2e_contexts.split(",")] if args.e2e_contexts else contexts
     e2e_batches = [int(c) for c in args.e2e_batches.split(",")] if args.e2e_batches else batches
-    e2e = [] if args.kernels_only else end_to_end(e2e_contexts, e2e_batches, device, args.smoke,
-                                                  new_tokens=4 if args.smoke else 32)  # fmt: skip
+    context, rows = (int(x) for x in (args.serving or ("64:2" if args.smoke else "8192:16")).split(":"))
+    e2e, served = ([], []) if args.kernels_only else end_to_end(e2e_contexts, e2e_batches, device, args.smoke,
+                                                                new_tokens=4 if args.smoke else 32,
+                                                                serving=(context, rows))  # fmt: skip
     payload = {"benchmark": "kernels", "device": gpu, "dtype": str(dtype), "kernels": kernel_rows,
-               "end_to_end": e2e, "machine": machine(), "seconds": time.perf_counter() - started}  # fmt: skip
+               "end_to_end": e2e, "serving": served, "machine": machine(),
+               "seconds": time.perf_counter() - started}  # fmt: skip
     table = markdown_table(
         ["kernel", "context", "batch", "µs", "‖err‖/‖ref‖", "MB read", "GB/s", "of peak"],
         [[r["kernel"], r["context"], r["batch"], f"{r['us']:.1f}", f"{r['relative_error']:.1e}",
@@ -300,6 +341,10 @@ def main() -> None:
         [[r["model"], r["context"], r["batch"], f"{r['decode_tokens_per_s']:.1f}", f"{r['ratio_to_original']:.2f}",
           f"{r['cache_bytes'] / 1e6:.1f}", "-" if r["peak_gpu_bytes"] is None else f"{r['peak_gpu_bytes'] / 1e9:.2f}"]
          for r in e2e],
+    ) + "\n\nServing within the original's cache memory:\n\n" + markdown_table(
+        ["model", "context", "rows", "cache MB per row", "decode tok/s (all rows)", "× original"],
+        [[r["model"], r["context"], r["rows"], f"{r['cache_bytes_per_row'] / 1e6:.2f}",
+          f"{r['decode_tokens_per_s']:.1f}", f"{r['ratio_to_original']:.2f}"] for r in served],
     )  # fmt: skip
     if args.smoke:
         print(table)
