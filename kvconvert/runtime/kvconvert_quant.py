@@ -191,10 +191,12 @@ def kivi_decode(
 
 def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int) -> bool:
     """``kivi_decode`` can read these stores: KIVI's layout (keys per channel), 4-bit on both sides in blocks the
-    kernel takes (``kivi_kernel_fits``), at least one block quantized and none dropped from the front."""
+    kernel takes (``kivi_kernel_fits``), none dropped from the front, and quantized blocks that cover the exact sink
+    (whose copies ``kivi_decode`` attends in place of the blocks' stand-ins)."""
     fits = all(kivi_kernel_fits(store.quant.bits, keys.quant.group, dim) for store in (keys, values))
     layout = keys.per_channel and not isinstance(keys, TokenLayoutStore)
-    return layout and fits and keys.blocks is not None and not keys.offset
+    sink = 0 if keys.head is None else keys.head.shape[-2]
+    return layout and fits and keys.blocks is not None and not keys.offset and keys.quantized_tokens >= sink
 
 
 class KiviLayer(QuantizedLayer):
