@@ -13,8 +13,8 @@ from default_methods import COMPRESSING, LOSSLESS
 from helpers import assert_same_logits, left_padded, load_converted, load_reference
 from transformers import CompileConfig, StaticCache
 
-STATIC = ("lorc", "slim", "zack", "quant")  # the methods with a static cache
-STATIC_LAYERS = {"StaticLatentLayer", "StaticStoreLayer", "StaticFp8Layer"}  # kvconvert's
+STATIC = ("lorc", "slim", "zack", "quant", "razor")  # the methods with a static cache
+STATIC_LAYERS = {"StaticLatentLayer", "StaticStoreLayer", "StaticFp8Layer", "StaticRazorLayer"}  # kvconvert's
 SEARCHES = {
     "greedy": {"do_sample": False},
     "beams": {"num_beams": 2, "do_sample": False},
@@ -212,14 +212,15 @@ def test_a_static_quantized_cache_refuses_to_crop_below_what_it_holds(quantized)
         cache.crop(-10)
 
 
-def test_a_static_cache_too_short_is_one_clear_error(converted):
-    model = load_converted(converted("lorc", "compressing")[1])
+@pytest.mark.parametrize("method, layer", [("lorc", "StaticLatentLayer"), ("razor", "StaticRazorLayer")])
+def test_a_static_cache_too_short_is_one_clear_error(method, layer, converted):
+    model = load_converted(converted(method, "compressing")[1])
     ids, mask = left_padded()
     cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 2)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         cache = out.past_key_values
-        assert "StaticLatentLayer" in {type(layer).__name__ for layer in cache.layers}
+        assert layer in {type(held).__name__ for held in cache.layers}
         with pytest.raises(ValueError, match=r"holds 26 tokens and already has 24: 3 more do not fit"):
             model(input_ids=ids[:, :3], past_key_values=cache, use_cache=True)
 
@@ -231,7 +232,7 @@ def test_compiled_speed_is_measured_only_for_static_caches(converted, tokenized_
 
     models = {"source": load_reference(tokenized_model_dir("llama_gqa")),
               "zack": load_converted(converted("zack", "compressing")[1]),
-              "razor": load_converted(converted("razor", "compressing")[1])}  # fmt: skip
+              "minicache": load_converted(converted("minicache", "compressing")[1])}  # fmt: skip
     torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -309,3 +310,47 @@ def test_a_static_fp8_cache_too_short_is_one_clear_error(fp8_export):
 
 def test_lossless_table_covers_the_static_methods():
     assert set(STATIC) <= set(LOSSLESS)
+
+
+def _step_mask(valid: torch.Tensor, first: int, count: int, length: int) -> torch.Tensor:
+    """transformers' boolean mask ``[b, 1, count, length]`` for tokens ``first..first+count-1``: causal over the
+    slots, padding (``valid [b, ·]`` False) hidden; slots past the sequence hidden too."""
+    query = torch.arange(first, first + count)[:, None]
+    slots = torch.arange(length)[None, :]
+    padded = torch.zeros(valid.shape[0], length, dtype=torch.bool)
+    padded[:, : min(length, valid.shape[1])] = valid[:, :length]
+    return ((slots <= query)[None] & padded[:, None, :])[:, None]
+
+
+@pytest.mark.parametrize("sink, window, frac, retrieval", [(2, 6, 0.25, [1]), (0, 4, 0.0, []), (3, 5, 0.5, [0, 2])])
+def test_static_razor_layer_attends_as_the_growing_one(sink, window, frac, retrieval):
+    """Independent of the model: chunks of several tokens and single decode tokens (the sink still filling, the
+    window growing with ``frac`` so that some steps drop nothing, padded tokens leaving the window) give each step
+    what ``RazorLayer`` gives it, and the compensation sums end equal."""
+    from kvconvert.runtime.kvconvert_razor import RazorLayer
+    from kvconvert.runtime.kvconvert_razor_static import StaticRazorLayer
+
+    others = [g for g in range(3) if g not in retrieval]
+    chunks = [1, 1, 5, *[1] * 12, 9, *[1] * 30]
+    total, generator = sum(chunks), torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, total, 8, generator=generator)
+    k, v = torch.randn(2, 3, total, 8, generator=generator), torch.randn(2, 3, total, 8, generator=generator)
+    valid = torch.ones(2, total, dtype=torch.bool)
+    valid[1, :13] = False  # a left-padded row whose padding reaches past the sink into the window
+    growing = RazorLayer(retrieval, others, sink, window, frac)
+    static = StaticRazorLayer(retrieval, others, sink, window, frac, total + 3)
+    first = 0
+    for count in chunks:
+        step = slice(first, first + count)
+        expected, _ = growing.attend(q[:, :, step], k[:, :, step], v[:, :, step],
+                                     _step_mask(valid, first, count, first + count), None)  # fmt: skip
+        got, _ = static.attend(q[:, :, step], k[:, :, step], v[:, :, step],
+                               _step_mask(valid, first, count, total + 3), None)  # fmt: skip
+        first += count
+        real = valid[:, first - count : first]  # a padding query's output is garbage in both
+        torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5, msg=f"after {first} tokens")
+    assert int(static.filled) == growing.seen == total
+    if others:
+        assert growing.comp_count.tolist() == static.comp_count.tolist() and growing.comp_count[0] > 0
+        torch.testing.assert_close(static.comp_k_sum, growing.comp_k_sum)
+        torch.testing.assert_close(static.comp_v_sum, growing.comp_v_sum)

@@ -193,6 +193,8 @@ def static_refusal(spec: dict[str, Any], static_windows: bool = False) -> str | 
     quant = QuantSpec.from_spec(spec)
     if quant.layout == "token":
         return "its token layout (torch's CPU int4 packing) has no static layer yet"
+    if spec.get("method") == "razor" and quant.quantized:
+        return "razor's windows in quantized storage have no static layer yet"
     stock_windows = static_windows and not (quant.include_local and quant.quantized)
     if spec.get("local_layers") and not stock_windows:
         return "its sliding-window layers have no static layer here yet"

@@ -18,7 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec
-from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows
+from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows, static_refusal
 from .kvconvert_kernels import razor_decode_triton, use_kernels
 from .kvconvert_quant import decodes_from_codes, kivi_decode, kivi_kernel_reads, token_decode
 from .kvconvert_storage import KVLayer, sliding_layer
@@ -459,17 +459,23 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
 
 
 def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerStateCache:
-    """``max_cache_len`` (a static cache asked for) is not honoured: this cache grows with the sequence."""
+    """The head-wise cache; preallocated for ``max_cache_len`` tokens (a static cache asked for) unless
+    ``static_refusal`` says why not (then it grows with the sequence, and the caller says so)."""
+    from .kvconvert_razor_static import StaticRazorLayer  # it builds on this module
+
     razor = spec["razor"]
     kv_heads = int(spec["num_kv_heads"])
     quant = QuantSpec.from_spec(spec)
-    layers = []
+    static = max_cache_len is not None and static_refusal(spec) is None
+    layers: list[Any] = []
     for layer, retrieval in enumerate(razor["retrieval_kv_heads"]):
         others = [g for g in range(kv_heads) if g not in retrieval]
-        layers.append(
-            sliding_layer(spec, layer)
-            or RazorLayer(list(retrieval), others, razor["sink"], razor["window"], razor["window_frac"], quant, layer)
-        )
+        heads = list(retrieval), others, razor["sink"], razor["window"], razor["window_frac"]
+        if static:
+            assert max_cache_len is not None
+            layers.append(StaticRazorLayer(*heads, max_cache_len))
+        else:
+            layers.append(sliding_layer(spec, layer) or RazorLayer(*heads, quant, layer))
     return LayerStateCache(layers)
 
 

@@ -1,0 +1,227 @@
+"""Razor's preallocated cache (``generate(cache_implementation="static")``, ``torch.compile``, CUDA graphs).
+
+``RazorLayer`` keeps exactly what the paper keeps, in tensors that grow and shrink: a decode step changes their
+shapes, so a compiled step would recompile at every token. This layer holds the same state in buffers of fixed
+shapes, written in place: retrieval heads' keys and values for ``max_cache_len`` tokens; the other heads' sink,
+a ring of ``L_max + 1`` slots for their window (``L_max`` the window at ``max_cache_len`` tokens; one more slot
+holds this step's token while the oldest one still waits to be compensated), the compensation sums and counts.
+A slot's logical position (``ring_pos``) decides whether it is inside the window, so a step masks instead of
+slicing. A decode step (one token) is written in tensors only; longer steps (prefill, chunks) rebuild a growing
+``RazorLayer`` from the buffers, let it attend and evict, and write its state back: the two paths compute what
+the growing cache computes. 16-bit stores only: razor's quantized windows keep the growing cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .kvconvert_codec import QuantSpec
+from .kvconvert_common import softmax_rows
+from .kvconvert_razor import RazorLayer, _attend, compensated_attention
+from .kvconvert_storage import StaticKVLayer
+
+
+class StaticRazorLayer(StaticKVLayer):
+    """``RazorLayer``'s state preallocated (``StaticKVLayer``): ``full_k/v [b, R, max_cache_len, d]``,
+    ``sink_k/v [b, N, sink, d]``, ``ring_k/v [b, N, capacity, d]`` with ``ring_pos [capacity]`` (the logical
+    position each slot holds, -1 for none: the same for every row, as positions are cache slots), the float32
+    compensation sums ``[b, N, 1, d]`` and counts ``[b]``."""
+
+    buffers = ("full_k", "full_v", "sink_k", "sink_v", "ring_k", "ring_v", "comp_k_sum", "comp_v_sum", "comp_count")
+    # tensors once allocated (None before, or for a kind of head the layer lacks); Any keeps the state terse
+    full_k: Any
+    full_v: Any
+    sink_k: Any
+    sink_v: Any
+    ring_k: Any
+    ring_v: Any
+    comp_k_sum: Any
+    comp_v_sum: Any
+    comp_count: Any
+
+    def __init__(self, retrieval: list[int], others: list[int], sink: int, window: int, window_frac: float,
+                 max_cache_len: int):  # fmt: skip
+        super().__init__(max_cache_len)
+        self.retrieval, self.others = retrieval, others
+        self.sink, self.window, self.window_frac = sink, window, window_frac
+        # the window before a step's eviction: at most L(n) tokens held, plus the step's own
+        self.capacity = self.recent_budget(max_cache_len) + 1
+        self.ring_pos: Any = None
+
+    def recent_budget(self, total: int) -> int:
+        return max(self.window, int(total * self.window_frac))
+
+    def _window_start(self, total: torch.Tensor) -> torch.Tensor:
+        """First logical position of the window after ``total`` tokens: max(sink, total − L(total)); float64, as
+        ``recent_budget``'s ``int(total * window_frac)`` rounds."""
+        budget = (total.double() * self.window_frac).floor().long().clamp(min=self.window)
+        return (total - budget).clamp(min=self.sink)
+
+    def _held(self) -> list[torch.Tensor]:
+        return super()._held() + ([self.ring_pos] if self.ring_pos is not None else [])
+
+    def rows(self) -> int:
+        held = super()._held()
+        return held[0].shape[0] if held else 0
+
+    def reset(self) -> None:
+        super().reset()
+        if self.ring_pos is not None:
+            self.ring_pos.fill_(-1)
+
+    def crop_to(self, length: int) -> None:
+        if length < int(self.filled):
+            raise ValueError("a razor cache cannot be cropped: the tokens it dropped are gone")
+
+    def _allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        batch, _, _, dim = key.shape
+        self.dtype, self.device = key.dtype, key.device
+
+        def zeros(heads: list[int], length: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> Any:
+            return like.new_zeros(batch, len(heads), length, like.shape[-1], dtype=dtype) if heads else None
+
+        r, o = self.retrieval, self.others
+        self.full_k, self.full_v = zeros(r, self.max_cache_len, key), zeros(r, self.max_cache_len, value)
+        self.sink_k, self.sink_v = zeros(o, self.sink, key), zeros(o, self.sink, value)
+        self.ring_k, self.ring_v = zeros(o, self.capacity, key), zeros(o, self.capacity, value)
+        self.comp_k_sum, self.comp_v_sum = zeros(o, 1, key, torch.float32), zeros(o, 1, value, torch.float32)
+        self.comp_count = key.new_zeros(batch, dtype=torch.float32) if o else None
+        self.ring_pos = torch.full((self.capacity,), -1, dtype=torch.long, device=key.device) if o else None
+        self.filled = self.filled.to(key.device)
+        self._initialized(key.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        """Called by the stock attention module; ``attend`` stores and reads."""
+        return key_states, value_states
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+               scaling: float | None) -> tuple[torch.Tensor, None]:  # fmt: skip
+        if not self.is_initialized:
+            self._allocate(key, value)
+        count = key.shape[2]
+        self._check_room(count)
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        if count > 1:
+            return self._attend_growing(query, key, value, attention_mask, scale)
+        out = self._decode(query, key, value, attention_mask, scale)
+        return out.transpose(1, 2).contiguous(), None
+
+    # --- a decode step, in tensors only
+    def _bias(self, attention_mask: Any, dtype: torch.dtype) -> torch.Tensor:
+        """The step's additive bias over every logical position ``[b|1, 1, 1, max_cache_len]``; None (no padding,
+        a mask transformers skipped): every written slot visible."""
+        minimum = torch.finfo(dtype).min
+        if attention_mask is None:
+            positions = torch.arange(self.max_cache_len, device=self.filled.device)
+            return torch.where(positions <= self.filled, 0.0, minimum).to(dtype)[None, None, None]
+        mask = attention_mask[..., -1:, : self.max_cache_len]
+        if mask.dtype == torch.bool:
+            return torch.where(mask, 0.0, minimum).to(dtype)
+        return mask.to(dtype).clamp(min=minimum)
+
+    def _decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                scale: float) -> torch.Tensor:  # fmt: skip
+        """One token: write it, attend (retrieval heads over every slot, the others over sink + window +
+        compensation token), then compensate what left the window. ``[b, H, 1, d]``."""
+        batch, heads, _, dim = query.shape
+        kv_heads = key.shape[1]
+        group = heads // kv_heads
+        rows = query.reshape(batch, kv_heads, group, dim)  # a KV group's query heads are adjacent
+        out = query.new_empty(batch, kv_heads, group, dim)
+        bias = self._bias(attention_mask, query.dtype)
+        at = self.filled.view(1)
+        r, o = self.retrieval, self.others
+        if r:
+            self.full_k.index_copy_(2, at, key[:, r])
+            self.full_v.index_copy_(2, at, value[:, r])
+            scores = rows[:, r] @ self.full_k.transpose(-1, -2) * scale + bias
+            out[:, r] = softmax_rows(scores, value.dtype) @ self.full_v
+        if o:
+            out[:, o] = self._decode_windows(rows[:, o], key[:, o], value[:, o], bias, scale)
+        self._advance(1)
+        return out.view(batch, heads, 1, dim)
+
+    def _decode_windows(self, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+                        scale: float) -> torch.Tensor:  # fmt: skip
+        """The non-retrieval heads' step: ``rows [b, N, G, d]``, this token's ``key/value [b, N, 1, d]``."""
+        seen, sink, minimum = self.filled, self.sink, torch.finfo(bias.dtype).min
+        in_sink = seen < sink
+        if sink:  # a write that changes nothing once the sink is full (no branch: fixed shapes)
+            at = seen.clamp(max=sink - 1).view(1)
+            self.sink_k.index_copy_(2, at, torch.where(in_sink, key, self.sink_k.index_select(2, at)))
+            self.sink_v.index_copy_(2, at, torch.where(in_sink, value, self.sink_v.index_select(2, at)))
+        # before the sink is full the slot is empty and stays so (position -1)
+        slot = ((seen - sink).clamp(min=0) % self.capacity).view(1)
+        self.ring_k.index_copy_(2, slot, key)
+        self.ring_v.index_copy_(2, slot, value)
+        self.ring_pos.index_copy_(0, slot, torch.where(in_sink, -1, seen).view(1))
+        start = self._window_start(seen)  # the window before this step's eviction, then its new token
+        inside = self.ring_pos >= start
+        ring_bias = torch.where(inside, bias.index_select(-1, self.ring_pos.clamp(min=0)), minimum)
+        scores = torch.cat([rows @ self.sink_k.transpose(-1, -2), rows @ self.ring_k.transpose(-1, -2)], dim=-1)
+        scores = scores * scale + torch.cat([bias[..., :sink], ring_bias], dim=-1)
+        count = self.comp_count
+        denominator = count.clamp(min=1).view(-1, 1, 1, 1)
+        comp_k, comp_v = (self.comp_k_sum / denominator).to(key.dtype), (self.comp_v_sum / denominator).to(value.dtype)
+        out = compensated_attention(rows, (self.sink_k, self.ring_k), (self.sink_v, self.ring_v), scores, comp_k,
+                                    comp_v, count, scale)  # fmt: skip
+        # what left the window (0 or 1 token: L grows by at most one a step) goes into the sums, padding never
+        leaves = self._window_start(seen + 1) > start
+        gone = ((start - sink) % self.capacity).view(1)
+        weight = torch.where(leaves, (bias.index_select(-1, start.view(1)) == 0).float(), 0.0)  # [b|1, 1, 1, 1]
+        weight = weight.reshape(-1, 1, 1, 1)
+        self.comp_k_sum.add_(self.ring_k.index_select(2, gone).float() * weight)
+        self.comp_v_sum.add_(self.ring_v.index_select(2, gone).float() * weight)
+        self.comp_count.add_(weight.reshape(-1).expand_as(self.comp_count))
+        return out
+
+    # --- prefill and other multi-token steps, through the growing layer
+    def _attend_growing(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                        scale: float) -> tuple[torch.Tensor, None]:  # fmt: skip
+        seen = int(self.filled)
+        layer = RazorLayer(self.retrieval, self.others, self.sink, self.window, self.window_frac, QuantSpec())
+        if seen:
+            self._load(layer, seen)
+        out = _attend(query, key, value, attention_mask, scale, layer)
+        self._store(layer)
+        return out
+
+    def _load(self, layer: RazorLayer, seen: int) -> None:
+        """``layer`` holding this layer's state after ``seen`` tokens."""
+        layer.is_initialized, layer.dtype, layer.device = True, self.dtype, self.device
+        if self.retrieval:
+            layer.full_k.append(self.full_k[:, :, :seen])
+            layer.full_v.append(self.full_v[:, :, :seen])
+        if self.others:
+            sink = min(self.sink, seen)
+            layer.sink_k, layer.sink_v = self.sink_k[:, :, :sink].clone(), self.sink_v[:, :, :sink].clone()
+            start = min(seen, int(self._window_start(torch.tensor(seen))))  # the sink may not be full yet
+            slots = (torch.arange(start, seen, device=self.device) - self.sink) % self.capacity
+            layer.recent_k.append(self.ring_k.index_select(2, slots))
+            layer.recent_v.append(self.ring_v.index_select(2, slots))
+            layer.comp_k_sum, layer.comp_v_sum = self.comp_k_sum.clone(), self.comp_v_sum.clone()
+            layer.comp_count = self.comp_count.clone()
+        layer.seen = seen
+
+    def _store(self, layer: RazorLayer) -> None:
+        """Write ``layer``'s state (after its step) into the buffers."""
+        seen = layer.seen
+        if self.retrieval:
+            self.full_k[:, :, :seen] = layer.full_k.read()
+            self.full_v[:, :, :seen] = layer.full_v.read()
+        if self.others:
+            sink = layer.sink_k.shape[2]
+            self.sink_k[:, :, :sink], self.sink_v[:, :, :sink] = layer.sink_k, layer.sink_v
+            held = len(layer.recent_k)
+            if held:
+                positions = torch.arange(seen - held, seen, device=self.device)
+                slots = (positions - self.sink) % self.capacity
+                self.ring_k.index_copy_(2, slots, layer.recent_k.read())
+                self.ring_v.index_copy_(2, slots, layer.recent_v.read())
+                self.ring_pos.index_copy_(0, slots, positions)
+            self.comp_k_sum.copy_(layer.comp_k_sum)
+            self.comp_v_sum.copy_(layer.comp_v_sum)
+            self.comp_count.copy_(layer.comp_count)
+        self.filled.fill_(seen)
