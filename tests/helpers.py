@@ -105,3 +105,49 @@ def kv_budget(reference, converted, input_ids: torch.Tensor) -> float:
     """Measured bytes-per-token ratio converted / reference, from the cache objects."""
     short, long = input_ids.shape[1] // 4, input_ids.shape[1]
     return kv_bytes_per_token(converted, input_ids, short, long) / kv_bytes_per_token(reference, input_ids, short, long)
+
+
+def step_mask(valid: torch.Tensor, first: int, count: int, length: int) -> torch.Tensor:
+    """transformers' boolean mask ``[b, 1, count, length]`` for tokens ``first..first+count-1``: causal over the
+    slots, padding (``valid [b, ·]`` False) hidden; slots past the sequence hidden too."""
+    query = torch.arange(first, first + count)[:, None]
+    slots = torch.arange(length)[None, :]
+    padded = torch.zeros(valid.shape[0], length, dtype=torch.bool)
+    padded[:, : min(length, valid.shape[1])] = valid[:, :length]
+    return ((slots <= query)[None] & padded[:, None, :])[:, None]
+
+
+def razor_static_steps(sink: int, window: int, frac: float, retrieval: list[int], tolerance: float,
+                       device: str = "cpu") -> None:  # fmt: skip
+    """Feed the same chunks (several tokens, then single ones; a left-padded row whose padding outlasts the sink)
+    to razor's growing and static cache layers: each step's outputs of the real tokens agree within ``tolerance``,
+    and the compensation sums end equal (``test_static_cache``; with the head-wise kernel, ``test_kernels``)."""
+    from kvconvert.runtime.kvconvert_razor import RazorLayer
+    from kvconvert.runtime.kvconvert_razor_static import StaticRazorLayer
+
+    others = [g for g in range(3) if g not in retrieval]
+    chunks = [1, 1, 5, *[1] * 12, 9, *[1] * 30]
+    total, generator = sum(chunks), torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, total, 8, generator=generator).to(device)
+    k = torch.randn(2, 3, total, 8, generator=generator).to(device)
+    v = torch.randn(2, 3, total, 8, generator=generator).to(device)
+    valid = torch.ones(2, total, dtype=torch.bool)
+    valid[1, :13] = False
+    growing = RazorLayer(retrieval, others, sink, window, frac)
+    static = StaticRazorLayer(retrieval, others, sink, window, frac, total + 3)
+    first = 0
+    for count in chunks:
+        step = slice(first, first + count)
+        expected, _ = growing.attend(q[:, :, step], k[:, :, step], v[:, :, step],
+                                     step_mask(valid, first, count, first + count).to(device), None)  # fmt: skip
+        got, _ = static.attend(q[:, :, step], k[:, :, step], v[:, :, step],
+                               step_mask(valid, first, count, total + 3).to(device), None)  # fmt: skip
+        first += count
+        real = valid[:, first - count : first].to(device)  # a padding query's output is garbage in both
+        torch.testing.assert_close(got[real], expected[real], rtol=tolerance, atol=tolerance,
+                                   msg=f"after {first} tokens")  # fmt: skip
+    assert int(static.filled) == growing.seen == total
+    if others:
+        assert growing.comp_count.tolist() == static.comp_count.tolist() and growing.comp_count[0] > 0
+        torch.testing.assert_close(static.comp_k_sum, growing.comp_k_sum)
+        torch.testing.assert_close(static.comp_v_sum, growing.comp_v_sum)

@@ -341,6 +341,28 @@ def test_decode_with_kernels_matches_the_torch_runtime(name, tokenized_model_dir
     assert torch.equal(outputs["torch"].sequences, outputs["triton"].sequences)
 
 
+@torch.no_grad()
+def test_razor_static_cache_decodes_with_the_head_wise_kernel(monkeypatch):
+    """razor's static cache asked for the kernels: every single-token step is one launch over the buffers as they
+    are (sink and ring in one tensor, masked by position), and agrees with the growing cache's torch path."""
+    import kvconvert.runtime.kvconvert_razor_static as static
+    from tests.helpers import razor_static_steps
+
+    launches = []
+    original = static.razor_decode_triton
+
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(static, "razor_decode_triton", counted)
+    monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
+    for retrieval in ([1], []):
+        launches.clear()
+        razor_static_steps(2, 6, 0.25, retrieval, tolerance=1e-4, device=DEVICE)
+        assert len(launches) == 44  # the steps of one token (longer ones go through the growing layer)
+
+
 def test_kernels_asked_for_where_they_cannot_run_are_an_error_not_a_fall_back(monkeypatch):
     """A misspelt KVCONVERT_KERNELS, Triton missing, or Triton on a CPU without the interpreter: one line naming
     the problem and the flag, never the torch path in silence (a kernel measurement would measure torch)."""

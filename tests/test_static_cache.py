@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 from default_methods import COMPRESSING, LOSSLESS
-from helpers import assert_same_logits, left_padded, load_converted, load_reference
+from helpers import assert_same_logits, left_padded, load_converted, load_reference, razor_static_steps
 from transformers import CompileConfig, StaticCache
 
 STATIC = ("lorc", "slim", "zack", "quant", "razor")  # the methods with a static cache
@@ -312,45 +312,9 @@ def test_lossless_table_covers_the_static_methods():
     assert set(STATIC) <= set(LOSSLESS)
 
 
-def _step_mask(valid: torch.Tensor, first: int, count: int, length: int) -> torch.Tensor:
-    """transformers' boolean mask ``[b, 1, count, length]`` for tokens ``first..first+count-1``: causal over the
-    slots, padding (``valid [b, ·]`` False) hidden; slots past the sequence hidden too."""
-    query = torch.arange(first, first + count)[:, None]
-    slots = torch.arange(length)[None, :]
-    padded = torch.zeros(valid.shape[0], length, dtype=torch.bool)
-    padded[:, : min(length, valid.shape[1])] = valid[:, :length]
-    return ((slots <= query)[None] & padded[:, None, :])[:, None]
-
-
 @pytest.mark.parametrize("sink, window, frac, retrieval", [(2, 6, 0.25, [1]), (0, 4, 0.0, []), (3, 5, 0.5, [0, 2])])
 def test_static_razor_layer_attends_as_the_growing_one(sink, window, frac, retrieval):
     """Independent of the model: chunks of several tokens and single decode tokens (the sink still filling, the
     window growing with ``frac`` so that some steps drop nothing, padded tokens leaving the window) give each step
     what ``RazorLayer`` gives it, and the compensation sums end equal."""
-    from kvconvert.runtime.kvconvert_razor import RazorLayer
-    from kvconvert.runtime.kvconvert_razor_static import StaticRazorLayer
-
-    others = [g for g in range(3) if g not in retrieval]
-    chunks = [1, 1, 5, *[1] * 12, 9, *[1] * 30]
-    total, generator = sum(chunks), torch.Generator().manual_seed(3)
-    q = torch.randn(2, 6, total, 8, generator=generator)
-    k, v = torch.randn(2, 3, total, 8, generator=generator), torch.randn(2, 3, total, 8, generator=generator)
-    valid = torch.ones(2, total, dtype=torch.bool)
-    valid[1, :13] = False  # a left-padded row whose padding reaches past the sink into the window
-    growing = RazorLayer(retrieval, others, sink, window, frac)
-    static = StaticRazorLayer(retrieval, others, sink, window, frac, total + 3)
-    first = 0
-    for count in chunks:
-        step = slice(first, first + count)
-        expected, _ = growing.attend(q[:, :, step], k[:, :, step], v[:, :, step],
-                                     _step_mask(valid, first, count, first + count), None)  # fmt: skip
-        got, _ = static.attend(q[:, :, step], k[:, :, step], v[:, :, step],
-                               _step_mask(valid, first, count, total + 3), None)  # fmt: skip
-        first += count
-        real = valid[:, first - count : first]  # a padding query's output is garbage in both
-        torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5, msg=f"after {first} tokens")
-    assert int(static.filled) == growing.seen == total
-    if others:
-        assert growing.comp_count.tolist() == static.comp_count.tolist() and growing.comp_count[0] > 0
-        torch.testing.assert_close(static.comp_k_sum, growing.comp_k_sum)
-        torch.testing.assert_close(static.comp_v_sum, growing.comp_v_sum)
+    razor_static_steps(sink, window, frac, retrieval, tolerance=1e-5)

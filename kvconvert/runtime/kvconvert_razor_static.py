@@ -2,13 +2,15 @@
 
 ``RazorLayer`` keeps exactly what the paper keeps, in tensors that grow and shrink: a decode step changes their
 shapes, so a compiled step would recompile at every token. This layer holds the same state in buffers of fixed
-shapes, written in place: retrieval heads' keys and values for ``max_cache_len`` tokens; the other heads' sink,
-a ring of ``L_max + 1`` slots for their window (``L_max`` the window at ``max_cache_len`` tokens; one more slot
-holds this step's token while the oldest one still waits to be compensated), the compensation sums and counts.
-A slot's logical position (``ring_pos``) decides whether it is inside the window, so a step masks instead of
-slicing. A decode step (one token) is written in tensors only; longer steps (prefill, chunks) rebuild a growing
-``RazorLayer`` from the buffers, let it attend and evict, and write its state back: the two paths compute what
-the growing cache computes. 16-bit stores only: razor's quantized windows keep the growing cache.
+shapes, written in place: retrieval heads' keys and values for ``max_cache_len`` tokens; the other heads' sink
+and, after it in the same buffer, a ring of ``L_max + 1`` slots for their window (``L_max`` the window at
+``max_cache_len`` tokens; one more slot holds this step's token while the oldest one still waits to be
+compensated), the compensation sums and counts. A slot's logical position (``window_pos``) decides whether it is
+inside the window, so a step masks instead of slicing, and sink and window are read as one tensor (by torch, or by
+the head-wise Triton kernel when ``KVCONVERT_KERNELS=triton``). A decode step (one token) is written in tensors
+only; longer steps (prefill, chunks) rebuild a growing ``RazorLayer`` from the buffers, let it attend and evict,
+and write its state back: the two paths compute what the growing cache computes. 16-bit stores only: razor's
+quantized windows keep the growing cache.
 """
 
 from __future__ import annotations
@@ -19,24 +21,23 @@ import torch
 
 from .kvconvert_codec import QuantSpec
 from .kvconvert_common import softmax_rows
-from .kvconvert_razor import RazorLayer, _attend, compensated_attention
+from .kvconvert_kernels import razor_decode_triton, use_kernels
+from .kvconvert_razor import RazorLayer, _attend, compensated_attention, count_logit
 from .kvconvert_storage import StaticKVLayer
 
 
 class StaticRazorLayer(StaticKVLayer):
-    """``RazorLayer``'s state preallocated (``StaticKVLayer``): ``full_k/v [b, R, max_cache_len, d]``,
-    ``sink_k/v [b, N, sink, d]``, ``ring_k/v [b, N, capacity, d]`` with ``ring_pos [capacity]`` (the logical
-    position each slot holds, -1 for none: the same for every row, as positions are cache slots), the float32
-    compensation sums ``[b, N, 1, d]`` and counts ``[b]``."""
+    """``RazorLayer``'s state preallocated (``StaticKVLayer``): ``full_k/v [b, R, max_cache_len, d]``;
+    ``window_k/v [b, N, sink + capacity, d]``, the sink's slots then the ring's, with ``window_pos [sink +
+    capacity]`` (the logical position each slot holds, -1 for none: the same for every row, as positions are cache
+    slots); the float32 compensation sums ``[b, N, 1, d]`` and counts ``[b]``."""
 
-    buffers = ("full_k", "full_v", "sink_k", "sink_v", "ring_k", "ring_v", "comp_k_sum", "comp_v_sum", "comp_count")
+    buffers = ("full_k", "full_v", "window_k", "window_v", "comp_k_sum", "comp_v_sum", "comp_count")
     # tensors once allocated (None before, or for a kind of head the layer lacks); Any keeps the state terse
     full_k: Any
     full_v: Any
-    sink_k: Any
-    sink_v: Any
-    ring_k: Any
-    ring_v: Any
+    window_k: Any
+    window_v: Any
     comp_k_sum: Any
     comp_v_sum: Any
     comp_count: Any
@@ -48,7 +49,7 @@ class StaticRazorLayer(StaticKVLayer):
         self.sink, self.window, self.window_frac = sink, window, window_frac
         # the window before a step's eviction: at most L(n) tokens held, plus the step's own
         self.capacity = self.recent_budget(max_cache_len) + 1
-        self.ring_pos: Any = None
+        self.window_pos: Any = None
 
     def recent_budget(self, total: int) -> int:
         return max(self.window, int(total * self.window_frac))
@@ -59,8 +60,13 @@ class StaticRazorLayer(StaticKVLayer):
         budget = (total.double() * self.window_frac).floor().long().clamp(min=self.window)
         return (total - budget).clamp(min=self.sink)
 
+    def _slot(self, position: torch.Tensor) -> torch.Tensor:
+        """The window buffer's slot of a logical position: its own below the sink, else the ring's."""
+        ring = self.sink + (position - self.sink).clamp(min=0) % self.capacity
+        return torch.where(position < self.sink, position, ring)
+
     def _held(self) -> list[torch.Tensor]:
-        return super()._held() + ([self.ring_pos] if self.ring_pos is not None else [])
+        return super()._held() + ([self.window_pos] if self.window_pos is not None else [])
 
     def rows(self) -> int:
         held = super()._held()
@@ -68,27 +74,26 @@ class StaticRazorLayer(StaticKVLayer):
 
     def reset(self) -> None:
         super().reset()
-        if self.ring_pos is not None:
-            self.ring_pos.fill_(-1)
+        if self.window_pos is not None:
+            self.window_pos.fill_(-1)
 
     def crop_to(self, length: int) -> None:
         if length < int(self.filled):
             raise ValueError("a razor cache cannot be cropped: the tokens it dropped are gone")
 
     def _allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        batch, _, _, dim = key.shape
+        batch = key.shape[0]
         self.dtype, self.device = key.dtype, key.device
 
         def zeros(heads: list[int], length: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> Any:
             return like.new_zeros(batch, len(heads), length, like.shape[-1], dtype=dtype) if heads else None
 
-        r, o = self.retrieval, self.others
+        r, o, slots = self.retrieval, self.others, self.sink + self.capacity
         self.full_k, self.full_v = zeros(r, self.max_cache_len, key), zeros(r, self.max_cache_len, value)
-        self.sink_k, self.sink_v = zeros(o, self.sink, key), zeros(o, self.sink, value)
-        self.ring_k, self.ring_v = zeros(o, self.capacity, key), zeros(o, self.capacity, value)
+        self.window_k, self.window_v = zeros(o, slots, key), zeros(o, slots, value)
         self.comp_k_sum, self.comp_v_sum = zeros(o, 1, key, torch.float32), zeros(o, 1, value, torch.float32)
         self.comp_count = key.new_zeros(batch, dtype=torch.float32) if o else None
-        self.ring_pos = torch.full((self.capacity,), -1, dtype=torch.long, device=key.device) if o else None
+        self.window_pos = torch.full((slots,), -1, dtype=torch.long, device=key.device) if o else None
         self.filled = self.filled.to(key.device)
         self._initialized(key.device)
 
@@ -126,56 +131,80 @@ class StaticRazorLayer(StaticKVLayer):
         """One token: write it, attend (retrieval heads over every slot, the others over sink + window +
         compensation token), then compensate what left the window. ``[b, H, 1, d]``."""
         batch, heads, _, dim = query.shape
-        kv_heads = key.shape[1]
-        group = heads // kv_heads
-        rows = query.reshape(batch, kv_heads, group, dim)  # a KV group's query heads are adjacent
-        out = query.new_empty(batch, kv_heads, group, dim)
+        group = heads // key.shape[1]
         bias = self._bias(attention_mask, query.dtype)
-        at = self.filled.view(1)
+        seen = self.filled
         r, o = self.retrieval, self.others
         if r:
-            self.full_k.index_copy_(2, at, key[:, r])
-            self.full_v.index_copy_(2, at, value[:, r])
-            scores = rows[:, r] @ self.full_k.transpose(-1, -2) * scale + bias
-            out[:, r] = softmax_rows(scores, value.dtype) @ self.full_v
+            self.full_k.index_copy_(2, seen.view(1), key[:, r])
+            self.full_v.index_copy_(2, seen.view(1), value[:, r])
+        window_bias = start = None
         if o:
-            out[:, o] = self._decode_windows(rows[:, o], key[:, o], value[:, o], bias, scale)
-        self._advance(1)
-        return out.view(batch, heads, 1, dim)
-
-    def _decode_windows(self, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
-                        scale: float) -> torch.Tensor:  # fmt: skip
-        """The non-retrieval heads' step: ``rows [b, N, G, d]``, this token's ``key/value [b, N, 1, d]``."""
-        seen, sink, minimum = self.filled, self.sink, torch.finfo(bias.dtype).min
-        in_sink = seen < sink
-        if sink:  # a write that changes nothing once the sink is full (no branch: fixed shapes)
-            at = seen.clamp(max=sink - 1).view(1)
-            self.sink_k.index_copy_(2, at, torch.where(in_sink, key, self.sink_k.index_select(2, at)))
-            self.sink_v.index_copy_(2, at, torch.where(in_sink, value, self.sink_v.index_select(2, at)))
-        # before the sink is full the slot is empty and stays so (position -1)
-        slot = ((seen - sink).clamp(min=0) % self.capacity).view(1)
-        self.ring_k.index_copy_(2, slot, key)
-        self.ring_v.index_copy_(2, slot, value)
-        self.ring_pos.index_copy_(0, slot, torch.where(in_sink, -1, seen).view(1))
-        start = self._window_start(seen)  # the window before this step's eviction, then its new token
-        inside = self.ring_pos >= start
-        ring_bias = torch.where(inside, bias.index_select(-1, self.ring_pos.clamp(min=0)), minimum)
-        scores = torch.cat([rows @ self.sink_k.transpose(-1, -2), rows @ self.ring_k.transpose(-1, -2)], dim=-1)
-        scores = scores * scale + torch.cat([bias[..., :sink], ring_bias], dim=-1)
+            at = self._slot(seen).view(1)
+            self.window_k.index_copy_(2, at, key[:, o])
+            self.window_v.index_copy_(2, at, value[:, o])
+            self.window_pos.index_copy_(0, at, seen.view(1))
+            start = self._window_start(seen)  # the window before this step's eviction, then its new token
+            pos = self.window_pos
+            inside = (pos >= 0) & ((pos < self.sink) | (pos >= start))
+            window_bias = torch.where(inside, bias.index_select(-1, pos.clamp(min=0)), torch.finfo(bias.dtype).min)
         count = self.comp_count
-        denominator = count.clamp(min=1).view(-1, 1, 1, 1)
-        comp_k, comp_v = (self.comp_k_sum / denominator).to(key.dtype), (self.comp_v_sum / denominator).to(value.dtype)
-        out = compensated_attention(rows, (self.sink_k, self.ring_k), (self.sink_v, self.ring_v), scores, comp_k,
-                                    comp_v, count, scale)  # fmt: skip
-        # what left the window (0 or 1 token: L grows by at most one a step) goes into the sums, padding never
-        leaves = self._window_start(seen + 1) > start
-        gone = ((start - sink) % self.capacity).view(1)
-        weight = torch.where(leaves, (bias.index_select(-1, start.view(1)) == 0).float(), 0.0)  # [b|1, 1, 1, 1]
-        weight = weight.reshape(-1, 1, 1, 1)
-        self.comp_k_sum.add_(self.ring_k.index_select(2, gone).float() * weight)
-        self.comp_v_sum.add_(self.ring_v.index_select(2, gone).float() * weight)
-        self.comp_count.add_(weight.reshape(-1).expand_as(self.comp_count))
+        if o:
+            denominator = count.clamp(min=1).view(-1, 1, 1, 1)
+            comp_k = (self.comp_k_sum / denominator).to(key.dtype)
+            comp_v = (self.comp_v_sum / denominator).to(value.dtype)
+        if use_kernels(query):
+            out = self._decode_with_kernel(query, bias, window_bias, comp_k if o else None, comp_v if o else None,
+                                           group, scale)  # fmt: skip
+        else:
+            rows = query.reshape(batch, heads // group, group, dim)  # a KV group's query heads are adjacent
+            out = query.new_empty(rows.shape)
+            if r:
+                scores = rows[:, r] @ self.full_k.transpose(-1, -2) * scale + bias
+                out[:, r] = softmax_rows(scores, value.dtype) @ self.full_v
+            if o:
+                scores = rows[:, o] @ self.window_k.transpose(-1, -2) * scale + window_bias
+                out[:, o] = compensated_attention(rows[:, o], self.window_k, self.window_v, scores, comp_k, comp_v,
+                                                  count, scale)  # fmt: skip
+            out = out.view(batch, heads, 1, dim)
+        if o:
+            assert start is not None
+            self._compensate(start, bias)
+        self._advance(1)
         return out
+
+    def _compensate(self, start: torch.Tensor, bias: torch.Tensor) -> None:
+        """What left the window this step (0 or 1 token: L grows by at most one a step) goes into the sums; padding
+        never does."""
+        leaves = self._window_start(self.filled + 1) > start
+        gone = self._slot(start).view(1)
+        weight = torch.where(leaves, (bias.index_select(-1, start.view(1)) == 0).float(), 0.0).reshape(-1, 1, 1, 1)
+        self.comp_k_sum.add_(self.window_k.index_select(2, gone).float() * weight)
+        self.comp_v_sum.add_(self.window_v.index_select(2, gone).float() * weight)
+        self.comp_count.add_(weight.reshape(-1).expand_as(self.comp_count))
+
+    def _decode_with_kernel(self, query: torch.Tensor, bias: torch.Tensor, window_bias: Any, comp_k: Any,
+                            comp_v: Any, group: int, scale: float) -> torch.Tensor:  # fmt: skip
+        """The step of every head in one launch of the head-wise kernel, over the buffers as they are."""
+        batch, heads, _, dim = query.shape
+        r, o = self.retrieval, self.others
+        empty = query.new_zeros(batch, 1, 1, dim)  # stands in for a kind of head this layer does not have
+        row_bias = bias[:, 0, 0].expand(batch, -1).float()
+        full_k, full_v = (self.full_k, self.full_v) if r else (empty, empty)
+        full_bias = row_bias if r else row_bias[:, :1]
+        if o:
+            short_k, short_v, short_bias = self.window_k, self.window_v, window_bias[:, 0, 0].expand(batch, -1)
+            comp_logit = count_logit(self.comp_count)
+        else:
+            short_k, short_v, short_bias = empty, empty, row_bias[:, :1]
+            comp_k = comp_v = query.new_zeros(batch, 1, 1, dim)
+            comp_logit = query.new_zeros(batch, dtype=torch.float32)
+        kv_of = [h // group for h in range(heads)]
+        kind = torch.tensor([0 if g in r else 1 for g in kv_of], device=query.device)
+        slot = torch.tensor([r.index(g) if g in r else o.index(g) for g in kv_of], device=query.device)
+        out = razor_decode_triton(query[:, :, 0], full_k, full_v, full_bias, short_k, short_v, short_bias,
+                                  comp_k[:, :, 0], comp_v[:, :, 0], comp_logit, kind, slot, scale)  # fmt: skip
+        return out.to(query.dtype)[:, :, None]
 
     # --- prefill and other multi-token steps, through the growing layer
     def _attend_growing(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
@@ -196,11 +225,11 @@ class StaticRazorLayer(StaticKVLayer):
             layer.full_v.append(self.full_v[:, :, :seen])
         if self.others:
             sink = min(self.sink, seen)
-            layer.sink_k, layer.sink_v = self.sink_k[:, :, :sink].clone(), self.sink_v[:, :, :sink].clone()
+            layer.sink_k, layer.sink_v = self.window_k[:, :, :sink].clone(), self.window_v[:, :, :sink].clone()
             start = min(seen, int(self._window_start(torch.tensor(seen))))  # the sink may not be full yet
-            slots = (torch.arange(start, seen, device=self.device) - self.sink) % self.capacity
-            layer.recent_k.append(self.ring_k.index_select(2, slots))
-            layer.recent_v.append(self.ring_v.index_select(2, slots))
+            slots = self._slot(torch.arange(start, seen, device=self.device))
+            layer.recent_k.append(self.window_k.index_select(2, slots))
+            layer.recent_v.append(self.window_v.index_select(2, slots))
             layer.comp_k_sum, layer.comp_v_sum = self.comp_k_sum.clone(), self.comp_v_sum.clone()
             layer.comp_count = self.comp_count.clone()
         layer.seen = seen
@@ -212,15 +241,17 @@ class StaticRazorLayer(StaticKVLayer):
             self.full_k[:, :, :seen] = layer.full_k.read()
             self.full_v[:, :, :seen] = layer.full_v.read()
         if self.others:
-            sink = layer.sink_k.shape[2]
-            self.sink_k[:, :, :sink], self.sink_v[:, :, :sink] = layer.sink_k, layer.sink_v
             held = len(layer.recent_k)
+            keys, values = [layer.sink_k], [layer.sink_v]
             if held:
-                positions = torch.arange(seen - held, seen, device=self.device)
-                slots = (positions - self.sink) % self.capacity
-                self.ring_k.index_copy_(2, slots, layer.recent_k.read())
-                self.ring_v.index_copy_(2, slots, layer.recent_v.read())
-                self.ring_pos.index_copy_(0, slots, positions)
+                keys.append(layer.recent_k.read())
+                values.append(layer.recent_v.read())
+            positions = torch.cat([torch.arange(layer.sink_k.shape[2]), torch.arange(seen - held, seen)])
+            positions = positions.to(self.device)
+            slots = self._slot(positions)
+            self.window_k.index_copy_(2, slots, torch.cat(keys, dim=2))
+            self.window_v.index_copy_(2, slots, torch.cat(values, dim=2))
+            self.window_pos.index_copy_(0, slots, positions)
             self.comp_k_sum.copy_(layer.comp_k_sum)
             self.comp_v_sum.copy_(layer.comp_v_sum)
             self.comp_count.copy_(layer.comp_count)
