@@ -22,7 +22,7 @@ import torch
 from .kvconvert_codec import QuantSpec
 from .kvconvert_common import softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
-from .kvconvert_razor import RazorLayer, _attend, compensated_attention, count_logit
+from .kvconvert_razor import RazorLayer, _attend, _span, compensated_attention, count_logit
 from .kvconvert_storage import StaticKVLayer
 
 
@@ -135,14 +135,15 @@ class StaticRazorLayer(StaticKVLayer):
         bias = self._bias(attention_mask, query.dtype)
         seen = self.filled
         r, o = self.retrieval, self.others
+        at_r, at_o = (_span(heads) if heads else heads for heads in (r, o))  # views where the heads are consecutive
         if r:
-            self.full_k.index_copy_(2, seen.view(1), key[:, r])
-            self.full_v.index_copy_(2, seen.view(1), value[:, r])
+            self.full_k.index_copy_(2, seen.view(1), key[:, at_r])
+            self.full_v.index_copy_(2, seen.view(1), value[:, at_r])
         window_bias = start = None
         if o:
             at = self._slot(seen).view(1)
-            self.window_k.index_copy_(2, at, key[:, o])
-            self.window_v.index_copy_(2, at, value[:, o])
+            self.window_k.index_copy_(2, at, key[:, at_o])
+            self.window_v.index_copy_(2, at, value[:, at_o])
             self.window_pos.index_copy_(0, at, seen.view(1))
             start = self._window_start(seen)  # the window before this step's eviction, then its new token
             pos = self.window_pos
@@ -160,12 +161,12 @@ class StaticRazorLayer(StaticKVLayer):
             rows = query.reshape(batch, heads // group, group, dim)  # a KV group's query heads are adjacent
             out = query.new_empty(rows.shape)
             if r:
-                scores = rows[:, r] @ self.full_k.transpose(-1, -2) * scale + bias
-                out[:, r] = softmax_rows(scores, value.dtype) @ self.full_v
+                scores = rows[:, at_r] @ self.full_k.transpose(-1, -2) * scale + bias
+                out[:, at_r] = softmax_rows(scores, value.dtype) @ self.full_v
             if o:
-                scores = rows[:, o] @ self.window_k.transpose(-1, -2) * scale + window_bias
-                out[:, o] = compensated_attention(rows[:, o], self.window_k, self.window_v, scores, comp_k, comp_v,
-                                                  count, scale)  # fmt: skip
+                scores = rows[:, at_o] @ self.window_k.transpose(-1, -2) * scale + window_bias
+                out[:, at_o] = compensated_attention(rows[:, at_o], self.window_k, self.window_v, scores, comp_k,
+                                                     comp_v, count, scale)  # fmt: skip
             out = out.view(batch, heads, 1, dim)
         if o:
             assert start is not None
