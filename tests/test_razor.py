@@ -52,6 +52,27 @@ def test_compensation_token_follows_eq5():
     torch.testing.assert_close(compensated_attention(q, k, v, None, k_hat, v_hat, torch.tensor([0.0]), scale), plain)
 
 
+def test_a_chunk_attends_through_sdpa_as_eq5_says():
+    """Chunks (prefill) attend through SDPA with the compensation token's ln N_d in its mask: equal to eq. 5's
+    softmax (``compensated_attention``) for a GQA group's query heads, with masked keys, one row that dropped
+    tokens and one that dropped none."""
+    from kvconvert.runtime.kvconvert_razor_ops import _fused, _grouped_bias, count_logit
+
+    g = torch.Generator().manual_seed(1)
+    batch, group, q_len, dim, others = 2, 2, 5, 8, [0, 2]
+    query = torch.randn(batch, 3 * group, q_len, dim, generator=g)
+    keys, values = torch.randn(batch, 2, 10, dim, generator=g), torch.randn(batch, 2, 10, dim, generator=g)
+    comp_k, comp_v = torch.randn(batch, 2, 1, dim, generator=g), torch.randn(batch, 2, 1, dim, generator=g)
+    count = torch.tensor([7.0, 0.0])
+    bias = torch.where(torch.rand(batch, 1, q_len, 10, generator=g) < 0.3, torch.finfo(torch.float32).min, 0.0)
+    rows = query.reshape(batch, 3, group * q_len, dim)[:, others]
+    scores = _grouped_bias(rows @ keys.transpose(-1, -2) * 0.3, bias, group)
+    expected = compensated_attention(rows, keys, values, scores, comp_k, comp_v, count, 0.3)
+    mask = torch.cat([bias, count_logit(count).view(-1, 1, 1, 1).expand(batch, 1, q_len, 1)], dim=-1)
+    kv = torch.cat([keys, comp_k], dim=2), torch.cat([values, comp_v], dim=2)
+    torch.testing.assert_close(_fused(query, others, group, kv, mask, 0.3), expected)
+
+
 def test_head_scores_on_planted_attention_patterns():
     period, n = 5, 20
     rows = torch.arange(period, n)

@@ -21,50 +21,21 @@ from .kvconvert_codec import QuantSpec
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows, static_refusal
 from .kvconvert_kernels import razor_decode_triton, use_kernels
 from .kvconvert_quant import decodes_from_codes, kivi_decode, kivi_kernel_reads, token_decode
+from .kvconvert_razor_ops import (
+    _extra_logits,
+    _fused,
+    _grouped_bias,
+    _grouped_scores,
+    _query_heads,
+    _span,
+    compensated_attention,
+    count_logit,
+)
 from .kvconvert_storage import KVLayer, sliding_layer
 from .kvconvert_tokenlayout import TokenLayoutStore
 from .kvconvert_tokenstore import TokenStore
 
 IMPLEMENTATION = "kvconvert_razor"
-
-
-def count_logit(count: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The compensation token's additive logit ``ln N_d`` per row (``count [b]``): N_d·exp(q·k̂) =
-    exp(q·k̂ + ln N_d); the dtype's lowest value where nothing was dropped (the token takes no weight)."""
-    return torch.where(count > 0, count.clamp(min=1).log(), torch.finfo(dtype).min)
-
-
-def compensated_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor | tuple[torch.Tensor, ...],
-    values: torch.Tensor | tuple[torch.Tensor, ...],
-    scores: torch.Tensor | None,
-    comp_key: torch.Tensor,
-    comp_value: torch.Tensor,
-    comp_count: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """Eq. 5: softmax attention over kept tokens plus a compensation token weighted by N_d.
-
-    Shapes: query ``[b, k, m, d]`` (m query rows per head k: a KV group's stacked heads, or one head's
-    positions); keys/values ``[b, k, n, d]``, or consecutive parts of them (sink, window) that are
-    never concatenated; scores ``[b, k, m, n]``, the masked, scaled ``query·keys`` when the caller
-    has them (None: computed here, nothing masked); comp_key/comp_value ``[b, k, 1, d]`` (means of
-    the dropped tokens); comp_count ``[b]`` (N_d, 0 where nothing was dropped: the compensation token
-    then takes no weight). Returns ``[b, k, m, d]``.
-    """
-    keys = keys if isinstance(keys, tuple) else (keys,)
-    values = values if isinstance(values, tuple) else (values,)
-    if scores is None:
-        scores = torch.cat([query @ part.transpose(-1, -2) for part in keys], dim=-1) * scaling
-    log_count = count_logit(comp_count, scores.dtype)
-    comp_scores = (query @ comp_key.transpose(-1, -2)) * scaling + log_count.view(-1, 1, 1, 1).to(scores.dtype)
-    probs = softmax_rows(torch.cat([scores, comp_scores], dim=-1), values[0].dtype)
-    out, start = probs[..., -1:] * comp_value, 0
-    for part in values:
-        out = out + probs[..., start : start + part.shape[-2]] @ part
-        start += part.shape[-2]
-    return out
 
 
 class RazorLayer(KVLayer):
@@ -340,10 +311,20 @@ def _attend(
                                layer.recent_v, scale, extra)  # fmt: skip
         out[:, at] = decoded.to(query.dtype).view(batch, len(o), group, dim)
     full, short = layer.extend(key, value, read_full=not from_codes, read_short=not window_codes)
-    if full is not None:
+    # chunks (prefill): SDPA's fused kernel, 4x faster on CPU at 4K than scores in float32 (the compensation token's
+    # ln N_d goes into its mask); one token: the grouped products, the G query heads of a KV head as one matrix
+    if full is not None and q_len > 1 and bias is not None:
+        out[:, layer.retrieval] = _fused(query, layer.retrieval, group, full, bias, scale)
+    elif full is not None:
         scores = _grouped_scores(grouped_query[:, layer.retrieval], full[0], bias, scale, group)
         out[:, layer.retrieval] = softmax_rows(scores, value.dtype) @ full[1]
-    if short is not None:
+    if short is not None and q_len > 1 and kept_bias is not None:
+        (sink_k, recent_k), (sink_v, recent_v) = short
+        comp_logit = count_logit(count, query.dtype).view(-1, 1, 1, 1).expand(batch, 1, q_len, 1)
+        mask = torch.cat([kept_bias.expand(batch, 1, q_len, -1), comp_logit], dim=-1)
+        kv = torch.cat([sink_k, recent_k, comp_k], dim=2), torch.cat([sink_v, recent_v, comp_v], dim=2)
+        out[:, layer.others] = _fused(query, layer.others, group, kv, mask, scale)
+    elif short is not None:
         (sink_k, recent_k), (sink_v, recent_v) = short
         rows = grouped_query[:, layer.others]
         # sink and window scored apart: concatenating the window's keys would copy it every step
@@ -354,41 +335,6 @@ def _attend(
                                                      comp_v, count, scale)  # fmt: skip
     layer.evict(valid)
     return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
-
-
-def _extra_logits(sink_bias: torch.Tensor | None, log_count: torch.Tensor, heads: int, sink: int) -> torch.Tensor:
-    """Additive logits ``[b, N, 1, sink + 1]`` of the sink's tokens (their mask ``sink_bias [b|1, 1, 1, sink]``,
-    None: nothing masked) and the compensation token (``ln N_d``, ``log_count [b]``)."""
-    batch = log_count.shape[0]
-    sink_logits = log_count.new_zeros(1, 1, 1, sink) if sink_bias is None else sink_bias.float()
-    comp_logits = log_count.view(-1, 1, 1, 1).expand(batch, heads, 1, 1)
-    return torch.cat([sink_logits.expand(batch, heads, 1, sink), comp_logits], dim=-1)
-
-
-def _query_heads(kv_heads: list[int], group: int) -> list[int]:
-    """The query heads that read ``kv_heads`` (G adjacent query heads per KV head)."""
-    return [g * group + j for g in kv_heads for j in range(group)]
-
-
-def _span(heads: list[int]) -> slice | list[int]:
-    """``heads`` as a slice when they are consecutive: indexing then makes a view, not a copy (a decode
-    step's transient tensors only; stores get copies, so they never keep a whole step's tensor alive)."""
-    return slice(heads[0], heads[-1] + 1) if heads == list(range(heads[0], heads[-1] + 1)) else heads
-
-
-def _grouped_scores(
-    query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None, scale: float, group: int
-) -> torch.Tensor:
-    """Scaled scores of a group's stacked query rows ``[b, k, G·q, d]`` against ``keys [b, k, n, d]``,
-    plus ``bias [b|1, 1, q, n]`` (shared by the G heads): ``[b, k, G·q, n]``."""
-    scores = (query @ keys.transpose(-1, -2)) * scale
-    return scores if bias is None else _grouped_bias(scores, bias, group)
-
-
-def _grouped_bias(scores: torch.Tensor, bias: torch.Tensor, group: int) -> torch.Tensor:
-    """``scores [b, k, G·q, n]`` + ``bias [b|1, 1, q, n]``, the G stacked heads sharing the bias."""
-    b, k, rows, n = scores.shape
-    return (scores.view(b, k, group, rows // group, n) + bias[:, :, None]).view(b, k, rows, n)
 
 
 def _kept_index(layer: RazorLayer, total: int, device: torch.device) -> torch.Tensor:

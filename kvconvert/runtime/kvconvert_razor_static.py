@@ -22,7 +22,8 @@ import torch
 from .kvconvert_codec import QuantSpec
 from .kvconvert_common import softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
-from .kvconvert_razor import RazorLayer, _attend, _span, compensated_attention, count_logit
+from .kvconvert_razor import RazorLayer, _attend
+from .kvconvert_razor_ops import _span, compensated_attention, count_logit
 from .kvconvert_storage import StaticKVLayer
 
 

@@ -1,0 +1,93 @@
+"""RazorAttention's attention arithmetic on tensors (no cache state): the compensated softmax of eq. 5, the
+grouped products a decode step uses and the fused SDPA call chunks use. Copied verbatim into every razor output
+directory with ``kvconvert_razor``, which holds the state."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kvconvert_common import softmax_rows
+
+
+def count_logit(count: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The compensation token's additive logit ``ln N_d`` per row (``count [b]``): N_d·exp(q·k̂) =
+    exp(q·k̂ + ln N_d); the dtype's lowest value where nothing was dropped (the token takes no weight)."""
+    return torch.where(count > 0, count.clamp(min=1).log(), torch.finfo(dtype).min)
+
+
+def compensated_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor | tuple[torch.Tensor, ...],
+    values: torch.Tensor | tuple[torch.Tensor, ...],
+    scores: torch.Tensor | None,
+    comp_key: torch.Tensor,
+    comp_value: torch.Tensor,
+    comp_count: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Eq. 5: softmax attention over kept tokens plus a compensation token weighted by N_d.
+
+    Shapes: query ``[b, k, m, d]`` (m query rows per head k: a KV group's stacked heads, or one head's
+    positions); keys/values ``[b, k, n, d]``, or consecutive parts of them (sink, window) that are
+    never concatenated; scores ``[b, k, m, n]``, the masked, scaled ``query·keys`` when the caller
+    has them (None: computed here, nothing masked); comp_key/comp_value ``[b, k, 1, d]`` (means of
+    the dropped tokens); comp_count ``[b]`` (N_d, 0 where nothing was dropped: the compensation token
+    then takes no weight). Returns ``[b, k, m, d]``.
+    """
+    keys = keys if isinstance(keys, tuple) else (keys,)
+    values = values if isinstance(values, tuple) else (values,)
+    if scores is None:
+        scores = torch.cat([query @ part.transpose(-1, -2) for part in keys], dim=-1) * scaling
+    log_count = count_logit(comp_count, scores.dtype)
+    comp_scores = (query @ comp_key.transpose(-1, -2)) * scaling + log_count.view(-1, 1, 1, 1).to(scores.dtype)
+    probs = softmax_rows(torch.cat([scores, comp_scores], dim=-1), values[0].dtype)
+    out, start = probs[..., -1:] * comp_value, 0
+    for part in values:
+        out = out + probs[..., start : start + part.shape[-2]] @ part
+        start += part.shape[-2]
+    return out
+
+
+def _fused(query: torch.Tensor, kv_heads: list[int], group: int, kv: tuple[torch.Tensor, torch.Tensor],
+           mask: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """SDPA of ``kv_heads``' query heads over their ``kv`` keys and values ``[b, k, n, d]`` with the additive ``mask``
+    ``[b|1, 1, q, n]``: ``[b, k, G·q, d]``, the layout ``_attend`` writes."""
+    rows = query[:, _span(_query_heads(kv_heads, group))]
+    out = F.scaled_dot_product_attention(rows, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.reshape(rows.shape[0], len(kv_heads), -1, rows.shape[-1])
+
+
+def _extra_logits(sink_bias: torch.Tensor | None, log_count: torch.Tensor, heads: int, sink: int) -> torch.Tensor:
+    """Additive logits ``[b, N, 1, sink + 1]`` of the sink's tokens (their mask ``sink_bias [b|1, 1, 1, sink]``,
+    None: nothing masked) and the compensation token (``ln N_d``, ``log_count [b]``)."""
+    batch = log_count.shape[0]
+    sink_logits = log_count.new_zeros(1, 1, 1, sink) if sink_bias is None else sink_bias.float()
+    comp_logits = log_count.view(-1, 1, 1, 1).expand(batch, heads, 1, 1)
+    return torch.cat([sink_logits.expand(batch, heads, 1, sink), comp_logits], dim=-1)
+
+
+def _query_heads(kv_heads: list[int], group: int) -> list[int]:
+    """The query heads that read ``kv_heads`` (G adjacent query heads per KV head)."""
+    return [g * group + j for g in kv_heads for j in range(group)]
+
+
+def _span(heads: list[int]) -> slice | list[int]:
+    """``heads`` as a slice when they are consecutive: indexing then makes a view, not a copy (a decode
+    step's transient tensors only; stores get copies, so they never keep a whole step's tensor alive)."""
+    return slice(heads[0], heads[-1] + 1) if heads == list(range(heads[0], heads[-1] + 1)) else heads
+
+
+def _grouped_scores(
+    query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None, scale: float, group: int
+) -> torch.Tensor:
+    """Scaled scores of a group's stacked query rows ``[b, k, G·q, d]`` against ``keys [b, k, n, d]``,
+    plus ``bias [b|1, 1, q, n]`` (shared by the G heads): ``[b, k, G·q, n]``."""
+    scores = (query @ keys.transpose(-1, -2)) * scale
+    return scores if bias is None else _grouped_bias(scores, bias, group)
+
+
+def _grouped_bias(scores: torch.Tensor, bias: torch.Tensor, group: int) -> torch.Tensor:
+    """``scores [b, k, G·q, n]`` + ``bias [b|1, 1, q, n]``, the G stacked heads sharing the bias."""
+    b, k, rows, n = scores.shape
+    return (scores.view(b, k, group, rows // group, n) + bias[:, :, None]).view(b, k, rows, n)
