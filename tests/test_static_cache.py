@@ -202,6 +202,23 @@ def test_interleaved_sliding_layers_keep_transformers_static_window(storage, tok
     assert static.past_key_values.is_compileable
 
 
+def test_razor_on_interleaved_sliding_layers_keeps_transformers_static_window(tokenized_model_dir, tmp_path):
+    """Gemma 3 with razor: its global layers get razor's static layer, its local ones transformers' static window
+    (razor leaves them stock), and every search decodes past the window as the growing cache does."""
+    from helpers import convert
+
+    out = tmp_path / "gemma3-razor"
+    convert("razor", tokenized_model_dir("gemma3"), out, "--profile-tokens", "16", "--induction-frac", "0.3",
+            "--echo-frac", "0", "--window", "8")  # fmt: skip
+    model = load_converted(out)
+    for search, kwargs in SEARCHES.items():
+        dynamic = _generate(model, 60, **kwargs)
+        static = _generate(model, 60, cache_implementation="static", **kwargs)
+        assert torch.equal(static.sequences, dynamic.sequences), search
+    assert {"StaticSlidingWindowLayer", "StaticRazorLayer"} <= _layer_classes(static)
+    assert static.past_key_values.is_compileable
+
+
 def test_a_static_quantized_cache_refuses_to_crop_below_what_it_holds(quantized):
     model = load_converted(quantized["quant 4-bit"])
     ids, mask = left_padded(100)

@@ -31,7 +31,7 @@ from .kvconvert_razor_ops import (
     compensated_attention,
     count_logit,
 )
-from .kvconvert_storage import KVLayer, sliding_layer
+from .kvconvert_storage import KVLayer, sliding_layer, static_sliding_layer
 from .kvconvert_tokenlayout import TokenLayoutStore
 from .kvconvert_tokenstore import TokenStore
 
@@ -412,14 +412,14 @@ def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerS
     razor = spec["razor"]
     kv_heads = int(spec["num_kv_heads"])
     quant = QuantSpec.from_spec(spec)
-    static = max_cache_len is not None and static_refusal(spec) is None
+    static = max_cache_len is not None and static_refusal(spec, static_windows=True) is None
     layers: list[Any] = []
     for layer, retrieval in enumerate(razor["retrieval_kv_heads"]):
         others = [g for g in range(kv_heads) if g not in retrieval]
         heads = list(retrieval), others, razor["sink"], razor["window"], razor["window_frac"]
-        if static:
+        if static:  # sliding-window layers (kept stock) get transformers' own static window
             assert max_cache_len is not None
-            layers.append(StaticRazorLayer(*heads, max_cache_len))
+            layers.append(static_sliding_layer(spec, layer, max_cache_len) or StaticRazorLayer(*heads, max_cache_len))
         else:
             layers.append(sliding_layer(spec, layer) or RazorLayer(*heads, quant, layer))
     return LayerStateCache(layers)
