@@ -73,7 +73,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batches", default="1", help="comma-separated batch sizes (rows of different lengths)")
     parser.add_argument("--serving", default=None, help="CONTEXT:ROWS: tokens/s within the source's cache memory")
-    parser.add_argument("--only", default=None, help="candidates whose label contains this text ('|': any of several)")
+    parser.add_argument("--only", default=None, help="candidates whose label contains this text ('|': any of several; "
+                                                     "'=LABEL': that label exactly)")  # fmt: skip
     parser.add_argument("--name", default="speed", help="results file stem (bench/results/NAME-<date>.*)")
     parser.add_argument("--compiled", action="store_true",
                         help="batch 1 also from static caches through torch.compile (fullgraph), against the compiled "
@@ -90,7 +91,8 @@ def main() -> None:
         models: dict[str, Any] = {"source": AutoModelForCausalLM.from_pretrained(source_dir).eval()}
         recipes: dict[str, Any] = {}
         for label, recipe in CANDIDATES:
-            if args.only is None or any(part in label for part in args.only.split("|")):
+            if args.only is None or any(label == part[1:] if part.startswith("=") else part in label
+                                        for part in args.only.split("|")):  # fmt: skip
                 models[label] = _converted(source_dir, recipe, label, Path(tmp) / f"m{len(models)}")
                 recipes[label] = recipe
         batches = [int(b) for b in args.batches.split(",")]
