@@ -39,6 +39,13 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
       "kv_rotate": True}),
     ("razor + 4-bit token layout, sink 4 (ext.)",
      {"method": "razor", "profile_tokens": 256, "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
+    # models with sliding-window layers (Gemma 2/3): their windows quantized too, or they hold most of a long cache's
+    # budget (on Gemma 3 razor keeps every global layer whole: one KV head each, see README's known limits)
+    ("quant 3-bit, sink 4 + rotated values, local layers too (ext.)",
+     {"method": "quant", "kv_bits": 3, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True, "kv_include_local": True}),
+    ("quant 2-bit, groups of 128, sink 4 + rotated values, local layers too (ext.)",
+     {"method": "quant", "kv_bits": 2, "kv_group": 128, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True,
+      "kv_include_local": True}),
 ]  # fmt: skip
 
 
