@@ -56,7 +56,7 @@ def test_a_chunk_attends_through_sdpa_as_eq5_says():
     """Chunks (prefill) attend through SDPA with the compensation token's ln N_d in its mask: equal to eq. 5's
     softmax (``compensated_attention``) for a GQA group's query heads, with masked keys, one row that dropped
     tokens and one that dropped none."""
-    from kvconvert.runtime.kvconvert_razor_ops import _fused, _grouped_bias, count_logit
+    from kvconvert.runtime.kvconvert_razor_ops import count_logit, fused_attention, grouped_bias
 
     g = torch.Generator().manual_seed(1)
     batch, group, q_len, dim, others = 2, 2, 5, 8, [0, 2]
@@ -66,11 +66,11 @@ def test_a_chunk_attends_through_sdpa_as_eq5_says():
     count = torch.tensor([7.0, 0.0])
     bias = torch.where(torch.rand(batch, 1, q_len, 10, generator=g) < 0.3, torch.finfo(torch.float32).min, 0.0)
     rows = query.reshape(batch, 3, group * q_len, dim)[:, others]
-    scores = _grouped_bias(rows @ keys.transpose(-1, -2) * 0.3, bias, group)
+    scores = grouped_bias(rows @ keys.transpose(-1, -2) * 0.3, bias, group)
     expected = compensated_attention(rows, keys, values, scores, comp_k, comp_v, count, 0.3)
     mask = torch.cat([bias, count_logit(count).view(-1, 1, 1, 1).expand(batch, 1, q_len, 1)], dim=-1)
     kv = torch.cat([keys, comp_k], dim=2), torch.cat([values, comp_v], dim=2)
-    torch.testing.assert_close(_fused(query, others, group, kv, mask, 0.3), expected)
+    torch.testing.assert_close(fused_attention(query, others, group, kv, mask, 0.3), expected)
 
 
 def test_head_scores_on_planted_attention_patterns():

@@ -22,14 +22,14 @@ from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, so
 from .kvconvert_kernels import razor_decode_triton, use_kernels
 from .kvconvert_quant import decodes_from_codes, kivi_decode, kivi_kernel_reads, token_decode
 from .kvconvert_razor_ops import (
-    _extra_logits,
-    _fused,
-    _grouped_bias,
-    _grouped_scores,
-    _query_heads,
-    _span,
     compensated_attention,
     count_logit,
+    extra_logits,
+    fused_attention,
+    grouped_bias,
+    grouped_scores,
+    head_span,
+    query_heads,
 )
 from .kvconvert_storage import KVLayer, sliding_layer, static_sliding_layer
 from .kvconvert_tokenlayout import TokenLayoutStore
@@ -200,7 +200,7 @@ class RazorLayer(KVLayer):
         if self._extra is None:
             comp_k, comp_v, count = self.derived(key, value)
             log_count = count_logit(count)
-            logits = _extra_logits(None, log_count, len(self.others), self.sink_k.shape[2])
+            logits = extra_logits(None, log_count, len(self.others), self.sink_k.shape[2])
             self._extra = (torch.cat([self.sink_k, comp_k], dim=2), torch.cat([self.sink_v, comp_v], dim=2),
                            log_count, logits)  # fmt: skip
         return self._extra
@@ -284,7 +284,7 @@ def _attend(
     out = query.new_empty(batch, kv_heads, group * q_len, dim)
     grouped_query = query.reshape(batch, kv_heads, group * q_len, dim)
     if layer is None:  # no cache: plain causal attention over this step
-        scores = _grouped_scores(grouped_query, key, bias, scale, group)
+        scores = grouped_scores(grouped_query, key, bias, scale, group)
         out = softmax_rows(scores, value.dtype) @ value
         return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
     # comp state before this step (the step's drops are compensated from the next step on)
@@ -295,7 +295,7 @@ def _attend(
     from_codes = q_len == 1 and layer.reads_codes(query.device)
     if from_codes:  # retrieval heads in the token layout: scores and outputs from the 4-bit codes
         r = layer.retrieval
-        at, heads_at = _span(r), _span(_query_heads(r, group))
+        at, heads_at = head_span(r), head_span(query_heads(r, group))
         decoded = token_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale)
         out[:, at] = decoded.to(query.dtype).view(batch, len(r), group, dim)  # q_len 1: [b, R, G, d]
     window_codes = q_len == 1 and bool(layer.others) and layer.reads_codes(query.device, full=False)
@@ -303,10 +303,10 @@ def _attend(
         o, sink = layer.others, layer.sink_k.shape[2]
         extra_k, extra_v, log_count, logits = layer.extra_tokens(key, value)
         if kept_bias is not None:
-            logits = _extra_logits(kept_bias[..., :sink], log_count, len(o), sink)
+            logits = extra_logits(kept_bias[..., :sink], log_count, len(o), sink)
         extra = extra_k, extra_v, logits
         window_bias = None if kept_bias is None else kept_bias[..., sink:]
-        at, heads_at = _span(o), _span(_query_heads(o, group))
+        at, heads_at = head_span(o), head_span(query_heads(o, group))
         decoded = token_decode(query[:, heads_at], key[:, at], value[:, at], window_bias, layer.recent_k,
                                layer.recent_v, scale, extra)  # fmt: skip
         out[:, at] = decoded.to(query.dtype).view(batch, len(o), group, dim)
@@ -314,23 +314,23 @@ def _attend(
     # chunks (prefill): SDPA's fused kernel, 4x faster on CPU at 4K than scores in float32 (the compensation token's
     # ln N_d goes into its mask); one token: the grouped products, the G query heads of a KV head as one matrix
     if full is not None and q_len > 1 and bias is not None:
-        out[:, layer.retrieval] = _fused(query, layer.retrieval, group, full, bias, scale)
+        out[:, layer.retrieval] = fused_attention(query, layer.retrieval, group, full, bias, scale)
     elif full is not None:
-        scores = _grouped_scores(grouped_query[:, layer.retrieval], full[0], bias, scale, group)
+        scores = grouped_scores(grouped_query[:, layer.retrieval], full[0], bias, scale, group)
         out[:, layer.retrieval] = softmax_rows(scores, value.dtype) @ full[1]
     if short is not None and q_len > 1 and kept_bias is not None:
         (sink_k, recent_k), (sink_v, recent_v) = short
         comp_logit = count_logit(count, query.dtype).view(-1, 1, 1, 1).expand(batch, 1, q_len, 1)
         mask = torch.cat([kept_bias.expand(batch, 1, q_len, -1), comp_logit], dim=-1)
         kv = torch.cat([sink_k, recent_k, comp_k], dim=2), torch.cat([sink_v, recent_v, comp_v], dim=2)
-        out[:, layer.others] = _fused(query, layer.others, group, kv, mask, scale)
+        out[:, layer.others] = fused_attention(query, layer.others, group, kv, mask, scale)
     elif short is not None:
         (sink_k, recent_k), (sink_v, recent_v) = short
         rows = grouped_query[:, layer.others]
         # sink and window scored apart: concatenating the window's keys would copy it every step
         scores = torch.cat([rows @ sink_k.transpose(-1, -2), rows @ recent_k.transpose(-1, -2)], dim=-1) * scale
         if kept_bias is not None:
-            scores = _grouped_bias(scores, kept_bias, group)
+            scores = grouped_bias(scores, kept_bias, group)
         out[:, layer.others] = compensated_attention(rows, (sink_k, recent_k), (sink_v, recent_v), scores, comp_k,
                                                      comp_v, count, scale)  # fmt: skip
     layer.evict(valid)
@@ -389,7 +389,7 @@ def _decode_with_kernel(
     out = razor_decode_triton(query[:, :, 0], full_k, full_v, full_bias, short_k, short_v, short_bias, comp_k, comp_v,
                               comp_logit, kind, slot, scale)  # fmt: skip
     if from_codes:
-        at, heads_at = _span(r), _span(_query_heads(r, group))
+        at, heads_at = head_span(r), head_span(query_heads(r, group))
         decoded = kivi_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale)
         out[:, heads_at] = decoded[:, :, 0]
     return out.to(query.dtype)[:, :, None]

@@ -49,16 +49,16 @@ def compensated_attention(
     return out
 
 
-def _fused(query: torch.Tensor, kv_heads: list[int], group: int, kv: tuple[torch.Tensor, torch.Tensor],
+def fused_attention(query: torch.Tensor, kv_heads: list[int], group: int, kv: tuple[torch.Tensor, torch.Tensor],
            mask: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
     """SDPA of ``kv_heads``' query heads over their ``kv`` keys and values ``[b, k, n, d]`` with the additive ``mask``
     ``[b|1, 1, q, n]``: ``[b, k, G·q, d]``, the layout ``_attend`` writes."""
-    rows = query[:, _span(_query_heads(kv_heads, group))]
+    rows = query[:, head_span(query_heads(kv_heads, group))]
     out = F.scaled_dot_product_attention(rows, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
     return out.reshape(rows.shape[0], len(kv_heads), -1, rows.shape[-1])
 
 
-def _extra_logits(sink_bias: torch.Tensor | None, log_count: torch.Tensor, heads: int, sink: int) -> torch.Tensor:
+def extra_logits(sink_bias: torch.Tensor | None, log_count: torch.Tensor, heads: int, sink: int) -> torch.Tensor:
     """Additive logits ``[b, N, 1, sink + 1]`` of the sink's tokens (their mask ``sink_bias [b|1, 1, 1, sink]``,
     None: nothing masked) and the compensation token (``ln N_d``, ``log_count [b]``)."""
     batch = log_count.shape[0]
@@ -67,27 +67,27 @@ def _extra_logits(sink_bias: torch.Tensor | None, log_count: torch.Tensor, heads
     return torch.cat([sink_logits.expand(batch, heads, 1, sink), comp_logits], dim=-1)
 
 
-def _query_heads(kv_heads: list[int], group: int) -> list[int]:
+def query_heads(kv_heads: list[int], group: int) -> list[int]:
     """The query heads that read ``kv_heads`` (G adjacent query heads per KV head)."""
     return [g * group + j for g in kv_heads for j in range(group)]
 
 
-def _span(heads: list[int]) -> slice | list[int]:
+def head_span(heads: list[int]) -> slice | list[int]:
     """``heads`` as a slice when they are consecutive: indexing then makes a view, not a copy (a decode
     step's transient tensors only; stores get copies, so they never keep a whole step's tensor alive)."""
     return slice(heads[0], heads[-1] + 1) if heads == list(range(heads[0], heads[-1] + 1)) else heads
 
 
-def _grouped_scores(
+def grouped_scores(
     query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None, scale: float, group: int
 ) -> torch.Tensor:
     """Scaled scores of a group's stacked query rows ``[b, k, G·q, d]`` against ``keys [b, k, n, d]``,
     plus ``bias [b|1, 1, q, n]`` (shared by the G heads): ``[b, k, G·q, n]``."""
     scores = (query @ keys.transpose(-1, -2)) * scale
-    return scores if bias is None else _grouped_bias(scores, bias, group)
+    return scores if bias is None else grouped_bias(scores, bias, group)
 
 
-def _grouped_bias(scores: torch.Tensor, bias: torch.Tensor, group: int) -> torch.Tensor:
+def grouped_bias(scores: torch.Tensor, bias: torch.Tensor, group: int) -> torch.Tensor:
     """``scores [b, k, G·q, n]`` + ``bias [b|1, 1, q, n]``, the G stacked heads sharing the bias."""
     b, k, rows, n = scores.shape
     return (scores.view(b, k, group, rows // group, n) + bias[:, :, None]).view(b, k, rows, n)

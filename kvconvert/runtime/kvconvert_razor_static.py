@@ -23,7 +23,7 @@ from .kvconvert_codec import QuantSpec
 from .kvconvert_common import softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
 from .kvconvert_razor import RazorLayer, _attend
-from .kvconvert_razor_ops import _span, compensated_attention, count_logit
+from .kvconvert_razor_ops import compensated_attention, count_logit, head_span
 from .kvconvert_storage import StaticKVLayer
 
 
@@ -136,7 +136,7 @@ class StaticRazorLayer(StaticKVLayer):
         bias = self._bias(attention_mask, query.dtype)
         seen = self.filled
         r, o = self.retrieval, self.others
-        at_r, at_o = (_span(heads) if heads else heads for heads in (r, o))  # views where the heads are consecutive
+        at_r, at_o = (head_span(heads) if heads else heads for heads in (r, o))  # views where the heads are consecutive
         if r:
             self.full_k.index_copy_(2, seen.view(1), key[:, at_r])
             self.full_v.index_copy_(2, seen.view(1), value[:, at_r])
