@@ -88,7 +88,7 @@ class RazorLayer(KVLayer):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                scaling: float | None) -> tuple[torch.Tensor, None]:  # fmt: skip
-        return _attend(query, key, value, attention_mask, scaling, self)
+        return attend_state(query, key, value, attention_mask, scaling, self)
 
     def recent_budget(self, total: int) -> int:
         return max(self.window, int(total * self.window_frac))
@@ -255,10 +255,10 @@ def razor_attention(
     if layer is not None:  # a sliding-window layer left stock: its own cache returned the window
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)  # fmt: skip
-    return _attend(query, key, value, attention_mask, scaling, None)  # no cache (use_cache=False)
+    return attend_state(query, key, value, attention_mask, scaling, None)  # no cache (use_cache=False)
 
 
-def _attend(
+def attend_state(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
     scaling: float | None, layer: Any,
 ) -> tuple[torch.Tensor, None]:  # fmt: skip

@@ -22,7 +22,7 @@ import torch
 from .kvconvert_codec import QuantSpec
 from .kvconvert_common import softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
-from .kvconvert_razor import RazorLayer, _attend
+from .kvconvert_razor import RazorLayer, attend_state
 from .kvconvert_razor_ops import compensated_attention, count_logit, head_span
 from .kvconvert_storage import StaticKVLayer
 
@@ -215,7 +215,7 @@ class StaticRazorLayer(StaticKVLayer):
         layer = RazorLayer(self.retrieval, self.others, self.sink, self.window, self.window_frac, QuantSpec())
         if seen:
             self._load(layer, seen)
-        out = _attend(query, key, value, attention_mask, scale, layer)
+        out = attend_state(query, key, value, attention_mask, scale, layer)
         self._store(layer)
         return out
 
