@@ -52,7 +52,7 @@ def compensated_attention(
 def fused_attention(query: torch.Tensor, kv_heads: list[int], group: int, kv: tuple[torch.Tensor, torch.Tensor],
            mask: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
     """SDPA of ``kv_heads``' query heads over their ``kv`` keys and values ``[b, k, n, d]`` with the additive ``mask``
-    ``[b|1, 1, q, n]``: ``[b, k, G·q, d]``, the layout ``_attend`` writes."""
+    ``[b|1, 1, q, n]``: ``[b, k, G·q, d]``, the layout ``attend_state`` writes."""
     rows = query[:, head_span(query_heads(kv_heads, group))]
     out = F.scaled_dot_product_attention(rows, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
     return out.reshape(rows.shape[0], len(kv_heads), -1, rows.shape[-1])
