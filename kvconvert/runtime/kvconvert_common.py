@@ -372,6 +372,16 @@ def additive_mask(
     return mask.to(dtype).clamp(min=minimum)
 
 
+def query_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``query [..., m, d] @ keys [..., n, d]ᵀ``. Compiled for a CPU, inductor lowers a batched product with one row
+    (m = 1: a decode step of an MHA head) to multiply-and-sum, which fused with the keys' RoPE runs as a slow scalar
+    loop; a zero second row keeps it a matrix product (whose extra row costs one more dot per key)."""
+    if query.shape[-2] == 1 and query.device.type == "cpu" and torch.compiler.is_compiling():
+        padded = torch.cat([query, torch.zeros_like(query)], dim=-2)
+        return (padded @ keys.transpose(-1, -2))[..., :1, :]
+    return query @ keys.transpose(-1, -2)
+
+
 def softmax_rows(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Softmax over the last dim in float32 (half-precision softmax loses mass), cast back."""
     return torch.softmax(scores.float(), dim=-1).to(dtype)

@@ -19,6 +19,7 @@ from .kvconvert_common import (
     additive_mask,
     apply_rotary,
     latent_layers,
+    query_scores,
     rotary_for_keys,
     softmax_rows,
 )
@@ -92,7 +93,7 @@ class SlimAttention(LatentAttention):
             out = torch.einsum("bhe,hde->bhd", mixed.view(batch, h, h * dk).to(keys.dtype), kv_per_head)
             return self.o_proj(out.reshape(batch, 1, h * dk))
         if self._decode_order_is_cheaper(q_len, kv_len):
-            scores = (query @ key_heads.transpose(-1, -2)) * self.scaling  # [b, h, q, n]
+            scores = query_scores(query, key_heads) * self.scaling  # [b, h, q, n]
             if bias is not None:
                 scores = scores + bias
             probs = softmax_rows(scores, query.dtype)
