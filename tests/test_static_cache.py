@@ -1,6 +1,7 @@
-"""Static caches: ``generate(cache_implementation="static")`` gives the latent-cache methods (lorc, zack, slim) and
-fp8 storage a preallocated cache with fixed shapes and addresses, which ``torch.compile`` (fullgraph: CUDA-graph
-ready) decodes from; the other methods say so and keep their growing cache. On CPU through generate's own compile
+"""Static caches: ``generate(cache_implementation="static")`` gives the latent-cache methods (lorc, zack, slim),
+quantized storage (KIVI's layout, fp8) and razor at 16 bits a preallocated cache with fixed shapes and addresses,
+which ``torch.compile`` (fullgraph: CUDA-graph ready) decodes from; the other methods say so and keep their growing
+cache. On CPU through generate's own compile
 path (``CompileConfig._compile_all_devices``, what transformers provides for testing it off GPU)."""
 
 from __future__ import annotations
