@@ -29,7 +29,9 @@ from .kvconvert_razor_ops import (
     grouped_bias,
     grouped_scores,
     head_span,
+    head_tables,
     query_heads,
+    window_budget,
 )
 from .kvconvert_storage import KVLayer, sliding_layer, static_sliding_layer
 from .kvconvert_tokenlayout import TokenLayoutStore
@@ -91,7 +93,7 @@ class RazorLayer(KVLayer):
         return attend_state(query, key, value, attention_mask, scaling, self)
 
     def recent_budget(self, total: int) -> int:
-        return max(self.window, int(total * self.window_frac))
+        return window_budget(total, self.window, self.window_frac)
 
     def past_full(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Retrieval heads' stored keys and values ``[b, R, n, d]`` (None before the first commit)."""
@@ -381,9 +383,7 @@ def _decode_with_kernel(
         short_bias = row_bias[:, :1]
         comp_k = comp_v = query.new_zeros(batch, 1, dim)
         comp_logit = torch.zeros(batch, device=query.device)
-    kv_of = [h // group for h in range(heads)]
-    kind = torch.tensor([0 if g in r else 1 for g in kv_of], device=query.device)
-    slot = torch.tensor([r.index(g) if g in r else o.index(g) for g in kv_of], device=query.device)
+    kind, slot = head_tables(r, o, heads, group, query.device)
     # the stand-in's zero token unmasked: heads reading it compute a finite output, replaced below
     full_bias = row_bias if r and not from_codes else row_bias.new_zeros(batch, 1)
     out = razor_decode_triton(query[:, :, 0], full_k, full_v, full_bias, short_k, short_v, short_bias, comp_k, comp_v,

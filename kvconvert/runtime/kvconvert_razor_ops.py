@@ -72,6 +72,21 @@ def query_heads(kv_heads: list[int], group: int) -> list[int]:
     return [g * group + j for g in kv_heads for j in range(group)]
 
 
+def window_budget(total: int, window: int, window_frac: float) -> int:
+    """L = max(window, N·window_frac): the recent tokens a non-retrieval head keeps after ``total`` tokens."""
+    return max(window, int(total * window_frac))
+
+
+def head_tables(retrieval: list[int], others: list[int], heads: int, group: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The head-wise kernel's tables: per query head, the kind of KV head it reads (0 retrieval, 1 window) and that
+    head's slot among its kind ``[H]``."""
+    kv_of = [h // group for h in range(heads)]
+    kind = torch.tensor([0 if g in retrieval else 1 for g in kv_of], device=device)
+    slot = torch.tensor([retrieval.index(g) if g in retrieval else others.index(g) for g in kv_of], device=device)
+    return kind, slot
+
+
 def head_span(heads: list[int]) -> slice | list[int]:
     """``heads`` as a slice when they are consecutive: indexing then makes a view, not a copy (a decode
     step's transient tensors only; stores get copies, so they never keep a whole step's tensor alive)."""

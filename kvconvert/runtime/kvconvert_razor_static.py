@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from .kvconvert_codec import QuantSpec
-from .kvconvert_common import softmax_rows
+from .kvconvert_common import additive_mask, softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
 from .kvconvert_razor import RazorLayer, attend_state
-from .kvconvert_razor_ops import compensated_attention, count_logit, head_span
+from .kvconvert_razor_ops import compensated_attention, count_logit, head_span, head_tables, window_budget
 from .kvconvert_storage import StaticKVLayer
 
 
@@ -49,15 +49,12 @@ class StaticRazorLayer(StaticKVLayer):
         self.retrieval, self.others = retrieval, others
         self.sink, self.window, self.window_frac = sink, window, window_frac
         # the window before a step's eviction: at most L(n) tokens held, plus the step's own
-        self.capacity = self.recent_budget(max_cache_len) + 1
+        self.capacity = window_budget(max_cache_len, window, window_frac) + 1
         self.window_pos: Any = None
-
-    def recent_budget(self, total: int) -> int:
-        return max(self.window, int(total * self.window_frac))
 
     def _window_start(self, total: torch.Tensor) -> torch.Tensor:
         """First logical position of the window after ``total`` tokens: max(sink, total − L(total)); float64, as
-        ``recent_budget``'s ``int(total * window_frac)`` rounds."""
+        ``window_budget``'s ``int(total * window_frac)`` rounds."""
         budget = (total.double() * self.window_frac).floor().long().clamp(min=self.window)
         return (total - budget).clamp(min=self.sink)
 
@@ -118,14 +115,11 @@ class StaticRazorLayer(StaticKVLayer):
     def _bias(self, attention_mask: Any, dtype: torch.dtype) -> torch.Tensor:
         """The step's additive bias over every logical position ``[b|1, 1, 1, max_cache_len]``; None (no padding,
         a mask transformers skipped): every written slot visible."""
-        minimum = torch.finfo(dtype).min
-        if attention_mask is None:
+        bias = additive_mask(attention_mask, 1, self.max_cache_len, dtype, self.filled.device)
+        if bias is None:
             positions = torch.arange(self.max_cache_len, device=self.filled.device)
-            return torch.where(positions <= self.filled, 0.0, minimum).to(dtype)[None, None, None]
-        mask = attention_mask[..., -1:, : self.max_cache_len]
-        if mask.dtype == torch.bool:
-            return torch.where(mask, 0.0, minimum).to(dtype)
-        return mask.to(dtype).clamp(min=minimum)
+            return torch.where(positions <= self.filled, 0.0, torch.finfo(dtype).min).to(dtype)[None, None, None]
+        return bias
 
     def _decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 scale: float) -> torch.Tensor:  # fmt: skip
@@ -201,9 +195,7 @@ class StaticRazorLayer(StaticKVLayer):
             short_k, short_v, short_bias = empty, empty, row_bias[:, :1]
             comp_k = comp_v = query.new_zeros(batch, 1, 1, dim)
             comp_logit = query.new_zeros(batch, dtype=torch.float32)
-        kv_of = [h // group for h in range(heads)]
-        kind = torch.tensor([0 if g in r else 1 for g in kv_of], device=query.device)
-        slot = torch.tensor([r.index(g) if g in r else o.index(g) for g in kv_of], device=query.device)
+        kind, slot = head_tables(r, o, heads, group, query.device)
         out = razor_decode_triton(query[:, :, 0], full_k, full_v, full_bias, short_k, short_v, short_bias,
                                   comp_k[:, :, 0], comp_v[:, :, 0], comp_logit, kind, slot, scale)  # fmt: skip
         return out.to(query.dtype)[:, :, None]
