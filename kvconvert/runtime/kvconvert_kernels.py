@@ -303,17 +303,27 @@ def _split_len(n: int, programs: int, device: torch.device, block_n: int, splits
     return max(block_n, triton.cdiv(per_split, block_n) * block_n)
 
 
+def combine_partials(acc: torch.Tensor, ml: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials of disjoint token sets stacked along ``dim`` (``acc [..., d]``, ``ml [..., 2]``: unnormalised sums
+    and (max, denominator), as the kernels' splits and ``kivi_decode_reference`` return them) -> the partial of
+    their union: ``Σ acc_i·e^{m_i − M}`` and ``(M, Σ l_i·e^{m_i − M})``, ``M = max m_i``."""
+    top = ml[..., 0].amax(dim, keepdim=True)
+    weight = torch.exp(ml[..., 0] - top)
+    total = (ml[..., 1] * weight).sum(dim)
+    return (acc * weight[..., None]).sum(dim), torch.stack([top.squeeze(dim), total], dim=-1)
+
+
 def _combine_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out_head: torch.Tensor | None) -> torch.Tensor:
     """Merge split partials: ``part_acc [b, S, C]`` unnormalised sums, ``part_ml [b, S, H, 2]`` each
     split's running max and denominator; column c belongs to head ``out_head[c]`` (None: C = H × d,
     head-major). Splits without tokens carry max −inf and weigh exp(−inf) = 0."""
+    if out_head is None:
+        b, splits, heads, _ = part_ml.shape
+        acc, ml = combine_partials(part_acc.view(b, splits, heads, -1), part_ml, dim=1)
+        return acc / ml[..., 1:]  # [b, H, d]
     m, l = part_ml[..., 0], part_ml[..., 1]  # [b, S, H]
     weight = torch.exp(m - m.amax(dim=1, keepdim=True))  # [b, S, H]
     denominator = (l * weight).sum(dim=1)  # [b, H]
-    if out_head is None:
-        b, splits, heads = weight.shape
-        acc = part_acc.view(b, splits, heads, -1)
-        return (acc * weight[..., None]).sum(dim=1) / denominator[..., None]  # [b, H, d]
     return (part_acc * weight[..., out_head]).sum(dim=1) / denominator[..., out_head]  # [b, C]
 
 

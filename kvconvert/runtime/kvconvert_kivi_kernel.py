@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .kvconvert_kernels import _pow2, _split_len, triton
+from .kvconvert_kernels import _pow2, _split_len, combine_partials, triton
 
 if triton is not None:
     import triton.language as tl
@@ -48,16 +48,6 @@ def kivi_decode_reference(
     p = torch.exp(scores - m[..., None])
     acc = torch.einsum("bhgn,bhnd->bhgd", p, values)
     return acc, torch.stack([m, p.sum(-1)], dim=-1)
-
-
-def combine_partials(acc: torch.Tensor, ml: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partials of disjoint token sets stacked along ``dim`` (``acc [..., d]``, ``ml [..., 2]``: unnormalised sums
-    and (max, denominator), as ``kivi_decode_reference`` returns them) -> the partial of their union:
-    ``Σ acc_i·e^{m_i − M}`` and ``(M, Σ l_i·e^{m_i − M})``, ``M = max m_i``."""
-    top = ml[..., 0].amax(dim, keepdim=True)
-    weight = torch.exp(ml[..., 0] - top)
-    total = (ml[..., 1] * weight).sum(dim)
-    return (acc * weight[..., None]).sum(dim), torch.stack([top.squeeze(dim), total], dim=-1)
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
