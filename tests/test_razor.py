@@ -73,6 +73,17 @@ def test_a_chunk_attends_through_sdpa_as_eq5_says():
     torch.testing.assert_close(fused_attention(query, others, group, kv, mask, 0.3), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_compensation_logit_comes_in_the_dtype_asked_for(dtype):
+    """Its mask column joins the query's dtype: SDPA on a GPU refuses a mask of another dtype (on a CPU it does
+    not, so only this checks it here): ln N_d where tokens were dropped, the dtype's lowest value where none were."""
+    from kvconvert.runtime.kvconvert_razor_ops import count_logit
+
+    logit = count_logit(torch.tensor([7.0, 0.0]), dtype)
+    assert logit.dtype == dtype and logit[1] == torch.finfo(dtype).min
+    torch.testing.assert_close(logit[0].float(), torch.tensor(7.0).log(), rtol=1e-2, atol=0)
+
+
 def test_head_scores_on_planted_attention_patterns():
     period, n = 5, 20
     rows = torch.arange(period, n)

@@ -284,13 +284,14 @@ def _pack3(codes: torch.Tensor) -> torch.Tensor:
         codes = torch.nn.functional.pad(codes, (0, padded - width))
     codes = codes.view(*codes.shape[:-1], padded // 8, 8).to(torch.int32)
     word = (codes << torch.arange(0, 24, 3, dtype=torch.int32, device=codes.device)).sum(-1, keepdim=True)
-    octets = (word >> torch.tensor([0, 8, 16], dtype=torch.int32, device=codes.device)) & 255
+    # shifts made on the device (arange), not copied from a host list at every call: a CUDA-graph capture refuses that
+    octets = (word >> torch.arange(0, 24, 8, dtype=torch.int32, device=codes.device)) & 255
     return octets.to(torch.uint8).flatten(-2)
 
 
 def _unpack3(packed: torch.Tensor, width: int) -> torch.Tensor:
     octets = packed.view(*packed.shape[:-1], -1, 3).to(torch.int32)
-    word = (octets << torch.tensor([0, 8, 16], dtype=torch.int32, device=packed.device)).sum(-1, keepdim=True)
+    word = (octets << torch.arange(0, 24, 8, dtype=torch.int32, device=packed.device)).sum(-1, keepdim=True)
     codes = (word >> torch.arange(0, 24, 3, dtype=torch.int32, device=packed.device)) & 7
     return codes.to(torch.uint8).flatten(-2)[..., :width]
 

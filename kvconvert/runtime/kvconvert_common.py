@@ -123,7 +123,7 @@ class CompressedCache(Cache):
         """``update_latent`` on a static layer: every layer writes this step's positions into the one
         ``[b, max_cache_len]`` table at the same slots (the same values: cheaper than knowing which layer is first
         inside a compiled graph)."""
-        slots = layer.slots(new_keys.shape[1])
+        slots = layer.slots(new_keys.shape[1]).to(new_keys.device)  # its counter moves there at its first update
         keys, values = layer.update(new_keys, new_values)
         if not self.track_positions:
             return keys, values, None

@@ -51,6 +51,9 @@ class StaticRazorLayer(StaticKVLayer):
         # the window before a step's eviction: at most L(n) tokens held, plus the step's own
         self.capacity = window_budget(max_cache_len, window, window_frac) + 1
         self.window_pos: Any = None
+        self.at_r: Any = None  # set with the buffers (``_index_heads``)
+        self.at_o: Any = None
+        self.kernel_tables: Any = None
 
     def _window_start(self, total: torch.Tensor) -> torch.Tensor:
         """First logical position of the window after ``total`` tokens: max(sink, total − L(total)); float64, as
@@ -95,6 +98,19 @@ class StaticRazorLayer(StaticKVLayer):
         self.filled = self.filled.to(key.device)
         self._initialized(key.device)
 
+    def _index_heads(self, heads: int, device: torch.device) -> None:
+        """Each kind of KV head as an index on ``device`` (a slice where consecutive: views), and the head-wise
+        kernel's tables, made once: a step that built them from Python lists would copy them to the GPU each time,
+        which a CUDA-graph capture refuses (measured on an H200)."""
+
+        def index(kind: list[int]) -> Any:
+            span = head_span(kind) if kind else kind
+            return torch.tensor(span, device=device) if isinstance(span, list) and span else span
+
+        self.at_r, self.at_o = index(self.retrieval), index(self.others)
+        group = heads // (len(self.retrieval) + len(self.others))
+        self.kernel_tables = head_tables(self.retrieval, self.others, heads, group, device)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         """Called by the stock attention module; ``attend`` stores and reads."""
         return key_states, value_states
@@ -103,6 +119,7 @@ class StaticRazorLayer(StaticKVLayer):
                scaling: float | None) -> tuple[torch.Tensor, None]:  # fmt: skip
         if not self.is_initialized:
             self._allocate(key, value)
+            self._index_heads(query.shape[1], key.device)
         count = key.shape[2]
         self._check_room(count)
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -130,7 +147,7 @@ class StaticRazorLayer(StaticKVLayer):
         bias = self._bias(attention_mask, query.dtype)
         seen = self.filled
         r, o = self.retrieval, self.others
-        at_r, at_o = (head_span(heads) if heads else heads for heads in (r, o))  # views where the heads are consecutive
+        at_r, at_o = self.at_r, self.at_o
         if r:
             self.full_k.index_copy_(2, seen.view(1), key[:, at_r])
             self.full_v.index_copy_(2, seen.view(1), value[:, at_r])
@@ -195,7 +212,7 @@ class StaticRazorLayer(StaticKVLayer):
             short_k, short_v, short_bias = empty, empty, row_bias[:, :1]
             comp_k = comp_v = query.new_zeros(batch, 1, 1, dim)
             comp_logit = query.new_zeros(batch, dtype=torch.float32)
-        kind, slot = head_tables(r, o, heads, group, query.device)
+        kind, slot = self.kernel_tables
         out = razor_decode_triton(query[:, :, 0], full_k, full_v, full_bias, short_k, short_v, short_bias,
                                   comp_k[:, :, 0], comp_v[:, :, 0], comp_logit, kind, slot, scale)  # fmt: skip
         return out.to(query.dtype)[:, :, None]

@@ -162,6 +162,12 @@ class Fp8Layer(KVLayer):
         self.is_initialized = False
 
 
+def in_graph() -> bool:
+    """Inside a ``torch.compile`` trace or a CUDA-graph capture: a step may not read device values on the host (a
+    capture fails on the first such read), so the eager checks that need one are skipped."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 class StaticKVLayer(KVLayer):
     """Base of kvconvert's preallocated cache layers (``generate(cache_implementation="static")``): state buffers
     of ``max_cache_len`` tokens (the attributes named in ``buffers``, or what ``_held`` returns), written in place at
@@ -197,10 +203,10 @@ class StaticKVLayer(KVLayer):
         return torch.arange(count, device=self.filled.device) + self.filled
 
     def _check_room(self, count: int) -> None:
-        """One line instead of an index error when ``count`` more tokens do not fit (eagerly: a compiled step cannot
-        raise, as with transformers' ``StaticLayer``, which never checks). Then the caller writes, and
+        """One line instead of an index error when ``count`` more tokens do not fit (eagerly: a compiled or captured
+        step cannot raise, as with transformers' ``StaticLayer``, which never checks). Then the caller writes, and
         ``_advance``s."""
-        if not torch.compiler.is_compiling() and int(self.filled) + count > self.max_cache_len:
+        if not in_graph() and int(self.filled) + count > self.max_cache_len:
             raise ValueError(f"this static cache holds {self.max_cache_len} tokens and already has "
                              f"{int(self.filled)}: {count} more do not fit; generate with a larger "
                              "max_length / max_cache_len, or cache_implementation='dynamic'")  # fmt: skip

@@ -141,8 +141,8 @@ class KVConvertMixin:
         try:
             yield
         finally:
-            for module in modules:
-                module.__dict__.pop("_kvconvert_cache", None)
+            for module in modules:  # assigned, not popped: torch 2.11's dynamo cannot trace __dict__.pop (an H200 run)
+                module.__dict__["_kvconvert_cache"] = None
 
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any):
         requested = getattr(generation_config, "cache_implementation", None)
