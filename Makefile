@@ -72,9 +72,10 @@ bench-frontier: install
 bench-gemma: install
 	$(PYTHON) bench/gemma_bench.py
 
-# Triton decode kernels vs SDPA and end-to-end decode tokens/s; needs a CUDA GPU (--smoke: script check on CPU)
+# Triton decode kernels vs SDPA, end-to-end decode tokens/s, and static caches through captured CUDA graphs; needs a
+# CUDA GPU (--smoke: script check on CPU)
 bench-kernels: install
-	$(PYTHON) bench/kernels_bench.py
+	$(PYTHON) bench/kernels_bench.py --graphs
 
 # fp8 and MLA exports of SmolLM2 served by vLLM's CPU build (own virtualenv under bench/.cache): scales loaded,
 # perplexity beside kvconvert's runtime, greedy agreement, tokens/s and KV capacity; then the MLA export's capacity

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+CALIB_DATA = Path(__file__).resolve().parents[1] / "kvconvert" / "calib_data"
 
 
 def machine() -> dict[str, Any]:
@@ -42,3 +43,18 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def save_calib_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-piece BPE tokenizer trained on kvconvert's calibration text (``kvconvert/calib_data``), saved into
+    ``path``: what random-weight models need for the conversions that calibrate on text (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = "\n".join(f.read_text() for f in sorted(CALIB_DATA.glob("*.txt")))
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>"], limit_alphabet=60,
+                                  show_progress=False)  # fmt: skip
+    tokenizer.train_from_iterator([text], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(path)

@@ -5,18 +5,22 @@ of converted models against the original at 1K / 8K / 32K context, batch 1 and 1
 Kernel shapes are Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128; slim: the MHA
 Llama-2-7B shape, 32 × 128); widths are what each method keeps at KV budget ≈ 0.5–0.75. The end-to-end
 model is a random-weight MHA Llama (12 layers, hidden 1024, 16 heads) converted by slim, LoRC (0.5,
-uniform), razor, minicache and quant (4-bit, both layouts), so no download is needed; each runs its
+uniform), razor, minicache, ZACK 0.5 and quant (4-bit, both layouts; fp8), so no download is needed; each runs its
 torch path (the default), slim/LoRC/razor also with ``KVCONVERT_KERNELS=triton``, all with SDPA's
 cuDNN backend excluded (see ``sdpa_backends``). Every kernel's output is checked against its float32
 reference first. Then the serving figure (``--serving``, default 8192:16): the original's cache for 16 rows of
 8K tokens is the memory budget, each model decodes the most rows its cache fits there, tokens/s of all rows against
-the original's. ``--smoke`` runs tiny sizes on the CPU through the torch references (checks the
-script, measures nothing meaningful). Writes bench/results/kernels-<date>.{json,md}.
+the original's. ``--graphs``: each static cache decoded eagerly and as replayed CUDA graphs against the original's
+``StaticCache`` (``graph_rows``), and whether each step traces whole under ``torch.compile`` (``compile_probe``);
+``--shapes C:B,…`` picks (context, batch) pairs for the end-to-end rows. ``--smoke`` runs tiny sizes on the CPU
+through the torch references (checks the script, measures nothing meaningful). Writes
+bench/results/kernels-<date>.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine, markdown_table, write_results  # noqa: E402
+from bench.common import machine, markdown_table, save_calib_tokenizer, write_results  # noqa: E402
 from kvconvert.runtime import kvconvert_kernels as kernels  # noqa: E402
 from kvconvert.runtime import kvconvert_kivi_kernel as kivi_kernel  # noqa: E402
 
@@ -162,19 +166,26 @@ CONVERSIONS: list[tuple[str, dict[str, Any]]] = [
     ("minicache", {"method": "minicache"}),
     ("quant 4-bit KIVI", {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
     ("quant 4-bit token", {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
+    ("zack 0.5", {"method": "zack", "kv_budget": 0.5}),
+    ("quant fp8", {"method": "quant", "kv_format": "fp8"}),
 ]  # fmt: skip
 
 
 KERNEL_USERS = {"slim", "lorc 0.5", "razor"}  # also timed with KVCONVERT_KERNELS=triton
 
 
-def end_to_end(contexts: list[int], batches: list[int], device: str, small: bool, new_tokens: int,
-               serving: tuple[int, int] | None = None) -> tuple[list[dict], list[dict]]:  # fmt: skip
-    """Decode tokens/s of a random MHA Llama and its conversions; prompts prefilled in 512-token chunks. With
-    ``serving`` (context, rows) also the serving figure (``serving_rows``). Returns (rows, serving rows)."""
+def end_to_end(shapes: list[tuple[int, int]], device: str, small: bool, new_tokens: int,
+               serving: tuple[int, int] | None = None, graphs: bool = False,
+               growing: bool = True) -> tuple[list[dict], list[dict], list[dict], list[dict]]:  # fmt: skip
+    """Decode tokens/s of a random MHA Llama and its conversions at each (context, batch) of ``shapes``; prompts
+    prefilled in 512-token chunks. With ``serving`` (context, rows) also the serving figure (``serving_rows``); with
+    ``graphs`` also each static cache's decode through CUDA graphs (``graph_rows``) and whether its step traces whole
+    (``compile_probe``); ``growing=False`` skips the default (growing) caches' rows. Returns (rows, serving rows,
+    graph rows, probe rows)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import kvconvert
+    from kvconvert.devices import computing_on
     from kvconvert.eval.memory import cache_nbytes
     from kvconvert.io.source import open_source
     from kvconvert.methods import build_method
@@ -183,7 +194,7 @@ def end_to_end(contexts: list[int], batches: list[int], device: str, small: bool
 
     size = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=2) if small else dict(
         hidden_size=1024, num_hidden_layers=12, num_attention_heads=16)  # fmt: skip
-    context = max(512, max(contexts) + new_tokens + 8)  # razor profiles 4 × 64 tokens
+    context = max(512, max(c for c, _ in shapes) + 4 * new_tokens + 8)  # razor profiles 4 × 64 tokens
     config = LlamaConfig(vocab_size=32000, intermediate_size=4 * size["hidden_size"], max_position_embeddings=context,
                          num_key_value_heads=None, **size)  # fmt: skip
     rows: list[dict[str, Any]] = []
@@ -191,11 +202,14 @@ def end_to_end(contexts: list[int], batches: list[int], device: str, small: bool
         torch.manual_seed(0)
         src = Path(tmp) / "src"
         LlamaForCausalLM(config).save_pretrained(src)
+        save_calib_tokenizer(src, 2000)  # zack and fp8 calibrate on text
         paths = {"original": src}
         for label, recipe in CONVERSIONS:
             name, method_config, storage = parse_recipe(recipe, label)
             paths[label] = Path(tmp) / f"m{len(paths)}"
-            convert(open_source(str(src)), build_method(name, method_config, storage), paths[label], progress=False)
+            with computing_on(torch.device(device)):  # calibration and profiling on the GPU too
+                convert(open_source(str(src)), build_method(name, method_config, storage), paths[label],
+                        progress=False)  # fmt: skip
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         models = {name: (LlamaForCausalLM.from_pretrained(path) if name == "original" else kvconvert.load(path))
                   .to(device=device, dtype=dtype).eval() for name, path in paths.items()}  # fmt: skip
@@ -207,27 +221,81 @@ def end_to_end(contexts: list[int], batches: list[int], device: str, small: bool
             os.environ["KVCONVERT_KERNELS"] = "triton"
             routed = kvconvert.load(paths["quant 4-bit KIVI"]).to(device=device, dtype=dtype).eval()
             runs.append(("quant 4-bit KIVI [Triton kernels]", routed, "triton"))
-        for context in contexts:  # every model at one (context, batch) before the next: same conditions
-            for batch in batches:
-                ids = torch.randint(3, 32000, (batch, context + new_tokens + 1), device=device)
-                original = float("nan")
-                for label, model, choice in runs:
-                    os.environ["KVCONVERT_KERNELS"] = choice
-                    if device == "cuda":
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats()
-                    with sdpa_backends():
-                        rate, cache = decode_rate(model, ids, context, new_tokens)
-                    original = rate if label == "original" else original  # measured first
-                    peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-                    rows.append({"model": label, "context": context, "batch": batch, "decode_tokens_per_s": rate,
-                                 "ratio_to_original": rate / original, "cache_bytes": cache_nbytes(cache),
-                                 "peak_gpu_bytes": peak})  # fmt: skip
-                    del cache
-                    print(rows[-1], flush=True)
+        for context, batch in shapes if growing else []:  # every model at one shape before the next
+            ids = torch.randint(3, 32000, (batch, context + new_tokens + 1), device=device)
+            original = float("nan")
+            for label, model, choice in runs:
+                os.environ["KVCONVERT_KERNELS"] = choice
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                with sdpa_backends():
+                    rate, cache = decode_rate(model, ids, context, new_tokens)
+                original = rate if label == "original" else original  # measured first
+                peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+                rows.append({"model": label, "context": context, "batch": batch, "decode_tokens_per_s": rate,
+                             "ratio_to_original": rate / original, "cache_bytes": cache_nbytes(cache),
+                             "peak_gpu_bytes": peak})  # fmt: skip
+                del cache
+                print(rows[-1], flush=True)
+        graphed = graph_rows(runs, shapes, device, new_tokens) if graphs else []
+        probed = compile_probe(runs, device) if graphs else []
         served = [] if serving is None else serving_rows(runs, *serving, device, new_tokens)
     os.environ.pop("KVCONVERT_KERNELS", None)
-    return rows, served
+    return rows, served, graphed, probed
+
+
+def graph_rows(runs: list[tuple[str, Any, str]], shapes: list[tuple[int, int]], device: str,
+               steps: int, rounds: int = 3) -> list[dict[str, Any]]:  # fmt: skip
+    """Each model's decode from its static cache (what ``generate(cache_implementation="static")`` makes), rows of
+    equal length: eagerly, and as one captured CUDA graph per step replayed (``captured_decode``; on the CPU,
+    ``--smoke``, the same loop uncaptured). The original (transformers' ``StaticCache``) is timed first and last,
+    its best counts; a model whose cache is not static, or whose step cannot be captured, gets its reason instead of
+    a figure. Then whether each model's step traces whole under ``torch.compile`` (``compile_probe``)."""
+    from kvconvert.eval.memory import cache_nbytes
+    from kvconvert.eval.speed import _decode, _prefill
+
+    out: list[dict[str, Any]] = []
+    for context, batch in shapes:
+        ids = torch.randint(3, 32000, (batch, context), generator=torch.Generator().manual_seed(0)).to(device)
+        first: dict[str, Any] = {}
+        for label, model, choice in [*runs, runs[0]]:
+            os.environ["KVCONVERT_KERNELS"] = choice
+            torch._dynamo.reset()  # every model's forward compiled afresh (no recompile limit across models)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            row: dict[str, Any] = {"model": label, "context": context, "batch": batch}
+            try:
+                with sdpa_backends(), torch.no_grad():
+                    length = context + (2 * rounds + 3) * steps + 2
+                    probe = _prefill(model, ids[:1, :1], None, None, length)["cache"]  # one token: is it static?
+                    if not probe.is_compileable:
+                        raise RuntimeError(f"{type(probe.layers[0]).__name__}: no static cache")
+                    del probe
+                    state = _prefill(model, ids, 512, None, length)
+                    row["cache_bytes"] = cache_nbytes(state["cache"])
+                    _decode(model, state, 1)
+                    row["eager_tokens_per_s"] = batch * steps / min(_decode(model, state, steps)
+                                                                    for _ in range(rounds))  # fmt: skip
+                    replay = captured_decode(model, state["cache"], state["token"])[0]
+                    row["graph_tokens_per_s"] = batch * steps / min(replay(steps) for _ in range(rounds))
+                del state
+            except Exception as error:  # noqa: BLE001 - the reason is the row's result
+                row["error"] = f"{type(error).__name__}: {str(error)[:1500]}"
+            print(row, flush=True)
+            if label == "original" and first:  # its second run: the best of both counts, one row
+                for key in ("eager_tokens_per_s", "graph_tokens_per_s"):
+                    if key in row:
+                        first[key] = max(first.get(key, 0.0), row[key])
+                continue
+            if label == "original":
+                first = row
+            out.append(row)
+        for row in out[-len(runs) :]:  # ratios to the original's best at this shape
+            for key in ("eager", "graph"):
+                rate, base = row.get(f"{key}_tokens_per_s"), first.get(f"{key}_tokens_per_s")
+                row[f"{key}_ratio"] = None if rate is None or not base else rate / base
+    return out
 
 
 def serving_rows(runs: list[tuple[str, Any, str]], context: int, rows: int, device: str,
@@ -260,6 +328,77 @@ def serving_rows(runs: list[tuple[str, Any, str]], context: int, rows: int, devi
     return out
 
 
+def captured_decode(model: Any, cache: Any, token: torch.Tensor) -> tuple[Callable[[int], float], dict[str, Any]]:
+    """Greedy decode from ``cache`` (static, after ``token``'s prefix) with each step one replayed CUDA graph, as
+    serving engines decode: the step's input token lives in a fixed tensor, the positions in the cache's own counters
+    (tensors, advanced inside the graph); two warm-up steps run on a side stream, then one step is captured. Returns
+    ``run(steps)`` -> seconds for that many steps, and a dict holding the last step's ``logits`` and the ``token``
+    decoded from them. On the CPU the same loop calls the model uncaptured (checks the loop)."""
+    ids = token.clone()
+    last: dict[str, Any] = {"token": ids}
+
+    def step() -> torch.Tensor:
+        return model(ids, past_key_values=cache, use_cache=True).logits
+
+    def advance(logits: torch.Tensor) -> None:
+        last["logits"] = logits
+        ids.copy_(logits[:, -1:].argmax(-1))
+
+    graph = None
+    side = torch.cuda.Stream() if token.is_cuda else None  # a capture's warm-up runs off the default stream
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream())
+    with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
+        for _ in range(2):
+            advance(step())
+    if side is not None:
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = step()  # recorded, not run: the cache advances at each replay
+
+    def run(steps: int) -> float:
+        sync = torch.cuda.synchronize if token.is_cuda else (lambda: None)
+        sync()
+        began = time.perf_counter()
+        for _ in range(steps):
+            if graph is None:
+                advance(step())
+            else:
+                graph.replay()
+                advance(logits)
+        sync()
+        return time.perf_counter() - began
+
+    return run, last
+
+
+def compile_probe(runs: list[tuple[str, Any, str]], device: str) -> list[dict[str, Any]]:
+    """Whether each model's decode step from its static cache traces whole (``torch.compile(fullgraph=True)``,
+    dynamo's ``eager`` backend: the trace only) on ``device``, one row of 64 tokens; the error in full where not."""
+    from kvconvert.eval.speed import _decode, _prefill
+
+    ids = torch.randint(3, 32000, (1, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    out = []
+    for label, model, choice in runs:
+        os.environ["KVCONVERT_KERNELS"] = choice
+        torch._dynamo.reset()
+        row: dict[str, Any] = {"model": label}
+        try:
+            with sdpa_backends(), torch.no_grad():
+                state = _prefill(model, ids, None, None, 80)
+                if not state["cache"].is_compileable:
+                    continue
+                state["forward"] = torch.compile(model.forward, fullgraph=True, dynamic=False, backend="eager")
+                _decode(model, state, 2)
+            row["traced"] = True
+        except Exception as error:  # noqa: BLE001 - the reason is the row's result
+            row["traced"], row["error"] = False, f"{type(error).__name__}: {str(error)[:3000]}"
+        out.append(row)
+        print(row, flush=True)
+    return out
+
+
 def sdpa_backends() -> Any:
     """SDPA without its cuDNN backend: with torch 2.11 on an H100 it rebuilt a cuDNN graph at every
     decode step (3.6 ms of CPU per call, profiled), which made the stock model 4× slower than with
@@ -288,18 +427,26 @@ def decode_rate(model: Any, ids: torch.Tensor, context: int, new_tokens: int) ->
     return ids.shape[0] * new_tokens / (time.perf_counter() - began), cache
 
 
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (checks the script only)")
     parser.add_argument("--contexts", default=None, help="comma-separated (default 1024,8192,32768)")
     parser.add_argument("--batches", default=None, help="comma-separated (default 1,16)")
-    parser.add_argument("--e2e-contexts", default=None, help="end-to-end contexts (default: --contexts)")
-    parser.add_argument("--e2e-batches", default=None, help="end-to-end batches (default: --batches)")
+    parser.add_argument("--shapes", default=None,
+                        help="end-to-end CONTEXT:BATCH pairs (default: each of --contexts × --batches)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=None, help="decode steps timed (default 32; --smoke 4)")
+    parser.add_argument("--no-growing", action="store_true", help="skip the default (growing) caches' decode rows")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also decode each static cache eagerly and as replayed CUDA graphs")  # fmt: skip
     parser.add_argument("--kernels-only", action="store_true", help="skip the end-to-end decode")
     parser.add_argument("--copy-to", default=None, help="also write the results into this folder")
     parser.add_argument("--serving", default=None,
-                        help="CONTEXT:ROWS (default 8192:16; --smoke 64:2): tokens/s of each model at the "
-                             "most rows its cache fits into the original's cache for ROWS rows")  # fmt: skip
+                        help="CONTEXT:ROWS (default 8192:16; --smoke 64:2; 'none': skip): tokens/s of each model at "
+                             "the most rows its cache fits into the original's cache for ROWS rows")  # fmt: skip
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu" and not args.smoke:
@@ -322,14 +469,18 @@ def main() -> None:
                                     "relative_error": error, "bytes": case["bytes"], "gb_per_s": bandwidth / 1e9,
                                     "roofline": None if peak is None else bandwidth / peak})  # fmt: skip
                 print(kernel_rows[-1], flush=True)
-    e2e_contexts = [int(c) for c in args.e2e_contexts.split(",")] if args.e2e_contexts else contexts
-    e2e_batches = [int(c) for c in args.e2e_batches.split(",")] if args.e2e_batches else batches
-    context, rows = (int(x) for x in (args.serving or ("64:2" if args.smoke else "8192:16")).split(":"))
-    e2e, served = ([], []) if args.kernels_only else end_to_end(e2e_contexts, e2e_batches, device, args.smoke,
-                                                                new_tokens=4 if args.smoke else 32,
-                                                                serving=(context, rows))  # fmt: skip
+    shapes = [(c, b) for c in contexts for b in batches]
+    if args.shapes:
+        shapes = [(int(c), int(b)) for c, b in (pair.split(":") for pair in args.shapes.split(","))]
+    serving = args.serving or ("64:2" if args.smoke else "8192:16")
+    context, rows = (0, 0) if serving == "none" else (int(x) for x in serving.split(":"))
+    e2e, served, graphed, probed = ([], [], [], []) if args.kernels_only else end_to_end(
+        shapes, device, args.smoke, new_tokens=args.steps or (4 if args.smoke else 32),
+        serving=None if serving == "none" else (context, rows), graphs=args.graphs,
+        growing=not args.no_growing)  # fmt: skip
     payload = {"benchmark": "kernels", "device": gpu, "dtype": str(dtype), "kernels": kernel_rows,
-               "end_to_end": e2e, "serving": served, "machine": machine(),
+               "end_to_end": e2e, "serving": served, "graphs": graphed, "compile_probe": probed,
+               "machine": machine(),
                "seconds": time.perf_counter() - started}  # fmt: skip
     table = markdown_table(
         ["kernel", "context", "batch", "µs", "‖err‖/‖ref‖", "MB read", "GB/s", "of peak"],
@@ -346,6 +497,18 @@ def main() -> None:
         [[r["model"], r["context"], r["rows"], f"{r['cache_bytes_per_row'] / 1e6:.2f}",
           f"{r['decode_tokens_per_s']:.1f}", f"{r['ratio_to_original']:.2f}"] for r in served],
     )  # fmt: skip
+    if graphed:
+        table += "\n\nFrom static caches, eager and through CUDA graphs (rows of equal length):\n\n" + markdown_table(
+            ["model", "context", "batch", "eager tok/s", "× original", "CUDA graphs tok/s", "× original", "cache MB",
+             "why no figure"],
+            [[r["model"], r["context"], r["batch"], _num(r.get("eager_tokens_per_s")), _num(r.get("eager_ratio"), 2),
+              _num(r.get("graph_tokens_per_s")), _num(r.get("graph_ratio"), 2),
+              _num(r["cache_bytes"] / 1e6 if "cache_bytes" in r else None), r.get("error", "").split("\n")[0]]
+             for r in graphed],
+        ) + "\n\nDecode step traced whole by torch.compile (fullgraph, 1 × 64 tokens):\n\n" + markdown_table(
+            ["model", "traced", "error (first line; JSON: in full)"],
+            [[r["model"], r["traced"], r.get("error", "").split("\n")[0]] for r in probed],
+        )  # fmt: skip
     if args.smoke:
         print(table)
         return

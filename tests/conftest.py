@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.common, as a plain `pytest` run finds it
+from bench.common import save_calib_tokenizer  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
@@ -168,18 +172,9 @@ CALIB_DATA = Path(__file__).resolve().parents[1] / "kvconvert" / "calib_data"
 
 
 def save_tiny_tokenizer(path: Path, vocab_size: int = 97) -> None:
-    """A word-piece BPE tokenizer trained on calib_data/ with the tiny models' vocabulary size,
-    so that commands needing a tokenizer (calibration) run on tiny random models."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    text = "\n".join(f.read_text() for f in sorted(CALIB_DATA.glob("*.txt")))
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>"], limit_alphabet=60,
-                                  show_progress=False)  # fmt: skip
-    tokenizer.train_from_iterator([text], trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(path)
+    """A BPE tokenizer trained on calib_data/ with the tiny models' vocabulary size, so that commands needing a
+    tokenizer (calibration) run on tiny random models (the benchmarks' random models use the same one)."""
+    save_calib_tokenizer(path, vocab_size)
 
 
 @pytest.fixture(scope="session")

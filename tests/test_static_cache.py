@@ -336,3 +336,49 @@ def test_static_razor_layer_attends_as_the_growing_one(sink, window, frac, retri
     window growing with ``frac`` so that some steps drop nothing, padded tokens leaving the window) give each step
     what ``RazorLayer`` gives it, and the compensation sums end equal."""
     razor_static_steps(sink, window, frac, retrieval, tolerance=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", STATIC)
+def test_static_cache_decodes_on_a_gpu(method, converted):
+    """On a GPU, which the CPU tests cannot stand in for (tensors left on the CPU, SDPA refusing a mask of another dtype
+    than its query's): in float32 the static cache decodes the left-padded batch as the growing one does; in
+    bfloat16 it decodes with finite logits."""
+    model = load_converted(converted(method, "compressing")[1]).to("cuda")
+    ids, mask = (t.to("cuda") for t in left_padded())
+
+    def generate(**kwargs):
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10,
+                              pad_token_id=0, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                              **kwargs)  # fmt: skip
+
+    dynamic, static = generate(), generate(cache_implementation="static")
+    assert torch.equal(static.sequences, dynamic.sequences) and static.past_key_values.is_compileable
+    model.to(torch.bfloat16)
+    half = generate(cache_implementation="static")
+    assert all(torch.isfinite(step).all() for step in half.logits)
+
+
+@pytest.mark.parametrize("method", STATIC)
+def test_a_static_decode_step_replays_as_a_cuda_graph(method, converted):
+    """One decode step captured as a CUDA graph (``bench/kernels_bench.py``'s ``captured_decode``, as serving engines
+    decode: a fixed input tensor, positions from the cache's own counters) and replayed gives the logits the eager
+    steps give from a twin cache; nothing in a step may copy from the host or read a device value, which a capture
+    refuses. On a CPU the same loop runs uncaptured."""
+    from bench.kernels_bench import captured_decode
+    from kvconvert.eval.speed import _prefill
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_converted(converted(method, "compressing")[1]).to(device)
+    ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        eager, logits = _prefill(model, ids, None, None, 40), []
+        for _ in range(6):
+            logits.append(model(eager["token"], past_key_values=eager["cache"], use_cache=True).logits)
+            eager["token"] = logits[-1][:, -1:].argmax(-1)
+        state = _prefill(model, ids, None, None, 40)
+        run, last = captured_decode(model, state["cache"], state["token"])  # two steps run before the capture
+        for step in range(2, 6):
+            run(1)
+            assert_same_logits(logits[step].cpu(), last["logits"].cpu(), f"{method} step {step}")
+            assert torch.equal(last["token"], logits[step][:, -1:].argmax(-1))
