@@ -117,6 +117,18 @@ def test_fp8_numerics_match_plain_torch():
     assert fp8_read(codes, scale, torch.float32)[0, 0, 0, 0].item() == pytest.approx(448 * 0.01)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_read_of_every_code_is_torchs_conversion(dtype):
+    """All 254 finite e4m3 codes (subnormals, ±0, ±448 included), read back through the CPU's bit-moving path, equal
+    torch's own float8 conversion times the per-head scale, rounded once to ``dtype``."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[~codes.float().isnan()].view(1, 1, -1, 1).expand(1, 3, -1, 2)
+    scale = torch.tensor([0.013, 1.7, 3e-4])
+    expected = (codes.float() * scale.view(1, 3, 1, 1)).to(dtype)
+    assert codes.shape[2] == 254
+    torch.testing.assert_close(fp8_read(codes, scale, dtype), expected, rtol=0, atol=0)
+
+
 def test_scales_map_the_calibrated_maximum_onto_fp8s_largest_value_without_clipping_it():
     amax = torch.tensor([3.0, 0.0, 1000.0], dtype=torch.float64)
     per_head = scales_from_amax(amax, "head", torch.bfloat16)

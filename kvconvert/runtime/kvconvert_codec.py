@@ -198,8 +198,25 @@ def fp8_store(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_read(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The values ``fp8_store`` codes stand for, in ``dtype``."""
-    return (codes.float() * scale.float().view(1, -1, 1, 1)).to(dtype)
+    """The values ``fp8_store`` codes stand for, in ``dtype``: code × scale in float32, rounded once to ``dtype``. On a
+    CPU the codes are widened by moving bits (``fp8_as_half``): torch converts float8 there one element at a time."""
+    per_head = scale.float().view(1, -1, 1, 1)
+    if codes.device.type == "cpu" and not torch.compiler.is_compiling():  # Inductor emits its own conversion
+        # (code / 256) · (scale · 256): powers of two, so the same float32 product as code · scale
+        return fp8_as_half(codes).float().mul_(per_head * 256).to(dtype)
+    return (codes.float() * per_head).to(dtype)
+
+
+def fp8_as_half(codes: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes (float8 or their bytes) as float16 values 256 times smaller, exactly, by moving bits: e4m3's 4-bit
+    exponent (bias 7) sits in float16's 5-bit one (bias 15) as exponent + 8 with room to spare, its 3 mantissa bits
+    at the top of float16's 10, and its subnormals (m·2⁻⁹) land on float16's subnormals (m·2⁻¹⁷), so every finite
+    code is exact (the NaN codes, which ``fp8_store`` never writes, read as 480). On 2 CPU cores 0.34 ms instead of
+    torch's 1.6 ms float8 conversion for 3 heads × 4096 tokens × 64 channels (measured)."""
+    # sign-extended to 16 bits, shifted by 7: the sign lands on bits 14 and 15, exponent and mantissa on 7..13;
+    # clearing bit 14 (& 0xBFFF) leaves the float16 bit pattern
+    bits = codes.view(torch.int8).to(torch.int16)
+    return bits.bitwise_left_shift_(7).bitwise_and_(-16385).view(torch.float16)
 
 
 def _round_down(x: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
