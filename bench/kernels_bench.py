@@ -194,7 +194,8 @@ def end_to_end(shapes: list[tuple[int, int]], device: str, small: bool, new_toke
 
     size = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=2) if small else dict(
         hidden_size=1024, num_hidden_layers=12, num_attention_heads=16)  # fmt: skip
-    context = max(512, max(c for c, _ in shapes) + 4 * new_tokens + 8)  # razor profiles 4 × 64 tokens
+    # positions for the longest run (graph_rows: 9 rounds of steps after the context); razor profiles 4 × 64 tokens
+    context = max(512, max(c for c, _ in shapes) + 10 * new_tokens + 8)
     config = LlamaConfig(vocab_size=32000, intermediate_size=4 * size["hidden_size"], max_position_embeddings=context,
                          num_key_value_heads=None, **size)  # fmt: skip
     rows: list[dict[str, Any]] = []
@@ -251,7 +252,7 @@ def graph_rows(runs: list[tuple[str, Any, str]], shapes: list[tuple[int, int]], 
     equal length: eagerly, and as one captured CUDA graph per step replayed (``captured_decode``; on the CPU,
     ``--smoke``, the same loop uncaptured). The original (transformers' ``StaticCache``) is timed first and last,
     its best counts; a model whose cache is not static, or whose step cannot be captured, gets its reason instead of
-    a figure. Then whether each model's step traces whole under ``torch.compile`` (``compile_probe``)."""
+    a figure."""
     from kvconvert.eval.memory import cache_nbytes
     from kvconvert.eval.speed import _decode, _prefill
 
@@ -261,7 +262,6 @@ def graph_rows(runs: list[tuple[str, Any, str]], shapes: list[tuple[int, int]], 
         first: dict[str, Any] = {}
         for label, model, choice in [*runs, runs[0]]:
             os.environ["KVCONVERT_KERNELS"] = choice
-            torch._dynamo.reset()  # every model's forward compiled afresh (no recompile limit across models)
             if device == "cuda":
                 torch.cuda.empty_cache()
             row: dict[str, Any] = {"model": label, "context": context, "batch": batch}
@@ -382,7 +382,7 @@ def compile_probe(runs: list[tuple[str, Any, str]], device: str) -> list[dict[st
     out = []
     for label, model, choice in runs:
         os.environ["KVCONVERT_KERNELS"] = choice
-        torch._dynamo.reset()
+        torch._dynamo.reset()  # each model traced afresh (no recompile limit shared across models)
         row: dict[str, Any] = {"model": label}
         try:
             with sdpa_backends(), torch.no_grad():
