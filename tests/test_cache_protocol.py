@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from default_methods import LOSSLESS
+from default_methods import COMPRESSING, CONTEXT, LOSSLESS
 from helpers import left_padded, load_converted, load_reference
 
 SEARCHES = {
@@ -51,3 +51,30 @@ def test_every_cache_layer_speaks_the_protocol(method, converted):
     assert names - {"DynamicLayer"} and all(
         hasattr(layer, "select_rows") or type(layer).__name__ == "DynamicLayer" for layer in cache.layers
     ), names
+
+
+@pytest.mark.parametrize("method", sorted(COMPRESSING))
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+@torch.no_grad()
+def test_half_precision_masks_reach_sdpa_in_the_query_dtype(method, static, converted, monkeypatch):
+    """In bfloat16, every SDPA call gets a boolean mask or one of its query's dtype: CUDA's SDPA refuses any other
+    (found on an H200: razor's chunk mask came out float32), while the CPU's takes it, so CPU tests check the
+    dtypes here instead. A left-padded batch prefilled in chunks past the compressing settings' windows, then
+    decoded, from the growing cache and from the static one where the method has it."""
+    from kvconvert.eval.speed import _decode, _prefill
+
+    sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def checked(query, key, value, attn_mask=None, *args, **kwargs):
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            assert attn_mask.dtype == query.dtype, f"{method}: a {attn_mask.dtype} mask for {query.dtype} queries"
+        seen.append(attn_mask is not None)
+        return sdpa(query, key, value, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", checked)
+    model = load_converted(converted(method, "compressing")[1]).to(torch.bfloat16)
+    ids, mask = left_padded(length=CONTEXT)
+    state = _prefill(model, ids, 64, mask, CONTEXT + 16 if static else None)
+    _decode(model, state, 4)
+    if not any(seen):  # lorc and ZACK attend with their own products (no SDPA, so nothing for CUDA to refuse)
+        pytest.skip(f"{method} sends no mask through SDPA")
