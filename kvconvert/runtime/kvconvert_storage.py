@@ -162,10 +162,11 @@ class Fp8Layer(KVLayer):
         self.is_initialized = False
 
 
-def in_graph() -> bool:
-    """Inside a ``torch.compile`` trace or a CUDA-graph capture: a step may not read device values on the host (a
-    capture fails on the first such read), so the eager checks that need one are skipped."""
-    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+def in_graph(device: torch.device) -> bool:
+    """Inside a ``torch.compile`` trace or a CUDA-graph capture on ``device``: a step may not read device values on
+    the host (a capture fails on the first such read), so the eager checks that need one are skipped. Asked only for
+    CUDA tensors: the query would start a CUDA context on a GPU machine that runs the model on its CPU."""
+    return torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 class StaticKVLayer(KVLayer):
@@ -206,7 +207,7 @@ class StaticKVLayer(KVLayer):
         """One line instead of an index error when ``count`` more tokens do not fit (eagerly: a compiled or captured
         step cannot raise, as with transformers' ``StaticLayer``, which never checks). Then the caller writes, and
         ``_advance``s."""
-        if not in_graph() and int(self.filled) + count > self.max_cache_len:
+        if not in_graph(self.filled.device) and int(self.filled) + count > self.max_cache_len:
             raise ValueError(f"this static cache holds {self.max_cache_len} tokens and already has "
                              f"{int(self.filled)}: {count} more do not fit; generate with a larger "
                              "max_length / max_cache_len, or cache_implementation='dynamic'")  # fmt: skip
