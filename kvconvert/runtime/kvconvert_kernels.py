@@ -152,7 +152,9 @@ def use_kernels(tensor: torch.Tensor) -> bool:
     faster than its kernels: at batch 1 slim's kernels ran at 0.45–0.56×, LoRC's 0.75–0.80×,
     razor's 0.83–0.92× of the torch path (8K and 32K context), at batch 16 (8K) 0.66×, 0.97×, 0.92×.
     The kernels reach 1–12 % of the HBM bandwidth (SDPA: 60–92 %) and each adds a Triton launch to
-    an eager step that is bound by launches already."""
+    an eager step that is bound by launches already. With every step a replayed CUDA graph (H200, static caches,
+    bench/results/kernels-h200-graphs-2026-11-26.md) the torch paths still led: slim 0.48× vs 0.11× with kernels,
+    LoRC 0.43× vs 0.17× at 16 × 8K; 4.90× vs 0.89×, 4.30× vs 1.39× at 1 × 32K (× the original)."""
     if kernels_requested() != "triton":
         return False
     check_kernel_device(tensor.device)
