@@ -18,7 +18,12 @@ from kvconvert.runtime.kvconvert_kernels import (
     razor_decode_triton,
     triton_available,
 )
-from kvconvert.runtime.kvconvert_kivi_kernel import kivi_decode_reference, kivi_decode_triton, merge_partials
+from kvconvert.runtime.kvconvert_kivi_kernel import (
+    kivi_decode_folded,
+    kivi_decode_reference,
+    kivi_decode_triton,
+    merge_partials,
+)
 
 pytestmark = pytest.mark.slow  # Triton's interpreter / wheel builds: minutes; `make test-fast` skips them
 
@@ -169,8 +174,9 @@ def attention(query, keys, values, bias, scale):
 )
 @pytest.mark.parametrize("splits", [None, 3], ids=["auto-splits", "3-splits"])
 def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, blocks, value_group, dtype, splits):
-    """The kernel's partial softmax (merged) against its plain-torch reference and against attention over the
-    codec's own dequantized cache: channel scales per block, value scales per token and channel group, padding."""
+    """The kernel's partial softmax (merged), and the torch reader's that folds the scales (``kivi_decode_folded``),
+    against the plain-torch reference and against attention over the codec's own dequantized cache: channel scales
+    per block, value scales per token and channel group, padding."""
     torch.manual_seed(blocks * 10 + dim)
     cache, (keys, values) = kivi_cache(batch, kv_heads, dim, block, blocks, value_group, dtype)
     query = torch.randn(batch, kv_heads, group, dim, device=DEVICE).to(dtype)
@@ -182,6 +188,7 @@ def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, block
         got = merge_partials([kivi_decode_triton(query, *cache, b, 0.3, splits=splits, precise=True)])
         torch.testing.assert_close(reference, expected, **TOL)
         torch.testing.assert_close(got, expected, **TOL)
+        torch.testing.assert_close(merge_partials([kivi_decode_folded(query, *cache, b, 0.3)]), expected, **TOL)
         # half-precision queries take TF32 products on a GPU (the interpreter computes them in float32)
         fast = merge_partials([kivi_decode_triton(query, *cache, b, 0.3, splits=splits)])
         torch.testing.assert_close(fast, expected, atol=3e-3, rtol=3e-3)
@@ -199,14 +206,17 @@ def test_merge_partials_is_attention_over_the_union():
     torch.testing.assert_close(merge_partials(parts), attention(query, keys, values, None, 1.0), **TOL)
 
 
+@pytest.mark.parametrize("reader", ["torch", "triton"], ids=["folded-torch", "kernel"])
 @pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated-values"])
 @torch.no_grad()
-def test_kivi_decode_step_is_attention_over_the_stores(rotate, monkeypatch):
-    """One decode step from the stores (quantized blocks through the kernel; sink, float tail and this step's token
-    exact; values the store rotated rotated back) equals SDPA over what the stores read back."""
+def test_kivi_decode_step_is_attention_over_the_stores(rotate, reader, monkeypatch):
+    """One decode step from the stores (quantized blocks through the kernel, or the torch reader without it; sink,
+    float tail and this step's token exact; values the store rotated rotated back) equals SDPA over what the stores
+    read back."""
     from kvconvert.runtime.kvconvert_quant import kivi_decode
     from kvconvert.runtime.kvconvert_tokenstore import TokenStore
 
+    monkeypatch.setenv("KVCONVERT_KERNELS", reader)
     torch.manual_seed(1)
     quant = QuantSpec(bits=4, group=32, residual=8, sink=3, rotate=rotate)
     keys, values = TokenStore(quant, per_channel=True), TokenStore(quant, per_channel=False)
@@ -236,10 +246,10 @@ KIVI_RECIPES = {
 @pytest.mark.parametrize("name", list(KIVI_RECIPES))
 @torch.no_grad()
 def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_model_dir, tmp_path, monkeypatch):
-    """A 4-bit KIVI checkpoint loaded with KVCONVERT_KERNELS=triton: greedy decoding of a left-padded batch whose
-    cache holds quantized blocks gives the torch path's tokens and logits, every decode step of every layer (razor:
-    of every layer with retrieval heads) in one KIVI kernel launch; loaded without it, a quant checkpoint keeps its
-    model's own attention."""
+    """A 4-bit KIVI checkpoint with KVCONVERT_KERNELS=triton: greedy decoding of a left-padded batch whose cache
+    holds quantized blocks gives the torch path's tokens and logits, every decode step of every layer (razor: of
+    every layer with retrieval heads) in one KIVI kernel launch. A quant checkpoint's attention is routed to the
+    codes' readers whether the kernels are asked for or not."""
     import kvconvert
     import kvconvert.runtime.kvconvert_quant as runtime
     from tests.helpers import assert_same_logits, left_padded, run_cli
@@ -249,7 +259,7 @@ def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_m
                      "--quiet", *args)  # fmt: skip
     assert result.exit_code == 0, result.output
     if command == "quant":
-        assert kvconvert.load(tmp_path / "m").config._attn_implementation != runtime.IMPLEMENTATION
+        assert kvconvert.load(tmp_path / "m").config._attn_implementation == runtime.IMPLEMENTATION
     monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
     model = kvconvert.load(tmp_path / "m").eval().to(DEVICE)
     spec = model.config.kvconvert
@@ -277,6 +287,43 @@ def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_m
     for step, (a, b) in enumerate(zip(outputs["torch"].logits, outputs["triton"].logits, strict=True)):
         assert_same_logits(a, b, f"{name} decode step {step}")
     assert torch.equal(outputs["torch"].sequences, outputs["triton"].sequences)
+
+
+@pytest.mark.parametrize("name", ["quant-sink-rotated-residual", "quant-groups-of-64"])
+@torch.no_grad()
+def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, tokenized_model_dir, tmp_path, monkeypatch):
+    """On a CPU a 4-bit KIVI checkpoint decodes from its codes by default (``kivi_decode_folded``: one call per
+    layer and step, no kernels asked for): the tokens and logits of dequantizing the whole cache for SDPA."""
+    import kvconvert
+    import kvconvert.runtime.kvconvert_quant as runtime
+    from tests.helpers import assert_same_logits, left_padded, run_cli
+
+    if DEVICE != "cpu":
+        pytest.skip("a GPU keeps dequantize-then-SDPA by default")
+    monkeypatch.delenv("KVCONVERT_KERNELS", raising=False)
+    command, *args = KIVI_RECIPES[name]
+    result = run_cli(command, "--model", str(tokenized_model_dir("llama_gqa64")), "--out", str(tmp_path / "m"),
+                     "--quiet", *args)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    model = kvconvert.load(tmp_path / "m").eval()
+    ids, mask = left_padded(length=100, pad=37, seed=3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    calls = []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return kivi_decode_folded(*a, **k)
+
+    monkeypatch.setattr(runtime, "kivi_decode_folded", counted)
+    from_codes = model.generate(ids, **kwargs)
+    assert len(calls) == 11 * model.config.num_hidden_layers
+    monkeypatch.setattr(runtime, "kivi_kernel_reads", lambda *a: False)  # the dequantizing path
+    dequantized = model.generate(ids, **kwargs)
+    assert len(calls) == 11 * model.config.num_hidden_layers
+    for step, (a, b) in enumerate(zip(dequantized.logits, from_codes.logits, strict=True)):
+        assert_same_logits(a, b, f"{name} decode step {step}")
+    assert torch.equal(dequantized.sequences, from_codes.sequences)
 
 
 # -- the kernels inside converted models -----------------------------------------------------

@@ -27,8 +27,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec, channel_groups, rotation
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, static_refusal
-from .kvconvert_kernels import kernels_requested, use_kernels
-from .kvconvert_kivi_kernel import kivi_decode_triton, kivi_kernel_fits, merge_partials
+from .kvconvert_kernels import use_kernels
+from .kvconvert_kivi_kernel import kivi_decode_folded, kivi_decode_triton, kivi_kernel_fits, merge_partials
 from .kvconvert_storage import Fp8Layer, QuantizedLayer, sliding_layer, static_sliding_layer, static_stock_layer
 from .kvconvert_tokenlayout import TokenLayoutStore, cpu_int4_rows
 from .kvconvert_tokenstore import TokenStore
@@ -154,13 +154,15 @@ def kivi_decode(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
     keys: TokenStore, values: TokenStore, scaling: float,
 ) -> torch.Tensor:  # fmt: skip
-    """One decode step over a 4-bit cache in KIVI's layout with the Triton kernel (``kivi_decode_triton``).
+    """One decode step over a 4-bit cache in KIVI's layout from its codes: the Triton kernel (``kivi_decode_triton``)
+    when the kernels are asked for, else its algebra in torch (``kivi_decode_folded``, what a CPU runs by default).
 
     ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]``, ``bias [b|1, 1, 1, n]`` additive or None;
-    the stores hold the ``n − 1`` earlier tokens, at least one block quantized. The kernel reads the quantized
-    blocks (the sink's stand-ins masked); the exact sink, the float tail and this step's token are attended here,
-    and the two partial softmaxes merged. Values the store rotated (``--kv-rotate`` where the weights could not
-    take it) come out of the kernel rotated: the rotation is undone on its ``[b, H, d]`` output, not on the cache.
+    the stores hold the ``n − 1`` earlier tokens, at least one block quantized. The codes' reader takes the
+    quantized blocks (the sink's stand-ins masked); the exact sink, the float tail and this step's token are
+    attended here, and the two partial softmaxes merged. Values the store rotated (``--kv-rotate`` where the weights
+    could not take it) come out of the reader rotated: the rotation is undone on its ``[b, H, d]`` output, not on
+    the cache.
     Returns ``[b, H, 1, d]`` float32."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
@@ -172,8 +174,11 @@ def kivi_decode(
     if sink:  # the first block holds stand-ins for the sink: its exact copies are attended below instead
         bias_q = torch.zeros(batch, n_q, device=query.device) if bias_q is None else bias_q.clone()
         bias_q[:, :sink] = torch.finfo(torch.float32).min
-    acc, ml = kivi_decode_triton(q, kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero, bias_q, scaling,
-                                 precise=query.dtype == torch.float32)  # fmt: skip
+    codes = (kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero)
+    if use_kernels(query):
+        acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32)
+    else:
+        acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling)
     if values.rotate:  # acc is linear in the values: rotate the weighted sum back per channel group
         size = channel_groups(dim, values.quant.group)[1]
         acc = (acc.view(*acc.shape[:-1], -1, size) @ rotation(size, acc.device).T).flatten(-2)
@@ -200,11 +205,12 @@ def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int) -> bool:
 
 
 class KiviLayer(QuantizedLayer):
-    """``QuantizedLayer`` that the KIVI kernel can read (``KVCONVERT_KERNELS=triton``: ``configure`` routed the
-    model's attention through ``quant_attention``). Until ``quant_attention`` first calls ``attend`` it is a plain
-    ``QuantizedLayer`` (``update`` returns the past dequantized), so a model whose attention was not routed reads
-    it as one; once routed, ``update`` only records and ``attend`` does the work: decode steps from the codes when
-    the kernels are asked for and can read them (4-bit, ``kivi_kernel_fits``), else dequantize-then-SDPA."""
+    """``QuantizedLayer`` whose decode steps read the codes (``configure`` routed the model's attention through
+    ``quant_attention``). Until ``quant_attention`` first calls ``attend`` it is a plain ``QuantizedLayer``
+    (``update`` returns the past dequantized), so a model whose attention was not routed reads it as one; once
+    routed, ``update`` only records and ``attend`` does the work: decode steps from the codes (``kivi_decode``) when
+    they fit its readers (4-bit, ``kivi_kernel_fits``) and the step runs on a CPU or with the kernels asked for,
+    else dequantize-then-SDPA (a GPU's default: the torch reader is not measured there yet)."""
 
     routed = False
 
@@ -223,7 +229,8 @@ class KiviLayer(QuantizedLayer):
             self.routed = True
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         keys, values = self.key_store, self.value_store
-        if query.shape[2] == 1 and kivi_kernel_reads(keys, values, query.shape[-1]) and use_kernels(query):
+        reads = query.shape[2] == 1 and kivi_kernel_reads(keys, values, query.shape[-1])
+        if reads and (use_kernels(query) or query.device.type == "cpu"):
             bias = additive_mask(attention_mask, 1, len(keys) + 1, torch.float32, query.device)
             out = kivi_decode(query, key, value, bias, keys, values, scaling).to(query.dtype)
             keys.append(key)
@@ -235,10 +242,10 @@ class KiviLayer(QuantizedLayer):
 
 def kivi_routed(model: Any) -> bool:
     """Whether ``configure`` routes a KIVI-layout model's attention through ``quant_attention`` (so that its decode
-    steps can run the KIVI kernel): the kernels asked for when the model is loaded (``KVCONVERT_KERNELS=triton``),
-    and no attention-logit soft-capping, which the kernel does not apply."""
+    steps can read the codes, ``KiviLayer``): always, unless the model soft-caps its attention logits, which the
+    readers do not apply."""
     softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
-    return kernels_requested() == "triton" and softcap is None
+    return softcap is None
 
 
 class TokenLayoutLayer(QuantizedLayer):
@@ -324,8 +331,8 @@ def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerS
 
 
 def configure(model: Any) -> None:
-    """Token layout: route attention through ``quant_attention``; KIVI's layout keeps the model's own unless its
-    decode steps are to run the KIVI kernel (``kivi_routed``)."""
+    """Token layout and KIVI's layout: route attention through ``quant_attention`` (``kivi_routed``: not under
+    soft-capping); fp8 keeps the model's own."""
     quant = QuantSpec.from_spec(model.config.kvconvert)
     if quant.layout == "token" or (not quant.fp8 and kivi_routed(model)):
         model.set_attn_implementation(IMPLEMENTATION)
