@@ -198,6 +198,8 @@ def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int) -> bool:
     """``kivi_decode`` can read these stores: KIVI's layout (keys per channel), 4-bit on both sides in blocks the
     kernel takes (``kivi_kernel_fits``), none dropped from the front, and quantized blocks that cover the exact sink
     (whose copies ``kivi_decode`` attends in place of the blocks' stand-ins)."""
+    if not (isinstance(keys, TokenStore) and isinstance(values, TokenStore)):  # e.g. the tests' float reference
+        return False
     fits = all(kivi_kernel_fits(store.quant.bits, keys.quant.group, dim) for store in (keys, values))
     layout = keys.per_channel and not isinstance(keys, TokenLayoutStore)
     sink = 0 if keys.head is None else keys.head.shape[-2]
