@@ -289,13 +289,15 @@ def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_m
     assert torch.equal(outputs["torch"].sequences, outputs["triton"].sequences)
 
 
-@pytest.mark.parametrize("name", ["quant-sink-rotated-residual", "quant-groups-of-64"])
+@pytest.mark.parametrize("name", list(KIVI_RECIPES))
 @torch.no_grad()
 def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, tokenized_model_dir, tmp_path, monkeypatch):
     """On a CPU a 4-bit KIVI checkpoint decodes from its codes by default (``kivi_decode_folded``: one call per
-    layer and step, no kernels asked for): the tokens and logits of dequantizing the whole cache for SDPA."""
+    layer and step, no kernels asked for; razor: for its retrieval heads, per layer that has them): the tokens and
+    logits of dequantizing the cache for attention."""
     import kvconvert
     import kvconvert.runtime.kvconvert_quant as runtime
+    import kvconvert.runtime.kvconvert_razor as razor_runtime
     from tests.helpers import assert_same_logits, left_padded, run_cli
 
     if DEVICE != "cpu":
@@ -306,6 +308,10 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, tokenized_
                      "--quiet", *args)  # fmt: skip
     assert result.exit_code == 0, result.output
     model = kvconvert.load(tmp_path / "m").eval()
+    layers = model.config.num_hidden_layers
+    if command == "razor":
+        layers = sum(bool(heads) for heads in model.config.kvconvert["razor"]["retrieval_kv_heads"])
+        assert layers > 0
     ids, mask = left_padded(length=100, pad=37, seed=3)
     kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True, output_logits=True)  # fmt: skip
@@ -317,10 +323,11 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, tokenized_
 
     monkeypatch.setattr(runtime, "kivi_decode_folded", counted)
     from_codes = model.generate(ids, **kwargs)
-    assert len(calls) == 11 * model.config.num_hidden_layers
-    monkeypatch.setattr(runtime, "kivi_kernel_reads", lambda *a: False)  # the dequantizing path
+    assert len(calls) == 11 * layers
+    for module in (runtime, razor_runtime):  # the dequantizing path
+        monkeypatch.setattr(module, "kivi_kernel_reads", lambda *a: False)
     dequantized = model.generate(ids, **kwargs)
-    assert len(calls) == 11 * model.config.num_hidden_layers
+    assert len(calls) == 11 * layers
     for step, (a, b) in enumerate(zip(dequantized.logits, from_codes.logits, strict=True)):
         assert_same_logits(a, b, f"{name} decode step {step}")
     assert torch.equal(dequantized.sequences, from_codes.sequences)

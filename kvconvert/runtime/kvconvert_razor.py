@@ -300,6 +300,13 @@ def attend_state(
         at, heads_at = head_span(r), head_span(query_heads(r, group))
         decoded = token_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale)
         out[:, at] = decoded.to(query.dtype).view(batch, len(r), group, dim)  # q_len 1: [b, R, G, d]
+    elif q_len == 1 and layer.retrieval and query.device.type == "cpu" and (
+            kivi_kernel_reads(layer.full_k, layer.full_v, dim)):  # fmt: skip
+        # retrieval heads 4-bit in KIVI's layout, on a CPU: from their codes in torch (``kivi_decode``), as quant does
+        from_codes, r = True, layer.retrieval
+        at, heads_at = head_span(r), head_span(query_heads(r, group))
+        decoded = kivi_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale)
+        out[:, at] = decoded.to(query.dtype).view(batch, len(r), group, dim)
     window_codes = q_len == 1 and bool(layer.others) and layer.reads_codes(query.device, full=False)
     if window_codes:  # the other heads' windows too; the sink and the compensation token join as exact tokens
         o, sink = layer.others, layer.sink_k.shape[2]
