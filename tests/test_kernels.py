@@ -243,35 +243,55 @@ KIVI_RECIPES = {
 }  # fmt: skip
 
 
+def kivi_checkpoint(name: str, tokenized_model_dir, out) -> tuple[str, int]:
+    """``KIVI_RECIPES[name]`` converted into ``out``: (its command, the layers whose decode steps read codes: every
+    layer, or for razor those with retrieval heads)."""
+    import json
+
+    from tests.helpers import run_cli
+
+    command, *args = KIVI_RECIPES[name]
+    result = run_cli(command, "--model", str(tokenized_model_dir("llama_gqa64")), "--out", str(out), "--quiet", *args)
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    if command != "razor":
+        return command, config["num_hidden_layers"]
+    layers = sum(bool(heads) for heads in config["kvconvert"]["razor"]["retrieval_kv_heads"])
+    assert layers > 0
+    return command, layers
+
+
+def greedy_twelve(model):
+    """Greedy decoding of a left-padded batch whose cache holds quantized blocks, with the logits."""
+    from tests.helpers import left_padded
+
+    ids, mask = (t.to(DEVICE) for t in left_padded(length=100, pad=37, seed=3))
+    return model.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                          pad_token_id=0, return_dict_in_generate=True, output_logits=True)  # fmt: skip
+
+
+def assert_same_generation(expected, got, where: str) -> None:
+    from tests.helpers import assert_same_logits
+
+    for step, (a, b) in enumerate(zip(expected.logits, got.logits, strict=True)):
+        assert_same_logits(a, b, f"{where} decode step {step}")
+    assert torch.equal(expected.sequences, got.sequences)
+
+
 @pytest.mark.parametrize("name", list(KIVI_RECIPES))
 @torch.no_grad()
 def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_model_dir, tmp_path, monkeypatch):
-    """A 4-bit KIVI checkpoint with KVCONVERT_KERNELS=triton: greedy decoding of a left-padded batch whose cache
-    holds quantized blocks gives the torch path's tokens and logits, every decode step of every layer (razor: of
-    every layer with retrieval heads) in one KIVI kernel launch. A quant checkpoint's attention is routed to the
-    codes' readers whether the kernels are asked for or not."""
+    """A 4-bit KIVI checkpoint with KVCONVERT_KERNELS=triton: greedy decoding gives the torch path's tokens and
+    logits, every decode step of every layer (razor: of every layer with retrieval heads) in one KIVI kernel launch.
+    A quant checkpoint's attention is routed to the codes' readers whether the kernels are asked for or not."""
     import kvconvert
     import kvconvert.runtime.kvconvert_quant as runtime
-    from tests.helpers import assert_same_logits, left_padded, run_cli
 
-    command, *args = KIVI_RECIPES[name]
-    result = run_cli(command, "--model", str(tokenized_model_dir("llama_gqa64")), "--out", str(tmp_path / "m"),
-                     "--quiet", *args)  # fmt: skip
-    assert result.exit_code == 0, result.output
+    command, layers = kivi_checkpoint(name, tokenized_model_dir, tmp_path / "m")
     if command == "quant":
         assert kvconvert.load(tmp_path / "m").config._attn_implementation == runtime.IMPLEMENTATION
     monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
     model = kvconvert.load(tmp_path / "m").eval().to(DEVICE)
-    spec = model.config.kvconvert
-    layers = model.config.num_hidden_layers
-    if command == "quant":
-        assert model.config._attn_implementation == runtime.IMPLEMENTATION
-    else:
-        layers = sum(bool(heads) for heads in spec["razor"]["retrieval_kv_heads"])
-        assert layers > 0
-    ids, mask = (t.to(DEVICE) for t in left_padded(length=100, pad=37, seed=3))
-    kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
-                  return_dict_in_generate=True, output_logits=True)  # fmt: skip
     launches = []
 
     def counted(*a, **k):
@@ -282,11 +302,9 @@ def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_m
     outputs = {}
     for choice in ("torch", "triton"):
         monkeypatch.setenv("KVCONVERT_KERNELS", choice)
-        outputs[choice] = model.generate(ids, **kwargs)
+        outputs[choice] = greedy_twelve(model)
         assert len(launches) == (0 if choice == "torch" else 11 * layers)
-    for step, (a, b) in enumerate(zip(outputs["torch"].logits, outputs["triton"].logits, strict=True)):
-        assert_same_logits(a, b, f"{name} decode step {step}")
-    assert torch.equal(outputs["torch"].sequences, outputs["triton"].sequences)
+    assert_same_generation(outputs["torch"], outputs["triton"], name)
 
 
 @pytest.mark.parametrize("name", list(KIVI_RECIPES))
@@ -298,23 +316,12 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, tokenized_
     import kvconvert
     import kvconvert.runtime.kvconvert_quant as runtime
     import kvconvert.runtime.kvconvert_razor as razor_runtime
-    from tests.helpers import assert_same_logits, left_padded, run_cli
 
     if DEVICE != "cpu":
         pytest.skip("a GPU keeps dequantize-then-SDPA by default")
     monkeypatch.delenv("KVCONVERT_KERNELS", raising=False)
-    command, *args = KIVI_RECIPES[name]
-    result = run_cli(command, "--model", str(tokenized_model_dir("llama_gqa64")), "--out", str(tmp_path / "m"),
-                     "--quiet", *args)  # fmt: skip
-    assert result.exit_code == 0, result.output
+    _, layers = kivi_checkpoint(name, tokenized_model_dir, tmp_path / "m")
     model = kvconvert.load(tmp_path / "m").eval()
-    layers = model.config.num_hidden_layers
-    if command == "razor":
-        layers = sum(bool(heads) for heads in model.config.kvconvert["razor"]["retrieval_kv_heads"])
-        assert layers > 0
-    ids, mask = left_padded(length=100, pad=37, seed=3)
-    kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
-                  return_dict_in_generate=True, output_logits=True)  # fmt: skip
     calls = []
 
     def counted(*a, **k):
@@ -322,15 +329,13 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, tokenized_
         return kivi_decode_folded(*a, **k)
 
     monkeypatch.setattr(runtime, "kivi_decode_folded", counted)
-    from_codes = model.generate(ids, **kwargs)
+    from_codes = greedy_twelve(model)
     assert len(calls) == 11 * layers
     for module in (runtime, razor_runtime):  # the dequantizing path
         monkeypatch.setattr(module, "kivi_kernel_reads", lambda *a: False)
-    dequantized = model.generate(ids, **kwargs)
+    dequantized = greedy_twelve(model)
     assert len(calls) == 11 * layers
-    for step, (a, b) in enumerate(zip(dequantized.logits, from_codes.logits, strict=True)):
-        assert_same_logits(a, b, f"{name} decode step {step}")
-    assert torch.equal(dequantized.sequences, from_codes.sequences)
+    assert_same_generation(dequantized, from_codes, name)
 
 
 # -- the kernels inside converted models -----------------------------------------------------
