@@ -194,6 +194,25 @@ def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, block
         torch.testing.assert_close(fast, expected, atol=3e-3, rtol=3e-3)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dim,block,value_group", [(64, 32, 64), (32, 64, 16), (128, 32, 64), (48, 32, 32)])
+def test_folded_reader_is_attention_over_the_dequantized_codes(bits, dim, block, value_group):
+    """``kivi_decode_folded`` at 2 and 4 bits (4 and 2 codes a byte), heads that are not a power of two (48: value
+    groups padded), left padding: attention over the codec's own dequantized cache."""
+    from kvconvert.runtime.kvconvert_kivi_kernel import kivi_folded_fits
+
+    torch.manual_seed(dim + bits)
+    keys, values = (torch.randn(2, 2, 3 * block, dim) for _ in range(2))
+    k, v = quantize_tokens(keys, bits, block, True), quantize_tokens(values, bits, value_group, False)
+    plain_k = dequantize_tokens(k, bits, block, dim, True, torch.float32)
+    plain_v = dequantize_tokens(v, bits, value_group, dim, False, torch.float32)
+    assert kivi_folded_fits(bits, block, math.ceil(dim / math.ceil(dim / value_group)))
+    query, bias = torch.randn(2, 2, 3, dim), torch.zeros(2, 3 * block)
+    bias[-1, : block + 5] = NEG
+    got = kivi_decode_folded(query, k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, bias, 0.3, bits, bits)
+    torch.testing.assert_close(merge_partials([got]), attention(query, plain_k, plain_v, bias, 0.3), **TOL)
+
+
 def test_merge_partials_is_attention_over_the_union():
     torch.manual_seed(0)
     query, keys, values = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 9, 8), torch.randn(2, 1, 9, 8)
@@ -216,7 +235,6 @@ def test_kivi_decode_step_is_attention_over_the_stores(rotate, reader, monkeypat
     from kvconvert.runtime.kvconvert_quant import kivi_decode
     from kvconvert.runtime.kvconvert_tokenstore import TokenStore
 
-    monkeypatch.setenv("KVCONVERT_KERNELS", reader)
     torch.manual_seed(1)
     quant = QuantSpec(bits=4, group=32, residual=8, sink=3, rotate=rotate)
     keys, values = TokenStore(quant, per_channel=True), TokenStore(quant, per_channel=False)
@@ -230,7 +248,8 @@ def test_kivi_decode_step_is_attention_over_the_stores(rotate, reader, monkeypat
     k, v = keys.read(then=key), values.read(then=value)
     expected = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=bias, scale=0.125,
                                                                 enable_gqa=True)  # fmt: skip
-    torch.testing.assert_close(kivi_decode(query, key, value, bias, keys, values, 0.125), expected, **TOL)
+    got = kivi_decode(query, key, value, bias, keys, values, 0.125, kernel=reader == "triton")
+    torch.testing.assert_close(got, expected, **TOL)
 
 
 KIVI_RECIPES = {
@@ -243,14 +262,20 @@ KIVI_RECIPES = {
 }  # fmt: skip
 
 
+# what only the torch reader takes (the kernel reads 4 bits)
+FOLDED_RECIPES = {
+    "quant-2bit": ["quant", "--kv-bits", "2", "--kv-group", "32", "--kv-residual", "0", "--kv-sink", "4"],
+}  # fmt: skip
+
+
 def kivi_checkpoint(name: str, tokenized_model_dir, out) -> tuple[str, int]:
-    """``KIVI_RECIPES[name]`` converted into ``out``: (its command, the layers whose decode steps read codes: every
-    layer, or for razor those with retrieval heads)."""
+    """``KIVI_RECIPES[name]`` (or ``FOLDED_RECIPES[name]``) converted into ``out``: (its command, the layers whose
+    decode steps read codes: every layer, or for razor those with retrieval heads)."""
     import json
 
     from tests.helpers import run_cli
 
-    command, *args = KIVI_RECIPES[name]
+    command, *args = {**KIVI_RECIPES, **FOLDED_RECIPES}[name]
     result = run_cli(command, "--model", str(tokenized_model_dir("llama_gqa64")), "--out", str(out), "--quiet", *args)
     assert result.exit_code == 0, result.output
     config = json.loads((out / "config.json").read_text())
@@ -307,7 +332,7 @@ def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_m
     assert_same_generation(outputs["torch"], outputs["triton"], name)
 
 
-@pytest.mark.parametrize("name", list(KIVI_RECIPES))
+@pytest.mark.parametrize("name", [*KIVI_RECIPES, *FOLDED_RECIPES])
 @torch.no_grad()
 def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, tokenized_model_dir, tmp_path, monkeypatch):
     """On a CPU a 4-bit KIVI checkpoint decodes from its codes by default (``kivi_decode_folded``: one call per
@@ -332,7 +357,7 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, tokenized_
     from_codes = greedy_twelve(model)
     assert len(calls) == 11 * layers
     for module in (runtime, razor_runtime):  # the dequantizing path
-        monkeypatch.setattr(module, "kivi_kernel_reads", lambda *a: False)
+        monkeypatch.setattr(module, "kivi_kernel_reads", lambda *a, **k: False)
     dequantized = greedy_twelve(model)
     assert len(calls) == 11 * layers
     assert_same_generation(dequantized, from_codes, name)

@@ -53,40 +53,52 @@ def kivi_decode_reference(
 def kivi_decode_folded(
     query: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor, key_zero: torch.Tensor,
     value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
-    scale: float,
+    scale: float, key_bits: int = 4, value_bits: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``kivi_decode_reference``'s partial from the codes in torch, the kernel's algebra without a float copy of the
     cache: keys' per-channel scales fold into the query per block (``q·k = Σ (q⊙s)·code + q·z``), values' per-token
-    scales into the probabilities (``Σ p·v = Σ (p·s)·code + Σ p·z`` per channel group); each nibble plane is widened
-    to float32 once and meets the G query rows of its KV head in one product. What a CPU decodes with: on 2 cores
-    1.0 ms against 2.1 ms for dequantize-then-SDPA per layer of SmolLM2 at 4K (3 KV heads × 3 query rows, measured).
-    Value groups must hold an even number of channels (a byte's two channels in one group)."""
-    batch, kv_heads, blocks, dim, half = key_codes.shape
+    scales into the probabilities (``Σ p·v = Σ (p·s)·code + Σ p·z`` per channel group); each bit plane of the codes
+    (the k-th code of every byte: 2 planes at 4 bits, 4 at 2) is widened to float32 once and meets the G query rows
+    of its KV head in one product. What a CPU decodes with: on 2 cores 1.0 ms against 2.1 ms for
+    dequantize-then-SDPA per layer of SmolLM2 at 4K, 4-bit (3 KV heads × 3 query rows, measured). A byte's codes
+    must share a value group (``kivi_folded_fits``)."""
+    batch, kv_heads, blocks, dim, _ = key_codes.shape
     n, rows = value_codes.shape[2], query.shape[2]
     q = query.float()
-    # keys: [b, Hkv, nb, G, d] queries scaled per block, against each nibble plane [b, Hkv, nb, d, B/2]
+    # keys: [b, Hkv, nb, G, d] queries scaled per block, against each plane [b, Hkv, nb, d, B/per_byte]: tokens
+    # per_byte·j + k of each block in plane k
     scaled = q[:, :, None] * key_scale.float()[:, :, :, None, :]
-    planes = [(key_codes & 15).float(), (key_codes >> 4).float()]  # tokens 2j, 2j + 1 of each block
-    scores = torch.stack([scaled @ plane for plane in planes], dim=-1).flatten(-2)  # [b, Hkv, nb, G, B]
+    scores = torch.stack([scaled @ plane for plane in bit_planes(key_codes, key_bits)], dim=-1).flatten(-2)
     scores = scores + torch.einsum("bhgd,bhnd->bhng", q, key_zero.float())[..., None]
-    scores = scores.transpose(2, 3).reshape(batch, kv_heads, rows, blocks * 2 * half)[..., :n] * scale
+    scores = scores.transpose(2, 3).reshape(batch, kv_heads, rows, -1)[..., :n] * scale
     if bias is not None:
         scores = scores + bias.float()[:, None, None, :]
     top = scores.amax(-1)
     probs = torch.exp(scores - top[..., None])  # [b, Hkv, G, n]
-    # values: per channel group g, (p ⊙ s_g) against the group's byte columns, both nibbles; p·z_g for its zeros
+    # values: per channel group g, (p ⊙ s_g) against the group's byte columns in every plane; p·z_g for its zeros
     groups = value_scale.shape[-1]
-    pairs = math.ceil(dim / groups) // 2  # bytes per group
+    columns = math.ceil(dim / groups) * value_bits // 8  # bytes per group
     scale_v, zero_v = value_scale.float(), value_zero.float()  # [b, Hkv, n, groups]
-    low, high = (value_codes & 15).float(), (value_codes >> 4).float()  # channels 2i, 2i + 1 [b, Hkv, n, P/2]
+    planes = bit_planes(value_codes, value_bits)  # channels per_byte·i + k in plane k [b, Hkv, n, P/per_byte]
     parts = []
     for g in range(groups):
-        weighted = probs * scale_v[..., g][:, :, None, :]
-        columns = slice(g * pairs, (g + 1) * pairs)
-        pair = torch.stack([weighted @ low[..., columns], weighted @ high[..., columns]], dim=-1).flatten(-2)
-        parts.append(pair + (probs @ zero_v[..., g : g + 1]))
+        weighted, at = probs * scale_v[..., g][:, :, None, :], slice(g * columns, (g + 1) * columns)
+        group = torch.stack([weighted @ plane[..., at] for plane in planes], dim=-1).flatten(-2)
+        parts.append(group + (probs @ zero_v[..., g : g + 1]))
     acc = torch.cat(parts, dim=-1)[..., :dim]
     return acc, torch.stack([top, probs.sum(-1)], dim=-1)
+
+
+def bit_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """The k-th code of every byte, for each k, widened to float32 (the codec packs consecutive codes lowest first)."""
+    mask = 2**bits - 1
+    return [(codes >> shift if shift + bits == 8 else (codes >> shift) & mask).float() for shift in range(0, 8, bits)]
+
+
+def kivi_folded_fits(bits: int, block: int, value_size: int) -> bool:
+    """What ``kivi_decode_folded`` reads: 2- or 4-bit codes, blocks and value channel groups of whole bytes."""
+    per_byte = 8 // bits if bits in (2, 4) else 0
+    return per_byte > 0 and block % per_byte == 0 and value_size % per_byte == 0
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -28,7 +28,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .kvconvert_codec import QuantSpec, channel_groups, rotation
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, static_refusal
 from .kvconvert_kernels import use_kernels
-from .kvconvert_kivi_kernel import kivi_decode_folded, kivi_decode_triton, kivi_kernel_fits, merge_partials
+from .kvconvert_kivi_kernel import (
+    kivi_decode_folded,
+    kivi_decode_triton,
+    kivi_folded_fits,
+    kivi_kernel_fits,
+    merge_partials,
+)
 from .kvconvert_storage import Fp8Layer, QuantizedLayer, sliding_layer, static_sliding_layer, static_stock_layer
 from .kvconvert_tokenlayout import TokenLayoutStore, cpu_int4_rows
 from .kvconvert_tokenstore import TokenStore
@@ -152,10 +158,11 @@ def token_decode(
 
 def kivi_decode(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
-    keys: TokenStore, values: TokenStore, scaling: float,
+    keys: TokenStore, values: TokenStore, scaling: float, kernel: bool,
 ) -> torch.Tensor:  # fmt: skip
-    """One decode step over a 4-bit cache in KIVI's layout from its codes: the Triton kernel (``kivi_decode_triton``)
-    when the kernels are asked for, else its algebra in torch (``kivi_decode_folded``, what a CPU runs by default).
+    """One decode step over a cache in KIVI's layout from its codes: the Triton kernel (``kivi_decode_triton``,
+    ``kernel``: 4-bit) or its algebra in torch (``kivi_decode_folded``, 2 or 4 bits: what a CPU runs by default);
+    ``kivi_kernel_reads`` says which can read the stores.
 
     ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]``, ``bias [b|1, 1, 1, n]`` additive or None;
     the stores hold the ``n − 1`` earlier tokens, at least one block quantized. The codes' reader takes the
@@ -175,10 +182,10 @@ def kivi_decode(
         bias_q = torch.zeros(batch, n_q, device=query.device) if bias_q is None else bias_q.clone()
         bias_q[:, :sink] = torch.finfo(torch.float32).min
     codes = (kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero)
-    if use_kernels(query):
+    if kernel:
         acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32)
     else:
-        acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling)
+        acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits)
     if values.rotate:  # acc is linear in the values: rotate the weighted sum back per channel group
         size = channel_groups(dim, values.quant.group)[1]
         acc = (acc.view(*acc.shape[:-1], -1, size) @ rotation(size, acc.device).T).flatten(-2)
@@ -194,13 +201,18 @@ def kivi_decode(
     return merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
 
 
-def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int) -> bool:
-    """``kivi_decode`` can read these stores: KIVI's layout (keys per channel), 4-bit on both sides in blocks the
-    kernel takes (``kivi_kernel_fits``), none dropped from the front, and quantized blocks that cover the exact sink
-    (whose copies ``kivi_decode`` attends in place of the blocks' stand-ins)."""
+def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int, kernel: bool = True) -> bool:
+    """``kivi_decode`` can read these stores, through the kernel (``kernel``) or else in torch: KIVI's layout (keys
+    per channel), widths and blocks its reader takes (``kivi_kernel_fits``: 4-bit; ``kivi_folded_fits``: 2 or 4
+    bits), none dropped from the front, and quantized blocks that cover the exact sink (whose copies ``kivi_decode``
+    attends in place of the blocks' stand-ins)."""
     if not (isinstance(keys, TokenStore) and isinstance(values, TokenStore)):  # e.g. the tests' float reference
         return False
-    fits = all(kivi_kernel_fits(store.quant.bits, keys.quant.group, dim) for store in (keys, values))
+    if kernel:
+        fits = all(kivi_kernel_fits(store.quant.bits, keys.quant.group, dim) for store in (keys, values))
+    else:
+        size = channel_groups(dim, values.quant.group)[1]
+        fits = all(kivi_folded_fits(store.quant.bits, keys.quant.group, size) for store in (keys, values))
     layout = keys.per_channel and not isinstance(keys, TokenLayoutStore)
     sink = 0 if keys.head is None else keys.head.shape[-2]
     return layout and fits and keys.blocks is not None and not keys.offset and keys.quantized_tokens >= sink
@@ -231,10 +243,12 @@ class KiviLayer(QuantizedLayer):
             self.routed = True
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         keys, values = self.key_store, self.value_store
-        reads = query.shape[2] == 1 and kivi_kernel_reads(keys, values, query.shape[-1])
-        if reads and (use_kernels(query) or query.device.type == "cpu"):
+        step, dim = query.shape[2] == 1, query.shape[-1]
+        kernel = step and kivi_kernel_reads(keys, values, dim) and use_kernels(query)
+        folded = step and not kernel and query.device.type == "cpu" and kivi_kernel_reads(keys, values, dim, False)
+        if kernel or folded:
             bias = additive_mask(attention_mask, 1, len(keys) + 1, torch.float32, query.device)
-            out = kivi_decode(query, key, value, bias, keys, values, scaling).to(query.dtype)
+            out = kivi_decode(query, key, value, bias, keys, values, scaling, kernel).to(query.dtype)
             keys.append(key)
             values.append(value)
             return out.transpose(1, 2).contiguous(), None

@@ -301,11 +301,12 @@ def attend_state(
         decoded = token_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale)
         out[:, at] = decoded.to(query.dtype).view(batch, len(r), group, dim)  # q_len 1: [b, R, G, d]
     elif q_len == 1 and layer.retrieval and query.device.type == "cpu" and (
-            kivi_kernel_reads(layer.full_k, layer.full_v, dim)):  # fmt: skip
-        # retrieval heads 4-bit in KIVI's layout, on a CPU: from their codes in torch (``kivi_decode``), as quant does
+            kivi_kernel_reads(layer.full_k, layer.full_v, dim, kernel=False)):  # fmt: skip
+        # retrieval heads 2/4-bit in KIVI's layout, on a CPU: from their codes in torch (``kivi_decode``), as quant does
         from_codes, r = True, layer.retrieval
         at, heads_at = head_span(r), head_span(query_heads(r, group))
-        decoded = kivi_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale)
+        decoded = kivi_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale,
+                              kernel=False)  # fmt: skip
         out[:, at] = decoded.to(query.dtype).view(batch, len(r), group, dim)
     window_codes = q_len == 1 and bool(layer.others) and layer.reads_codes(query.device, full=False)
     if window_codes:  # the other heads' windows too; the sink and the compensation token join as exact tokens
@@ -397,7 +398,8 @@ def _decode_with_kernel(
                               comp_logit, kind, slot, scale)  # fmt: skip
     if from_codes:
         at, heads_at = head_span(r), head_span(query_heads(r, group))
-        decoded = kivi_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale)
+        decoded = kivi_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale,
+                              kernel=True)  # fmt: skip
         out[:, heads_at] = decoded[:, :, 0]
     return out.to(query.dtype)[:, :, None]
 
