@@ -41,6 +41,7 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("quant 4-bit KIVI layout, sink 4 + rotated values (ext.)",
      {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
     ("quant fp8 (vLLM/SGLang format)", {"method": "quant", "kv_format": "fp8"}),
+    ("quant 3-bit KIVI layout, sink 4 (ext.)", {"method": "quant", "kv_bits": 3, "kv_residual": 0, "kv_sink": 4}),
     ("quant 2-bit KIVI layout, sink 4 (ext.)", {"method": "quant", "kv_bits": 2, "kv_residual": 0, "kv_sink": 4}),
     ("quant 4-bit token layout, sink 4 (ext.)",
      {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),

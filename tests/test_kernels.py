@@ -194,11 +194,11 @@ def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, block
         torch.testing.assert_close(fast, expected, atol=3e-3, rtol=3e-3)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("dim,block,value_group", [(64, 32, 64), (32, 64, 16), (128, 32, 64), (48, 32, 32)])
 def test_folded_reader_is_attention_over_the_dequantized_codes(bits, dim, block, value_group):
-    """``kivi_decode_folded`` at 2 and 4 bits (4 and 2 codes a byte), heads that are not a power of two (48: value
-    groups padded), left padding: attention over the codec's own dequantized cache."""
+    """``kivi_decode_folded`` at 2, 3 and 4 bits (4 codes a byte, 8 in three bytes, 2 a byte), heads that are not a
+    power of two (48: value groups padded), left padding: attention over the codec's own dequantized cache."""
     from kvconvert.runtime.kvconvert_kivi_kernel import kivi_folded_fits
 
     torch.manual_seed(dim + bits)
@@ -265,6 +265,7 @@ KIVI_RECIPES = {
 # what only the torch reader takes (the kernel reads 4 bits)
 FOLDED_RECIPES = {
     "quant-2bit": ["quant", "--kv-bits", "2", "--kv-group", "32", "--kv-residual", "0", "--kv-sink", "4"],
+    "quant-3bit": ["quant", "--kv-bits", "3", "--kv-group", "32", "--kv-residual", "0", "--kv-sink", "4"],
 }  # fmt: skip
 
 

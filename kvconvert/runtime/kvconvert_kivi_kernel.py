@@ -58,15 +58,15 @@ def kivi_decode_folded(
     """``kivi_decode_reference``'s partial from the codes in torch, the kernel's algebra without a float copy of the
     cache: keys' per-channel scales fold into the query per block (``q·k = Σ (q⊙s)·code + q·z``), values' per-token
     scales into the probabilities (``Σ p·v = Σ (p·s)·code + Σ p·z`` per channel group); each bit plane of the codes
-    (the k-th code of every byte: 2 planes at 4 bits, 4 at 2) is widened to float32 once and meets the G query rows
-    of its KV head in one product. What a CPU decodes with: on 2 cores 1.0 ms against 2.1 ms for
-    dequantize-then-SDPA per layer of SmolLM2 at 4K, 4-bit (3 KV heads × 3 query rows, measured). A byte's codes
-    must share a value group (``kivi_folded_fits``)."""
+    (the k-th code of every packing unit: 2 planes at 4 bits, 4 at 2, 8 at 3) is widened to float32 once and meets
+    the G query rows of its KV head in one product. What a CPU decodes with: on 2 cores 1.0 ms against 2.1 ms for
+    dequantize-then-SDPA per layer of SmolLM2 at 4K, 4-bit (3 KV heads × 3 query rows, measured). A packing unit's
+    codes must share a value group (``kivi_folded_fits``)."""
     batch, kv_heads, blocks, dim, _ = key_codes.shape
     n, rows = value_codes.shape[2], query.shape[2]
     q = query.float()
-    # keys: [b, Hkv, nb, G, d] queries scaled per block, against each plane [b, Hkv, nb, d, B/per_byte]: tokens
-    # per_byte·j + k of each block in plane k
+    # keys: [b, Hkv, nb, G, d] queries scaled per block, against each plane [b, Hkv, nb, d, B/unit]: tokens
+    # unit·j + k of each block in plane k (unit: codes per packing unit)
     scaled = q[:, :, None] * key_scale.float()[:, :, :, None, :]
     scores = torch.stack([scaled @ plane for plane in bit_planes(key_codes, key_bits)], dim=-1).flatten(-2)
     scores = scores + torch.einsum("bhgd,bhnd->bhng", q, key_zero.float())[..., None]
@@ -77,9 +77,9 @@ def kivi_decode_folded(
     probs = torch.exp(scores - top[..., None])  # [b, Hkv, G, n]
     # values: per channel group g, (p ⊙ s_g) against the group's byte columns in every plane; p·z_g for its zeros
     groups = value_scale.shape[-1]
-    columns = math.ceil(dim / groups) * value_bits // 8  # bytes per group
+    columns = math.ceil(dim / groups) // codes_per_unit(value_bits)  # packing units per group
     scale_v, zero_v = value_scale.float(), value_zero.float()  # [b, Hkv, n, groups]
-    planes = bit_planes(value_codes, value_bits)  # channels per_byte·i + k in plane k [b, Hkv, n, P/per_byte]
+    planes = bit_planes(value_codes, value_bits)  # channels unit·i + k in plane k [b, Hkv, n, P/unit]
     parts = []
     for g in range(groups):
         weighted, at = probs * scale_v[..., g][:, :, None, :], slice(g * columns, (g + 1) * columns)
@@ -89,16 +89,27 @@ def kivi_decode_folded(
     return acc, torch.stack([top, probs.sum(-1)], dim=-1)
 
 
+def codes_per_unit(bits: int) -> int:
+    """Codes in one packing unit of the codec: a byte at 2 and 4 bits, three bytes (a 24-bit word) at 3."""
+    return 8 if bits == 3 else 8 // bits
+
+
 def bit_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """The k-th code of every byte, for each k, widened to float32 (the codec packs consecutive codes lowest first)."""
+    """The k-th code of every packing unit, for each k, widened to float32 (the codec packs consecutive codes lowest
+    first: ``pack``, and at 3 bits ``_pack3``'s little-endian 24-bit words)."""
     mask = 2**bits - 1
+    if bits == 3:
+        octets = codes.view(*codes.shape[:-1], -1, 3).to(torch.int32)
+        word = octets[..., 0] | (octets[..., 1] << 8) | (octets[..., 2] << 16)
+        return [((word >> shift) & mask).float() for shift in range(0, 24, 3)]
     return [(codes >> shift if shift + bits == 8 else (codes >> shift) & mask).float() for shift in range(0, 8, bits)]
 
 
 def kivi_folded_fits(bits: int, block: int, value_size: int) -> bool:
-    """What ``kivi_decode_folded`` reads: 2- or 4-bit codes, blocks and value channel groups of whole bytes."""
-    per_byte = 8 // bits if bits in (2, 4) else 0
-    return per_byte > 0 and block % per_byte == 0 and value_size % per_byte == 0
+    """What ``kivi_decode_folded`` reads: 2-, 3- or 4-bit codes, blocks and value channel groups of whole packing
+    units (``codes_per_unit``)."""
+    unit = codes_per_unit(bits) if bits in (2, 3, 4) else 0
+    return unit > 0 and block % unit == 0 and value_size % unit == 0
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -161,7 +161,7 @@ def kivi_decode(
     keys: TokenStore, values: TokenStore, scaling: float, kernel: bool,
 ) -> torch.Tensor:  # fmt: skip
     """One decode step over a cache in KIVI's layout from its codes: the Triton kernel (``kivi_decode_triton``,
-    ``kernel``: 4-bit) or its algebra in torch (``kivi_decode_folded``, 2 or 4 bits: what a CPU runs by default);
+    ``kernel``: 4-bit) or its algebra in torch (``kivi_decode_folded``, 2 to 4 bits: what a CPU runs by default);
     ``kivi_kernel_reads`` says which can read the stores.
 
     ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]``, ``bias [b|1, 1, 1, n]`` additive or None;
@@ -203,7 +203,7 @@ def kivi_decode(
 
 def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int, kernel: bool = True) -> bool:
     """``kivi_decode`` can read these stores, through the kernel (``kernel``) or else in torch: KIVI's layout (keys
-    per channel), widths and blocks its reader takes (``kivi_kernel_fits``: 4-bit; ``kivi_folded_fits``: 2 or 4
+    per channel), widths and blocks its reader takes (``kivi_kernel_fits``: 4-bit; ``kivi_folded_fits``: 2 to 4
     bits), none dropped from the front, and quantized blocks that cover the exact sink (whose copies ``kivi_decode``
     attends in place of the blocks' stand-ins)."""
     if not (isinstance(keys, TokenStore) and isinstance(values, TokenStore)):  # e.g. the tests' float reference

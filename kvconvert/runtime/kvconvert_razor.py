@@ -302,7 +302,7 @@ def attend_state(
         out[:, at] = decoded.to(query.dtype).view(batch, len(r), group, dim)  # q_len 1: [b, R, G, d]
     elif q_len == 1 and layer.retrieval and query.device.type == "cpu" and (
             kivi_kernel_reads(layer.full_k, layer.full_v, dim, kernel=False)):  # fmt: skip
-        # retrieval heads 2/4-bit in KIVI's layout, on a CPU: from their codes in torch (``kivi_decode``), as quant does
+        # retrieval heads 2- to 4-bit in KIVI's layout, on a CPU: from their codes in torch (``kivi_decode``)
         from_codes, r = True, layer.retrieval
         at, heads_at = head_span(r), head_span(query_heads(r, group))
         decoded = kivi_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale,
