@@ -222,8 +222,8 @@ class KiviLayer(QuantizedLayer):
     """``QuantizedLayer`` whose decode steps read the codes (``configure`` routed the model's attention through
     ``quant_attention``). Until ``quant_attention`` first calls ``attend`` it is a plain ``QuantizedLayer``
     (``update`` returns the past dequantized), so a model whose attention was not routed reads it as one; once
-    routed, ``update`` only records and ``attend`` does the work: decode steps from the codes (``kivi_decode``) when
-    they fit its readers (4-bit, ``kivi_kernel_fits``) and the step runs on a CPU or with the kernels asked for,
+    routed, ``update`` only records and ``attend`` does the work: decode steps from the codes (``kivi_decode``) through
+    the kernel when it is asked for and reads them (4-bit), else on a CPU through the torch reader (2 to 4 bits),
     else dequantize-then-SDPA (a GPU's default: the torch reader is not measured there yet)."""
 
     routed = False

@@ -294,20 +294,18 @@ def attend_state(
     kept_bias = None  # the mask of the positions the other heads hold
     if bias is not None and layer.others:
         kept_bias = bias.index_select(-1, _kept_index(layer, total, query.device))
-    from_codes = q_len == 1 and layer.reads_codes(query.device)
-    if from_codes:  # retrieval heads in the token layout: scores and outputs from the 4-bit codes
+    # retrieval heads read from their codes: in the token layout (torch's int4 kernel), or 2- to 4-bit in KIVI's
+    # layout on a CPU (``kivi_decode`` in torch, as quant does)
+    token_codes = q_len == 1 and layer.reads_codes(query.device)
+    kivi_codes = not token_codes and q_len == 1 and bool(layer.retrieval) and query.device.type == "cpu" and (
+        kivi_kernel_reads(layer.full_k, layer.full_v, dim, kernel=False))  # fmt: skip
+    from_codes = token_codes or kivi_codes
+    if from_codes:
         r = layer.retrieval
         at, heads_at = head_span(r), head_span(query_heads(r, group))
-        decoded = token_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale)
+        read = (query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale)
+        decoded = token_decode(*read) if token_codes else kivi_decode(*read, kernel=False)
         out[:, at] = decoded.to(query.dtype).view(batch, len(r), group, dim)  # q_len 1: [b, R, G, d]
-    elif q_len == 1 and layer.retrieval and query.device.type == "cpu" and (
-            kivi_kernel_reads(layer.full_k, layer.full_v, dim, kernel=False)):  # fmt: skip
-        # retrieval heads 2- to 4-bit in KIVI's layout, on a CPU: from their codes in torch (``kivi_decode``)
-        from_codes, r = True, layer.retrieval
-        at, heads_at = head_span(r), head_span(query_heads(r, group))
-        decoded = kivi_decode(query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale,
-                              kernel=False)  # fmt: skip
-        out[:, at] = decoded.to(query.dtype).view(batch, len(r), group, dim)
     window_codes = q_len == 1 and bool(layer.others) and layer.reads_codes(query.device, full=False)
     if window_codes:  # the other heads' windows too; the sink and the compensation token join as exact tokens
         o, sink = layer.others, layer.sink_k.shape[2]

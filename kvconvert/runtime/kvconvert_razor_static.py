@@ -104,8 +104,10 @@ class StaticRazorLayer(StaticKVLayer):
         which a CUDA-graph capture refuses (measured on an H200)."""
 
         def index(kind: list[int]) -> Any:
-            span = head_span(kind) if kind else kind
-            return torch.tensor(span, device=device) if isinstance(span, list) and span else span
+            if not kind:  # the layer has no head of this kind: never indexed
+                return None
+            span = head_span(kind)
+            return span if isinstance(span, slice) else torch.tensor(span, device=device)
 
         self.at_r, self.at_o = index(self.retrieval), index(self.others)
         group = heads // (len(self.retrieval) + len(self.others))
