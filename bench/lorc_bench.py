@@ -79,6 +79,9 @@ VARIANTS: list[tuple[str, str, float, dict[str, Any], int | None]] = [
     ("--latent mla (DeepSeek-V3 export)", EXT, 0.75, {"latent": "mla"}, None),
     ("--latent mla (DeepSeek-V3 export)", EXT, 0.5, {"latent": "mla"}, None),
     ("--latent mla (DeepSeek-V3 export)", EXT, 0.3, {"latent": "mla"}, None),
+    # the same, each layer then fitted on its attention output with kv_a_layernorm in the loop
+    ("--latent mla --refine-steps 100", EXT, 0.5, {"latent": "mla", "refine_steps": 100}, None),
+    ("--latent mla --refine-steps 100", EXT, 0.3, {"latent": "mla", "refine_steps": 100}, None),
 ]
 
 

@@ -1,4 +1,5 @@
-"""Routing a transformers model's attention through an observer, only inside a ``with`` block."""
+"""Routing a transformers model's attention through an observer, or its attention modules' inputs and outputs
+through a hook, only inside a ``with`` block."""
 
 from __future__ import annotations
 
@@ -50,3 +51,31 @@ def observed_attention(model: Any, observer: AttentionObserver) -> Iterator[None
         model.set_attn_implementation(previous)
         AttentionInterface._global_mapping.pop(name, None)
         AttentionMaskInterface._global_mapping.pop(name, None)
+
+
+# (layer, the attention module's input hidden states, its output) -> a replacement output, or None
+AttentionIO = Callable[[int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
+@contextlib.contextmanager
+def attention_io(model: Any, attention_paths: list[str], hook: AttentionIO) -> Iterator[None]:
+    """Call ``hook`` with each attention module's input hidden states and output (after W_O) as it runs, and
+    pass on the tensor it returns instead of the output, if any: a method whose attention is not stock SDPA over
+    the source's q/k/v (``lorc --latent mla``) is simulated whole this way. Forward hooks on the modules at
+    ``attention_paths`` (layer order), removed on exit."""
+
+    def hook_for(layer: int) -> Any:
+        def on_output(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            replaced = hook(layer, hidden, output[0])
+            return None if replaced is None else (replaced.to(output[0]), *output[1:])
+
+        return on_output
+
+    handles = [model.get_submodule(path).register_forward_hook(hook_for(i), with_kwargs=True)
+               for i, path in enumerate(attention_paths)]  # fmt: skip
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

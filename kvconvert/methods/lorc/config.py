@@ -102,10 +102,11 @@ class LorcConfig:
                                  f"{self.mla_distance}")  # fmt: skip
         if self.latent == "mla":
             # DeepSeek-V3's config has one kv_lora_rank for every layer and no per-layer opt-out
-            for wrong, reason in ((self.schedule == "auto", "--schedule auto (one latent width for every layer)"),
-                                  (self.threshold is not None, "--threshold (every layer becomes MLA)"),
-                                  (self.compress != "kv", "--compress k/v (MLA rebuilds keys and values)"),
-                                  (self.refine_steps > 0, "--refine-steps (not implemented for MLA yet)")):  # fmt: skip
+            for wrong, reason in (
+                (self.schedule == "auto", "--schedule auto (one latent width for every layer)"),
+                (self.threshold is not None, "--threshold (every layer becomes MLA)"),
+                (self.compress != "kv", "--compress k/v (MLA rebuilds keys and values)"),
+            ):
                 if wrong:
                     raise KVConvertError(f"--latent mla does not combine with {reason}")
             object.__setattr__(self, "calibrate", True)  # the shared RoPE key and the latent are fitted on text

@@ -148,6 +148,11 @@ class MlaPlan:
     engine: dict[str, Any]
     added: dict[str, str] = field(default_factory=dict)  # output head of a tied source (``arch.mla.untied_head``)
     calibration: dict[str, Any] = field(default_factory=dict)
+    frequencies: torch.Tensor | None = None  # the source's RoPE angular frequencies [d/2]
+    # ``refine_steps``: layer -> the refined ``mla.mla_parts`` (float32; layers whose loss fell) and every layer's
+    # losses (``methods.lorc.refine.refine_mla_layers``)
+    refined: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    refine_log: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 def probe_rank(config: LorcConfig, layers: int, width: int) -> int:
@@ -228,11 +233,13 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
     def describe(cls, report: dict[str, Any]) -> str:
         params = report["params"]
         if params.get("latent") == "mla":
+            steps = params.get("refine_steps")
+            refined = f", then refined by {steps} steps per layer on the attention output" if steps else ""
             return (
                 f"LoRC written as a standard DeepSeek-V3 checkpoint (multi-head latent attention): per layer one "
                 f"latent of {report['layers'][0]['rank']} values that keys and values are rebuilt from, plus one RoPE "
                 "key shared by all heads (each frequency's principal direction across the KV heads); fitted on "
-                "calibration activations. Stock transformers loads it without remote code "
+                f"calibration activations{refined}. Stock transformers loads it without remote code "
                 "(`AutoModelForCausalLM.from_pretrained(DIR)`: `DeepseekV3ForCausalLM`, whose cache holds the latent "
                 "and the RoPE key), and so do serving engines with MLA kernels (`vllm serve DIR`)."
             )
@@ -255,8 +262,12 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
     def report_table(cls, report: dict[str, Any]) -> str:
         params = report["params"]
         if params["latent"] == "mla":
-            return layer_table(report, [("latent", "rank", ""), ("RoPE key kept", "rope_kept", ".3f"),
-                                        ("latent error", "latent_rel_output_error", ".3f")])  # fmt: skip
+            return layer_table(report, [
+                ("latent", "rank", ""), ("RoPE key kept", "rope_kept", ".3f"),
+                ("latent error", "latent_rel_output_error", ".3f"),
+                *([("refine loss", "refine_loss_before", ".4f"),
+                   ("→ refined", "refine_loss_after", ".4f")] if params["refine_steps"] else []),
+            ])  # fmt: skip
         error = "rel_output_error" if params["calibrate"] else "rel_frobenius_error"
         return layer_table(report, [
             ("κ(W_K)", "kappa_k", ".3g"), ("κ(W_V)", "kappa_v", ".3g"), ("log10 κ̃", "log10_kappa_cum", ".1f"),
@@ -415,7 +426,7 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         grams, distances = collect_mla_statistics(source, adapter, calib.chunks, ctx.progress)
         if config.mla_distance is not None:  # the user's uniform spread instead of the measured one
             distances = torch.ones(*distances.shape[:2], config.mla_distance, dtype=distances.dtype)
-        return MlaPlan(
+        plan = MlaPlan(
             layout, kv_lora_rank, rope, grams,
             rotations=mean_rotation(frequencies, distances),
             query_scale=layout.scaling[0] / deepseek_v3_scaling({**source.config.to_dict(), **engine}),
@@ -423,7 +434,44 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
             added=untied_head(source.config, source.tensor_names()),
             calibration={"source": calib.source, "tokens": calib.tokens, "chunk_len": int(calib.chunks.shape[1]),
                          "latent_norm_eps": LATENT_NORM_EPS},
+            frequencies=frequencies,
         )  # fmt: skip
+        if not config.refine_steps:
+            return plan
+        return self._refine_mla(ctx, plan, calib.chunks[: config.refine_chunks])
+
+    def _refine_mla(self, ctx: PlanContext, plan: MlaPlan, chunks: torch.Tensor) -> MlaPlan:
+        """``methods.lorc.refine.refine_mla_layers`` from each layer's closed form: ``plan`` with the refined
+        parts, the losses per layer, and what the refinement ran in its calibration entry."""
+        import dataclasses
+        import time
+
+        from kvconvert.arch import adapter_for
+        from kvconvert.arch.mla import LATENT_NORM_EPS
+        from kvconvert.methods.lorc.mla import mla_parts
+        from kvconvert.methods.lorc.refine import MlaJob, refine_mla_layers
+
+        source, layout, steps = ctx.source, plan.layout, self.config.refine_steps
+        adapter = adapter_for(source.config)
+        names = adapter.attention_names_by_layer(source.tensor_names())
+        frequencies = plan.frequencies
+        assert frequencies is not None
+
+        def job_for(layer: int) -> MlaJob:
+            w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
+            tensors = _mla_layer(plan, layer, w, torch.float64).tensors
+            return MlaJob(
+                parts=mla_parts(tensors, layout.num_heads, layout.head_dim, plan.kv_lora_rank),
+                norm_weight=tensors["kv_a_layernorm.weight"], o_weight=tensors["o_proj.weight"],
+                frequencies=frequencies[: plan.rope_dim // 2], scaling=layout.scaling[0] / plan.query_scale,
+                norm_eps=LATENT_NORM_EPS,
+            )  # fmt: skip
+
+        started = time.perf_counter()
+        refined, log = refine_mla_layers(source, adapter, chunks, job_for, steps, ctx.progress)
+        ran = {"steps": steps, "chunks": int(chunks.shape[0]), "seconds": round(time.perf_counter() - started, 1)}
+        return dataclasses.replace(plan, refined=refined, refine_log=log,
+                                   calibration={**plan.calibration, "refine": ran})  # fmt: skip
 
     def _refine(
         self, ctx: PlanContext, weighting: Weighting | None, plan: LorcRanks, chunks: torch.Tensor
@@ -655,10 +703,13 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
 def _mla_layer(plan: MlaPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
     """``latent="mla"``: one layer's DeepSeek-V3 attention tensors (``methods.lorc.mla``) and report."""
     from kvconvert.arch.mla import LATENT_NORM_EPS
-    from kvconvert.methods.lorc.mla import mla_attention
+    from kvconvert.methods.lorc.mla import mla_attention, mla_tensors
 
     tensors, report = mla_attention(weights, plan.layout, plan.input_grams[layer], plan.kv_lora_rank, plan.rope_dim,
                                     plan.rotations[layer], plan.query_scale, LATENT_NORM_EPS)  # fmt: skip
+    if layer in plan.refined:
+        tensors.update(mla_tensors(plan.refined[layer]))
+    report.update({f"refine_{key}": value for key, value in plan.refine_log.get(layer, {}).items()})
     return LayerOutput({k: v.to(dtype) for k, v in tensors.items()},
                        report={"layer": layer, "rank": plan.kv_lora_rank, **report})  # fmt: skip
 

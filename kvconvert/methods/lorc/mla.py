@@ -25,6 +25,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights
@@ -147,3 +148,61 @@ def mla_attention(
         "latent_rel_output_error": linalg.relative_frobenius_error(sigma, rank),
     }  # fmt: skip
     return tensors, report
+
+
+# The names ``mla_forward`` takes: the export's tensors split where their rows differ in kind (and in scale: the
+# latent's rows are shrunk into the norm's linear range), each a separate tensor for ``refine.fit_by_adam``.
+MLA_PARTS = ("q_nope", "q_rope", "latent_down", "rope_key", "kv_up")
+
+
+def mla_parts(
+    tensors: dict[str, torch.Tensor], heads: int, head_dim: int, kv_lora_rank: int
+) -> dict[str, torch.Tensor]:
+    """``mla_attention``'s ``q_proj``, ``kv_a_proj_with_mqa`` and ``kv_b_proj`` as ``MLA_PARTS``: ``q_nope [H, d, D]``,
+    ``q_rope [H, ρ, D]`` (interleaved rows), ``latent_down [r, D]``, ``rope_key [ρ, D]``, ``kv_up [H, 2d, r]``."""
+    query = tensors["q_proj.weight"].view(heads, -1, tensors["q_proj.weight"].shape[-1])
+    kv_a = tensors["kv_a_proj_with_mqa.weight"]
+    return {
+        "q_nope": query[:, :head_dim], "q_rope": query[:, head_dim:], "latent_down": kv_a[:kv_lora_rank],
+        "rope_key": kv_a[kv_lora_rank:], "kv_up": tensors["kv_b_proj.weight"].view(heads, 2 * head_dim, -1),
+    }  # fmt: skip
+
+
+def mla_tensors(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``mla_parts``' inverse: the parts back as the checkpoint's ``q_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``."""
+    return {
+        "q_proj.weight": torch.cat([parts["q_nope"], parts["q_rope"]], dim=1).flatten(0, 1),
+        "kv_a_proj_with_mqa.weight": torch.cat([parts["latent_down"], parts["rope_key"]]),
+        "kv_b_proj.weight": parts["kv_up"].flatten(0, 1),
+    }
+
+
+def interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on DeepSeek's interleaved rows (pair f at dims 2f, 2f+1, turned as ``(x_2f + i·x_2f+1)·e^{iφ_f}``);
+    ``cos``/``sin [T, ρ/2]``, ``x [..., T, ρ]``."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+
+
+def mla_forward(
+    parts: dict[str, torch.Tensor], norm_weight: torch.Tensor, o_weight: torch.Tensor, x: torch.Tensor,
+    frequencies: torch.Tensor, scaling: float, norm_eps: float,
+) -> torch.Tensor:  # fmt: skip
+    """DeepSeek-V3's attention (no query LoRA, causal, positions 0 … T − 1) of ``x [n, T, D]`` with the
+    ``mla_parts`` ``parts``, ``kv_a_layernorm``'s weight and epsilon, W_O, the shared key's angular
+    ``frequencies [ρ/2]`` and the softmax ``scaling``: the output after W_O ``[n, T, D]``, in ``x``'s dtype.
+    Plain torch, differentiable: what stock transformers' ``DeepseekV3Attention`` computes (tested)."""
+    heads, d = parts["q_nope"].shape[0], parts["q_nope"].shape[1]
+    angles = torch.arange(x.shape[1], device=x.device, dtype=torch.float64)[:, None] * frequencies.to(x.device)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    q_nope = torch.einsum("ntx,hdx->nhtd", x, parts["q_nope"])
+    q_rope = interleaved_rotary(torch.einsum("ntx,hdx->nhtd", x, parts["q_rope"]), cos, sin)
+    latent = x @ parts["latent_down"].T  # [n, T, r]; kv_a_layernorm, an RMSNorm computed in float32 as stock
+    latent = (latent.float() * torch.rsqrt(latent.float().pow(2).mean(-1, keepdim=True) + norm_eps)).to(x.dtype)
+    latent = latent * norm_weight
+    rope_key = interleaved_rotary(x @ parts["rope_key"].T, cos, sin)[:, None]  # [n, 1, T, ρ]
+    rebuilt = torch.einsum("ntr,hdr->nhtd", latent, parts["kv_up"])  # [n, H, T, 2d]
+    query = torch.cat([q_nope, q_rope], dim=-1)
+    key = torch.cat([rebuilt[..., :d], rope_key.expand(-1, heads, -1, -1)], dim=-1)
+    out = F.scaled_dot_product_attention(query, key, rebuilt[..., d:], is_causal=True, scale=scaling)
+    return out.transpose(1, 2).flatten(2) @ o_weight.T

@@ -75,7 +75,7 @@ def refine_layer(capture: Capture, job: Job, steps: int, seed: int = 0) -> tuple
     """Adam on ``job``'s factors to minimise ``‖(Ô − O)·W_Oᵀ‖² / ‖O·W_Oᵀ‖²`` over the captured chunks
     (O: attention with the source's keys and values, Ô: with the truncated ones), with a cosine-decayed
     step; a run that ends above the closed form is retried once at a quarter of the step. Returns the
-    factors to keep (float64) and the loss before and after on every captured chunk."""
+    factors to keep (float64) and the loss before and after on every captured chunk (``fit_by_adam``)."""
     factors, offsets, o_weight = job
     device = capture.query.device
     o_weight = o_weight.to(device, torch.float32)
@@ -85,23 +85,41 @@ def refine_layer(capture: Capture, job: Job, steps: int, seed: int = 0) -> tuple
         target = attend(capture, capture.key, capture.value) @ o_weight.T  # [n, T, D]
         norm = target.pow(2).sum(dim=(1, 2))  # [n]
 
-    def loss(params: dict[str, list[torch.Tensor]], rows: Any) -> torch.Tensor:
+    def loss(params: dict[str, torch.Tensor], rows: Any) -> torch.Tensor:
         key, value = capture.key[rows], capture.value[rows]
-        if "kv" in params:  # one latent for both: Π on the stacked [k; v]
-            both = project(torch.cat([key, value], dim=1), (params["kv"][0], params["kv"][1]), offset["kv"])
+        if "kv.a" in params:  # one latent for both: Π on the stacked [k; v]
+            both = project(torch.cat([key, value], dim=1), (params["kv.a"], params["kv.b"]), offset["kv"])
             key, value = both[:, : key.shape[1]], both[:, key.shape[1] :]
-        if "k" in params:
-            key = project(key, (params["k"][0], params["k"][1]), offset["k"])
-        if "v" in params:
-            value = project(value, (params["v"][0], params["v"][1]), offset["v"])
+        if "k.a" in params:
+            key = project(key, (params["k.a"], params["k.b"]), offset["k"])
+        if "v.a" in params:
+            value = project(value, (params["v.a"], params["v.b"]), offset["v"])
         error = attend(capture, key, value, rows) @ o_weight.T - target[rows]
         return error.pow(2).sum() / norm[rows].sum()
 
-    def fit(step_size: float) -> tuple[dict[str, list[torch.Tensor]], float]:
-        params = {side: [f.to(device, torch.float32).clone().requires_grad_(True) for f in pair]
-                  for side, pair in factors.items()}  # fmt: skip
-        groups = [{"params": [p], "lr": step_size * float(p.detach().pow(2).mean().sqrt())}
-                  for pair in params.values() for p in pair]  # fmt: skip
+    initial = {f"{side}.{part}": f for side, pair in factors.items() for part, f in zip("ab", pair, strict=True)}
+    fitted, log = fit_by_adam(initial, loss, n, steps, seed)
+    return {side: (fitted[f"{side}.a"], fitted[f"{side}.b"]) for side in factors}, log
+
+
+def fit_by_adam(
+    initial: dict[str, torch.Tensor], loss: Callable[[dict[str, torch.Tensor], Any], torch.Tensor], n: int,
+    steps: int, seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:  # fmt: skip
+    """Adam on the tensors ``initial`` (float64 or float32, any device: fitted in float32 on the compute device)
+    to minimise ``loss(params, rows)`` over ``n`` captured chunks (``rows``: a batch of chunk indices, or every
+    chunk), ``BATCH`` chunks per step, each tensor's step ``STEP_SIZE`` × its RMS entry, cosine-decayed. A run
+    that ends above the start's loss on every chunk is retried once at a quarter of the step, then dropped:
+    the result never has a higher loss than the start. Returns the tensors to keep (float64, CPU; the
+    start's own when dropped) and the loss before and after on every chunk."""
+    from kvconvert.devices import compute_device
+
+    device = compute_device()
+    start = {name: t.to(device, torch.float32) for name, t in initial.items()}
+
+    def fit(step_size: float) -> tuple[dict[str, torch.Tensor], float]:
+        params = {name: t.clone().requires_grad_(True) for name, t in start.items()}
+        groups = [{"params": [p], "lr": step_size * float(p.detach().pow(2).mean().sqrt())} for p in params.values()]
         optimizer = torch.optim.Adam(groups)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
         generator = torch.Generator().manual_seed(seed)
@@ -116,17 +134,16 @@ def refine_layer(capture: Capture, job: Job, steps: int, seed: int = 0) -> tuple
             return params, float(loss(params, slice(None)))
 
     with torch.no_grad():
-        before = float(loss({side: [f.to(device, torch.float32) for f in pair] for side, pair in factors.items()},
-                            slice(None)))  # fmt: skip
+        before = float(loss(start, slice(None)))
     if before <= 1e-10:  # exact already (full rank): Adam's normalised steps would only add noise
-        return factors, {"loss_before": before, "loss_after": before}
+        return dict(initial), {"loss_before": before, "loss_after": before}
     params, after = fit(STEP_SIZE)
     if not after < before:
         params, after = fit(STEP_SIZE / 4)
     if not after < before:
-        return factors, {"loss_before": before, "loss_after": before}
-    refined = {side: (a.detach().double().cpu(), b.detach().double().cpu()) for side, (a, b) in params.items()}
-    return refined, {"loss_before": before, "loss_after": after}
+        return dict(initial), {"loss_before": before, "loss_after": before}
+    return {name: p.detach().double().cpu() for name, p in params.items()}, {"loss_before": before,
+                                                                              "loss_after": after}  # fmt: skip
 
 
 def refine_layers(
@@ -209,3 +226,81 @@ def _affine(factors: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor) -> t
     """``(Π, c)`` float32 for ``calib.projection.project_kv``: ``Π·x + c = Π·(x − b) + b`` with ``Π = A·B``."""
     projector = (factors[0] @ factors[1]).float()
     return projector, bias.float() - projector @ bias.float()
+
+
+@dataclass
+class MlaJob:
+    """What ``refine_mla_layers`` fits at one layer: the closed form's ``mla.mla_parts`` (the start) and what
+    ``mla.mla_forward`` holds fixed: ``kv_a_layernorm``'s weight and epsilon, W_O, the shared RoPE key's
+    frequencies and the softmax scale."""
+
+    parts: dict[str, torch.Tensor]
+    norm_weight: torch.Tensor
+    o_weight: torch.Tensor
+    frequencies: torch.Tensor
+    scaling: float
+    norm_eps: float
+
+    def forward(self, parts: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        from kvconvert.methods.lorc.mla import mla_forward
+
+        fixed = (self.norm_weight.to(x), self.o_weight.to(x))
+        return mla_forward(parts, *fixed, x, self.frequencies, self.scaling, self.norm_eps)
+
+
+def refine_mla_layers(
+    source: Any, adapter: Any, chunks: torch.Tensor, job_for: Callable[[int], MlaJob], steps: int,
+    progress: bool = True,
+) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, dict[str, float]]]:  # fmt: skip
+    """``lorc --latent mla --refine-steps``: each layer's DeepSeek-V3 attention (``job_for(layer)``, the closed
+    form) fitted like ``refine_layers`` fits a truncation — Adam on ``‖Ô − O‖² / ‖O‖²``, O the source layer's
+    attention output (after W_O) and Ô the MLA layer's, on the same inputs, layer by layer on the stream of
+    the refined layers before it — but over every tensor the format lets differ from the closed form: the
+    queries (both parts), the latent's projection, the shared RoPE key, and ``kv_b_proj`` per query head (the
+    closed form repeats it across a GQA group; the format stores it per head, so untying costs no cache), with
+    ``kv_a_layernorm`` in the loop. ``chunks [n, T]``: unpadded sequences, positions from 0. Returns the refined
+    ``mla_parts`` (float32) of the layers whose loss fell, and every layer's losses and seconds."""
+    from kvconvert.calib.hooks import attention_io
+    from kvconvert.calib.sequential import run_layer_by_layer
+
+    fitted: dict[int, dict[str, torch.Tensor]] = {}
+    log: dict[int, dict[str, float]] = {}
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # layer -> (input, output) per chunk
+    applying: list[tuple[int, MlaJob, dict[str, torch.Tensor]] | None] = [None]
+
+    def hook(layer: int, hidden: torch.Tensor, output: torch.Tensor) -> torch.Tensor | None:
+        if applying[0] is not None and applying[0][0] == layer:  # the second run: the fitted layer's output
+            job, parts = applying[0][1], applying[0][2]
+            return job.forward({k: v.to(hidden.device) for k, v in parts.items()}, hidden.float())
+        seen.setdefault(layer, []).append((hidden.detach().float(), output.detach().float()))
+        return None
+
+    def repeat(layer: int) -> bool:
+        started = time.perf_counter()
+        job = job_for(layer)
+        rows = seen.pop(layer)
+        inputs, target = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        norm = target.pow(2).sum(dim=(1, 2))
+
+        def loss(parts: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
+            x = inputs[batch]
+            return (job.forward(parts, x) - target[batch]).pow(2).sum() / norm[batch].sum()
+
+        parts, log[layer] = fit_by_adam(job.parts, loss, int(inputs.shape[0]), steps, seed=layer)
+        if log[layer]["loss_after"] < log[layer]["loss_before"]:
+            fitted[layer] = {name: t.float() for name, t in parts.items()}
+        # the closed form puts it at mla.LATENT_MEAN_SQUARE: far below 1, the norm is still linear (engines that pad
+        # the latent, as vLLM's CPU kernel needs, then compute the same model)
+        latent = inputs @ parts["latent_down"].to(inputs).T
+        log[layer]["latent_mean_square_over_eps"] = float(latent.pow(2).mean()) / job.norm_eps
+        log[layer]["seconds"] = time.perf_counter() - started
+        applying[0] = (layer, job, {name: t.float() for name, t in parts.items()})
+        return True
+
+    @contextlib.contextmanager
+    def observe(model: Any) -> Iterator[None]:
+        with attention_io(model, adapter.attention_module_paths(), hook):
+            yield
+
+    run_layer_by_layer(source, adapter, chunks, observe, progress=progress, repeat=repeat)
+    return fitted, log
