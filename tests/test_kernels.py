@@ -287,13 +287,13 @@ def kivi_checkpoint(name: str, tokenized_model_dir, out) -> tuple[str, int]:
     return command, layers
 
 
-def greedy_twelve(model):
+def greedy_twelve(model, **options):
     """Greedy decoding of a left-padded batch whose cache holds quantized blocks, with the logits."""
     from tests.helpers import left_padded
 
     ids, mask = (t.to(DEVICE) for t in left_padded(length=100, pad=37, seed=3))
     return model.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                          pad_token_id=0, return_dict_in_generate=True, output_logits=True)  # fmt: skip
+                          pad_token_id=0, return_dict_in_generate=True, output_logits=True, **options)  # fmt: skip
 
 
 def assert_same_generation(expected, got, where: str) -> None:
@@ -333,12 +333,19 @@ def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_m
     assert_same_generation(outputs["torch"], outputs["triton"], name)
 
 
-@pytest.mark.parametrize("name", [*KIVI_RECIPES, *FOLDED_RECIPES])
+# (recipe, static cache): razor's retrieval heads have no static cache with --kv-bits
+FROM_CODES = [(name, static) for name in (*KIVI_RECIPES, *FOLDED_RECIPES) for static in (False, True)
+              if not (static and name.startswith("razor"))]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "static"), FROM_CODES)
 @torch.no_grad()
-def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, tokenized_model_dir, tmp_path, monkeypatch):
-    """On a CPU a 4-bit KIVI checkpoint decodes from its codes by default (``kivi_decode_folded``: one call per
-    layer and step, no kernels asked for; razor: for its retrieval heads, per layer that has them): the tokens and
-    logits of dequantizing the cache for attention."""
+def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, static, tokenized_model_dir, tmp_path,
+                                                                monkeypatch):  # fmt: skip
+    """On a CPU a KIVI checkpoint decodes from its codes by default (``kivi_decode_folded``: one call per layer and
+    step, no kernels asked for; razor: for its retrieval heads, per layer that has them), from a growing cache or a
+    static one (``StaticKiviLayer``: every slot read, the blocks not quantized yet masked by position; blocks fill
+    while it decodes): the tokens and logits of dequantizing the same cache for attention."""
     import kvconvert
     import kvconvert.runtime.kvconvert_quant as runtime
     import kvconvert.runtime.kvconvert_razor as razor_runtime
@@ -348,6 +355,7 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, tokenized_
     monkeypatch.delenv("KVCONVERT_KERNELS", raising=False)
     _, layers = kivi_checkpoint(name, tokenized_model_dir, tmp_path / "m")
     model = kvconvert.load(tmp_path / "m").eval()
+    options = {"cache_implementation": "static"} if static else {}
     calls = []
 
     def counted(*a, **k):
@@ -355,13 +363,14 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, tokenized_
         return kivi_decode_folded(*a, **k)
 
     monkeypatch.setattr(runtime, "kivi_decode_folded", counted)
-    from_codes = greedy_twelve(model)
+    from_codes = greedy_twelve(model, **options)
     assert len(calls) == 11 * layers
-    for module in (runtime, razor_runtime):  # the dequantizing path
+    for module in (runtime, razor_runtime):  # the dequantizing paths
         monkeypatch.setattr(module, "kivi_kernel_reads", lambda *a, **k: False)
-    dequantized = greedy_twelve(model)
+    monkeypatch.setattr(runtime.StaticKiviLayer, "_folded_reads", lambda self, dim: False)
+    dequantized = greedy_twelve(model, **options)
     assert len(calls) == 11 * layers
-    assert_same_generation(dequantized, from_codes, name)
+    assert_same_generation(dequantized, from_codes, f"{name}, static" if static else name)
 
 
 # -- the kernels inside converted models -----------------------------------------------------

@@ -15,7 +15,13 @@ from helpers import assert_same_logits, left_padded, load_converted, load_refere
 from transformers import CompileConfig, StaticCache
 
 STATIC = ("lorc", "slim", "zack", "quant", "razor")  # the methods with a static cache
-STATIC_LAYERS = {"StaticLatentLayer", "StaticStoreLayer", "StaticFp8Layer", "StaticRazorLayer"}  # kvconvert's
+STATIC_LAYERS = {
+    "StaticLatentLayer",
+    "StaticStoreLayer",
+    "StaticKiviLayer",
+    "StaticFp8Layer",
+    "StaticRazorLayer",
+}  # kvconvert's
 SEARCHES = {
     "greedy": {"do_sample": False},
     "beams": {"num_beams": 2, "do_sample": False},

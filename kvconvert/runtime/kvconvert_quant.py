@@ -1,8 +1,10 @@
 """Quantized-cache runtime (``kvconvert quant``): stock attention, every layer's K/V in quantized
 storage (``kvconvert_codec``, ``kvconvert_tokenlayout``).
 
-KIVI's layout (the default): ``QuantizedLayer`` — keys per channel, values per token, recent tokens
-exact; each step reads the whole cache dequantized, and stock attention runs on it.
+KIVI's layout (the default): keys per channel, values per token, recent tokens exact. Routed through
+``quant_attention``, its decode steps read the codes (``KiviLayer``, ``StaticKiviLayer`` for a static cache: the
+Triton kernel when asked for, else on a CPU ``kivi_decode_folded``); elsewhere a step reads the whole cache
+dequantized and stock attention runs on it (``QuantizedLayer``).
 
 The token layout (``--kv-layout token``, a kvconvert extension): keys and values per token, rotated,
 stored as torch's int4 matrix layout (``TokenLayoutStore``). A registered attention function then
@@ -35,7 +37,14 @@ from .kvconvert_kivi_kernel import (
     kivi_kernel_fits,
     merge_partials,
 )
-from .kvconvert_storage import Fp8Layer, QuantizedLayer, sliding_layer, static_sliding_layer, static_stock_layer
+from .kvconvert_storage import (
+    Fp8Layer,
+    QuantizedLayer,
+    StaticStoreLayer,
+    sliding_layer,
+    static_sliding_layer,
+    static_stock_layer,
+)
 from .kvconvert_tokenlayout import TokenLayoutStore, cpu_int4_rows
 from .kvconvert_tokenstore import TokenStore
 
@@ -191,14 +200,23 @@ def kivi_decode(
         acc = (acc.view(*acc.shape[:-1], -1, size) @ rotation(size, acc.device).T).flatten(-2)
     exact_k = [t for t in (keys.head, keys.tail, key) if t is not None]
     exact_v = [t for t in (values.head, values.tail, value) if t is not None]
-    k_exact, v_exact = torch.cat(exact_k, dim=-2).float(), torch.cat(exact_v, dim=-2).float()
-    scores = torch.einsum("bhgd,bhnd->bhgn", q, k_exact) * scaling  # [b, Hkv, G, s + t + 1]
+    exact_bias = None if bias is None else torch.cat([bias[..., :sink], bias[..., n_q:]], dim=-1)  # [b|1, 1, 1, ·]
+    exact = exact_partial(q, torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2), exact_bias, scaling)
+    return merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
+
+
+def exact_partial(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax partial (``merge_partials``) of query rows ``q [b, Hkv, G, d]`` over exact ``keys``/``values``
+    ``[b, Hkv, t, d]`` with an additive ``bias`` broadcasting to ``[b, Hkv, G, t]`` (or None): the weighted sum
+    ``[b, Hkv, G, d]`` and (max, sum of weights) ``[b, Hkv, G, 2]``, float32."""
+    scores = torch.einsum("bhgd,bhnd->bhgn", q, keys.float()) * scaling
     if bias is not None:
-        scores = scores + torch.cat([bias[..., :sink], bias[..., n_q:]], dim=-1).float()  # [b|1, 1, 1, ·]
+        scores = scores + bias.float()
     top = scores.amax(-1)
     probs = torch.exp(scores - top[..., None])
-    exact = torch.einsum("bhgn,bhnd->bhgd", probs, v_exact), torch.stack([top, probs.sum(-1)], dim=-1)
-    return merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
+    return torch.einsum("bhgn,bhnd->bhgd", probs, values.float()), torch.stack([top, probs.sum(-1)], dim=-1)
 
 
 def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int, kernel: bool = True) -> bool:
@@ -254,6 +272,104 @@ class KiviLayer(QuantizedLayer):
             return out.transpose(1, 2).contiguous(), None
         k, v = keys.extend(key), values.extend(value)
         return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)
+
+
+class StaticKiviLayer(StaticStoreLayer):
+    """``StaticStoreLayer`` in KIVI's layout whose decode steps read the codes on a CPU, as ``KiviLayer`` does for a
+    growing cache (routed the same way: until ``quant_attention`` first calls ``attend``, a plain static layer).
+    A step reads every block the buffers have room for with ``kivi_decode_folded`` — fixed shapes, what
+    ``torch.compile`` needs — masking the blocks not quantized yet and the sink's stand-ins by position, and attends
+    the exact part (sink, the ring's tokens not quantized yet, this step's token) beside it; then the token is
+    written as ``StaticTokenStore.extend`` writes it. Elsewhere (a GPU, a prefill, widths the reader does not take)
+    it dequantizes, as ``StaticStoreLayer`` does."""
+
+    routed = False
+
+    def reset(self) -> None:
+        super().reset()
+        self.routed = False
+
+    def update(  # type: ignore[override]
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.routed:
+            return super().update(key_states, value_states, *args, **kwargs)
+        return key_states, value_states
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
+        if not self.routed:  # the first call: ``update`` stored it and returned every slot
+            self.routed = True
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        if query.shape[2] == 1 and query.device.type == "cpu" and self._folded_reads(query.shape[-1]):
+            out = self._decode(query, key, value, attention_mask, scaling).to(query.dtype)
+            return out.transpose(1, 2).contiguous(), None
+        k, v = StaticStoreLayer.update(self, key, value)
+        assert v is not None
+        return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)
+
+    def _folded_reads(self, dim: int) -> bool:
+        keys, values = self.key_store, self.value_store
+        if values is None or keys.codes is None or values.codes is None or not keys.per_channel:
+            return False
+        size = channel_groups(dim, values.quant.group)[1]
+        fits = all(kivi_folded_fits(store.quant.bits, keys.quant.group, size) for store in (keys, values))
+        return fits and keys.ring_len == values.ring_len and keys.quant.sink == values.quant.sink
+
+    def _decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                scaling: float) -> torch.Tensor:  # fmt: skip
+        """One decode step (``[b, H, 1, d]`` float32) over every slot, then the token stored."""
+        keys, values = self.key_store, self.value_store
+        assert values is not None and keys.codes is not None and values.codes is not None
+        assert keys.scale is not None and keys.zero is not None and values.scale is not None
+        assert values.zero is not None and keys.ring is not None and values.ring is not None
+        self._check_room(1)
+        batch, heads, _, dim = query.shape
+        kv_heads, filled, device = key.shape[1], self.filled, query.device
+        minimum = torch.finfo(torch.float32).min
+        q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
+        # the mask's bias per slot [b, max_cache_len] (positions past it: never valid)
+        bias = additive_mask(attention_mask, 1, self.max_cache_len, torch.float32, device)
+        bias = (torch.zeros(1, self.max_cache_len, device=device) if bias is None else bias[:, 0, 0]).expand(batch, -1)
+        length, sink = keys.blocks * keys.quant.group, keys.quant.sink if keys.head is not None else 0
+        positions = torch.arange(length, device=device)
+        quantized = keys.quantized_count(filled)
+        bias_q = torch.full((batch, length), minimum, device=device)
+        bias_q[:, : self.max_cache_len] = bias
+        bias_q = torch.where((positions < quantized) & (positions >= sink), bias_q, minimum)
+        acc, ml = kivi_decode_folded(q, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero,
+                                     bias_q, scaling, keys.quant.bits, values.quant.bits)  # fmt: skip
+        if values.rotate:  # acc is linear in the values: rotate the weighted sum back per channel group
+            size = channel_groups(dim, values.quant.group)[1]
+            acc = (acc.view(*acc.shape[:-1], -1, size) @ rotation(size, device).T).flatten(-2)
+        # exact: the sink, the ring's slots not quantized yet (slot s: the newest position ≡ s mod its length), this
+        # step's token at position ``filled``
+        slots = torch.arange(keys.ring_len, device=device)
+        ring = filled - 1 - (filled - 1 - slots).remainder(keys.ring_len)
+        where = [ring, filled.view(1)]
+        valid = [(ring >= quantized) & (ring >= sink) & (ring >= 0), torch.ones(1, dtype=torch.bool, device=device)]
+        exact_k, exact_v = [keys.ring, key], [values.ring, value]
+        if keys.head is not None and values.head is not None:
+            held = torch.arange(sink, device=device)
+            where, valid = [held, *where], [held < filled, *valid]
+            exact_k, exact_v = [keys.head, *exact_k], [values.head, *exact_v]
+        at, ok = torch.cat(where), torch.cat(valid)
+        exact_bias = torch.where(ok, bias.index_select(1, at.clamp(0, self.max_cache_len - 1)), minimum)
+        exact = exact_partial(q, torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2), exact_bias[:, None, None],
+                              scaling)  # fmt: skip
+        out = merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
+        keys.extend_only(key, filled)
+        values.extend_only(value, filled)
+        self._advance(1)
+        return out
+
+
+def static_kivi_layer(quant: QuantSpec, layer: int, max_cache_len: int) -> Any:
+    """``static_stock_layer``, with ``StaticKiviLayer`` for a layer quantized in KIVI's layout."""
+    quantized = quant.side(layer, keys=True).quantized and quant.side(layer, keys=False).quantized
+    if quant.fp8 or quant.layout == "token" or not quantized:
+        return static_stock_layer(quant, layer, max_cache_len)
+    return StaticKiviLayer(max_cache_len, quant, layer)
 
 
 def kivi_routed(model: Any) -> bool:
@@ -340,7 +456,7 @@ def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerS
     layers = range(len(spec["attention_modules"]))
     if max_cache_len is not None and static_refusal(spec, static_windows=True) is None:
         length = max_cache_len
-        return LayerStateCache([static_sliding_layer(spec, i, length) or static_stock_layer(quant, i, length)
+        return LayerStateCache([static_sliding_layer(spec, i, length) or static_kivi_layer(quant, i, length)
                                 for i in layers])  # fmt: skip
     layer_class = Fp8Layer if quant.fp8 else TokenLayoutLayer if quant.layout == "token" else KiviLayer
     return LayerStateCache([sliding_layer(spec, i) or layer_class(quant, i) for i in layers])

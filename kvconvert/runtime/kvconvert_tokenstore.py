@@ -332,11 +332,15 @@ class StaticTokenStore:
             self.ring.index_copy_(-2, torch.arange(new.shape[-2], device=new.device) + filled, new)
             return self.ring
         out = self._read(new, filled)
+        self.extend_only(new, filled)
+        return out
+
+    def extend_only(self, new: torch.Tensor, filled: torch.Tensor) -> None:
+        """``extend``'s writes without its read (a step that read the codes itself: ``StaticKiviLayer``)."""
         if new.shape[-2] == 1:
             self._write_one(new, filled)
         else:
             self._write_many(new, int(filled))
-        return out
 
     def _read(self, new: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
         assert self.ring is not None
