@@ -11,8 +11,9 @@ vLLM's runtime flag ``--kv-cache-dtype fp8`` alone (no scales: 1.0), what servin
 calibration. Then the MLA export (``lorc --latent mla``, DeepSeek-V3 layout): as written (vLLM's CPU MLA
 kernel takes only ``kv_lora_rank + qk_rope_head_dim = 576``, so it is refused there: the row records how), and
 with its latent zero-padded to 512 (the same model: the padded coordinates are 0, and the latent norm is
-linear), which vLLM runs, against kvconvert's own evaluation of that checkpoint. Writes
-bench/results/vllm-cpu-<date>.{json,md}.
+linear), which vLLM runs, against kvconvert's own evaluation of that checkpoint; and the same export refined
+(``--refine-steps``, ``--mla-refine-steps``), padded alike. ``--only REGEX`` runs the rows it matches (and the
+source). Writes bench/results/vllm-cpu-<date>.{json,md} (``--name``).
 
     python bench/vllm_bench.py --engine-python bench/.cache/venv-vllm/bin/python
 """
@@ -23,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -142,6 +144,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--speed-tokens", type=int, default=64)
     parser.add_argument("--reuse", action="store_true", help="read vLLM's results from an earlier run's cache")
+    parser.add_argument("--only", default=None, help="regex: run only the rows whose label matches (and the source)")
+    parser.add_argument(
+        "--mla-refine-steps", type=int, default=100, help="the refined MLA export's --refine-steps (0: no such row)"
+    )
+    parser.add_argument("--name", default="vllm-cpu", help="results file stem (bench/results/NAME-<date>.*)")
     args = parser.parse_args()
     started = time.time()
 
@@ -164,6 +171,13 @@ def main() -> None:
     convert(open_source(str(source)), build_method("lorc", LorcConfig(kv_budget=0.5, latent="mla")), mla,
             replace=True, progress=False)  # fmt: skip
     mla_padded = padded_latent(mla, work / "smollm2-135m-mla-0.5-pad512", 512)
+    refined_label = f"MLA export 0.5 --refine-steps {args.mla_refine_steps}, padded to 512 (+ 64)"
+    refined = refined_padded = None
+    if args.mla_refine_steps:  # each layer fitted on its attention output, kv_a_layernorm in the loop
+        refined = work / f"smollm2-135m-mla-0.5-refine{args.mla_refine_steps}"
+        config = LorcConfig(kv_budget=0.5, latent="mla", refine_steps=args.mla_refine_steps)
+        convert(open_source(str(source)), build_method("lorc", config), refined, replace=True, progress=False)
+        refined_padded = padded_latent(refined, work / f"{refined.name}-pad512", 512)
 
     scored, prompts, speed_prompt = token_windows(source, args.windows)
     inputs = work / "inputs.json"
@@ -184,6 +198,10 @@ def main() -> None:
              ("MLA export 0.5, latent zero-padded to 512 (+ 64)", mla_padded, "auto", reference_mla),
              ("MLA export 0.5, padded, bfloat16 (vLLM's AMX MLA)", mla_padded, "auto",
               ("--dtype", "bfloat16"))]  # fmt: skip
+    if refined_padded is not None:
+        runs.append((refined_label, refined_padded, "auto", reference_mla))
+    if args.only:
+        runs = [run for run in runs if run[0] == "source" or re.search(args.only, run[0])]
     results: dict[str, Any] = {}
     refused: dict[str, str] = {}
     for label, model_dir, kv_dtype, extra in runs:
@@ -226,6 +244,8 @@ def main() -> None:
     if "MLA export 0.5, latent zero-padded to 512 (+ 64)" in results:  # the padding changes nothing
         results["MLA export 0.5, latent zero-padded to 512 (+ 64)"]["kvconvert_unpadded"] = kvconvert_side(
             mla, scored, prompts, args.new_tokens)  # fmt: skip
+    if refined is not None and refined_label in results:  # refined, the latent still in the norm's linear range?
+        results[refined_label]["kvconvert_unpadded"] = kvconvert_side(refined, scored, prompts, args.new_tokens)
     rows = []
     for label, entry in results.items():
         engine, ours = entry["vllm"], entry["kvconvert"]
@@ -259,7 +279,7 @@ def main() -> None:
         table += f"\n\n{label}: refused by vLLM: {why}"
     payload = {"machine": machine(), "context": CONTEXT, "scored": SCORED, "windows": args.windows,
                "results": results, "refused": refused, "seconds": time.time() - started}  # fmt: skip
-    write_results("vllm-cpu", payload, table)
+    write_results(args.name, payload, table)
 
 
 if __name__ == "__main__":
