@@ -195,14 +195,28 @@ def kivi_decode(
         acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32)
     else:
         acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits)
-    if values.rotate:  # acc is linear in the values: rotate the weighted sum back per channel group
-        size = channel_groups(dim, values.quant.group)[1]
-        acc = (acc.view(*acc.shape[:-1], -1, size) @ rotation(size, acc.device).T).flatten(-2)
+    acc = values_unrotated(acc, values, dim)
     exact_k = [t for t in (keys.head, keys.tail, key) if t is not None]
     exact_v = [t for t in (values.head, values.tail, value) if t is not None]
     exact_bias = None if bias is None else torch.cat([bias[..., :sink], bias[..., n_q:]], dim=-1)  # [b|1, 1, 1, ·]
     exact = exact_partial(q, torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2), exact_bias, scaling)
     return merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
+
+
+def values_unrotated(acc: torch.Tensor, values: Any, dim: int) -> torch.Tensor:
+    """A codes reader's weighted sum ``[..., d]`` of ``values`` (a ``TokenStore`` or ``StaticTokenStore``) with the
+    store's rotation undone per channel group: the sum is linear in the values, so the rotation is undone on it,
+    not on the cache (values the store rotated: ``--kv-rotate`` where the weights could not take it)."""
+    if not values.rotate:
+        return acc
+    size = channel_groups(dim, values.quant.group)[1]
+    return (acc.view(*acc.shape[:-1], -1, size) @ rotation(size, acc.device).T).flatten(-2)
+
+
+def folded_fits(keys: Any, values: Any, dim: int) -> bool:
+    """Both stores' widths, blocks and value groups are what ``kivi_decode_folded`` reads (``kivi_folded_fits``)."""
+    size = channel_groups(dim, values.quant.group)[1]
+    return all(kivi_folded_fits(store.quant.bits, keys.quant.group, size) for store in (keys, values))
 
 
 def exact_partial(
@@ -229,8 +243,7 @@ def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int, kernel: bo
     if kernel:
         fits = all(kivi_kernel_fits(store.quant.bits, keys.quant.group, dim) for store in (keys, values))
     else:
-        size = channel_groups(dim, values.quant.group)[1]
-        fits = all(kivi_folded_fits(store.quant.bits, keys.quant.group, size) for store in (keys, values))
+        fits = folded_fits(keys, values, dim)
     layout = keys.per_channel and not isinstance(keys, TokenLayoutStore)
     sink = 0 if keys.head is None else keys.head.shape[-2]
     return layout and fits and keys.blocks is not None and not keys.offset and keys.quantized_tokens >= sink
@@ -312,9 +325,8 @@ class StaticKiviLayer(StaticStoreLayer):
         keys, values = self.key_store, self.value_store
         if values is None or keys.codes is None or values.codes is None or not keys.per_channel:
             return False
-        size = channel_groups(dim, values.quant.group)[1]
-        fits = all(kivi_folded_fits(store.quant.bits, keys.quant.group, size) for store in (keys, values))
-        return fits and keys.ring_len == values.ring_len and keys.quant.sink == values.quant.sink
+        same_ring = keys.ring_len == values.ring_len and keys.quant.sink == values.quant.sink
+        return same_ring and folded_fits(keys, values, dim)
 
     def _decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 scaling: float) -> torch.Tensor:  # fmt: skip
@@ -339,9 +351,7 @@ class StaticKiviLayer(StaticStoreLayer):
         bias_q = torch.where((positions < quantized) & (positions >= sink), bias_q, minimum)
         acc, ml = kivi_decode_folded(q, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero,
                                      bias_q, scaling, keys.quant.bits, values.quant.bits)  # fmt: skip
-        if values.rotate:  # acc is linear in the values: rotate the weighted sum back per channel group
-            size = channel_groups(dim, values.quant.group)[1]
-            acc = (acc.view(*acc.shape[:-1], -1, size) @ rotation(size, device).T).flatten(-2)
+        acc = values_unrotated(acc, values, dim)
         # exact: the sink, the ring's slots not quantized yet (slot s: the newest position ≡ s mod its length), this
         # step's token at position ``filled``
         slots = torch.arange(keys.ring_len, device=device)

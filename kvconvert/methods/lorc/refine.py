@@ -287,14 +287,15 @@ def refine_mla_layers(
             return (job.forward(parts, x) - target[batch]).pow(2).sum() / norm[batch].sum()
 
         parts, log[layer] = fit_by_adam(job.parts, loss, int(inputs.shape[0]), steps, seed=layer)
+        parts = {name: t.float() for name, t in parts.items()}
         if log[layer]["loss_after"] < log[layer]["loss_before"]:
-            fitted[layer] = {name: t.float() for name, t in parts.items()}
+            fitted[layer] = parts
         # the closed form puts it at mla.LATENT_MEAN_SQUARE: far below 1, the norm is still linear (engines that pad
         # the latent, as vLLM's CPU kernel needs, then compute the same model)
         latent = inputs @ parts["latent_down"].to(inputs).T
         log[layer]["latent_mean_square_over_eps"] = float(latent.pow(2).mean()) / job.norm_eps
         log[layer]["seconds"] = time.perf_counter() - started
-        applying[0] = (layer, job, {name: t.float() for name, t in parts.items()})
+        applying[0] = (layer, job, parts)
         return True
 
     @contextlib.contextmanager
