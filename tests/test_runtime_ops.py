@@ -7,7 +7,13 @@ import torch
 from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox_rope
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
 
-from kvconvert.runtime.kvconvert_common import additive_mask, apply_rotary
+from kvconvert.runtime.kvconvert_common import (
+    additive_mask,
+    apply_rotary,
+    pair_order,
+    rotary_pairs,
+    rotate_pairs,
+)
 
 
 @pytest.mark.parametrize("rotary_dim", [16, 4])  # full and partial (GPT-NeoX style) rotary
@@ -32,6 +38,39 @@ def test_apply_rotary_on_a_token_major_cache(head_major):
     got = apply_rotary(x, cos, sin, head_major=head_major)
     torch.testing.assert_close(got, llama_rope(x.contiguous(), x.contiguous(), cos, sin)[0])
     assert got.is_contiguous() == head_major
+
+
+@pytest.mark.parametrize(("rotary_dim", "grad"), [(16, False), (4, False), (16, True)])
+def test_rotating_keys_in_pairs_scores_as_transformers(rotary_dim, grad):
+    """LoRC's decode rebuilds keys with each head's channels in ``pair_order`` and rotates them by one complex
+    product (``rotate_pairs``): with the queries in the same order, every score equals transformers' RoPE'd
+    ``q·k`` (partial rotary: the channels past ``rotary_dim`` left as they are; with autograd: no ``out=``)."""
+    torch.manual_seed(0)
+    heads, dk = 3, 16
+    keys = torch.randn(2, 7, heads * dk, requires_grad=grad)  # [b, n, heads·dk]
+    query = torch.randn(2, heads, 1, dk)
+    angles = torch.randn(2, 7, rotary_dim // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    rope = llama_rope if rotary_dim == 16 else neox_rope
+    head_major = keys.view(2, 7, heads, dk).transpose(1, 2)
+    reference_keys = rope(head_major, head_major, cos, sin)[0]
+    order = pair_order(dk, rotary_dim)
+    pairs = rotary_pairs(cos, sin)
+    assert pairs is not None
+    got = rotate_pairs(keys.view(2, 7, heads, dk)[..., order].reshape(2, 7, -1), pairs, heads)
+    torch.testing.assert_close(got, reference_keys[..., order])
+    torch.testing.assert_close(query[..., order] @ got.transpose(-1, -2), query @ reference_keys.transpose(-1, -2))
+    assert got.requires_grad == grad
+
+
+def test_rotary_pairs_only_where_one_angle_turns_each_pair():
+    """Halves with different angles (a RoPE variant this form cannot express) or a half-precision dtype: None,
+    so the caller rotates as ``apply_rotary`` does."""
+    angles = torch.randn(1, 5, 8)
+    assert rotary_pairs(torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)) is not None
+    assert rotary_pairs(torch.cat([angles.cos(), angles.cos() + 1], -1), torch.cat([angles.sin()] * 2, -1)) is None
+    half = torch.cat([angles.cos()] * 2, -1).half()
+    assert rotary_pairs(half, half) is None
 
 
 def test_additive_mask_forms_agree():

@@ -91,6 +91,7 @@ class CompressedCache(Cache):
         # cos/sin of all cached positions, computed by the first layer of a forward pass and
         # reused by the others; released when the forward pass ends (never kept between steps).
         self._rope_step: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pairs_step: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (the cos it is of, pairs)
 
     def update_latent(
         self,
@@ -144,8 +145,15 @@ class CompressedCache(Cache):
             self._rope_step = rotary(like, positions.long())
         return self._rope_step
 
+    def pairs_for_keys(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """``rotary_pairs`` of this step's ``rope_for_keys``, computed once for all layers."""
+        if self._pairs_step is None or self._pairs_step[0] is not cos:
+            self._pairs_step = (cos, rotary_pairs(cos, sin))
+        return self._pairs_step[1]
+
     def end_step(self) -> None:
         self._rope_step = None
+        self._pairs_step = None
 
     def reset(self) -> None:
         super().reset()
@@ -307,6 +315,13 @@ def rotary_for_keys(
     return rotary(like, positions.long())
 
 
+def pairs_for_keys(cache: Cache | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """``rotary_pairs`` for cached keys: shared through the cache when there is one."""
+    if isinstance(cache, CompressedCache):
+        return cache.pairs_for_keys(cos, sin)
+    return rotary_pairs(cos, sin)
+
+
 def default_position_ids(cache: Cache | None, layer_idx: int, q_len: int, device: torch.device) -> torch.Tensor:
     past = cache.get_seq_length(layer_idx) if cache is not None else 0  # a 0-d tensor for a static cache
     return (torch.arange(q_len, device=device) + past)[None]
@@ -336,6 +351,46 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_maj
         # on a CPU than writing through the strided view)
         return _rotate(x.transpose(1, 2), cos.unsqueeze(2), sin.unsqueeze(2)).transpose(1, 2)
     return _rotate(x, cos.unsqueeze(1), sin.unsqueeze(1))
+
+
+def rotary_pairs(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """cos/sin ``[b, n, r]`` as ``r/2`` unit complex numbers ``e^{iθ}``, one per channel pair ``(j, j + r/2)``, so
+    that RoPE is one complex product over keys laid out in pairs (``pair_order``; ``rotate_pairs``); None where
+    that does not express it: the halves' angles differ (a RoPE variant), the dtype has no complex form (half
+    precision), or under ``torch.compile`` (inductor has no complex arithmetic)."""
+    half = cos.shape[-1] // 2
+    if torch.compiler.is_compiling() or cos.dtype not in (torch.float32, torch.float64) or cos.requires_grad:
+        return None
+    if not (torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])):
+        return None
+    return torch.complex(cos[..., :half].contiguous(), sin[..., :half].contiguous())
+
+
+def pair_order(head_dim: int, rotated: int) -> torch.Tensor:
+    """The channel order of one head that puts RoPE's pairs ``(j, j + rotated/2)`` side by side (then the
+    channels RoPE leaves alone): a head's channels read in this order make ``rotate_pairs``' layout."""
+    half = rotated // 2
+    pairs = torch.stack([torch.arange(half), torch.arange(half, rotated)], dim=1).reshape(-1)
+    return torch.cat([pairs, torch.arange(rotated, head_dim)])
+
+
+def rotate_pairs(tokens: torch.Tensor, pairs: torch.Tensor, heads: int) -> torch.Tensor:
+    """RoPE on keys whose channels are in ``pair_order``: ``tokens [b, n, heads·dk]`` times ``pairs [b|1, n, r/2]``
+    (``rotary_pairs``), written head-major ``[b, heads, n, dk]`` for a score product. One complex product reads each
+    key once, where ``apply_rotary`` runs three passes over it (a LoRC decode step at 4K tokens on a CPU: 0.17 ms
+    a layer instead of 0.47)."""
+    b, n, width = tokens.shape
+    dk, r = width // heads, 2 * pairs.shape[-1]
+    x = tokens.view(b, n, heads, dk)
+    pairs_in = torch.view_as_complex(x[..., :r].unflatten(-1, (r // 2, 2))).transpose(1, 2)  # [b, heads, n, r/2]
+    if tokens.requires_grad or pairs.requires_grad:  # out= takes no autograd
+        turned = torch.view_as_real(pairs_in * pairs[:, None]).flatten(-2)
+        return turned if r == dk else torch.cat([turned, x[..., r:].transpose(1, 2)], dim=-1)
+    out = torch.empty(b, heads, n, dk, dtype=tokens.dtype, device=tokens.device)
+    torch.mul(pairs_in, pairs[:, None], out=torch.view_as_complex(out[..., :r].unflatten(-1, (r // 2, 2))))
+    if r < dk:
+        out[..., r:] = x[..., r:].transpose(1, 2)
+    return out
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -28,6 +28,9 @@ from .kvconvert_common import (
     additive_mask,
     apply_rotary,
     latent_layers,
+    pair_order,
+    pairs_for_keys,
+    rotate_pairs,
     rotary_for_keys,
     softmax_rows,
 )
@@ -42,8 +45,13 @@ class HeadNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.ones(width)), eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``HeadNorm``'s arithmetic with a given weight (the keys' norm in ``pair_order`` is the same norm)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class LorcAttention(LatentAttention):
@@ -93,6 +101,8 @@ class LorcAttention(LatentAttention):
         if norm is not None:
             self.q_norm = HeadNorm(self.head_dim if self.norm_per_head else self.heads * self.head_dim, norm["eps"])
             self.k_norm = HeadNorm(self.head_dim if self.norm_per_head else kv_width, norm["eps"])
+        # k_up's rows (and the key norm's weight) in ``pair_order``, with what they were taken from (``_in_pairs``)
+        self._pair_weights: tuple[Any, ...] | None = None
 
     def _normed(self, x: torch.Tensor, norm_name: str, heads: int) -> torch.Tensor:
         """``x [b, n, heads·dk]`` through the QK-norm ``norm_name`` if the model has one."""
@@ -103,6 +113,30 @@ class LorcAttention(LatentAttention):
             return norm(x)
         b, n, _ = x.shape
         return norm(x.view(b, n, heads, self.head_dim)).view(b, n, -1)
+
+    def _in_pairs(self, latent: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys rebuilt from ``latent [b, n, r_k]`` with each head's channels in ``pair_order``, normed and rotated
+        as pairs (``rotate_pairs``): ``[b, Hkv, n, dk]``, and that order (the queries must take it too). k_up's
+        rows are taken in that order once, and again only when its weight changes."""
+        weight = self.k_up.weight
+        stamp = (weight.data_ptr(), weight._version, weight.dtype, pairs.shape[-1])
+        if self._pair_weights is None or self._pair_weights[0] != stamp:
+            order = pair_order(self.head_dim, 2 * pairs.shape[-1]).to(weight.device)
+            rows = (torch.arange(self.kv_heads, device=weight.device)[:, None] * self.head_dim + order).reshape(-1)
+            bias = None if self.k_up.bias is None else self.k_up.bias[rows]
+            norm = getattr(self, "k_norm", None)
+            norm_weight = None if norm is None else norm.weight[order if self.norm_per_head else rows]
+            self._pair_weights = (stamp, weight[rows], bias, norm_weight, order)
+        _, rows_weight, bias, norm_weight, order = self._pair_weights
+        keys = nn.functional.linear(latent, rows_weight, bias)
+        if norm_weight is not None:
+            norm = self.k_norm
+            if self.norm_per_head:
+                b, n, _ = keys.shape
+                keys = rms_norm(keys.view(b, n, self.kv_heads, -1), norm_weight, norm.eps).view(b, n, -1)
+            else:
+                keys = rms_norm(keys, norm_weight, norm.eps)
+        return rotate_pairs(keys, pairs, self.kv_heads), order
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """``[b, n, Hkv·dk]`` -> ``[b, Hkv, n, dk]``."""
@@ -142,15 +176,20 @@ class LorcAttention(LatentAttention):
         query = self._normed(self.q_proj(hidden_states), "q_norm", h)
         query = query.view(batch, q_len, h, -1).transpose(1, 2)  # [b, h, q, dk or r_k]
         kernel = q_len == 1 and use_kernels(hidden_states)
-        if not self.absorbed_keys:
-            full_keys = self._normed(keys if self.rank_k is None else self.k_up(keys), "k_norm", hkv)
-            key_heads = self._grouped(full_keys)  # [b, Hkv, n, dk]
-            if rotary is not None:
-                cos, sin = position_embeddings if position_embeddings is not None else rotary(query, position_ids)
-                query = apply_rotary(query, cos, sin)
-                assert key_positions is not None
-                key_cos, key_sin = rotary_for_keys(cache, rotary, keys, key_positions)
-                key_heads = apply_rotary(key_heads, key_cos, key_sin, head_major=not kernel)
+        if not self.absorbed_keys and rotary is not None:
+            cos, sin = position_embeddings if position_embeddings is not None else rotary(query, position_ids)
+            query = apply_rotary(query, cos, sin)
+            assert key_positions is not None
+            key_cos, key_sin = rotary_for_keys(cache, rotary, keys, key_positions)
+            pairs = None if self.rank_k is None else pairs_for_keys(cache, key_cos, key_sin)
+            if pairs is not None:  # the rebuild's output laid out for one complex product
+                key_heads, order = self._in_pairs(keys, pairs)
+                query = query[..., order]  # the keys' channel order: every score stays the same sum
+            else:
+                full_keys = self._normed(keys if self.rank_k is None else self.k_up(keys), "k_norm", hkv)
+                key_heads = apply_rotary(self._grouped(full_keys), key_cos, key_sin, head_major=not kernel)
+        elif not self.absorbed_keys:
+            key_heads = self._grouped(self._normed(keys if self.rank_k is None else self.k_up(keys), "k_norm", hkv))
         if kernel:
             key_tokens = keys if self.absorbed_keys else key_heads.transpose(1, 2).reshape(batch, kv_len, -1)
             bias = additive_mask(attention_mask, 1, kv_len, torch.float32, keys.device)
