@@ -30,8 +30,8 @@ from .kvconvert_common import (
     latent_layers,
     pair_order,
     pairs_for_keys,
-    rotate_pairs,
     rotary_for_keys,
+    rotate_pairs,
     softmax_rows,
 )
 from .kvconvert_kernels import use_kernels
