@@ -128,9 +128,9 @@ class TokenStore:
     def _grown(self, tail: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """``tail`` followed by ``new``, as a view of a buffer with room to grow: a decode step's token goes into
         the room, where ``torch.cat`` would copy every held token once per step (at 16K tokens that copy is a
-        third of a LoRC decode step on a CPU). Only single-token appends get room (at most a sixteenth more
-        tokens, so the bytes the cache holds grow by at most that); a longer append (a prefill chunk) makes an
-        exact buffer. The room is forgotten whenever ``tail`` is no longer its front (cropped from the front,
+        third of a LoRC decode step on a CPU). Only single-token appends get room (at most a sixty-fourth more
+        tokens: the bytes the cache holds, which budgets measure, grow by at most that); a longer append (a
+        prefill chunk) makes an exact buffer. The room is forgotten whenever ``tail`` is no longer its front (cropped from the front,
         rows selected, ...)."""
         held, count = tail.shape[-2], new.shape[-2]
         room = self._room
@@ -139,7 +139,7 @@ class TokenStore:
             and room.shape[:-2] == tail.shape[:-2] and room.stride() == tail.stride() and room.dtype == new.dtype
         )  # fmt: skip
         if not fits:
-            spare = max(64, (held + count) // 16) if count == 1 else 0
+            spare = (held + count) // 64 if count == 1 else 0  # a copy every n/64 steps: 64 tokens a step
             room = tail.new_empty(*tail.shape[:-2], held + count + spare, tail.shape[-1])
             room[..., :held, :] = tail
             self._room = room
