@@ -354,7 +354,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_maj
 
 
 def rotary_pairs(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """cos/sin ``[b, n, r]`` as ``r/2`` unit complex numbers ``e^{iθ}``, one per channel pair ``(j, j + r/2)``, so
+    """cos/sin ``[b, n, r]`` as ``r/2`` complex numbers ``cos θ + i·sin θ``, one per channel pair ``(j, j + r/2)``, so
     that RoPE is one complex product over keys laid out in pairs (``pair_order``; ``rotate_pairs``); None where
     that does not express it: the halves' angles differ (a RoPE variant), the dtype has no complex form (half
     precision), or under ``torch.compile`` (inductor has no complex arithmetic)."""

@@ -127,11 +127,11 @@ class TokenStore:
 
     def _grown(self, tail: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """``tail`` followed by ``new``, as a view of a buffer with room to grow: a decode step's token goes into
-        the room, where ``torch.cat`` would copy every held token once per step (at 16K tokens that copy is a
-        third of a LoRC decode step on a CPU). Only single-token appends get room (at most a sixty-fourth more
-        tokens: the bytes the cache holds, which budgets measure, grow by at most that); a longer append (a
-        prefill chunk) makes an exact buffer. The room is forgotten whenever ``tail`` is no longer its front (cropped from the front,
-        rows selected, ...)."""
+        the room, where ``torch.cat`` would copy every held token once per step (at 4K tokens a tenth of a LoRC
+        decode step on a CPU, in ``torch.profiler``). Only single-token appends get room (at most a sixty-fourth
+        more tokens: the bytes the cache holds, which budgets measure, grow by at most that); a longer append (a
+        prefill chunk) makes an exact buffer. The room is forgotten whenever ``tail`` is no longer its front
+        (dropped from the front, rows selected, cropped)."""
         held, count = tail.shape[-2], new.shape[-2]
         room = self._room
         fits = (
