@@ -27,11 +27,13 @@ def test_apply_rotary_matches_transformers(rotary_dim):
 
 
 @pytest.mark.parametrize("head_major", [False, True])
-def test_apply_rotary_on_a_token_major_cache(head_major):
+@pytest.mark.parametrize("room", [0, 5])
+def test_apply_rotary_on_a_token_major_cache(head_major, room):
     """LoRC and slim rotate their rebuilt keys as ``[b, n, h, dk]`` viewed per head: the same rotation either way,
-    laid out per head (contiguous, what a score product reads without copying) when asked."""
+    laid out per head (contiguous, what a score product reads without copying) when asked; also where each row is
+    the front of a longer buffer (a store with room to grow)."""
     torch.manual_seed(0)
-    tokens = torch.randn(2, 7, 3, 16)  # [b, n, h, dk]
+    tokens = torch.randn(2, 7 + room, 3, 16)[:, :7]  # [b, n, h, dk]
     angles = torch.randn(2, 7, 8)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     x = tokens.transpose(1, 2)
