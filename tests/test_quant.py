@@ -267,6 +267,27 @@ def test_bits_16_store_is_a_plain_tensor():
     assert store.extend(x[:, 3:]) is store.tail and torch.equal(store.read(), x) and store.blocks is None
 
 
+def test_a_plain_store_grows_into_room_it_lets_go_of():
+    """Decode steps append into spare room (no copy of the held tokens each step), at most a sixty-fourth more
+    tokens, never after a prefill chunk; once the tail is cut from the front, the old buffer is not held."""
+    from kvconvert.eval.memory import cache_nbytes
+
+    store = TokenStore(QuantSpec(16), per_channel=True)
+    x = torch.randn(2, 700, 8)
+    store.extend(x[:, :512])
+    store.extend(x[:, 512:640])
+    assert store.tail is not None and cache_nbytes(store.tail) == store.tail.numel() * 4  # chunks: exact
+    addresses = set()
+    for i in range(640, 700):
+        got = store.extend(x[:, i : i + 1])
+        assert torch.equal(got, x[:, : i + 1])
+        addresses.add(got.data_ptr())
+        assert cache_nbytes(got) <= (i + 1 + (i + 1) // 64) * 2 * 8 * 4
+    assert len(addresses) < 10  # 60 appends, a handful of buffers
+    store.take_front(600)
+    assert torch.equal(store.read(), x[:, 600:]) and cache_nbytes(store) == 100 * 2 * 8 * 4  # the store, all of it
+
+
 # ----------------------------------------------------------------- every method's runtime
 
 QUANT = ("--kv-bits", "4", "--kv-group", "8", "--kv-residual", "8")

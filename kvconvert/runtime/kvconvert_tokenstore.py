@@ -31,6 +31,9 @@ class TokenStore:
     block is freed once all its tokens are dropped.
     """
 
+    _tail: torch.Tensor | None
+    _room: torch.Tensor | None  # the buffer ``tail`` is the front of, while it is (``_grown``)
+
     def __init__(self, quant: QuantSpec, per_channel: bool):
         self.quant, self.per_channel = quant, per_channel
         self.rotate = quant.rotates_values and not per_channel  # keys keep per-channel scales instead
@@ -42,9 +45,18 @@ class TokenStore:
         self.blocks = None
         self.quantized_tokens = 0  # tokens in ``blocks``, the dropped ``offset`` included
         self.offset = 0
-        self.tail: torch.Tensor | None = None
-        self._room: torch.Tensor | None = None  # the buffer ``tail`` is the front of, while it is (``_grown``)
+        self.tail = None
         self.width = 0
+
+    @property
+    def tail(self) -> torch.Tensor | None:
+        """The newest tokens, in float ``[..., n, w]``."""
+        return self._tail
+
+    @tail.setter
+    def tail(self, tokens: torch.Tensor | None) -> None:
+        # a tail set here is no buffer's front: the room ``_grown`` kept is let go, not held beside it
+        self._tail, self._room = tokens, None
 
     @property
     def blocks(self) -> QuantizedBlock | None:
@@ -119,8 +131,11 @@ class TokenStore:
         """Store ``new [..., q, w]``; return every token, the new ones exact (attention in this step
         reads them before they are quantized)."""
         if not self.quant.quantized:
-            self.tail = new if self.tail is None else self._grown(self.tail, new)
-            return self.tail
+            if self.tail is None:
+                self.tail = new
+                return new
+            grown = self._tail = self._grown(self.tail, new)  # not the setter: the room stays
+            return grown
         tokens = new if self.tail is None else self.read(then=new)
         self.append(new)
         return tokens
@@ -142,8 +157,8 @@ class TokenStore:
             spare = (held + count) // 64 if count == 1 else 0  # a copy every n/64 steps: 64 tokens a step
             room = tail.new_empty(*tail.shape[:-2], held + count + spare, tail.shape[-1])
             room[..., :held, :] = tail
-            self._room = room
         assert room is not None
+        self._room = room
         room[..., held : held + count, :] = new
         return room[..., : held + count, :]
 
