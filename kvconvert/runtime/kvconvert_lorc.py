@@ -104,15 +104,17 @@ class LorcAttention(LatentAttention):
         # k_up's rows (and the key norm's weight) in ``pair_order``, with what they were taken from (``_in_pairs``)
         self._pair_weights: tuple[Any, ...] | None = None
 
-    def _normed(self, x: torch.Tensor, norm_name: str, heads: int) -> torch.Tensor:
-        """``x [b, n, heads·dk]`` through the QK-norm ``norm_name`` if the model has one."""
+    def _normed(self, x: torch.Tensor, norm_name: str, heads: int, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [b, n, heads·dk]`` through the QK-norm ``norm_name`` if the model has one (with ``weight`` in place of
+        its own: the same norm over channels taken in another order)."""
         norm = getattr(self, norm_name, None)
         if norm is None:
             return x
+        weight = norm.weight if weight is None else weight
         if not self.norm_per_head:
-            return norm(x)
+            return rms_norm(x, weight, norm.eps)
         b, n, _ = x.shape
-        return norm(x.view(b, n, heads, self.head_dim)).view(b, n, -1)
+        return rms_norm(x.view(b, n, heads, self.head_dim), weight, norm.eps).view(b, n, -1)
 
     def _in_pairs(self, latent: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys rebuilt from ``latent [b, n, r_k]`` with each head's channels in ``pair_order``, normed and rotated
@@ -128,14 +130,7 @@ class LorcAttention(LatentAttention):
             norm_weight = None if norm is None else norm.weight[order if self.norm_per_head else rows]
             self._pair_weights = (stamp, weight[rows], bias, norm_weight, order)
         _, rows_weight, bias, norm_weight, order = self._pair_weights
-        keys = nn.functional.linear(latent, rows_weight, bias)
-        if norm_weight is not None:
-            norm = self.k_norm
-            if self.norm_per_head:
-                b, n, _ = keys.shape
-                keys = rms_norm(keys.view(b, n, self.kv_heads, -1), norm_weight, norm.eps).view(b, n, -1)
-            else:
-                keys = rms_norm(keys, norm_weight, norm.eps)
+        keys = self._normed(nn.functional.linear(latent, rows_weight, bias), "k_norm", self.kv_heads, norm_weight)
         return rotate_pairs(keys, pairs, self.kv_heads), order
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:

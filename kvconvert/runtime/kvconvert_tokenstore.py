@@ -145,19 +145,14 @@ class TokenStore:
         the room, where ``torch.cat`` would copy every held token once per step (at 4K tokens a tenth of a LoRC
         decode step on a CPU, in ``torch.profiler``). Only single-token appends get room (at most a sixty-fourth
         more tokens: the bytes the cache holds, which budgets measure, grow by at most that); a longer append (a
-        prefill chunk) makes an exact buffer. The room is forgotten whenever ``tail`` is no longer its front
-        (dropped from the front, rows selected, cropped)."""
+        prefill chunk) makes an exact buffer. ``tail``'s setter lets the room go, so a room held is always the
+        buffer ``tail`` is the front of."""
         held, count = tail.shape[-2], new.shape[-2]
-        room = self._room
-        fits = (
-            room is not None and room.shape[-2] >= held + count and room.data_ptr() == tail.data_ptr()
-            and room.shape[:-2] == tail.shape[:-2] and room.stride() == tail.stride() and room.dtype == new.dtype
-        )  # fmt: skip
-        if not fits:
+        room, dtype = self._room, torch.promote_types(tail.dtype, new.dtype)  # what ``torch.cat`` would make
+        if room is None or room.shape[-2] < held + count or room.dtype != dtype:
             spare = (held + count) // 64 if count == 1 else 0  # a copy every n/64 steps: 64 tokens a step
-            room = tail.new_empty(*tail.shape[:-2], held + count + spare, tail.shape[-1])
+            room = tail.new_empty(*tail.shape[:-2], held + count + spare, tail.shape[-1], dtype=dtype)
             room[..., :held, :] = tail
-        assert room is not None
         self._room = room
         room[..., held : held + count, :] = new
         return room[..., : held + count, :]
