@@ -213,6 +213,37 @@ def test_folded_reader_is_attention_over_the_dequantized_codes(bits, dim, block,
     torch.testing.assert_close(merge_partials([got]), attention(query, plain_k, plain_v, bias, 0.3), **TOL)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_folded_reads_take_per_token_factors_and_per_channel_values(bits):
+    """What MiniCache reads folded: per-token factors on the stored keys and values (``kivi_decode_folded``'s
+    ``key_factor`` / ``value_factor``: merged directions times a layer's norms) against attention over the scaled
+    dequantized cache, and a store quantized per channel mixed by weights (``folded_channel_mix``: subspace
+    latents) and scored (``folded_scores``) against plain products with its dequantized tokens."""
+    from kvconvert.runtime.kvconvert_kivi_kernel import folded_channel_mix, folded_scores
+
+    torch.manual_seed(bits)
+    block, dim, n = 32, 64, 96
+    keys, values = (torch.randn(2, 2, n, dim) for _ in range(2))
+    k, v = quantize_tokens(keys, bits, block, True), quantize_tokens(values, bits, dim, False)
+    plain_k = dequantize_tokens(k, bits, block, dim, True, torch.float32)
+    plain_v = dequantize_tokens(v, bits, dim, dim, False, torch.float32)
+    query, bias = torch.randn(2, 2, 3, dim), torch.zeros(2, n)
+    bias[-1, :5] = NEG
+    k_factor, v_factor = torch.rand(2, n) + 0.5, torch.rand(2, n) + 0.5
+    got = kivi_decode_folded(query, k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, bias, 0.3, bits, bits,
+                             k_factor, v_factor)  # fmt: skip
+    expected = attention(query, plain_k * k_factor[:, None, :, None], plain_v * v_factor[:, None, :, None], bias, 0.3)
+    torch.testing.assert_close(merge_partials([got]), expected, **TOL)
+    latents = torch.randn(2, n, 40)  # [b, n, r] per channel: blocks of 32 tokens
+    z = quantize_tokens(latents, bits, block, True)
+    plain_z = dequantize_tokens(z, bits, block, 40, True, torch.float32)
+    weights, x = torch.rand(2, 5, n), torch.randn(2, 5, 40)
+    sums = dict(atol=1e-4, rtol=1e-4)  # sums of ~100 products of magnitude ~1: float32 rounding in another order
+    torch.testing.assert_close(folded_channel_mix(weights, z.codes, z.scale, z.zero, bits), weights @ plain_z, **sums)
+    scores = folded_scores(x[:, None], z.codes[:, None], z.scale[:, None], z.zero[:, None], bits)[:, 0]
+    torch.testing.assert_close(scores, x @ plain_z.transpose(1, 2), **sums)
+
+
 def test_merge_partials_is_attention_over_the_union():
     torch.manual_seed(0)
     query, keys, values = torch.randn(2, 1, 3, 8), torch.randn(2, 1, 9, 8), torch.randn(2, 1, 9, 8)

@@ -461,12 +461,17 @@ def test_subspace_bad_options(tokenized_model_dir, tmp_path):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+@pytest.mark.parametrize("storage", [(), ("--kv-bits", "4"), ("--kv-bits", "3"), ("--kv-bits", "2", "--kv-sink", "2")])
 @torch.no_grad()
-def test_subspace_latent_attention_equals_restoring_the_past(tokenized_model_dir, tmp_path):
-    """Decoding computes scores and outputs from the latents (``SubspaceState.attend_past``); restoring each
-    layer's past states and running SDPA over them (``PairedLayer.attend_past``) is the reference."""
+def test_subspace_latent_attention_equals_restoring_the_past(storage, tokenized_model_dir, tmp_path):
+    """Decoding computes scores and outputs from the latents (``SubspaceState.attend_past``), quantized latents
+    from their codes; restoring each layer's past states and running SDPA over them (``PairedLayer.attend_past``)
+    is the reference."""
     src = tokenized_model_dir("llama_gqa")
-    convert_minicache(src, tmp_path / "sub", "--merge", "subspace", "--kv-budget", "0.6", "--calib-tokens", "256")
+    if storage:
+        storage = (*storage, "--kv-group", "16", "--kv-residual", "4")
+    convert_minicache(src, tmp_path / "sub", "--merge", "subspace", "--kv-budget", "0.6", "--calib-tokens", "256",
+                      *storage)  # fmt: skip
     converted = load_converted(tmp_path / "sub")
     ids, mask = left_padded()
     kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
@@ -474,6 +479,7 @@ def test_subspace_latent_attention_equals_restoring_the_past(tokenized_model_dir
     latent = converted.generate(ids, **kwargs)
     state_class = type(latent.past_key_values.layers[1])
     assert state_class.__name__ == "SubspaceState"
+    assert not storage or latent.past_key_values.layers[1].latents[1].blocks is not None  # codes were read
     latent_attention = state_class.attend_past
     state_class.attend_past = state_class.__mro__[1].attend_past  # PairedLayer's: restore, then SDPA
     try:
@@ -522,3 +528,37 @@ def test_subspace_plan_without_a_dtype_still_reads_every_layer(tokenized_model_d
     layers = (checkpoint.adapter.read_attention(checkpoint.read_layer(i)) for i in range(3))
     inferred = method.plan(PlanContext(checkpoint.layout, layers, source, progress=False))
     assert inferred.ranks == given.ranks and inferred.element_bytes == given.element_bytes == 4
+
+
+@pytest.mark.parametrize("merge, bits", [("slerp", "4"), ("slerp", "3"), ("slerp", "2"), ("average", "4")])
+@torch.no_grad()
+def test_merged_codes_decode_equals_restoring_the_past(merge, bits, tokenized_model_dir, tmp_path):
+    """A CPU decode step reads the merged directions' codes with each layer's norms folded in (``merged_decode``),
+    the unpaired layers theirs (``KiviLayer``); restoring each layer's past and running SDPA over it is the
+    reference. A high ``gamma`` retains tokens on one side and not the other; sink, rotated values, a float tail
+    and a left-padded row are all read."""
+    src = tokenized_model_dir("llama_gqa")
+    convert_minicache(src, tmp_path / "m", "--merge", merge, "--gamma", "0.4", "--kv-bits", bits, "--kv-group", "16",
+                      "--kv-residual", "4", "--kv-sink", "2", "--kv-rotate")  # fmt: skip
+    converted = load_converted(tmp_path / "m")
+    ids, mask = left_padded(length=40)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    fused = converted.generate(ids, **kwargs)
+    cache = fused.past_key_values
+    state = next(layer for layer in cache.layers if type(layer).__name__ == "PairState")
+    streams = state.keys_merged, state.values_merged
+    assert all(s.direction.blocks is not None for s in streams) and state.retained  # codes read, memo in use
+    assert streams[0].retained.shape[0] != streams[1].retained.shape[0] or not torch.equal(
+        streams[0].retained_at, streams[1].retained_at)  # fmt: skip
+    assert any(type(layer).__name__ == "KiviLayer" and layer.routed for layer in cache.layers)
+    state_class = type(state)
+    reads_codes = state_class.attend_past
+    state_class.attend_past = state_class.__mro__[1].attend_past  # PairedLayer's: restore, then SDPA
+    try:
+        restored = converted.generate(ids, **kwargs)
+    finally:
+        state_class.attend_past = reads_codes
+    assert torch.equal(fused.sequences, restored.sequences)
+    for a, b in zip(fused.logits, restored.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)

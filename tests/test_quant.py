@@ -267,6 +267,21 @@ def test_bits_16_store_is_a_plain_tensor():
     assert store.extend(x[:, 3:]) is store.tail and torch.equal(store.read(), x) and store.blocks is None
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("per_channel", [True, False], ids=["keys", "values"])
+def test_a_store_reads_single_tokens_as_it_reads_them_all(bits, per_channel):
+    """``states_at`` (MiniCache's retained tokens, read beside the codes) equals ``read`` at those tokens: in the
+    exact sink, inside quantized blocks, in the float tail, rows in any order."""
+    torch.manual_seed(bits)
+    store = TokenStore(QuantSpec(bits=bits, group=32, residual=0, sink=3, rotate=True), per_channel)
+    x = torch.randn(3, 2, 100, 16)
+    for part in (x[:, :, :70], x[:, :, 70:71], x[:, :, 71:]):
+        store.append(part)
+    assert store.blocks is not None and store.tail is not None and store.head is not None
+    rows, positions = torch.tensor([0, 2, 1, 1, 0, 2, 1]), torch.tensor([0, 5, 33, 99, 64, 3, 2])
+    assert torch.equal(store.states_at(rows, positions), store.read()[rows, :, positions])
+
+
 def test_a_plain_store_grows_into_room_it_lets_go_of():
     """Decode steps append into spare room (no copy of the held tokens each step), at most a sixty-fourth more
     tokens, never after a prefill chunk; once the tail is cut from the front, the old buffer is not held."""

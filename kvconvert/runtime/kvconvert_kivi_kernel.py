@@ -53,7 +53,8 @@ def kivi_decode_reference(
 def kivi_decode_folded(
     query: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor, key_zero: torch.Tensor,
     value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
-    scale: float, key_bits: int = 4, value_bits: int = 4,
+    scale: float, key_bits: int = 4, value_bits: int = 4, key_factor: torch.Tensor | None = None,
+    value_factor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``kivi_decode_reference``'s partial from the codes in torch, the kernel's algebra without a float copy of the
     cache: keys' per-channel scales fold into the query per block (``q·k = Σ (q⊙s)·code + q·z``), values' per-token
@@ -61,20 +62,18 @@ def kivi_decode_folded(
     (the k-th code of every packing unit: 2 planes at 4 bits, 4 at 2, 8 at 3) is widened to float32 once and meets
     the G query rows of its KV head in one product. What a CPU decodes with: on 2 cores 1.0 ms against 2.1 ms for
     dequantize-then-SDPA per layer of SmolLM2 at 4K, 4-bit (3 KV heads × 3 query rows, measured). A packing unit's
-    codes must share a value group (``kivi_folded_fits``)."""
-    batch, kv_heads, blocks, dim, _ = key_codes.shape
-    n, rows = value_codes.shape[2], query.shape[2]
-    q = query.float()
-    # keys: [b, Hkv, nb, G, d] queries scaled per block, against each plane [b, Hkv, nb, d, B/unit]: tokens
-    # unit·j + k of each block in plane k (unit: codes per packing unit)
-    scaled = q[:, :, None] * key_scale.float()[:, :, :, None, :]
-    scores = torch.stack([scaled @ plane for plane in bit_planes(key_codes, key_bits)], dim=-1).flatten(-2)
-    scores = scores + torch.einsum("bhgd,bhnd->bhng", q, key_zero.float())[..., None]
-    scores = scores.transpose(2, 3).reshape(batch, kv_heads, rows, -1)[..., :n] * scale
+    codes must share a value group (``kivi_folded_fits``). ``key_factor`` / ``value_factor`` ``[b, n]`` (or None):
+    each token's stored key / value stands for itself times this number (MiniCache's merged directions times a
+    layer's norms), applied to its score and to its weight in the values' sum, not to the cache."""
+    dim, n = key_codes.shape[3], value_codes.shape[2]
+    scores = folded_scores(query, key_codes, key_scale, key_zero, key_bits)[..., :n] * scale
+    if key_factor is not None:
+        scores = scores * key_factor.float()[:, None, None, :]
     if bias is not None:
         scores = scores + bias.float()[:, None, None, :]
     top = scores.amax(-1)
     probs = torch.exp(scores - top[..., None])  # [b, Hkv, G, n]
+    weights = probs if value_factor is None else probs * value_factor.float()[:, None, None, :]
     # values: per channel group g, (p ⊙ s_g) against the group's byte columns in every plane; p·z_g for its zeros
     groups = value_scale.shape[-1]
     columns = math.ceil(dim / groups) // codes_per_unit(value_bits)  # packing units per group
@@ -82,11 +81,45 @@ def kivi_decode_folded(
     planes = bit_planes(value_codes, value_bits)  # channels unit·i + k in plane k [b, Hkv, n, P/unit]
     parts = []
     for g in range(groups):
-        weighted, at = probs * scale_v[..., g][:, :, None, :], slice(g * columns, (g + 1) * columns)
+        weighted, at = weights * scale_v[..., g][:, :, None, :], slice(g * columns, (g + 1) * columns)
         group = torch.stack([weighted @ plane[..., at] for plane in planes], dim=-1).flatten(-2)
-        parts.append(group + (probs @ zero_v[..., g : g + 1]))
+        parts.append(group + (weights @ zero_v[..., g : g + 1]))
     acc = torch.cat(parts, dim=-1)[..., :dim]
     return acc, torch.stack([top, probs.sum(-1)], dim=-1)
+
+
+def folded_scores(
+    query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
+) -> torch.Tensor:  # fmt: skip
+    """``query [b, Hkv, G, d]`` times the keys of per-channel blocks (``codes [b, Hkv, nb, d, ·]``, ``scale/zero
+    [b, Hkv, nb, d]``) without dequantizing them: ``q·k = Σ (q⊙s)·code + q·z`` per block, the query scaled per
+    block against each bit plane (``bit_planes``). Returns ``[b, Hkv, G, nb·B]`` float32 (unscaled scores)."""
+    batch, kv_heads, _, _, _ = codes.shape
+    q = query.float()
+    # [b, Hkv, nb, G, d] queries scaled per block, against each plane [b, Hkv, nb, d, B/unit]: tokens unit·j + k of
+    # each block in plane k (unit: codes per packing unit)
+    scaled = q[:, :, None] * scale.float()[:, :, :, None, :]
+    scores = torch.stack([scaled @ plane for plane in bit_planes(codes, bits)], dim=-1).flatten(-2)
+    scores = scores + torch.einsum("bhgd,bhnd->bhng", q, zero.float())[..., None]
+    return scores.transpose(2, 3).reshape(batch, kv_heads, query.shape[2], -1)
+
+
+def folded_channel_mix(
+    weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
+) -> torch.Tensor:  # fmt: skip
+    """``weights [b, R, nb·B]`` times the tokens of per-channel blocks (``codes [b, nb, w, ·]``, ``scale/zero
+    [b, nb, w]``: a store quantized per channel, as MiniCache's subspace latents are) without dequantizing them:
+    ``Σᵢ pᵢ·xᵢ = Σ_blocks s ⊙ (Σᵢ pᵢ·codeᵢ) + z·Σᵢ pᵢ``, each bit plane meeting the weights of its tokens.
+    Returns ``[b, R, w]`` float32."""
+    batch, rows = weights.shape[:2]
+    blocks, unit = codes.shape[1], codes_per_unit(bits)
+    # [b, nb, unit, R, B/unit], contiguous: the weights of plane k's tokens are one dense matrix per block (a strided
+    # operand sends CPU bmm into a loop over its batch)
+    p = weights.float().view(batch, rows, blocks, -1, unit).permute(0, 2, 4, 1, 3).contiguous()
+    # plane k holds tokens unit·j + k of each block [b, nb, w, B/unit]
+    summed = sum(p[:, :, k] @ plane.transpose(-1, -2) for k, plane in enumerate(bit_planes(codes, bits)))
+    mixed = (summed * scale.float()[:, :, None]).sum(1)  # [b, R, w]
+    return mixed + p.sum((2, 4)).transpose(1, 2) @ zero.float()
 
 
 def codes_per_unit(bits: int) -> int:

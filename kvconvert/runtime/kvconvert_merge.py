@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from .kvconvert_codec import QuantSpec
+from .kvconvert_kivi_kernel import kivi_decode_folded, merge_partials
+from .kvconvert_quant import exact_partial, kivi_kernel_reads, values_unrotated
 from .kvconvert_storage import select_rows_fn
 from .kvconvert_tokenstore import TokenStore
 
@@ -156,3 +158,105 @@ class MergedStream:
 
 def _cat(old: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
     return new if old is None else torch.cat([old, new], dim=dim)
+
+
+def merged_reads_codes(keys: MergedStream, values: MergedStream, dim: int) -> bool:
+    """``merged_decode`` can read both sides' directions from their codes (``kivi_kernel_reads``'s torch reader)."""
+    return keys.distance_range is not None and kivi_kernel_reads(keys.direction, values.direction, dim, kernel=False)
+
+
+def merged_decode(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None, keys: MergedStream,
+    values: MergedStream, member: int, scaling: float, retained: dict[Any, Any],
+) -> torch.Tensor:  # fmt: skip
+    """One decode step of layer ``member`` (0: l-1, 1: l) of a pair over its merged past, from the directions' codes.
+
+    Layer ``member``'s past state is ``direction · norm`` per token, so its score is ``norm · (q·direction)`` and its
+    weight in the values' sum ``p · norm``: ``kivi_decode_folded`` reads the directions' codes with the norms as
+    per-token factors, never restoring the past (``MergedStream.restore`` dequantizes it all each step). The exact
+    part is attended beside it and the partial softmaxes merged: the sink's and the float tail's directions times
+    the norms, this step's ``key/value [b, Hkv, 1, d]``, and the retained tokens — those either side kept exact
+    (their merged stand-ins masked out of the codes' read), with the other side's state where it merged them.
+    ``bias [b|1, 1, 1, n + 1]`` additive or None; ``retained``: the caller's memo of the retained tokens' states
+    (``_retained_states``). Returns ``[b, H, 1, d]`` float32."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    kd, vd = keys.direction, values.direction
+    kb, vb = kd.blocks, vd.blocks
+    assert kb is not None and vb is not None and kd.tail is not None and vd.tail is not None
+    n_q, seen, sink = kd.quantized_tokens, len(kd), (0 if kd.head is None else kd.head.shape[-2])
+    minimum = torch.finfo(torch.float32).min
+    q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
+    full = torch.zeros(batch, seen + 1, device=query.device) if bias is None else (
+        bias[:, 0, 0].float().expand(batch, seen + 1))  # fmt: skip
+    k_union, v_union, rows, positions, at, valid = _retained_states(keys, values, member, retained)
+    masked = full.clone()
+    masked[rows, positions] = minimum  # retained: read exactly below
+    bias_q = masked[:, :n_q].clone()
+    bias_q[:, :sink] = minimum  # the sink's stand-ins: its exact copies are attended below
+    k_norms = None if keys.norms is None else keys.norms[:, member]  # [b, n] float32
+    v_norms = None if values.norms is None else values.norms[:, member]
+    acc, ml = kivi_decode_folded(q, kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero, bias_q, scaling,
+                                 kd.quant.bits, vd.quant.bits, None if k_norms is None else k_norms[:, :n_q],
+                                 None if v_norms is None else v_norms[:, :n_q])  # fmt: skip
+    acc = values_unrotated(acc, vd, dim)
+    exact_k, exact_v, exact_bias = [], [], []
+    for store_k, store_v, span in ((kd.head, vd.head, slice(0, sink)), (kd.tail, vd.tail, slice(n_q, seen))):
+        if store_k is not None and store_v is not None:
+            exact_k.append(_times(store_k, k_norms, span))
+            exact_v.append(_times(store_v, v_norms, span))
+            exact_bias.append(masked[:, span])
+    union_bias = torch.where(valid, full.gather(1, at), minimum)
+    exact_k += [k_union, key.float()]
+    exact_v += [v_union, value.float()]
+    exact_bias += [union_bias, full[:, seen:]]
+    exact = exact_partial(q, torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2),
+                          torch.cat(exact_bias, dim=-1)[:, None, None], scaling)  # fmt: skip
+    return merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
+
+
+def _times(directions: torch.Tensor, norms: torch.Tensor | None, span: slice) -> torch.Tensor:
+    """Stored ``directions [b, H, t, d]`` as a layer's states (times its ``norms [b, n]`` at ``span``), float32."""
+    return directions.float() if norms is None else directions.float() * norms[:, None, span, None]
+
+
+def _retained_states(
+    keys: MergedStream, values: MergedStream, member: int, memo: dict[Any, Any]
+) -> tuple[torch.Tensor, ...]:
+    """The tokens either side retained: layer ``member``'s keys and values ``[b, Hkv, R, d]`` float32 per batch row,
+    padded to the longest row (exact where that side retained the token, its merged state where it did not), the
+    tokens' rows and positions ``[U]``, their positions ``[b, R]`` and which slots hold one ``[b, R]``. They change
+    only when a token is retained or a block quantized, not every step: ``memo`` (the pair's, emptied when rows are
+    selected, cropped or moved) keeps them per member until then."""
+    kd, vd = keys.direction, values.direction
+    stamp = (keys.retained.shape[0], values.retained.shape[0], kd.quantized_tokens, vd.quantized_tokens)
+    if memo.get("stamp") != stamp:
+        memo.clear()
+        memo["stamp"] = stamp
+    if member in memo:
+        return memo[member]
+    batch, device = keys.distance_range.shape[0], keys.distance_range.device
+    span = 1 << 32  # (row, position) as one int64 code
+    codes = [(s.retained_at[:, 0].long() << 32) + s.retained_at[:, 1].long() for s in (keys, values)]
+    union = torch.unique(torch.cat(codes))  # sorted: by row, then position
+    rows, positions = union // span, union % span
+    states = []
+    for stream, code, norms in ((keys, codes[0], keys.norms), (values, codes[1], values.norms)):
+        merged = stream.direction.states_at(rows, positions).float()  # [U, H, d]
+        if norms is not None:
+            merged = merged * norms[rows, member, positions][:, None, None]
+        merged[torch.searchsorted(union, code)] = stream.retained[:, member].float()
+        states.append(merged)
+    count = torch.bincount(rows, minlength=batch)
+    slot = torch.arange(union.shape[0], device=device) - (torch.cumsum(count, 0) - count)[rows]
+    width = int(count.max()) if union.numel() else 0
+    at = torch.zeros(batch, width, dtype=torch.long, device=device)
+    at[rows, slot] = positions
+    valid = torch.arange(width, device=device)[None, :] < count[:, None]
+    padded = []
+    for merged in states:  # [U, H, d] -> [b, H, R, d]
+        out = merged.new_zeros(batch, width, *merged.shape[1:])
+        out[rows, slot] = merged
+        padded.append(out.transpose(1, 2))
+    memo[member] = (padded[0], padded[1], rows, positions, at, valid)
+    return memo[member]

@@ -39,8 +39,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows
-from .kvconvert_merge import MergedStream
-from .kvconvert_storage import KVLayer, select_rows_fn, stock_layer
+from .kvconvert_kivi_kernel import folded_channel_mix, folded_scores, kivi_folded_fits
+from .kvconvert_merge import MergedStream, merged_decode, merged_reads_codes
+from .kvconvert_quant import kivi_stock_layer
+from .kvconvert_storage import KVLayer, select_rows_fn
 from .kvconvert_tokenstore import TokenStore
 
 IMPLEMENTATION = "kvconvert_minicache"
@@ -120,12 +122,14 @@ class PairState(PairedLayer):
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # layer l-1's states, this call only
         self.keys_merged = MergedStream(self.quant.side(self.layer, keys=True), per_channel=True)
         self.values_merged = MergedStream(self.quant.side(self.layer, keys=False), per_channel=False)
+        self.retained: dict[Any, Any] = {}  # ``merged_decode``'s memo of the retained tokens' states
 
     def rows(self) -> int:
         rows = self.keys_merged.distance_range
         return 0 if rows is None else rows.shape[0]
 
     def select_rows(self, index: torch.Tensor) -> None:
+        self.retained.clear()
         self.keys_merged.select_rows(index)
         self.values_merged.select_rows(index)
 
@@ -134,10 +138,12 @@ class PairState(PairedLayer):
 
     def crop_to(self, length: int) -> None:
         self.seen = max(0, length)
+        self.retained.clear()
         self.keys_merged.crop(self.seen)
         self.values_merged.crop(self.seen)
 
     def apply(self, fn: Any) -> None:
+        self.retained.clear()
         for stream in (self.keys_merged, self.values_merged):
             stream.direction.apply(fn)
             for name in ("norms", "retained", "retained_at", "distance_range"):
@@ -148,6 +154,20 @@ class PairState(PairedLayer):
         if self.seen == 0:
             return None
         return self.keys_merged.restore(member), self.values_merged.restore(member)
+
+    def attend_past(self, member: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        """A decode step on a CPU reads the merged directions' codes (``merged_decode``: restoring the past would
+        dequantize all of it every step); other steps restore the past (``PairedLayer.attend_past``)."""
+        dim = query.shape[-1]
+        if not (self.seen and query.shape[2] == 1 and query.device.type == "cpu"
+                and merged_reads_codes(self.keys_merged, self.values_merged, dim)):  # fmt: skip
+            return PairedLayer.attend_past(self, member, module, query, key, value, mask, **kwargs)
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or dim**-0.5
+        bias = additive_mask(mask, 1, self.seen + 1, torch.float32, query.device)
+        out = merged_decode(query, key, value, bias, self.keys_merged, self.values_merged, member, scaling,
+                            self.retained)  # fmt: skip
+        return out.to(query.dtype).transpose(1, 2).contiguous()
 
     def commit(self, member: int, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
                module: Any = None) -> None:  # fmt: skip
@@ -227,7 +247,8 @@ class SubspaceState(PairedLayer):
         """Scores and outputs computed from the latents, never restoring the past's states: for query head h
         of KV group g, ``q·k̂ᵢ = q·μ_g + (q·D_gᵀ)·zᵢ`` and ``Σ pᵢ v̂ᵢ = (Σ pᵢ)·μ_g + (Σ pᵢ zᵢ)·D_g``, so a step
         reads r numbers per past token and side instead of a layer's Hkv·dk (D_g: the decoder's columns of
-        group g). Equal to restoring and attending (``PairedLayer.attend_past``) up to rounding; that path
+        group g); latents in quantized storage are read from their codes (``_latent_scores``, ``_latent_mix``).
+        Equal to restoring and attending (``PairedLayer.attend_past``) up to rounding; that path
         serves longer query blocks (chunked prefill), where the ``[b, H, q, n]`` scores materialised here would
         outweigh restoring the past once for SDPA."""
         if self.seen == 0 or query.shape[2] > LATENT_MAX_QUERIES:
@@ -235,13 +256,12 @@ class SubspaceState(PairedLayer):
         b, heads, q, dk = query.shape
         kv_heads = key.shape[1]
         group = heads // kv_heads
-        z_k, z_v = (store.read().to(query.dtype) for store in self.latents)  # [b, n, r]
         scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or dk**-0.5
         d_k, mu_k = _group_decoder(module, "k", kv_heads, query.dtype)  # [Hkv, r_k, dk], [Hkv, dk]
         d_v, mu_v = _group_decoder(module, "v", kv_heads, query.dtype)
         grouped = query.view(b, kv_heads, group, q, dk)
         q_latent = torch.einsum("bgjqd,grd->bgjqr", grouped, d_k).reshape(b, heads * q, -1)
-        past = torch.bmm(q_latent, z_k.transpose(1, 2)).view(b, heads, q, -1)  # [b, H, q, n]
+        past = _latent_scores(self.latents[0], q_latent).view(b, heads, q, -1)  # [b, H, q, n]
         past = past + torch.einsum("bgjqd,gd->bgjq", grouped, mu_k).reshape(b, heads, q, 1)
         exact = self.exact[member]
         s = 0 if exact is None else exact[0].shape[2]
@@ -252,8 +272,9 @@ class SubspaceState(PairedLayer):
         scores = torch.cat([direct[..., :s], past[..., s:], direct[..., s:]], dim=-1) * scaling
         bias = additive_mask(mask, q, self.seen + q, scores.dtype, scores.device)
         probs = softmax_rows(scores if bias is None else scores + bias, query.dtype)
-        p_latent = probs[..., s : self.seen]
-        mixed = torch.bmm(p_latent.reshape(b, heads * q, -1), z_v[:, s:]).view(b, kv_heads, group, q, -1)
+        p_latent = probs[..., : self.seen].clone()
+        p_latent[..., :s] = 0  # the exact tokens' values are added below
+        mixed = _latent_mix(self.latents[1], p_latent.reshape(b, heads * q, -1)).view(b, kv_heads, group, q, -1)
         out = (
             torch.einsum("bgjqr,grd->bgjqd", mixed, d_v)
             + p_latent.sum(-1).view(b, kv_heads, group, q, 1) * mu_v[None, :, None, None]
@@ -280,6 +301,46 @@ class SubspaceState(PairedLayer):
         self.pending = None
         self.seen += keys.shape[2]
         self.batch, self.head_dim = keys.shape[0], keys.shape[3]
+
+
+def _folded(store: TokenStore) -> bool:
+    """A latent store whose quantized blocks ``folded_scores`` / ``folded_channel_mix`` read from their codes."""
+    return store.blocks is not None and kivi_folded_fits(store.quant.bits, store.quant.group, store.quant.group)
+
+
+def _latent_scores(store: TokenStore, x: torch.Tensor) -> torch.Tensor:
+    """``x [b, R, r]`` times every latent the store holds ``[b, n, r]``: ``[b, R, n]`` in ``x``'s dtype. Quantized
+    blocks are read from their codes (``folded_scores``), the exact sink and float tail as they are; a store with no
+    block yet is read whole."""
+    if not _folded(store):
+        return torch.bmm(x, store.read().to(x.dtype).transpose(1, 2))
+    assert store.blocks is not None and store.tail is not None
+    blocks, n_q = store.blocks, store.quantized_tokens
+    codes = folded_scores(x[:, None], blocks.codes[:, None], blocks.scale[:, None], blocks.zero[:, None],
+                          store.quant.bits)[:, 0]  # fmt: skip
+    scores = torch.cat([codes[..., :n_q], x.float() @ store.tail.float().transpose(1, 2)], dim=-1)
+    if store.head is not None:  # the sink's exact latents in place of their stand-ins
+        scores[..., : store.head.shape[1]] = x.float() @ store.head.float().transpose(1, 2)
+    return scores.to(x.dtype)
+
+
+def _latent_mix(store: TokenStore, weights: torch.Tensor) -> torch.Tensor:
+    """``weights [b, R, n]`` times every latent the store holds: ``[b, R, r]`` in the weights' dtype, read as
+    ``_latent_scores`` reads them (``folded_channel_mix`` for the quantized blocks)."""
+    if not _folded(store):
+        return torch.bmm(weights, store.read().to(weights.dtype))
+    assert store.blocks is not None and store.tail is not None
+    blocks, n_q, sink = store.blocks, store.quantized_tokens, (0 if store.head is None else store.head.shape[1])
+    p = weights.float()
+    in_blocks = p[..., :n_q]
+    if sink:  # the sink's stand-ins weigh nothing: its exact latents are added instead
+        in_blocks = in_blocks.clone()
+        in_blocks[..., :sink] = 0
+    mixed = folded_channel_mix(in_blocks, blocks.codes, blocks.scale, blocks.zero, store.quant.bits)
+    mixed = mixed + p[..., n_q:] @ store.tail.float()
+    if store.head is not None:
+        mixed = mixed + p[..., :sink] @ store.head.float()
+    return mixed.to(weights.dtype)
 
 
 def _encode(module: torch.nn.Module, side: str, states: torch.Tensor) -> torch.Tensor:
@@ -322,13 +383,17 @@ def minicache_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function. Unpaired layers: stock SDPA over what their (stock) cache
-    returned. Paired layers: ``key/value [b, Hkv, q, d]`` are this step's states only; the past is
-    restored from the pair's merged state, and the new states are committed after attending. The
-    layer's own copy of the code does the work (``PairedLayer.attend``, see ``cache_layer_of``)."""
+    returned, or, quantized in KIVI's layout, their own ``attend`` (decode steps read the codes). Paired layers:
+    ``key/value [b, Hkv, q, d]`` are this step's states only; the past is read from the pair's merged state,
+    and the new states are committed after attending. The layer's own copy of the code does the work
+    (``PairedLayer.attend``, see ``cache_layer_of``)."""
     layer = cache_layer_of(module)
-    if getattr(layer, "pair", None) is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    return layer.attend(module, query, key, value, attention_mask, **kwargs)
+    if getattr(layer, "pair", None) is not None:
+        return layer.attend(module, query, key, value, attention_mask, **kwargs)
+    if hasattr(layer, "attend"):  # an unpaired layer that reads its own codes (``kivi_stock_layer``)
+        scaling = kwargs.pop("scaling", None) or query.shape[-1] ** -0.5
+        return layer.attend(module, query, key, value, attention_mask, scaling, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def _paired_attention(
@@ -360,7 +425,7 @@ def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerS
     """``max_cache_len`` (a static cache asked for) is not honoured: this cache grows with the sequence."""
     plan = spec["minicache"]
     quant = QuantSpec.from_spec(spec)
-    layers: list[DynamicLayer] = [stock_layer(quant, i) for i in range(len(spec["attention_modules"]))]
+    layers: list[DynamicLayer] = [kivi_stock_layer(quant, i) for i in range(len(spec["attention_modules"]))]
     for first, second in plan["pairs"]:
         state: PairedLayer
         if plan["merge"] == "subspace":

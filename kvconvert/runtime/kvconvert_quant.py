@@ -44,6 +44,7 @@ from .kvconvert_storage import (
     sliding_layer,
     static_sliding_layer,
     static_stock_layer,
+    stock_layer,
 )
 from .kvconvert_tokenlayout import TokenLayoutStore, cpu_int4_rows
 from .kvconvert_tokenstore import TokenStore
@@ -380,6 +381,16 @@ def static_kivi_layer(quant: QuantSpec, layer: int, max_cache_len: int) -> Any:
     if quant.fp8 or quant.layout == "token" or not quantized:
         return static_stock_layer(quant, layer, max_cache_len)
     return StaticKiviLayer(max_cache_len, quant, layer)
+
+
+def kivi_stock_layer(quant: QuantSpec, layer: int) -> Any:
+    """``stock_layer`` for a method whose attention function hands a layer it leaves untouched to the layer's own
+    ``attend`` when it has one: ``KiviLayer`` where the layer is quantized in KIVI's layout, so that its decode steps
+    read the codes."""
+    quantized = quant.side(layer, keys=True).quantized and quant.side(layer, keys=False).quantized
+    if quantized and not quant.fp8 and quant.layout == "kivi":
+        return KiviLayer(quant, layer)
+    return stock_layer(quant, layer)
 
 
 def kivi_routed(model: Any) -> bool:

@@ -119,6 +119,33 @@ class TokenStore:
             out[..., quantized + held :, :] = then
         return self._with_head(out[..., self.offset :, :])  # dropped tokens (< one block) stay unread
 
+    def states_at(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The stored tokens at ``(rows[i], positions[i])`` of a store of ``[b, H, n, w]`` (none dropped from the
+        front): ``[N, H, w]`` in the cache dtype, as ``read`` gives them, dequantizing only the blocks they lie in
+        (a few tokens a step reads exactly beside codes it reads folded: MiniCache's retained tokens)."""
+        assert self.tail is not None and not self.offset, "states_at reads a store with tokens and none dropped"
+        out = self.tail.new_empty(rows.shape[0], self.tail.shape[1], self.tail.shape[-1])
+        quantized, sink = self.quantized_tokens, self._head_len()
+        in_blocks = (positions < quantized) & (positions >= sink)
+        if self.blocks is not None and bool(in_blocks.any()):
+            r, at = rows[in_blocks], positions[in_blocks]
+            b, group = self.blocks, self.quant.group
+            if self.per_channel:  # the token's whole block [N, H, 1, w, ·] dequantized, the token taken from it
+                block = at // group
+                one = QuantizedBlock(*(t[r, :, block].unsqueeze(2) for t in (b.codes, b.scale, b.zero)))
+                states = self._dequantize(one, out.dtype)[torch.arange(r.shape[0]), :, at % group]
+            else:  # per token: the token's own codes [N, H, 1, ·]
+                one = QuantizedBlock(*(t[r, :, at].unsqueeze(2) for t in (b.codes, b.scale, b.zero)))
+                states = self._dequantize(one, out.dtype)[:, :, 0]
+            out[in_blocks] = states
+        in_tail = positions >= quantized
+        if bool(in_tail.any()):
+            out[in_tail] = self.tail[rows[in_tail], :, positions[in_tail] - quantized]
+        in_head = positions < sink
+        if self.head is not None and bool(in_head.any()):
+            out[in_head] = self.head[rows[in_head], :, positions[in_head]]
+        return out
+
     def _with_head(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` (a fresh tensor starting at the oldest held token) with the exact sink put back."""
         if self.head is not None:
