@@ -21,7 +21,8 @@ if triton is not None:
 # rows share every code they read (one ``tl.dot`` over the group's rows), keys are dequantized per block with its
 # channel scales, values per token, and nothing of the cache is ever written back in float. The exact parts of the
 # cache (sink copies, recent tokens, this step's token) are few: the caller attends to them in torch and merges
-# with the kernel's partial result (``merge_partials``), as flash-decoding merges its splits.
+# with the kernel's partial result (``merge_partials``), as flash-decoding merges its splits (the torch reader,
+# ``kivi_decode_folded``, takes them into its own softmax instead).
 
 
 def kivi_decode_reference(
@@ -55,6 +56,8 @@ def kivi_decode_folded(
     value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
     scale: float, key_bits: int = 4, value_bits: int = 4, key_factor: torch.Tensor | None = None,
     value_factor: torch.Tensor | None = None,
+    exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    value_rotation: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``kivi_decode_reference``'s partial from the codes in torch, the kernel's algebra without a float copy of the
     cache: keys' per-channel scales fold into the query per block (``q·k = Σ (q⊙s)·code + q·z``), values' per-token
@@ -64,15 +67,25 @@ def kivi_decode_folded(
     dequantize-then-SDPA per layer of SmolLM2 at 4K, 4-bit (3 KV heads × 3 query rows, measured). A packing unit's
     codes must share a value group (``kivi_folded_fits``). ``key_factor`` / ``value_factor`` ``[b, n]`` (or None):
     each token's stored key / value stands for itself times this number (MiniCache's merged directions times a
-    layer's norms), applied to its score and to its weight in the values' sum, not to the cache."""
+    layer's norms), applied to its score and to its weight in the values' sum, not to the cache.
+
+    ``exact``: ``(keys, values, bias)``, exact tokens ``[b, Hkv, t, d]`` (a sink's copies, a float tail, this step's
+    token) and their additive bias broadcasting to ``[b, Hkv, G, t]`` (or None), attended in the same softmax: the
+    partial then covers both, where a second partial merged with this one would cost a CPU a dozen more small ops
+    per layer and step. ``value_rotation``: the ``[size, size]`` rotation the stored values went through per channel
+    group, undone on the codes' weighted sum (it is linear in the values) before the exact values join it."""
     dim, n = key_codes.shape[3], value_codes.shape[2]
     scores = folded_scores(query, key_codes, key_scale, key_zero, key_bits)[..., :n] * scale
     if key_factor is not None:
         scores = scores * key_factor.float()[:, None, None, :]
     if bias is not None:
         scores = scores + bias.float()[:, None, None, :]
+    if exact is not None:
+        direct = torch.matmul(query.float(), exact[0].float().transpose(-1, -2)) * scale
+        scores = torch.cat([scores, direct if exact[2] is None else direct + exact[2].float()], dim=-1)
     top = scores.amax(-1)
-    probs = torch.exp(scores - top[..., None])  # [b, Hkv, G, n]
+    every = torch.exp(scores - top[..., None])  # [b, Hkv, G, n (+ t)]
+    probs = every[..., :n]
     weights = probs if value_factor is None else probs * value_factor.float()[:, None, None, :]
     # values: per channel group g, (p ⊙ s_g) against the group's byte columns in every plane; p·z_g for its zeros
     groups = value_scale.shape[-1]
@@ -85,7 +98,12 @@ def kivi_decode_folded(
         group = torch.stack([weighted @ plane[..., at] for plane in planes], dim=-1).flatten(-2)
         parts.append(group + (weights @ zero_v[..., g : g + 1]))
     acc = torch.cat(parts, dim=-1)[..., :dim]
-    return acc, torch.stack([top, probs.sum(-1)], dim=-1)
+    if value_rotation is not None:
+        size = value_rotation.shape[0]
+        acc = (acc.view(*acc.shape[:-1], -1, size) @ value_rotation.T).flatten(-2)
+    if exact is not None:
+        acc = acc + torch.matmul(every[..., n:], exact[1].float())
+    return acc, torch.stack([top, every.sum(-1)], dim=-1)
 
 
 def folded_scores(

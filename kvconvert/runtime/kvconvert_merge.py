@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from .kvconvert_codec import QuantSpec
-from .kvconvert_kivi_kernel import kivi_decode_folded, merge_partials
-from .kvconvert_quant import exact_partial, kivi_kernel_reads, values_unrotated
+from .kvconvert_kivi_kernel import kivi_decode_folded
+from .kvconvert_quant import kivi_kernel_reads, value_rotation
 from .kvconvert_storage import select_rows_fn
 from .kvconvert_tokenstore import TokenStore
 
@@ -174,9 +174,9 @@ def merged_decode(
     Layer ``member``'s past state is ``direction · norm`` per token, so its score is ``norm · (q·direction)`` and its
     weight in the values' sum ``p · norm``: ``kivi_decode_folded`` reads the directions' codes with the norms as
     per-token factors, never restoring the past (``MergedStream.restore`` dequantizes it all each step). The exact
-    part is attended beside it and the partial softmaxes merged: the sink's and the float tail's directions times
-    the norms, this step's ``key/value [b, Hkv, 1, d]``, and the retained tokens — those either side kept exact
-    (their merged stand-ins masked out of the codes' read), with the other side's state where it merged them.
+    part is attended in the same softmax: the sink's and the float tail's directions times the norms, this step's
+    ``key/value [b, Hkv, 1, d]``, and the retained tokens — those either side kept exact (their merged stand-ins
+    masked out of the codes' read), with the other side's state where it merged them.
     ``bias [b|1, 1, 1, n + 1]`` additive or None; ``retained``: the caller's memo of the retained tokens' states
     (``_retained_states``). Returns ``[b, H, 1, d]`` float32."""
     batch, heads, _, dim = query.shape
@@ -196,10 +196,6 @@ def merged_decode(
     bias_q[:, :sink] = minimum  # the sink's stand-ins: its exact copies are attended below
     k_norms = None if keys.norms is None else keys.norms[:, member]  # [b, n] float32
     v_norms = None if values.norms is None else values.norms[:, member]
-    acc, ml = kivi_decode_folded(q, kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero, bias_q, scaling,
-                                 kd.quant.bits, vd.quant.bits, None if k_norms is None else k_norms[:, :n_q],
-                                 None if v_norms is None else v_norms[:, :n_q])  # fmt: skip
-    acc = values_unrotated(acc, vd, dim)
     exact_k, exact_v, exact_bias = [], [], []
     for store_k, store_v, span in ((kd.head, vd.head, slice(0, sink)), (kd.tail, vd.tail, slice(n_q, seen))):
         if store_k is not None and store_v is not None:
@@ -210,9 +206,12 @@ def merged_decode(
     exact_k += [k_union, key.float()]
     exact_v += [v_union, value.float()]
     exact_bias += [union_bias, full[:, seen:]]
-    exact = exact_partial(q, torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2),
-                          torch.cat(exact_bias, dim=-1)[:, None, None], scaling)  # fmt: skip
-    return merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
+    exact = (torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2), torch.cat(exact_bias, dim=-1)[:, None, None])
+    acc, ml = kivi_decode_folded(q, kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero, bias_q, scaling,
+                                 kd.quant.bits, vd.quant.bits, None if k_norms is None else k_norms[:, :n_q],
+                                 None if v_norms is None else v_norms[:, :n_q], exact=exact,
+                                 value_rotation=value_rotation(vd, dim, query.device))  # fmt: skip
+    return (acc / ml[..., 1:]).view(batch, heads, 1, dim)
 
 
 def _times(directions: torch.Tensor, norms: torch.Tensor | None, span: slice) -> torch.Tensor:

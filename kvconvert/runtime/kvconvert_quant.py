@@ -176,10 +176,10 @@ def kivi_decode(
 
     ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]``, ``bias [b|1, 1, 1, n]`` additive or None;
     the stores hold the ``n − 1`` earlier tokens, at least one block quantized. The codes' reader takes the
-    quantized blocks (the sink's stand-ins masked); the exact sink, the float tail and this step's token are
-    attended here, and the two partial softmaxes merged. Values the store rotated (``--kv-rotate`` where the weights
-    could not take it) come out of the reader rotated: the rotation is undone on its ``[b, H, d]`` output, not on
-    the cache.
+    quantized blocks (the sink's stand-ins masked); the exact sink, the float tail and this step's token join the
+    torch reader's softmax (``exact``), or are attended here and merged with the kernel's partial. Values the store
+    rotated (``--kv-rotate`` where the weights could not take it) come out of the reader rotated: the rotation is
+    undone on its ``[b, H, d]`` weighted sum, not on the cache.
     Returns ``[b, H, 1, d]`` float32."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
@@ -192,26 +192,28 @@ def kivi_decode(
         bias_q = torch.zeros(batch, n_q, device=query.device) if bias_q is None else bias_q.clone()
         bias_q[:, :sink] = torch.finfo(torch.float32).min
     codes = (kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero)
-    if kernel:
-        acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32)
-    else:
-        acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits)
-    acc = values_unrotated(acc, values, dim)
-    exact_k = [t for t in (keys.head, keys.tail, key) if t is not None]
-    exact_v = [t for t in (values.head, values.tail, value) if t is not None]
+    exact_k = torch.cat([t for t in (keys.head, keys.tail, key) if t is not None], dim=-2)
+    exact_v = torch.cat([t for t in (values.head, values.tail, value) if t is not None], dim=-2)
     exact_bias = None if bias is None else torch.cat([bias[..., :sink], bias[..., n_q:]], dim=-1)  # [b|1, 1, 1, ·]
-    exact = exact_partial(q, torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2), exact_bias, scaling)
+    rotated = value_rotation(values, dim, query.device)
+    if not kernel:  # the exact tokens in the reader's own softmax
+        acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits,
+                                     exact=(exact_k, exact_v, exact_bias), value_rotation=rotated)  # fmt: skip
+        return (acc / ml[..., 1:]).view(batch, heads, 1, dim)
+    acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32)
+    if rotated is not None:
+        acc = (acc.view(*acc.shape[:-1], -1, rotated.shape[0]) @ rotated.T).flatten(-2)
+    exact = exact_partial(q, exact_k, exact_v, exact_bias, scaling)
     return merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
 
 
-def values_unrotated(acc: torch.Tensor, values: Any, dim: int) -> torch.Tensor:
-    """A codes reader's weighted sum ``[..., d]`` of ``values`` (a ``TokenStore`` or ``StaticTokenStore``) with the
-    store's rotation undone per channel group: the sum is linear in the values, so the rotation is undone on it,
-    not on the cache (values the store rotated: ``--kv-rotate`` where the weights could not take it)."""
+def value_rotation(values: Any, dim: int, device: torch.device) -> torch.Tensor | None:
+    """The ``[size, size]`` rotation ``values`` (a ``TokenStore`` or ``StaticTokenStore``) applied per channel group
+    before quantizing (``--kv-rotate`` where the weights could not take it), or None: a codes reader's weighted sum is
+    linear in the values, so the rotation is undone on it, not on the cache."""
     if not values.rotate:
-        return acc
-    size = channel_groups(dim, values.quant.group)[1]
-    return (acc.view(*acc.shape[:-1], -1, size) @ rotation(size, acc.device).T).flatten(-2)
+        return None
+    return rotation(channel_groups(dim, values.quant.group)[1], device)
 
 
 def folded_fits(keys: Any, values: Any, dim: int) -> bool:
@@ -350,9 +352,6 @@ class StaticKiviLayer(StaticStoreLayer):
         bias_q = torch.full((batch, length), minimum, device=device)
         bias_q[:, : self.max_cache_len] = bias
         bias_q = torch.where((positions < quantized) & (positions >= sink), bias_q, minimum)
-        acc, ml = kivi_decode_folded(q, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero,
-                                     bias_q, scaling, keys.quant.bits, values.quant.bits)  # fmt: skip
-        acc = values_unrotated(acc, values, dim)
         # exact: the sink, the ring's slots not quantized yet (slot s: the newest position ≡ s mod its length), this
         # step's token at position ``filled``
         slots = torch.arange(keys.ring_len, device=device)
@@ -366,9 +365,11 @@ class StaticKiviLayer(StaticStoreLayer):
             exact_k, exact_v = [keys.head, *exact_k], [values.head, *exact_v]
         at, ok = torch.cat(where), torch.cat(valid)
         exact_bias = torch.where(ok, bias.index_select(1, at.clamp(0, self.max_cache_len - 1)), minimum)
-        exact = exact_partial(q, torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2), exact_bias[:, None, None],
-                              scaling)  # fmt: skip
-        out = merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
+        exact = (torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2), exact_bias[:, None, None])
+        acc, ml = kivi_decode_folded(q, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero,
+                                     bias_q, scaling, keys.quant.bits, values.quant.bits, exact=exact,
+                                     value_rotation=value_rotation(values, dim, device))  # fmt: skip
+        out = (acc / ml[..., 1:]).view(batch, heads, 1, dim)
         keys.extend_only(key, filled)
         values.extend_only(value, filled)
         self._advance(1)
