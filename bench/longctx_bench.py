@@ -47,6 +47,10 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
 LOCAL_CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("quant 3-bit, sink 4 + rotated values, local layers too (ext.)",
      {"method": "quant", "kv_bits": 3, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True, "kv_include_local": True}),
+    # the windows at 4 bits (--kv-local-bits): 3-bit windows lost the needles at 16K where 3-bit global layers did
+    # not (longctx-gemma3-16k-global-only)
+    ("quant 3-bit, sink 4 + rotated values, local layers at 4 bits (ext.)",
+     {"method": "quant", "kv_bits": 3, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True, "kv_local_bits": 4}),
     ("quant 2-bit, groups of 128, sink 4 + rotated values, local layers too (ext.)",
      {"method": "quant", "kv_bits": 2, "kv_group": 128, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True,
       "kv_include_local": True}),
@@ -185,15 +189,17 @@ def main() -> None:
         return
 
     import kvconvert
+    from kvconvert.arch import adapter_for
     from kvconvert.eval.runner import TaskEvalConfig, load_for_eval
     from kvconvert.eval.tasks import average_accuracy, make_batches, run_tasks
     from kvconvert.io.source import open_source
     from kvconvert.methods import build_method
-    from kvconvert.pipeline import convert
+    from kvconvert.pipeline import convert, storage_factor
     from kvconvert.recipe import parse_recipe
 
     config = TaskEvalConfig.parse(args.tasks, args.lengths, args.samples, 0, False, "cpu", True)
     source = _source(args)
+    layout = adapter_for(open_source(str(source)).config).layout()
     reference, tokenizer = load_for_eval(str(source))
     models: dict[str, Any] = {"source": reference}
     budgets: dict[str, float] = {"source": 1.0}
@@ -205,6 +211,8 @@ def main() -> None:
             result = convert(open_source(str(source)), build_method(name, method_config, storage), Path(tmp) / str(i),
                              progress=False)  # fmt: skip
             budgets[label] = result.report.get("kv_budget_expected_vs_16bit", result.report["kv_budget_expected"])
+            if name == "quant" and layout.local_layers:  # storage alone: the budget at the tasks' length, windows
+                budgets[label] = storage_factor(storage, layout, max(config.lengths))  # counted as they are held
             models[label] = kvconvert.load(Path(tmp) / str(i)).eval()
         outcome = run_tasks(models, tokenizer, config.tasks, config.lengths, config.samples, progress=True)
     labels = list(models)

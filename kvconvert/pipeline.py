@@ -114,17 +114,23 @@ def storage_report(storage: QuantSpec) -> dict[str, int] | None:
     return storage.to_spec() if storage.quantized else None
 
 
-def storage_factor(storage: QuantSpec, layout: Any) -> float:
+def storage_factor(storage: QuantSpec, layout: Any, tokens: int | None = None) -> float:
     """What quantized storage multiplies a method's KV budget by, against a 16-bit cache, at long
     context (the sink's and the newest unquantized tokens' share vanishes): accounted bytes per stored
-    value ÷ 2, averaged over every layer's keys and values (local layers stay 16-bit unless included)."""
-    factors = []
+    value ÷ 2, averaged over every layer's keys and values (local layers stay 16-bit unless included).
+    ``tokens``: at that context length instead, each layer weighted by the tokens it holds there (a
+    sliding-window layer at most its window, in both caches): what a model with such layers holds at
+    a given length; without it every layer counts alike."""
+    factors, weights = [], []
     for layer in range(layout.num_layers):
+        local = layer in layout.local_layers
+        held = 1.0 if tokens is None else float(min(tokens, layout.sliding_window or tokens) if local else tokens)
         for keys in (True, False):
-            stock = layer in layout.local_layers and not storage.include_local
-            side = storage.side(layer, keys)
-            factors.append(1.0 if stock else side.bytes_per_value(layout.head_dim, per_channel=keys) / 2)
-    return sum(factors) / len(factors)
+            stock = local and not storage.include_local
+            side = (storage.for_local() if local else storage).side(layer, keys)
+            factors.append(held * (1.0 if stock else side.bytes_per_value(layout.head_dim, per_channel=keys) / 2))
+            weights.append(held)
+    return sum(factors) / sum(weights)
 
 
 @dataclass

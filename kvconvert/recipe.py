@@ -22,7 +22,8 @@ from kvconvert.runtime.kvconvert_codec import QuantSpec
 # recipe key -> QuantSpec field: the storage options of every conversion command
 STORAGE_KEYS = {"kv_bits": "bits", "kv_group": "group", "kv_residual": "residual", "kv_sink": "sink",
                 "kv_rotate": "rotate", "kv_include_local": "include_local", "kv_layout": "layout",
-                "kv_format": "format", "kv_scale_strategy": "scale_strategy"}  # fmt: skip
+                "kv_format": "format", "kv_scale_strategy": "scale_strategy",
+                "kv_local_bits": "local_bits"}  # fmt: skip
 FLAGS = {"kv_rotate", "kv_include_local"}  # the storage keys that take true/false
 WORDS = {"kv_layout", "kv_format", "kv_scale_strategy"}  # the storage keys that take a word
 
@@ -37,6 +38,8 @@ def storage_spec(values: dict[str, Any], source: str, base: QuantSpec | None = N
         if not _matches(value, expected):
             raise KVConvertError(f"{source}: {key!r} must be {expected.__name__}, got {value!r}")
         fields[STORAGE_KEYS[key]] = value
+    if values.get("kv_local_bits") is not None and values.get("kv_include_local") is None:
+        fields["include_local"] = True  # a width for the sliding-window layers quantizes them
     if fields["format"] == "fp8":  # the engines' format has one width and no exact tokens: unless said otherwise
         fields["bits"] = 8 if values.get("kv_bits") is None else fields["bits"]
         fields["residual"] = 0 if values.get("kv_residual") is None else fields["residual"]

@@ -113,6 +113,39 @@ def test_quantized_local_layers_hold_a_bounded_cache(tokenized_model_dir, tmp_pa
     assert kv_bytes_per_token(converted, ids, 32, 96) == pytest.approx(16 * (0.5 + 4 / 4) * 2)
 
 
+@torch.no_grad()
+def test_sliding_window_layers_take_their_own_width(tokenized_model_dir, tmp_path):
+    """--kv-local-bits quantizes the sliding-window layers (it implies --kv-include-local) at their own width while
+    the global layer keeps --kv-bits: the stores say so, the report records it, the cache still grows by the global
+    layer's 4-bit bytes only, and the model generates. Asked where it cannot apply: one line, nothing written."""
+    import json
+
+    from kvconvert.eval.memory import kv_bytes_per_token
+
+    src = tokenized_model_dir("gemma3")  # layers: sliding, global, sliding
+    storage = ("--kv-bits", "4", "--kv-local-bits", "8", "--kv-group", "4", "--kv-residual", "4")
+    result = run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), "--quiet", *storage)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "q" / "kvconvert.json").read_text())
+    assert report["kv_storage"]["local_bits"] == 8 and report["kv_storage"]["include_local"] is True
+    converted = load_converted(tmp_path / "q")
+    ids = torch.randint(3, 90, (1, 96), generator=torch.Generator().manual_seed(0))
+    cache = converted(input_ids=ids, use_cache=True).past_key_values
+    widths = {getattr(layer, "is_sliding", False): layer.key_store.quant.bits for layer in cache.layers}
+    assert widths == {True: 8, False: 4}
+    assert kv_bytes_per_token(converted, ids, 32, 96) == pytest.approx(16 * (0.5 + 4 / 4) * 2)
+    ids, mask = left_padded()
+    out = converted.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == 28
+    llama = tokenized_model_dir("llama")
+    for model, extra in ((src, ("--kv-format", "fp8")), (src, ("--kv-layout", "token")), (src, ("--kv-budget", "0.3")),
+                         (llama, ("--kv-bits", "4"))):  # fmt: skip
+        bad = run_cli("quant", "--model", str(model), "--out", str(tmp_path / "bad"), "--quiet", "--kv-local-bits",
+                      "8", *extra)  # fmt: skip
+        assert bad.exit_code == 2 and "error:" in bad.output and len(bad.output.strip().splitlines()) == 1, bad.output
+        assert not (tmp_path / "bad").exists()
+
+
 def test_documented_capability_matrix_is_the_code_s():
     from pathlib import Path
 

@@ -56,3 +56,13 @@ def test_recipe_errors_name_key_and_file(data, message):
     with pytest.raises(KVConvertError, match=message) as info:
         parse_recipe(data, "r.yaml")
     assert str(info.value).startswith("r.yaml: ") and "\n" not in str(info.value)
+
+
+def test_a_width_for_sliding_window_layers_quantizes_them():
+    """``kv_local_bits`` implies ``kv_include_local`` and survives the runtime spec's round trip; said together with
+    ``kv_include_local: false`` it is a one-line error naming the file."""
+    _, _, storage = parse_recipe({"method": "quant", "kv_bits": 3, "kv_local_bits": 4}, "r.yaml")
+    assert storage.include_local and storage.local_bits == 4 and storage.for_local().bits == 4 and storage.bits == 3
+    assert QuantSpec.from_spec({"kv_quant": storage.to_spec()}) == storage
+    with pytest.raises(KVConvertError, match="r.yaml: kv local bits"):
+        parse_recipe({"method": "quant", "kv_bits": 3, "kv_local_bits": 4, "kv_include_local": False}, "r.yaml")

@@ -72,6 +72,11 @@ class ConversionOptions(SourceOptions):
         help="Also quantize sliding-window layers' caches (Gemma 2/3); by default they stay stock, bounded by "
         "the window.",
     )
+    kv_local_bits: Literal["8", "4", "3", "2"] | None = option(
+        None,
+        help="Sliding-window layers' width (Gemma 2/3), quantized apart from the others' --kv-bits (implies "
+        "--kv-include-local): their caches hold at most a window, so more bits there cost little at long context.",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = option(
         "auto", help="Output dtype; auto keeps the source's."
     )
@@ -85,7 +90,8 @@ class ConversionOptions(SourceOptions):
         given = {"kv_bits": None if self.kv_bits is None else int(self.kv_bits), "kv_group": self.kv_group,
                  "kv_residual": self.kv_residual, "kv_sink": self.kv_sink, "kv_rotate": self.kv_rotate,
                  "kv_include_local": self.kv_include_local, "kv_layout": self.kv_layout, "kv_format": self.kv_format,
-                 "kv_scale_strategy": self.kv_scale_strategy}  # fmt: skip
+                 "kv_scale_strategy": self.kv_scale_strategy,
+                 "kv_local_bits": None if self.kv_local_bits is None else int(self.kv_local_bits)}  # fmt: skip
         return storage_spec(given, "options", base)
 
 

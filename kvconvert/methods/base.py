@@ -73,6 +73,9 @@ class Method(Generic[P]):
         if self.storage.fp8 and self.name != "quant":
             raise KVConvertError(f"--kv-format fp8 (static scales, the serving engines' format) is quant's; "
                                  f"{self.name} stores what its own runtime reads: use --kv-bits 8")  # fmt: skip
+        if self.storage.local_bits is not None and not layout.local_layers:
+            raise KVConvertError("--kv-local-bits is the width of sliding-window layers' caches, and this model has "
+                                 "no sliding-window layers: use --kv-bits")  # fmt: skip
         if self.storage.layout != "token":
             return
         if not self.token_layout:

@@ -74,6 +74,10 @@ class QuantSpec:
     # fp8, once calibrated: per layer (key scales, value scales), one per KV head or one for the layer
     scales: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...] | None = None
     rotate_in_weights: bool = False  # the values' rotation is folded into W_V / W_O (module docstring)
+    # sliding-window layers' width when they are quantized too (``include_local``); None: ``bits``. Their caches hold
+    # at most a window, so a wider width there costs little at long context, and on Gemma 3 270M the windows lost
+    # the needles at 3 bits where the global layers did not (README, long-context tasks)
+    local_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS or self.scale_strategy not in SCALE_STRATEGIES:
@@ -84,18 +88,25 @@ class QuantSpec:
             if (
                 self.bits != 8
                 or self.layers is not None
+                or self.local_bits is not None
                 or self.residual
                 or self.sink
                 or self.rotate
                 or self.layout != "kivi"
             ):
                 raise ValueError("fp8 storage holds every token and layer at 8 bits, as the engines do: it takes "
-                                 "no --kv-bits but 8, no widths per layer, --kv-residual, --kv-sink, --kv-rotate or "
-                                 "--kv-layout")  # fmt: skip
+                                 "no --kv-bits but 8, no widths per layer, --kv-local-bits, --kv-residual, --kv-sink, "
+                                 "--kv-rotate or --kv-layout")  # fmt: skip
             return
-        for bits in (self.bits, *(b for pair in self.layers or () for b in pair)):
+        local = () if self.local_bits is None else (self.local_bits,)
+        for bits in (self.bits, *local, *(b for pair in self.layers or () for b in pair)):
             if bits not in BITS:
                 raise ValueError(f"kv bits must be one of {BITS}, got {bits}")
+        if self.local_bits is not None and not (self.include_local and self.layers is None and self.layout == "kivi"):
+            raise ValueError("kv local bits (the sliding-window layers' width) need --kv-include-local, one width for "
+                             "the other layers and KIVI's layout")  # fmt: skip
+        if self.local_bits == 3 and self.group % 8:
+            raise ValueError(f"3-bit keys pack 8 tokens in 3 bytes: kv group must be a multiple of 8, got {self.group}")
         if self.group < 1 or self.residual < 0 or self.sink < 0:
             raise ValueError(f"kv group must be >= 1, residual and sink >= 0, got {self.group}, {self.residual}, "
                              f"{self.sink}")  # fmt: skip
@@ -123,7 +134,12 @@ class QuantSpec:
 
     @property
     def quantized(self) -> bool:
-        return self.bits < 16 or any(b < 16 for pair in self.layers or () for b in pair)
+        local = self.local_bits is not None and self.local_bits < 16
+        return self.bits < 16 or local or any(b < 16 for pair in self.layers or () for b in pair)
+
+    def for_local(self) -> QuantSpec:
+        """The storage of a sliding-window layer's cache when it is quantized (``include_local``)."""
+        return self if self.local_bits is None else dataclasses.replace(self, bits=self.local_bits, local_bits=None)
 
     def side(self, layer: int, keys: bool) -> QuantSpec:
         """The uniform storage of one layer's keys (or values)."""
@@ -144,7 +160,8 @@ class QuantSpec:
                    str(entry.get("format", "int")), str(entry.get("scale_strategy", "tensor")),
                    None if entry.get("scales") is None else tuple(
                        (tuple(map(float, k)), tuple(map(float, v))) for k, v in entry["scales"]),
-                   bool(entry.get("rotate_in_weights", False)))  # fmt: skip
+                   bool(entry.get("rotate_in_weights", False)),
+                   None if entry.get("local_bits") is None else int(entry["local_bits"]))  # fmt: skip
 
     def to_spec(self) -> dict[str, Any]:
         spec: dict[str, Any]
@@ -168,6 +185,8 @@ class QuantSpec:
             spec["rotate_in_weights"] = True
         if self.include_local:
             spec["include_local"] = True
+        if self.local_bits is not None:
+            spec["local_bits"] = self.local_bits
         if self.layout != "kivi":
             spec["layout"] = self.layout
         return spec

@@ -406,5 +406,5 @@ def sliding_layer(spec: dict[str, Any], layer: int) -> DynamicLayer | None:
         return None
     quant, window = QuantSpec.from_spec(spec), int(spec["sliding_window"])
     if quant.include_local and quant.quantized:
-        return QuantizedSlidingLayer(quant, layer, window)
+        return QuantizedSlidingLayer(quant.for_local(), layer, window)
     return DynamicSlidingWindowLayer(window)

@@ -92,8 +92,9 @@ class QuantMethod(Method[QuantPlan | None]):
                 )
             return
         if self.config.kv_budget is not None:
-            if self.storage.bits != 16:
-                raise KVConvertError("give --kv-bits (one width) or --kv-budget (widths chosen per layer), not both")
+            if self.storage.bits != 16 or self.storage.local_bits is not None:
+                raise KVConvertError("give --kv-bits / --kv-local-bits (widths) or --kv-budget (widths chosen per "
+                                     "layer), not both")  # fmt: skip
             return
         if not self.storage.quantized:
             raise KVConvertError(
