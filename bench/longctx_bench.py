@@ -51,6 +51,8 @@ LOCAL_CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     # not (longctx-gemma3-16k-global-only)
     ("quant 3-bit, sink 4 + rotated values, local layers at 4 bits (ext.)",
      {"method": "quant", "kv_bits": 3, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True, "kv_local_bits": 4}),
+    ("quant 3-bit, sink 4 + rotated values, local layers at 8 bits (ext.)",
+     {"method": "quant", "kv_bits": 3, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True, "kv_local_bits": 8}),
     ("quant 2-bit, groups of 128, sink 4 + rotated values, local layers too (ext.)",
      {"method": "quant", "kv_bits": 2, "kv_group": 128, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True,
       "kv_include_local": True}),
