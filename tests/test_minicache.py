@@ -480,14 +480,20 @@ def test_subspace_latent_attention_equals_restoring_the_past(storage, tokenized_
     state_class = type(latent.past_key_values.layers[1])
     assert state_class.__name__ == "SubspaceState"
     assert not storage or latent.past_key_values.layers[1].latents[1].blocks is not None  # codes were read
-    latent_attention = state_class.attend_past
-    state_class.attend_past = state_class.__mro__[1].attend_past  # PairedLayer's: restore, then SDPA
+    assert_same_as_restoring(converted, state_class, latent, ids, kwargs)
+
+
+def assert_same_as_restoring(converted, state_class, out, ids, kwargs) -> None:
+    """``out`` (a ``generate`` result) equals generating again with ``state_class``'s decode path replaced by
+    ``PairedLayer.attend_past`` (restore the past, then SDPA): the same tokens, logits up to rounding."""
+    reads_codes = state_class.attend_past
+    state_class.attend_past = state_class.__mro__[1].attend_past
     try:
         restored = converted.generate(ids, **kwargs)
     finally:
-        state_class.attend_past = latent_attention
-    assert torch.equal(latent.sequences, restored.sequences)
-    for a, b in zip(latent.logits, restored.logits, strict=True):
+        state_class.attend_past = reads_codes
+    assert torch.equal(out.sequences, restored.sequences)
+    for a, b in zip(out.logits, restored.logits, strict=True):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
 
 
@@ -552,13 +558,4 @@ def test_merged_codes_decode_equals_restoring_the_past(merge, bits, tokenized_mo
     assert streams[0].retained.shape[0] != streams[1].retained.shape[0] or not torch.equal(
         streams[0].retained_at, streams[1].retained_at)  # fmt: skip
     assert any(type(layer).__name__ == "KiviLayer" and layer.routed for layer in cache.layers)
-    state_class = type(state)
-    reads_codes = state_class.attend_past
-    state_class.attend_past = state_class.__mro__[1].attend_past  # PairedLayer's: restore, then SDPA
-    try:
-        restored = converted.generate(ids, **kwargs)
-    finally:
-        state_class.attend_past = reads_codes
-    assert torch.equal(fused.sequences, restored.sequences)
-    for a, b in zip(fused.logits, restored.logits, strict=True):
-        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    assert_same_as_restoring(converted, type(state), fused, ids, kwargs)
