@@ -99,11 +99,16 @@ def kivi_decode_folded(
         parts.append(group + (weights @ zero_v[..., g : g + 1]))
     acc = torch.cat(parts, dim=-1)[..., :dim]
     if value_rotation is not None:
-        size = value_rotation.shape[0]
-        acc = (acc.view(*acc.shape[:-1], -1, size) @ value_rotation.T).flatten(-2)
+        acc = unrotated(acc, value_rotation)
     if exact is not None:
         acc = acc + torch.matmul(every[..., n:], exact[1].float())
     return acc, torch.stack([top, every.sum(-1)], dim=-1)
+
+
+def unrotated(acc: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """A weighted sum of values ``[..., d]`` stored rotated by ``rotation [size, size]`` per channel group, rotated
+    back (the sum is linear in the values, so the rotation is undone on it, not on the cache)."""
+    return (acc.view(*acc.shape[:-1], -1, rotation.shape[0]) @ rotation.T).flatten(-2)
 
 
 def folded_scores(

@@ -36,6 +36,7 @@ from .kvconvert_kivi_kernel import (
     kivi_folded_fits,
     kivi_kernel_fits,
     merge_partials,
+    unrotated,
 )
 from .kvconvert_storage import (
     Fp8Layer,
@@ -202,7 +203,7 @@ def kivi_decode(
         return (acc / ml[..., 1:]).view(batch, heads, 1, dim)
     acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32)
     if rotated is not None:
-        acc = (acc.view(*acc.shape[:-1], -1, rotated.shape[0]) @ rotated.T).flatten(-2)
+        acc = unrotated(acc, rotated)
     exact = exact_partial(q, exact_k, exact_v, exact_bias, scaling)
     return merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
 
@@ -376,22 +377,24 @@ class StaticKiviLayer(StaticStoreLayer):
         return out
 
 
+def _kivi_quantized(quant: QuantSpec, layer: int) -> bool:
+    """Both sides of ``layer`` are quantized in KIVI's integer layout (what the codes readers read)."""
+    quantized = quant.side(layer, keys=True).quantized and quant.side(layer, keys=False).quantized
+    return quantized and not quant.fp8 and quant.layout == "kivi"
+
+
 def static_kivi_layer(quant: QuantSpec, layer: int, max_cache_len: int) -> Any:
     """``static_stock_layer``, with ``StaticKiviLayer`` for a layer quantized in KIVI's layout."""
-    quantized = quant.side(layer, keys=True).quantized and quant.side(layer, keys=False).quantized
-    if quant.fp8 or quant.layout == "token" or not quantized:
-        return static_stock_layer(quant, layer, max_cache_len)
-    return StaticKiviLayer(max_cache_len, quant, layer)
+    if _kivi_quantized(quant, layer):
+        return StaticKiviLayer(max_cache_len, quant, layer)
+    return static_stock_layer(quant, layer, max_cache_len)
 
 
 def kivi_stock_layer(quant: QuantSpec, layer: int) -> Any:
     """``stock_layer`` for a method whose attention function hands a layer it leaves untouched to the layer's own
     ``attend`` when it has one: ``KiviLayer`` where the layer is quantized in KIVI's layout, so that its decode steps
     read the codes."""
-    quantized = quant.side(layer, keys=True).quantized and quant.side(layer, keys=False).quantized
-    if quantized and not quant.fp8 and quant.layout == "kivi":
-        return KiviLayer(quant, layer)
-    return stock_layer(quant, layer)
+    return KiviLayer(quant, layer) if _kivi_quantized(quant, layer) else stock_layer(quant, layer)
 
 
 def kivi_routed(model: Any) -> bool:
