@@ -114,23 +114,38 @@ def storage_report(storage: QuantSpec) -> dict[str, int] | None:
     return storage.to_spec() if storage.quantized else None
 
 
-def storage_factor(storage: QuantSpec, layout: Any, tokens: int | None = None) -> float:
-    """What quantized storage multiplies a method's KV budget by, against a 16-bit cache, at long
-    context (the sink's and the newest unquantized tokens' share vanishes): accounted bytes per stored
-    value ÷ 2, averaged over every layer's keys and values (local layers stay 16-bit unless included).
-    ``tokens``: at that context length instead, each layer weighted by the tokens it holds there (a
-    sliding-window layer at most its window, in both caches): what a model with such layers holds at
-    a given length; without it every layer counts alike."""
+def storage_factor(storage: QuantSpec, layout: Any, tokens: int | None = None, compressed: float = 1.0) -> float:
+    """The bytes a converted cache holds ÷ a 16-bit stock cache's: accounted bytes per stored value ÷ 2 for every
+    layer's keys and values (local layers stay 16-bit unless included), the global layers' times ``compressed``
+    (the method's own budget: local layers keep a stock window with every method that supports them).
+
+    Each layer weighs the tokens it holds, in both caches alike: at ``tokens`` a sliding-window layer holds at
+    most its window. Without ``tokens``, the long-context limit (the sink's and the newest unquantized tokens'
+    share vanishes, and so do the bounded windows beside the global layers that grow with the context): what
+    the cache adds per token once it is longer than its windows."""
+    window = layout.sliding_window if layout.local_layers else None
     factors, weights = [], []
     for layer in range(layout.num_layers):
         local = layer in layout.local_layers
-        held = 1.0 if tokens is None else float(min(tokens, layout.sliding_window or tokens) if local else tokens)
+        if not local:
+            held = 1.0
+        elif tokens is None:
+            held = 0.0 if window else 1.0
+        else:
+            held = float(min(tokens, window or tokens)) / tokens
         for keys in (True, False):
             stock = local and not storage.include_local
             side = (storage.for_local() if local else storage).side(layer, keys)
-            factors.append(held * (1.0 if stock else side.bytes_per_value(layout.head_dim, per_channel=keys) / 2))
+            factor = 1.0 if stock else side.bytes_per_value(layout.head_dim, per_channel=keys) / 2
+            factors.append(held * factor * (1.0 if local else compressed))
             weights.append(held)
     return sum(factors) / sum(weights)
+
+
+def report_lengths(layout: Any) -> list[int]:
+    """Where a report quotes the budget of a model with sliding-window layers (a budget that depends on the
+    length): 4K and 16K tokens, and the model's own context."""
+    return sorted({n for n in (4096, 16384) if n < layout.context} | {layout.context})
 
 
 @dataclass
@@ -318,11 +333,17 @@ def convert(
         }
         if summary := method.summary(plan):
             report["plan"] = summary
+        compressed = method.expected_kv_budget(plan, layout)
         if storage is not None:
             report["kv_storage"] = storage
             # what the user asked for: the method's budget with the storage on top, against a 16-bit cache
-            budget = method.expected_kv_budget(plan, layout) * storage_factor(planned_storage, layout)
-            report["kv_budget_expected_vs_16bit"] = budget
+            report["kv_budget_expected_vs_16bit"] = storage_factor(planned_storage, layout, compressed=compressed)
+        if layout.local_layers and layout.sliding_window:
+            # the windows' share shrinks as the context grows: the long-context figure alone would flatter a
+            # model whose global layers are few (Gemma 3: 1 in 6)
+            report["kv_budget_at_tokens"] = {
+                str(n): storage_factor(planned_storage, layout, n, compressed) for n in report_lengths(layout)
+            }
         (tmp / "kvconvert.json").write_text(json.dumps(report, indent=2) + "\n")
         (tmp / "recipe.yaml").write_text(recipe_text(method))  # `kvconvert run` repeats the conversion
         write_model_card(tmp, report, name=out.name)

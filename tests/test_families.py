@@ -146,6 +146,67 @@ def test_sliding_window_layers_take_their_own_width(tokenized_model_dir, tmp_pat
         assert not (tmp_path / "bad").exists()
 
 
+@torch.no_grad()
+def test_the_budget_of_a_model_with_windows_counts_them_as_held(tokenized_model_dir, tmp_path):
+    """On a model that interleaves sliding-window and global layers the report's long-context budget is the
+    global layers' (the windows stay bounded while the context grows), and at a given length each window counts
+    the tokens it holds: the cache measured after 200 tokens agrees with the report's figure there, and not with
+    counting every layer alike (what the report said before: 0.917 here, for a cache of 0.773 at 200 tokens)."""
+    import json
+
+    from kvconvert.eval.runner import bytes_after_context, load_model
+    from kvconvert.pipeline import storage_factor
+    from kvconvert.runtime.kvconvert_codec import QuantSpec
+
+    src = tokenized_model_dir("gemma3")  # layers: sliding, global, sliding (window 8); 1 KV head of 16; context 256
+    storage = ("--kv-bits", "4", "--kv-group", "4", "--kv-residual", "4")
+    result = run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), "--quiet", *storage)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "q" / "kvconvert.json").read_text())
+    per_value = (0.5 + 4 / 4) / 2  # 4-bit codes + fp16 scale and zero per group of 4, ÷ 16 bits
+    assert report["kv_budget_expected_vs_16bit"] == pytest.approx(per_value)  # the global layer's, at the limit
+    at = report["kv_budget_at_tokens"]
+    assert list(at) == ["256"] and at["256"] == pytest.approx((per_value * 256 + 2 * 8) / (256 + 2 * 8))
+    assert "0.765 at 256 tokens" in result.output
+    layout = adapter_for(transformers.AutoConfig.from_pretrained(src)).layout()
+    assert storage_factor(QuantSpec(16), layout, 4096, compressed=0.5) == pytest.approx((0.5 * 4096 + 16) / 4112)
+    ids = torch.randint(3, 90, (1, 200), generator=torch.Generator().manual_seed(0))
+    half = {"dtype": torch.bfloat16}  # the report counts against a 16-bit cache
+    measured = bytes_after_context(load_model(str(tmp_path / "q"), **half), ids) / bytes_after_context(
+        load_model(str(src), **half), ids
+    )
+    spec = QuantSpec.from_spec({"kv_quant": report["kv_storage"]})
+    expected = storage_factor(spec, layout, 200)
+    # the newest 4-7 tokens of the global layer stay 16-bit (the residual and the partial block)
+    assert expected <= measured <= expected + 8 / (200 + 16), (measured, expected)
+    assert abs(measured - (2 + per_value) / 3) > 0.1  # every layer alike would have been far off
+
+
+@torch.no_grad()
+def test_widths_allocated_for_a_budget_go_to_the_global_layers(tokenized_model_dir, tmp_path):
+    """quant --kv-budget on a model with sliding-window layers spends the (long-context) budget on the global
+    layers: the windows, which stay bounded and stock in the runtime, are neither probed nor narrowed (before,
+    the allocator counted them as growing with the context and simulated them quantized)."""
+    import json
+
+    src = tokenized_model_dir("gemma3")  # layers: sliding, global, sliding
+    options = ("--quiet", "--kv-budget", "0.45", "--kv-residual", "4", "--calib-tokens", "512", "--kv-group")
+    bad = run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), *options, "4")
+    assert bad.exit_code == 2 and "multiple of 8" in bad.output and len(bad.output.strip().splitlines()) == 1
+    assert not (tmp_path / "q").exists()  # 3-bit widths need groups of 8 tokens: one line, nothing written
+    result = run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), *options, "8")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "q" / "kvconvert.json").read_text())
+    layers = report["plan"]["layers"]
+    assert layers[0] == layers[2] == [4, 4] and max(layers[1]) < 4  # --max-bits 4 by default
+    assert report["plan"]["sensitivity"][0] == [{"4": 0.0}, {"4": 0.0}]  # not probed
+    assert report["plan"]["window_layers"] == [0, 2]
+    assert report["kv_budget_expected_vs_16bit"] <= 0.45
+    converted = load_converted(tmp_path / "q")
+    cache = converted(input_ids=torch.randint(3, 90, (1, 40)), use_cache=True).past_key_values
+    assert [type(layer).__name__ == "QuantizedSlidingLayer" for layer in cache.layers] == [False, False, False]
+
+
 def test_documented_capability_matrix_is_the_code_s():
     from pathlib import Path
 

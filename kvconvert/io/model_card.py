@@ -97,6 +97,14 @@ def write_model_card(
     (directory / "README.md").write_text(model_card(report, name, evaluation))
 
 
+def _at_lengths(report: dict[str, Any]) -> str:
+    """A model with sliding-window layers: its budget at given lengths (the windows' share shrinks with it)."""
+    at = report.get("kv_budget_at_tokens")
+    if not at:
+        return ""
+    return " (sliding-window layers counted as held: " + ", ".join(f"{b:.1%} at {n} tokens" for n, b in at.items()) + ")"
+
+
 def model_card(report: dict[str, Any], name: str, evaluation: dict[str, Any] | None = None) -> str:
     """The model card's text. Hub metadata names ``base_model`` only for Hub sources (a local path is
     not a model id)."""
@@ -111,7 +119,7 @@ def model_card(report: dict[str, Any], name: str, evaluation: dict[str, Any] | N
         version=report["tool_version"],
         budget=report.get("kv_budget_expected_vs_16bit", report["kv_budget_expected"]),
         of="a 16-bit cache" if "kv_budget_expected_vs_16bit" in report else "the original",
-        where=" at long context" if "kv_budget_expected_vs_16bit" in report else "",
+        where=(" at long context" if "kv_budget_expected_vs_16bit" in report else "") + _at_lengths(report),
         details=_details(report),
         repo=name,
     )

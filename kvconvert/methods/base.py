@@ -160,9 +160,17 @@ def layer_table(report: dict[str, Any], columns: list[tuple[str, str, str]]) -> 
     return "\n".join(lines)
 
 
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
 def budget_words(report: dict[str, Any], long_context: bool = False) -> str:
     """The expected KV budget of a conversion, quantized storage included (then against a 16-bit cache);
     ``long_context``: a budget the cache reaches only once it is longer than what it keeps whole (a window)."""
     if "kv_budget_expected_vs_16bit" in report:
-        return f"KV budget {report['kv_budget_expected_vs_16bit']:.3f} of a 16-bit cache at long context"
-    return f"KV budget {report['kv_budget_expected']:.3f}" + (" at long context" if long_context else "")
+        words = f"KV budget {report['kv_budget_expected_vs_16bit']:.3f} of a 16-bit cache at long context"
+    else:
+        words = f"KV budget {report['kv_budget_expected']:.3f}" + (" at long context" if long_context else "")
+    if at := report.get("kv_budget_at_tokens"):  # sliding-window layers: the budget depends on the length
+        words += " (" + ", ".join(f"{budget:.3f} at {_tokens(int(n))}" for n, budget in at.items()) + " tokens)"
+    return words

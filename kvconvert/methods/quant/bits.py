@@ -40,11 +40,14 @@ def stored_after_prefill(x: torch.Tensor, spec: QuantSpec, per_channel: bool) ->
 
 
 @contextlib.contextmanager
-def simulated_storage(model: Any, quant: QuantSpec) -> Iterator[None]:
-    """Inside the block every layer of ``model`` attends to keys and values as ``quant`` stores them."""
+def simulated_storage(model: Any, quant: QuantSpec, stock: frozenset[int] = frozenset()) -> Iterator[None]:
+    """Inside the block every layer of ``model`` but ``stock`` ones (sliding-window layers the runtime keeps
+    unquantized) attends to keys and values as ``quant`` stores them."""
 
     def store(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
         layer = module.layer_idx
+        if layer in stock:
+            return query, key, value
         return (query, stored_after_prefill(key, quant.side(layer, keys=True), per_channel=True),
                 stored_after_prefill(value, quant.side(layer, keys=False), per_channel=False))  # fmt: skip
 
@@ -107,7 +110,9 @@ def allocate(
 ) -> tuple[tuple[tuple[int, int], ...], float]:
     """Greedy allocation: ``sensitivity[layer][side][bits]`` = ΔKL of that store alone at ``bits``
     (0 at ``max(choices)``), ``widths[layer]`` values per token and side. Lowers the store whose next
-    step costs the least ΔKL per byte saved until Σ bytes ≤ ``budget`` × a 16-bit cache's.
+    step costs the least ΔKL per byte saved until Σ bytes ≤ ``budget`` × a 16-bit cache's. A layer of width 0
+    is not allocated (it keeps ``max(choices)``): a sliding-window layer, whose bounded window does not count
+    in a long-context budget.
     Bytes are accounted as ``storage`` (group, layout) holds heads ``head_dim`` wide.
     Returns (per layer (key bits, value bits), accounted budget)."""
     ordered = sorted(choices, reverse=True)
@@ -123,7 +128,7 @@ def allocate(
     while used() > budget + 1e-12:
         best: tuple[float, int, int, int] | None = None
         for i, w in enumerate(widths):
-            for s in (0, 1):
+            for s in (0, 1) if w else ():
                 step = ordered.index(bits[i][s]) + 1
                 if step == len(ordered):
                     continue
@@ -152,9 +157,11 @@ def measure_allocation(
     storage: QuantSpec,
     head_dim: int,
     progress: bool = True,
+    stock: frozenset[int] = frozenset(),
 ) -> tuple[Allocation, float]:
     """Measure every store's sensitivity on ``chunks``, allocate, and measure the allocation;
-    ``storage`` gives everything but the widths (group, residual, sink, rotation). Every probe runs
+    ``storage`` gives everything but the widths (group, residual, sink, rotation); ``stock`` layers attend
+    unquantized, as the runtime keeps them; layers of width 0 are not probed. Every probe runs
     ``source`` (a ``SourceCheckpoint``) layer by layer: memory stays at about one layer.
     Returns (allocation, measured KL of the allocation)."""
     top = max(choices)
@@ -164,11 +171,11 @@ def measure_allocation(
 
     def kl_of(per_layer: list[tuple[int, int]]) -> float:
         spec = dataclasses.replace(storage, bits=top, layers=tuple(per_layer))
-        return mean_kl(source, chunks, reference, lambda model: simulated_storage(model, spec))
+        return mean_kl(source, chunks, reference, lambda model: simulated_storage(model, spec, stock))
 
     baseline = kl_of([(top, top)] * layers)
     sensitivity: list[list[dict[int, float]]] = [[{top: 0.0}, {top: 0.0}] for _ in range(layers)]
-    probes = [(i, s, b) for i in range(layers) for s in (0, 1) for b in choices if b != top]
+    probes = [(i, s, b) for i in range(layers) if widths[i] for s in (0, 1) for b in choices if b != top]
     for i, s, b in tqdm(probes, desc="measuring KV sensitivity", disable=not progress):
         per_layer = [(top, top)] * layers
         per_layer[i] = (b, top) if s == 0 else (top, b)

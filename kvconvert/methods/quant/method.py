@@ -74,6 +74,9 @@ class QuantMethod(Method[QuantPlan | None]):
                 f" Widths per layer (keys, values) were allocated by measured loss for a budget of "
                 f"{plan['kv_budget']:.3f} of a 16-bit cache: {plan['layers']}."
             )
+        if plan.get("window_layers"):
+            text += (f" The sliding-window layers {plan['window_layers']} hold a bounded window and were not "
+                     f"allocated: the budget is the global layers' at long context.")  # fmt: skip
         return text
 
     def check(self, layout: AttentionLayout) -> None:
@@ -95,6 +98,10 @@ class QuantMethod(Method[QuantPlan | None]):
             if self.storage.bits != 16 or self.storage.local_bits is not None:
                 raise KVConvertError("give --kv-bits / --kv-local-bits (widths) or --kv-budget (widths chosen per "
                                      "layer), not both")  # fmt: skip
+            if 3 in self.config.choices and self.storage.group % 8:
+                raise KVConvertError(f"--kv-budget tries 3-bit widths, which pack 8 tokens in 3 bytes: --kv-group "
+                                     f"{self.storage.group} is not a multiple of 8 (or leave 3 out with --min-bits 4 "
+                                     f"or --max-bits 2)")  # fmt: skip
             return
         if not self.storage.quantized:
             raise KVConvertError(
@@ -132,10 +139,14 @@ class QuantMethod(Method[QuantPlan | None]):
         config = self.config
         chunks = calibration_set(source.path, config.calib, config.calib_tokens, min(512, layout.context),
                                  config.seed)  # fmt: skip
-        widths = [layout.num_kv_heads * layout.head_dim] * layout.num_layers
         storage = self.storage
+        # sliding-window layers hold a bounded window: the long-context budget is spent on the global layers,
+        # and the windows stay as the runtime keeps them (stock, or at the widest choice with --kv-include-local)
+        local = frozenset(layout.local_layers) if layout.sliding_window else frozenset()
+        widths = [0 if i in local else layout.num_kv_heads * layout.head_dim for i in range(layout.num_layers)]
+        stock = frozenset() if storage.include_local else local
         allocation, measured = measure_allocation(source, chunks.chunks, widths, config.choices, budget, storage,
-                                                  layout.head_dim, ctx.progress)  # fmt: skip
+                                                  layout.head_dim, ctx.progress, stock)  # fmt: skip
         top = max(b for pair in allocation.layers for b in pair)
         return QuantPlan(dataclasses.replace(storage, bits=top, layers=allocation.layers), {
             "kv_budget": allocation.budget,
@@ -144,6 +155,7 @@ class QuantMethod(Method[QuantPlan | None]):
             "calibration_kl_measured": measured,
             "calibration": {"source": chunks.source, "tokens": chunks.tokens},
             "sensitivity": allocation.sensitivity,
+            **({"window_layers": sorted(local)} if local else {}),
         })  # fmt: skip
 
     def _plan_fp8(self, ctx: PlanContext) -> QuantPlan:
