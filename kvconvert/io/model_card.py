@@ -102,7 +102,8 @@ def _at_lengths(report: dict[str, Any]) -> str:
     at = report.get("kv_budget_at_tokens")
     if not at:
         return ""
-    return " (sliding-window layers counted as held: " + ", ".join(f"{b:.1%} at {n} tokens" for n, b in at.items()) + ")"
+    lengths = ", ".join(f"{b:.1%} at {n} tokens" for n, b in at.items())
+    return f" (sliding-window layers counted as held: {lengths})"
 
 
 def model_card(report: dict[str, Any], name: str, evaluation: dict[str, Any] | None = None) -> str:
