@@ -374,7 +374,8 @@ FROM_CODES = [(name, static) for name in (*KIVI_RECIPES, *FOLDED_RECIPES) for st
 def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, static, tokenized_model_dir, tmp_path,
                                                                 monkeypatch):  # fmt: skip
     """On a CPU a KIVI checkpoint decodes from its codes by default (``kivi_decode_folded``: one call per layer and
-    step, no kernels asked for; razor: for its retrieval heads, per layer that has them), from a growing cache or a
+    step, no kernels asked for; razor: for its retrieval heads, per layer that has them, and for its windows once
+    they hold a quantized block), from a growing cache or a
     static one (``StaticKiviLayer``: every slot read, the blocks not quantized yet masked by position; blocks fill
     while it decodes): the tokens and logits of dequantizing the same cache for attention."""
     import kvconvert
@@ -395,12 +396,13 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, static, to
 
     monkeypatch.setattr(runtime, "kivi_decode_folded", counted)
     from_codes = greedy_twelve(model, **options)
-    assert len(calls) == 11 * layers
+    read = len(calls)
+    assert read > 11 * layers if name.startswith("razor") else read == 11 * layers
     for module in (runtime, razor_runtime):  # the dequantizing paths
         monkeypatch.setattr(module, "kivi_kernel_reads", lambda *a, **k: False)
     monkeypatch.setattr(runtime.StaticKiviLayer, "_folded_reads", lambda self, dim: False)
     dequantized = greedy_twelve(model, **options)
-    assert len(calls) == 11 * layers
+    assert len(calls) == read
     assert_same_generation(dequantized, from_codes, f"{name}, static" if static else name)
 
 

@@ -208,3 +208,45 @@ def test_layer_by_layer_profile_equals_the_loaded_model(kind, tiny_model_dir):
     torch.testing.assert_close(layered.induction, whole.induction, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(layered.echo, whole.echo, rtol=1e-5, atol=1e-6)
     assert whole.induction.abs().sum() > 0
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("bits", [4, 2])
+def test_windows_in_kivi_layout_decode_from_their_codes_while_they_slide(bits, tokenized_model_dir, tmp_path,
+                                                                         monkeypatch):  # fmt: skip
+    """Razor + KIVI-layout storage on a CPU: the other heads' windows are read from their codes (``kivi_decode`` with
+    razor's sink and compensation token as extra exact tokens, the window's dropped front of its first block
+    masked), as the retrieval heads already were: the same tokens and logits as dequantizing the windows, over 40
+    steps of a left-padded batch in which windows of 20 tokens slide through 8-token blocks."""
+    import kvconvert
+    from kvconvert.runtime import kvconvert_quant, kvconvert_razor
+
+    src = tokenized_model_dir("llama_gqa")
+    convert("razor", src, tmp_path / "r", "--profile-tokens", "16", "--induction-frac", "0.3", "--echo-frac", "0",
+            "--window", "20", "--window-frac", "0", "--sink", "2", "--kv-bits", str(bits), "--kv-group", "8",
+            "--kv-residual", "8", "--kv-sink", "2", "--kv-rotate")  # fmt: skip
+    ids, mask = left_padded()
+    windows = []
+    original = kvconvert_razor.kivi_decode
+
+    def recorded(*args, **kwargs):
+        if kwargs.get("extra") is not None:
+            windows.append(args[4].offset)  # the window's store: tokens dropped from its first block
+        return original(*args, **kwargs)
+
+    def run():
+        model = kvconvert.load(tmp_path / "r").eval()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40,
+                             do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)  # fmt: skip
+        return torch.stack(out.logits), out.sequences
+
+    monkeypatch.setattr(kvconvert_razor, "kivi_decode", recorded)
+    codes_logits, codes_tokens = run()
+    assert windows and any(windows) and not all(windows), "the windows were not read from their codes while sliding"
+    monkeypatch.setattr(kvconvert_razor, "kivi_kernel_reads", lambda *args, **kwargs: False)
+    monkeypatch.setattr(kvconvert_quant, "kivi_kernel_reads", lambda *args, **kwargs: False)
+    windows.clear()
+    float_logits, float_tokens = run()
+    assert not windows
+    assert torch.equal(codes_tokens, float_tokens)
+    torch.testing.assert_close(codes_logits, float_logits, rtol=1e-4, atol=1e-4)

@@ -23,6 +23,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -170,32 +171,43 @@ def token_decode(
 def kivi_decode(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
     keys: TokenStore, values: TokenStore, scaling: float, kernel: bool,
+    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One decode step over a cache in KIVI's layout from its codes: the Triton kernel (``kivi_decode_triton``,
     ``kernel``: 4-bit) or its algebra in torch (``kivi_decode_folded``, 2 to 4 bits: what a CPU runs by default);
     ``kivi_kernel_reads`` says which can read the stores.
 
-    ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]``, ``bias [b|1, 1, 1, n]`` additive or None;
-    the stores hold the ``n − 1`` earlier tokens, at least one block quantized. The codes' reader takes the
-    quantized blocks (the sink's stand-ins masked); the exact sink, the float tail and this step's token join the
-    torch reader's softmax (``exact``), or are attended here and merged with the kernel's partial. Values the store
-    rotated (``--kv-rotate`` where the weights could not take it) come out of the reader rotated: the rotation is
-    undone on its ``[b, H, d]`` weighted sum, not on the cache.
-    Returns ``[b, H, 1, d]`` float32."""
+    ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]``, ``bias [b|1, 1, 1, n]`` additive or None over
+    the held tokens; the stores hold the ``n − 1`` earlier tokens, at least one block quantized. The codes' reader
+    takes the quantized blocks, masking the sink's stand-ins and the tokens dropped from the front whose block is
+    still held (``keys.offset``: a sliding window's); the exact sink, the float tail and this step's token join the
+    torch reader's softmax (``exact``), or are attended here and merged with the kernel's partial. ``extra``: more
+    exact tokens in the same softmax, ``(keys, values) [b, Hkv, t, d]`` and their additive logits ``[b, Hkv, 1, t]``
+    (razor's sink and compensation token). Values the store rotated (``--kv-rotate`` where the weights could not
+    take it) come out of the reader rotated: the rotation is undone on its ``[b, H, d]`` weighted sum, not on the
+    cache. Returns ``[b, H, 1, d]`` float32."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     kb, vb = keys.blocks, values.blocks
     assert kb is not None and vb is not None and keys.tail is not None and values.tail is not None
-    n_q, sink = keys.quantized_tokens, (0 if keys.head is None else keys.head.shape[-2])
+    n_q, sink, dropped = keys.quantized_tokens, (0 if keys.head is None else keys.head.shape[-2]), keys.offset
+    held = n_q - dropped  # quantized tokens still in the window
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
-    bias_q = None if bias is None else bias[:, 0, 0, :n_q].float().expand(batch, n_q)
-    if sink:  # the first block holds stand-ins for the sink: its exact copies are attended below instead
+    bias_q = None if bias is None else bias[:, 0, 0, :held].float().expand(batch, held)
+    if dropped:
+        bias_q = F.pad(torch.zeros(batch, held, device=query.device) if bias_q is None else bias_q, (dropped, 0))
+    if sink or dropped:  # the sink's stand-ins (its exact copies are attended below instead) and the dropped tokens
         bias_q = torch.zeros(batch, n_q, device=query.device) if bias_q is None else bias_q.clone()
-        bias_q[:, :sink] = torch.finfo(torch.float32).min
+        bias_q[:, : dropped + sink] = torch.finfo(torch.float32).min
     codes = (kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero)
-    exact_k = torch.cat([t for t in (keys.head, keys.tail, key) if t is not None], dim=-2)
-    exact_v = torch.cat([t for t in (values.head, values.tail, value) if t is not None], dim=-2)
-    exact_bias = None if bias is None else torch.cat([bias[..., :sink], bias[..., n_q:]], dim=-1)  # [b|1, 1, 1, ·]
+    exact_k = torch.cat([t for t in (extra and extra[0], keys.head, keys.tail, key) if t is not None], dim=-2)
+    exact_v = torch.cat([t for t in (extra and extra[1], values.head, values.tail, value) if t is not None], dim=-2)
+    exact_bias = None if bias is None else torch.cat([bias[..., :sink], bias[..., held:]], dim=-1)  # [b|1, 1, 1, ·]
+    if extra is not None:  # [b, Hkv, 1, t + ·]: the extra tokens' logits before the others' mask
+        rest = exact_k.shape[-2] - extra[0].shape[-2]
+        logits = extra[2].float()
+        exact_bias = F.pad(logits, (0, rest)) if exact_bias is None else torch.cat(
+            [logits, exact_bias.float().expand(*logits.shape[:-1], rest)], dim=-1)  # fmt: skip
     rotated = value_rotation(values, dim, query.device)
     if not kernel:  # the exact tokens in the reader's own softmax
         acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits,
@@ -240,8 +252,8 @@ def exact_partial(
 def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int, kernel: bool = True) -> bool:
     """``kivi_decode`` can read these stores, through the kernel (``kernel``) or else in torch: KIVI's layout (keys
     per channel), widths and blocks its reader takes (``kivi_kernel_fits``: 4-bit; ``kivi_folded_fits``: 2 to 4
-    bits), none dropped from the front, and quantized blocks that cover the exact sink (whose copies ``kivi_decode``
-    attends in place of the blocks' stand-ins)."""
+    bits), none dropped from the front (the torch reader masks those: a window's), and quantized blocks that cover
+    the exact sink (whose copies ``kivi_decode`` attends in place of the blocks' stand-ins)."""
     if not (isinstance(keys, TokenStore) and isinstance(values, TokenStore)):  # e.g. the tests' float reference
         return False
     if kernel:
@@ -250,7 +262,8 @@ def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int, kernel: bo
         fits = folded_fits(keys, values, dim)
     layout = keys.per_channel and not isinstance(keys, TokenLayoutStore)
     sink = 0 if keys.head is None else keys.head.shape[-2]
-    return layout and fits and keys.blocks is not None and not keys.offset and keys.quantized_tokens >= sink
+    front = not keys.offset or not kernel
+    return layout and fits and front and keys.blocks is not None and keys.quantized_tokens - keys.offset >= sink
 
 
 class KiviLayer(QuantizedLayer):

@@ -195,10 +195,10 @@ class RazorLayer(KVLayer):
         return self._derived
 
     def extra_tokens(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``token_decode``'s extra tokens for the windows of the token layout: the sink and the compensation
-        token as one ``[b, N, sink + 1, d]`` pair, the token's logit ``ln N_d`` ``[b]`` and the pair's logits
-        ``[b, N, 1, sink + 1]`` where nothing is masked. Kept with ``derived``'s tensors (16-bit windows,
-        which drop a token at every step, never build them)."""
+        """The extra tokens of windows read from their codes (``token_decode``, ``kivi_decode``): the sink and the
+        compensation token as one ``[b, N, sink + 1, d]`` pair, the token's logit ``ln N_d`` ``[b]`` and the pair's
+        logits ``[b, N, 1, sink + 1]`` where nothing is masked. Kept with ``derived``'s tensors until the next drop (the
+        token layout's windows drop a block every 64 steps; KIVI's and 16-bit windows a token at every step)."""
         if self._extra is None:
             comp_k, comp_v, count = self.derived(key, value)
             log_count = count_logit(count)
@@ -307,7 +307,10 @@ def attend_state(
         decoded = token_decode(*read) if token_codes else kivi_decode(*read, kernel=False)
         out[:, at] = decoded.to(query.dtype).view(batch, len(r), group, dim)  # q_len 1: [b, R, G, d]
     window_codes = q_len == 1 and bool(layer.others) and layer.reads_codes(query.device, full=False)
-    if window_codes:  # the other heads' windows too; the sink and the compensation token join as exact tokens
+    # or the windows in KIVI's layout on a CPU, the dropped front of their first block masked
+    window_kivi = not window_codes and q_len == 1 and bool(layer.others) and query.device.type == "cpu" and (
+        layer.sink_k is not None and kivi_kernel_reads(layer.recent_k, layer.recent_v, dim, kernel=False))  # fmt: skip
+    if window_codes or window_kivi:  # the other heads' windows too; the sink and the compensation token join exact
         o, sink = layer.others, layer.sink_k.shape[2]
         extra_k, extra_v, log_count, logits = layer.extra_tokens(key, value)
         if kept_bias is not None:
@@ -315,10 +318,10 @@ def attend_state(
         extra = extra_k, extra_v, logits
         window_bias = None if kept_bias is None else kept_bias[..., sink:]
         at, heads_at = head_span(o), head_span(query_heads(o, group))
-        decoded = token_decode(query[:, heads_at], key[:, at], value[:, at], window_bias, layer.recent_k,
-                               layer.recent_v, scale, extra)  # fmt: skip
+        read = (query[:, heads_at], key[:, at], value[:, at], window_bias, layer.recent_k, layer.recent_v, scale)
+        decoded = token_decode(*read, extra) if window_codes else kivi_decode(*read, kernel=False, extra=extra)
         out[:, at] = decoded.to(query.dtype).view(batch, len(o), group, dim)
-    full, short = layer.extend(key, value, read_full=not from_codes, read_short=not window_codes)
+    full, short = layer.extend(key, value, read_full=not from_codes, read_short=not (window_codes or window_kivi))
     # chunks (prefill): SDPA's fused kernel, 4x faster on CPU at 4K than scores in float32 (the compensation token's
     # ln N_d goes into its mask); one token: the grouped products, the G query heads of a KV head as one matrix
     if full is not None and q_len > 1 and bias is not None:
