@@ -236,8 +236,8 @@ def test_windows_in_kivi_layout_decode_from_their_codes_while_they_slide(bits, t
 
     def run():
         model = kvconvert.load(tmp_path / "r").eval()
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40,
-                             do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)  # fmt: skip
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True, pad_token_id=0)  # fmt: skip
         return torch.stack(out.logits), out.sequences
 
     monkeypatch.setattr(kvconvert_razor, "kivi_decode", recorded)
