@@ -198,6 +198,7 @@ def main() -> None:
     from kvconvert.methods import build_method
     from kvconvert.pipeline import convert, storage_factor
     from kvconvert.recipe import parse_recipe
+    from kvconvert.runtime.kvconvert_codec import QuantSpec
 
     config = TaskEvalConfig.parse(args.tasks, args.lengths, args.samples, 0, False, "cpu", True)
     source = _source(args)
@@ -212,9 +213,11 @@ def main() -> None:
             name, method_config, storage = parse_recipe(recipe, label)
             result = convert(open_source(str(source)), build_method(name, method_config, storage), Path(tmp) / str(i),
                              progress=False)  # fmt: skip
-            budgets[label] = result.report.get("kv_budget_expected_vs_16bit", result.report["kv_budget_expected"])
-            if name == "quant" and layout.local_layers:  # storage alone: the budget at the tasks' length, windows
-                budgets[label] = storage_factor(storage, layout, max(config.lengths))  # counted as they are held
+            report = result.report
+            budgets[label] = report.get("kv_budget_expected_vs_16bit", report["kv_budget_expected"])
+            if layout.local_layers:  # the budget at the tasks' length, the windows counted as they are held
+                held = QuantSpec.from_spec({"kv_quant": report.get("kv_storage")})
+                budgets[label] = storage_factor(held, layout, max(config.lengths), report["kv_budget_expected"])
             models[label] = kvconvert.load(Path(tmp) / str(i)).eval()
         outcome = run_tasks(models, tokenizer, config.tasks, config.lengths, config.samples, progress=True)
     labels = list(models)
