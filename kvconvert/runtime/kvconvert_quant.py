@@ -174,18 +174,15 @@ def kivi_decode(
     extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One decode step over a cache in KIVI's layout from its codes: the Triton kernel (``kivi_decode_triton``,
-    ``kernel``: 4-bit) or its algebra in torch (``kivi_decode_folded``, 2 to 4 bits: what a CPU runs by default);
-    ``kivi_kernel_reads`` says which can read the stores.
-
-    ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]``, ``bias [b|1, 1, 1, n]`` additive or None over
-    the held tokens; the stores hold the ``n − 1`` earlier tokens, at least one block quantized. The codes' reader
-    takes the quantized blocks, masking the sink's stand-ins and the tokens dropped from the front whose block is
-    still held (``keys.offset``: a sliding window's); the exact sink, the float tail and this step's token join the
-    torch reader's softmax (``exact``), or are attended here and merged with the kernel's partial. ``extra``: more
-    exact tokens in the same softmax, ``(keys, values) [b, Hkv, t, d]`` and their additive logits ``[b, Hkv, 1, t]``
-    (razor's sink and compensation token). Values the store rotated (``--kv-rotate`` where the weights could not
-    take it) come out of the reader rotated: the rotation is undone on its ``[b, H, d]`` weighted sum, not on the
-    cache. Returns ``[b, H, 1, d]`` float32."""
+    ``kernel``: 4-bit) or its algebra in torch (``kivi_decode_folded``, 2 to 4 bits: a CPU's default), as
+    ``kivi_kernel_reads`` allows. ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]``, ``bias [b|1, 1,
+    1, n]`` additive or None over the held tokens (the stores hold the ``n − 1`` earlier ones, a block quantized).
+    The reader takes the quantized blocks, the sink's stand-ins and the tokens a window dropped from the front of
+    its first block (``keys.offset``) masked; the exact sink, float tail and this step's token join the torch
+    reader's softmax (``exact``), or are attended here and merged with the kernel's partial. ``extra``: more exact
+    tokens in the same softmax, ``(keys, values) [b, Hkv, t, d]`` and their logits ``[b, Hkv, 1, t]`` (razor's sink
+    and compensation token). Values the store rotated come out of the reader rotated: the rotation is undone on
+    the ``[b, H, d]`` weighted sum, not on the cache. Returns ``[b, H, 1, d]`` float32."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     kb, vb = keys.blocks, values.blocks
@@ -193,9 +190,7 @@ def kivi_decode(
     n_q, sink, dropped = keys.quantized_tokens, (0 if keys.head is None else keys.head.shape[-2]), keys.offset
     held = n_q - dropped  # quantized tokens still in the window
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
-    bias_q = None if bias is None else bias[:, 0, 0, :held].float().expand(batch, held)
-    if dropped:
-        bias_q = F.pad(torch.zeros(batch, held, device=query.device) if bias_q is None else bias_q, (dropped, 0))
+    bias_q = None if bias is None else F.pad(bias[:, 0, 0, :held].float().expand(batch, held), (dropped, 0))
     if sink or dropped:  # the sink's stand-ins (its exact copies are attended below instead) and the dropped tokens
         bias_q = torch.zeros(batch, n_q, device=query.device) if bias_q is None else bias_q.clone()
         bias_q[:, : dropped + sink] = torch.finfo(torch.float32).min
@@ -204,10 +199,9 @@ def kivi_decode(
     exact_v = torch.cat([t for t in (extra and extra[1], values.head, values.tail, value) if t is not None], dim=-2)
     exact_bias = None if bias is None else torch.cat([bias[..., :sink], bias[..., held:]], dim=-1)  # [b|1, 1, 1, ·]
     if extra is not None:  # [b, Hkv, 1, t + ·]: the extra tokens' logits before the others' mask
-        rest = exact_k.shape[-2] - extra[0].shape[-2]
-        logits = extra[2].float()
-        exact_bias = F.pad(logits, (0, rest)) if exact_bias is None else torch.cat(
-            [logits, exact_bias.float().expand(*logits.shape[:-1], rest)], dim=-1)  # fmt: skip
+        rest, logits = exact_k.shape[-2] - extra[0].shape[-2], extra[2].float()
+        others = logits.new_zeros(1, 1, 1, rest) if exact_bias is None else exact_bias.float()
+        exact_bias = torch.cat([logits, others.expand(*logits.shape[:-1], rest)], dim=-1)
     rotated = value_rotation(values, dim, query.device)
     if not kernel:  # the exact tokens in the reader's own softmax
         acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits,
@@ -222,8 +216,7 @@ def kivi_decode(
 
 def value_rotation(values: Any, dim: int, device: torch.device) -> torch.Tensor | None:
     """The ``[size, size]`` rotation ``values`` (a ``TokenStore`` or ``StaticTokenStore``) applied per channel group
-    before quantizing (``--kv-rotate`` where the weights could not take it), or None: a codes reader's weighted sum is
-    linear in the values, so the rotation is undone on it, not on the cache."""
+    (``--kv-rotate`` where the weights could not take it), or None: undone on a codes reader's weighted sum."""
     if not values.rotate:
         return None
     return rotation(channel_groups(dim, values.quant.group)[1], device)
@@ -250,10 +243,9 @@ def exact_partial(
 
 
 def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int, kernel: bool = True) -> bool:
-    """``kivi_decode`` can read these stores, through the kernel (``kernel``) or else in torch: KIVI's layout (keys
-    per channel), widths and blocks its reader takes (``kivi_kernel_fits``: 4-bit; ``kivi_folded_fits``: 2 to 4
-    bits), none dropped from the front (the torch reader masks those: a window's), and quantized blocks that cover
-    the exact sink (whose copies ``kivi_decode`` attends in place of the blocks' stand-ins)."""
+    """``kivi_decode`` can read these stores, through the kernel (``kernel``) or else in torch: KIVI's layout (keys per
+    channel), widths and blocks its reader takes (``kivi_kernel_fits``: 4-bit; ``kivi_folded_fits``: 2 to 4 bits),
+    for the kernel none dropped from the front, and quantized blocks that cover the exact sink's stand-ins."""
     if not (isinstance(keys, TokenStore) and isinstance(values, TokenStore)):  # e.g. the tests' float reference
         return False
     if kernel:
@@ -262,8 +254,8 @@ def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int, kernel: bo
         fits = folded_fits(keys, values, dim)
     layout = keys.per_channel and not isinstance(keys, TokenLayoutStore)
     sink = 0 if keys.head is None else keys.head.shape[-2]
-    front = not keys.offset or not kernel
-    return layout and fits and front and keys.blocks is not None and keys.quantized_tokens - keys.offset >= sink
+    front, quantized = not keys.offset or not kernel, keys.quantized_tokens - keys.offset  # a window's: masked
+    return layout and fits and front and keys.blocks is not None and quantized >= sink
 
 
 class KiviLayer(QuantizedLayer):
