@@ -190,9 +190,9 @@ def kivi_decode(
     n_q, sink, dropped = keys.quantized_tokens, (0 if keys.head is None else keys.head.shape[-2]), keys.offset
     held = n_q - dropped  # quantized tokens still in the window
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
-    bias_q = None if bias is None else F.pad(bias[:, 0, 0, :held].float().expand(batch, held), (dropped, 0))
+    bias_q = None if bias is None else bias[:, 0, 0, :held].float().expand(batch, held)
     if sink or dropped:  # the sink's stand-ins (its exact copies are attended below instead) and the dropped tokens
-        bias_q = torch.zeros(batch, n_q, device=query.device) if bias_q is None else bias_q.clone()
+        bias_q = torch.zeros(batch, n_q, device=query.device) if bias_q is None else F.pad(bias_q, (dropped, 0))
         bias_q[:, : dropped + sink] = torch.finfo(torch.float32).min
     codes = (kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero)
     exact_k = torch.cat([t for t in (extra and extra[0], keys.head, keys.tail, key) if t is not None], dim=-2)
