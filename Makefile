@@ -4,7 +4,7 @@ SHARED ?= ../shared
 DEMO := demo-out
 AIDREAMS := $(SHARED)/models/aidreams260K
 
-.PHONY: install demo test test-fast quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-quant bench-gemma bench-speed bench-kernels bench-frontier bench-vllm bench-longctx clean
+.PHONY: install demo test test-fast quality bench bench-quick bench-slim bench-lorc bench-razor bench-zack bench-minicache bench-quant bench-gemma bench-speed bench-kernels bench-kernel-sweep bench-frontier bench-vllm bench-longctx clean
 
 # torch first, pinned: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
 install:
@@ -76,6 +76,11 @@ bench-gemma: install
 # CUDA GPU (--smoke: script check on CPU)
 bench-kernels: install
 	$(PYTHON) bench/kernels_bench.py --graphs
+
+# the codes-reading kernels' launch shapes on a GPU (tiles, warps, stages, splits) beside SDPA; the fastest launch is
+# the results' "launch" (bench/kernels_bench.py --launch reads that file)
+bench-kernel-sweep: install
+	$(PYTHON) bench/kernel_sweep.py
 
 # fp8 and MLA exports of SmolLM2 served by vLLM's CPU build (own virtualenv under bench/.cache): scales loaded,
 # perplexity beside kvconvert's runtime, greedy agreement, tokens/s and KV capacity; then the MLA export's capacity

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -171,16 +172,18 @@ CONVERSIONS: list[tuple[str, dict[str, Any]]] = [
 ]  # fmt: skip
 
 
-KERNEL_USERS = {"slim", "lorc 0.5", "razor"}  # also timed with KVCONVERT_KERNELS=triton
+KERNEL_USERS = {"slim", "lorc 0.5", "razor", "quant fp8"}  # also timed with KVCONVERT_KERNELS=triton
 
 
 def end_to_end(shapes: list[tuple[int, int]], device: str, small: bool, new_tokens: int,
-               serving: tuple[int, int] | None = None, graphs: bool = False,
-               growing: bool = True) -> tuple[list[dict], list[dict], list[dict], list[dict]]:  # fmt: skip
+               serving: tuple[int, int] | None = None, graphs: bool = False, growing: bool = True,
+               only: set[str] | None = None,
+               probe: bool = True) -> tuple[list[dict], list[dict], list[dict], list[dict]]:  # fmt: skip
     """Decode tokens/s of a random MHA Llama and its conversions at each (context, batch) of ``shapes``; prompts
     prefilled in 512-token chunks. With ``serving`` (context, rows) also the serving figure (``serving_rows``); with
     ``graphs`` also each static cache's decode through CUDA graphs (``graph_rows``) and whether its step traces whole
-    (``compile_probe``); ``growing=False`` skips the default (growing) caches' rows. Returns (rows, serving rows,
+    (``compile_probe``); ``growing=False`` skips the default (growing) caches' rows; ``only``: these conversions'
+    labels alone (None: all). Returns (rows, serving rows,
     graph rows, probe rows)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -205,7 +208,7 @@ def end_to_end(shapes: list[tuple[int, int]], device: str, small: bool, new_toke
         LlamaForCausalLM(config).save_pretrained(src)
         save_calib_tokenizer(src, 2000)  # zack and fp8 calibrate on text
         paths = {"original": src}
-        for label, recipe in CONVERSIONS:
+        for label, recipe in [c for c in CONVERSIONS if only is None or c[0] in only]:
             name, method_config, storage = parse_recipe(recipe, label)
             paths[label] = Path(tmp) / f"m{len(paths)}"
             with computing_on(torch.device(device)):  # calibration and profiling on the GPU too
@@ -216,12 +219,9 @@ def end_to_end(shapes: list[tuple[int, int]], device: str, small: bool, new_toke
                   .to(device=device, dtype=dtype).eval() for name, path in paths.items()}  # fmt: skip
         # (label, model, KVCONVERT_KERNELS): the torch paths (the default), kernel users also with kernels
         runs = [(name, model, "torch") for name, model in models.items()]
-        if device == "cuda":
-            runs += [(f"{name} [Triton kernels]", models[name], "triton") for name in models if name in KERNEL_USERS]
-            # KIVI's kernel needs the model loaded with the kernels asked for (its attention is routed at load)
-            os.environ["KVCONVERT_KERNELS"] = "triton"
-            routed = kvconvert.load(paths["quant 4-bit KIVI"]).to(device=device, dtype=dtype).eval()
-            runs.append(("quant 4-bit KIVI [Triton kernels]", routed, "triton"))
+        if device == "cuda":  # (a quant checkpoint's attention is routed to its codes' readers at load)
+            users = (*KERNEL_USERS, "quant 4-bit KIVI")
+            runs += [(f"{name} [Triton kernels]", models[name], "triton") for name in models if name in users]
         for context, batch in shapes if growing else []:  # every model at one shape before the next
             ids = torch.randint(3, 32000, (batch, context + new_tokens + 1), device=device)
             original = float("nan")
@@ -240,7 +240,7 @@ def end_to_end(shapes: list[tuple[int, int]], device: str, small: bool, new_toke
                 del cache
                 print(rows[-1], flush=True)
         graphed = graph_rows(runs, shapes, device, new_tokens) if graphs else []
-        probed = compile_probe(runs, device) if graphs else []
+        probed = compile_probe(runs, device) if graphs and probe else []
         served = [] if serving is None else serving_rows(runs, *serving, device, new_tokens)
     os.environ.pop("KVCONVERT_KERNELS", None)
     return rows, served, graphed, probed
@@ -427,6 +427,28 @@ def decode_rate(model: Any, ids: torch.Tensor, context: int, new_tokens: int) ->
     return ids.shape[0] * new_tokens / (time.perf_counter() - began), cache
 
 
+def apply_launch(launch: dict[str, dict[str, int]]) -> None:
+    """Set the kernels' launch shapes from a launch file (``bench/kernel_sweep.py``'s best-launch.json)."""
+    from kvconvert.runtime import kvconvert_fp8_kernel as fp8
+
+    if "fp8 kernel" in launch:
+        f = launch["fp8 kernel"]
+        fp8.FP8_TILE, fp8.FP8_WARPS, fp8.FP8_STAGES = f["tile"], f["warps"], f["stages"]
+        fp8.FP8_PROGRAMS_PER_SM = f["programs_per_sm"]
+    if "quant 4-bit KIVI kernel" in launch:
+        k = launch["quant 4-bit KIVI kernel"]
+        kivi_kernel.KIVI_WARPS, kivi_kernel.KIVI_STAGES = k["warps"], k["stages"]
+        kivi_kernel.KIVI_PROGRAMS_PER_SM = k["programs_per_sm"]
+    print("launch:", launch_now(), flush=True)
+
+
+def launch_now() -> dict[str, Any]:
+    from kvconvert.runtime import kvconvert_fp8_kernel as fp8
+
+    return {"fp8": [fp8.FP8_TILE, fp8.FP8_WARPS, fp8.FP8_STAGES, fp8.FP8_PROGRAMS_PER_SM],
+            "kivi": [kivi_kernel.KIVI_WARPS, kivi_kernel.KIVI_STAGES, kivi_kernel.KIVI_PROGRAMS_PER_SM]}  # fmt: skip
+
+
 def _num(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -444,10 +466,17 @@ def main() -> None:
                         help="also decode each static cache eagerly and as replayed CUDA graphs")  # fmt: skip
     parser.add_argument("--kernels-only", action="store_true", help="skip the end-to-end decode")
     parser.add_argument("--copy-to", default=None, help="also write the results into this folder")
+    parser.add_argument("--only", default=None, help="comma-separated conversion labels (default: all)")
+    parser.add_argument("--no-probe", action="store_true", help="skip the torch.compile trace probe (--graphs)")
+    parser.add_argument("--launch", default=None,
+                        help="kernel_sweep.py's best-launch.json or results JSON: launch shapes")  # fmt: skip
     parser.add_argument("--serving", default=None,
                         help="CONTEXT:ROWS (default 8192:16; --smoke 64:2; 'none': skip): tokens/s of each model at "
                              "the most rows its cache fits into the original's cache for ROWS rows")  # fmt: skip
     args = parser.parse_args()
+    if args.launch:  # best-launch.json, or the sweep's results file (its "launch")
+        data = json.loads(Path(args.launch).read_text())
+        apply_launch(data.get("launch", data))
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu" and not args.smoke:
         sys.exit("bench-kernels needs a CUDA GPU (use --smoke to check the script on CPU)")
@@ -477,8 +506,10 @@ def main() -> None:
     e2e, served, graphed, probed = ([], [], [], []) if args.kernels_only else end_to_end(
         shapes, device, args.smoke, new_tokens=args.steps or (4 if args.smoke else 32),
         serving=None if serving == "none" else (context, rows), graphs=args.graphs,
-        growing=not args.no_growing)  # fmt: skip
-    payload = {"benchmark": "kernels", "device": gpu, "dtype": str(dtype), "kernels": kernel_rows,
+        growing=not args.no_growing, only=None if args.only is None else set(args.only.split(",")),
+        probe=not args.no_probe)  # fmt: skip
+    payload = {"benchmark": "kernels", "device": gpu, "launch": launch_now(), "dtype": str(dtype),
+               "kernels": kernel_rows,
                "end_to_end": e2e, "serving": served, "graphs": graphed, "compile_probe": probed,
                "machine": machine(),
                "seconds": time.perf_counter() - started}  # fmt: skip

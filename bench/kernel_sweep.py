@@ -1,0 +1,177 @@
+"""Launch shapes of the codes-reading decode kernels on a GPU (``make bench-kernel-sweep``): the fp8 kernel and the
+4-bit KIVI kernel over tiles, warps, pipeline stages and programs per multiprocessor, on Llama-3-8B's attention (32
+query heads, 8 KV heads, head_dim 128, bfloat16) at each (batch, context), beside SDPA on the uncompressed cache and
+beside what the runtime does without the kernel (fp8: read the cache back whole as bfloat16, then SDPA). Each launch
+is checked against its float32 reference before it is timed; the fastest per shape is written as the launch file
+``bench/kernels_bench.py --launch`` reads (``best-launch.json``). Writes bench/results/kernel-sweep-<date>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine, markdown_table, write_results  # noqa: E402
+from bench.kernels_bench import PEAK_BANDWIDTH, relative_error, sdpa_backends, timed  # noqa: E402
+from kvconvert.runtime import kvconvert_fp8_kernel as fp8  # noqa: E402
+from kvconvert.runtime import kvconvert_kivi_kernel as kivi  # noqa: E402
+from kvconvert.runtime.kvconvert_codec import fp8_read, quantize_tokens  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 32, 8, 128
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def splits_for(programs_per_sm: int, rows: int, blocks: int, device: torch.device) -> int | None:
+    """The split count ``programs_per_sm`` asks for (None: the kernel's own rule)."""
+    if not programs_per_sm:
+        return None
+    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(-(-programs_per_sm * units // rows), blocks))
+
+
+def sweep_shape(batch: int, n: int, device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(0)
+    group = HEADS // KV_HEADS
+    q = torch.randn(batch, KV_HEADS, group, DIM, generator=g).to(device, dtype)
+    k, v = (torch.randn(batch, KV_HEADS, n, DIM, generator=g).to(device, dtype) for _ in range(2))
+    rows: list[dict[str, Any]] = []
+
+    def record(kernel: str, config: dict[str, Any], size: int, run: Any, ref: torch.Tensor) -> None:
+        try:
+            error = relative_error(run().float(), ref)
+            seconds = timed(run, repeats=3)
+        except Exception as failure:  # noqa: BLE001 - a launch shape that does not compile is a result
+            rows.append({"kernel": kernel, "batch": batch, "context": n, **config, "error": str(failure)[:300]})
+            print(rows[-1], flush=True)
+            return
+        rows.append({"kernel": kernel, "batch": batch, "context": n, **config, "us": seconds * 1e6, "bytes": size,
+                     "gb_per_s": size / seconds / 1e9, "relative_error": error})  # fmt: skip
+        print(rows[-1], flush=True)
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q4 = q.reshape(batch, HEADS, 1, DIM)
+    with sdpa_backends():
+        ref_sdpa = sdpa(q4.float(), k.float(), v.float(), enable_gqa=True)
+        record("sdpa (16-bit cache)", {}, nbytes(k, v), lambda: sdpa(q4, k, v, enable_gqa=True), ref_sdpa)
+
+    # fp8, scales per KV head
+    ks, vs = k.float().abs().amax((0, 2, 3)) / 448, v.float().abs().amax((0, 2, 3)) / 448
+    kc = (k.float() / ks[None, :, None, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    vc = (v.float() / vs[None, :, None, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    ref = fp8.fp8_decode_reference(q, kc, vc, ks, vs, None, DIM**-0.5)
+
+    def read_back() -> torch.Tensor:  # the runtime's path without the kernel
+        kk = fp8_read(kc.view(torch.float8_e4m3fn), ks, dtype)
+        vv = fp8_read(vc.view(torch.float8_e4m3fn), vs, dtype)
+        return sdpa(q4, kk, vv, enable_gqa=True)
+
+    with sdpa_backends():
+        record("fp8 read back + sdpa", {}, nbytes(kc, vc), read_back, ref.reshape(batch, HEADS, 1, DIM))
+    tiles, warps, stages, per_sm = ([64], [4], [3], [4]) if quick else ([32, 64, 128], [4, 8], [2, 3, 4], [2, 4, 8, 16])
+    for tile, warp, stage, pps in itertools.product(tiles, warps, stages, per_sm):
+        split = splits_for(pps, batch * KV_HEADS, max(1, n // (4 * tile)), device)
+        config = {"tile": tile, "warps": warp, "stages": stage, "programs_per_sm": pps, "splits": split}
+        record("fp8 kernel", config, nbytes(kc, vc),
+               lambda t=tile, w=warp, s=stage, sp=split: fp8.fp8_decode_triton(
+                   q, kc, vc, ks, vs, None, DIM**-0.5, splits=sp, tile=t, num_warps=w, num_stages=s), ref)  # fmt: skip
+
+    # 4-bit KIVI, blocks of 64 tokens, value groups of 64 channels
+    kq, vq = quantize_tokens(k.float(), 4, 64, True), quantize_tokens(v.float(), 4, 64, False)
+    store = (kq.codes, kq.scale, kq.zero, vq.codes, vq.scale, vq.zero)
+    acc, ml = kivi.kivi_decode_reference(q.float(), *store, None, DIM**-0.5)
+    ref = acc / ml[..., 1:]
+    warps, stages, per_sm = ([4], [2], [0]) if quick else ([4, 8], [1, 2, 3], [0, 4, 8, 16])
+    for warp, stage, pps in itertools.product(warps, stages, per_sm):
+        split = splits_for(pps, batch * KV_HEADS, max(1, kq.codes.shape[2] // 4), device)
+        config = {"warps": warp, "stages": stage, "programs_per_sm": pps, "splits": split}
+
+        def run(w: int = warp, s: int = stage, sp: int | None = split) -> torch.Tensor:
+            a, m = kivi.kivi_decode_triton(q, *store, None, DIM**-0.5, splits=sp, num_warps=w, num_stages=s)
+            return a / m[..., 1:]
+
+        record("quant 4-bit KIVI kernel", config, nbytes(*store), run, ref)
+    return rows
+
+
+def best(rows: list[dict[str, Any]], kernel: str) -> dict[str, Any] | None:
+    timed_rows = [r for r in rows if r["kernel"] == kernel and "us" in r and r["relative_error"] < 2e-2]
+    return min(timed_rows, key=lambda r: r["us"]) if timed_rows else None
+
+
+def sdpa_us(rows: list[dict[str, Any]], batch: int, n: int) -> float:
+    """SDPA's time on the 16-bit cache at (batch, n): the yardstick."""
+    return next(r["us"] for r in rows if r["kernel"].startswith("sdpa") and (r["batch"], r["context"]) == (batch, n))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", default="16:8192,1:32768", help="BATCH:CONTEXT pairs")
+    parser.add_argument("--quick", action="store_true", help="one launch shape per kernel (checks the script)")
+    parser.add_argument("--copy-to", default=None, help="also write the results (and best-launch.json) here")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = [(int(b), int(c)) for b, c in (pair.split(":") for pair in args.shapes.split(","))]
+    rows = [row for batch, n in shapes for row in sweep_shape(batch, n, device, dtype, args.quick)]
+    gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    peak = next((v for k, v in PEAK_BANDWIDTH.items() if k in gpu), None)
+    # the launch the runtime should take: the fastest summed over the shapes (each shape's time as a share of SDPA's)
+    launch: dict[str, Any] = {}
+    for kernel, keys in (("fp8 kernel", ("tile", "warps", "stages", "programs_per_sm")),
+                         ("quant 4-bit KIVI kernel", ("warps", "stages", "programs_per_sm"))):  # fmt: skip
+        totals: dict[tuple, float] = {}
+        for batch, n in shapes:
+            base = sdpa_us(rows, batch, n)
+            for r in rows:
+                if r["kernel"] == kernel and "us" in r and (r["batch"], r["context"]) == (batch, n):
+                    key = tuple(r[k] for k in keys)
+                    totals[key] = totals.get(key, 0.0) + (r["us"] / base if r["relative_error"] < 2e-2 else 1e9)
+        if totals:
+            launch[kernel] = dict(zip(keys, min(totals, key=totals.__getitem__), strict=True))
+    table = markdown_table(
+        ["kernel", "batch", "context", "launch", "µs", "GB/s", "of peak", "‖err‖/‖ref‖"],
+        [[r["kernel"], r["batch"], r["context"],
+          ", ".join(f"{k}={r[k]}" for k in ("tile", "warps", "stages", "programs_per_sm", "splits") if k in r),
+          f"{r['us']:.1f}" if "us" in r else "-", f"{r['gb_per_s']:.0f}" if "us" in r else "-",
+          f"{r['gb_per_s'] * 1e9 / peak:.0%}" if "us" in r and peak else "-",
+          f"{r['relative_error']:.1e}" if "us" in r else r.get("error", "")[:80]] for r in rows],
+    )  # fmt: skip
+    kernels = ("sdpa (16-bit cache)", "fp8 read back + sdpa", "fp8 kernel", "quant 4-bit KIVI kernel")
+    fastest = [best([r for r in rows if (r["batch"], r["context"]) == s], k) for s in shapes for k in kernels]
+    summary = markdown_table(
+        ["kernel", "batch", "context", "µs", "× SDPA's time", "of peak"],
+        [[r["kernel"], r["batch"], r["context"], f"{r['us']:.1f}",
+          f"{r['us'] / sdpa_us(rows, r['batch'], r['context']):.2f}",
+          f"{r['gb_per_s'] * 1e9 / peak:.0%}" if peak else "-"] for r in fastest if r is not None],
+    )  # fmt: skip
+    text = (
+        f"Decode-kernel launch shapes on {gpu} ({dtype}); Llama-3-8B attention.\n\n"
+        f"Fastest per kernel and shape:\n\n{summary}\n\nLaunch chosen (summed over the shapes): "
+        f"`{json.dumps(launch)}`\n\nEvery launch:\n\n{table}"
+    )
+    payload = {"benchmark": "kernel-sweep", "device": gpu, "dtype": str(dtype), "rows": rows, "launch": launch,
+               "machine": machine()}  # fmt: skip
+    print(summary)
+    print(json.dumps(launch))
+    if device.type != "cuda":
+        return
+    paths = write_results("kernel-sweep", payload, text)
+    if args.copy_to:
+        (Path(args.copy_to) / "best-launch.json").write_text(json.dumps(launch))
+        for path in paths:
+            shutil.copy(path, Path(args.copy_to) / path.name)
+
+
+if __name__ == "__main__":
+    main()
