@@ -12,6 +12,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+import kvconvert.runtime.kvconvert_fp8_kernel as fp8_kernel  # noqa: E402
 import kvconvert.runtime.kvconvert_kernels as kernels  # noqa: E402
 import kvconvert.runtime.kvconvert_kivi_kernel as kivi_kernel  # noqa: E402
 
@@ -40,22 +41,32 @@ def signature(kernel: object, dtype: str, constexprs: dict[str, object]) -> dict
     return types
 
 
-def kivi_signature(kernel: object, constexprs: dict[str, object]) -> dict[str, str]:
+def typed_signature(kernel: object, constexprs: dict[str, object], pointers: dict[str, str]) -> dict[str, str]:
+    """Every argument of ``kernel``: a constexpr, the float ``scale``, a pointer typed by ``pointers`` (name -> the
+    type it points to), else an int32 (head counts, lengths, strides)."""
     types = {}
     for name in kernel.arg_names:  # type: ignore[attr-defined]
         if name in constexprs:
             types[name] = "constexpr"
         elif name == "scale":
             types[name] = "fp32"
-        elif name in ("key_codes", "value_codes"):
-            types[name] = "*u8"
-        elif name in ("key_scale", "key_zero", "value_scale", "value_zero"):
-            types[name] = "*fp16"
-        elif name in ("query", "bias", "part_acc", "part_ml"):
-            types[name] = "*fp32"
-        else:  # head counts, lengths, strides
-            types[name] = "i32"
+        else:
+            types[name] = f"*{pointers[name]}" if name in pointers else "i32"
     return types
+
+
+def kivi_signature(kernel: object, constexprs: dict[str, object]) -> dict[str, str]:
+    """KIVI's layout: uint8 codes, float16 scales and zeros, float32 queries, bias and partials."""
+    pointers = {"key_codes": "u8", "value_codes": "u8", **dict.fromkeys(("key_scale", "key_zero", "value_scale",
+                "value_zero"), "fp16"), **dict.fromkeys(("query", "bias", "part_acc", "part_ml"), "fp32")}  # fmt: skip
+    return typed_signature(kernel, constexprs, pointers)
+
+
+def fp8_signature(kernel: object, query: str, constexprs: dict[str, object]) -> dict[str, str]:
+    """fp8: uint8 codes, the query in the model's dtype, an int64 length, float32 scales, bias and partials."""
+    pointers = {"keys": "u8", "values": "u8", "query": query, "length": "i64", **dict.fromkeys(("key_scale",
+                "value_scale", "bias", "part_acc", "part_ml"), "fp32")}  # fmt: skip
+    return typed_signature(kernel, constexprs, pointers)
 
 
 def main() -> None:
@@ -76,6 +87,14 @@ def main() -> None:
         for has_bias, dot in ((True, "ieee"), (False, "tf32")):
             consts = {"G": 4, "D": 128, "HALF": 32, "HAS_BIAS": has_bias, "G_PAD": 16, "D_HALF": 64, "DOT": dot}
             source = ASTSource(kivi, kivi_signature(kivi, consts), constexprs=consts)
+            assert triton.compile(source, target=target).asm["cubin"]
+        # fp8: uint8 codes (e4m3 converted on sm_90, moved bit by bit on sm_80), the query in the model's dtype
+        fp8 = fp8_kernel._fp8_decode_kernel
+        for query in ("fp32", "bf16", "fp16"):
+            half = query != "fp32"
+            consts = {"G": 4, "D": 128, "G_PAD": 16, "TILE": 64, "HAS_BIAS": True, "HAS_LENGTH": half, "HALF": half,
+                      "DOT": "tf32" if half else "ieee", "NATIVE": capability >= 89}  # fmt: skip
+            source = ASTSource(fp8, fp8_signature(fp8, query, consts), constexprs=consts)
             assert triton.compile(source, target=target).asm["cubin"]
     print("compiled")
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvconvert.runtime.kvconvert_codec import QuantSpec, dequantize_tokens, quantize_tokens
+from kvconvert.runtime.kvconvert_fp8_kernel import fp8_decode_reference, fp8_decode_triton
 from kvconvert.runtime.kvconvert_kernels import (
     HeadColumns,
     packed_decode_reference,
@@ -194,6 +195,36 @@ def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, block
         torch.testing.assert_close(fast, expected, atol=3e-3, rtol=3e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("batch", "kv_heads", "group", "dim", "tokens", "per_head", "length"),
+                         [(2, 2, 4, 32, 70, True, None), (1, 3, 1, 64, 33, False, None), (2, 1, 8, 16, 130, True, 100),
+                          (3, 2, 2, 128, 9, False, 5)])  # fmt: skip
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto-splits", "3-splits"])
+@pytest.mark.parametrize("native", [True, False], ids=["fp8-convert", "bit-moves"])
+def test_fp8_decode_matches_reference(batch, kv_heads, group, dim, tokens, per_head, length, dtype, splits, native):
+    """The fp8 kernel against attention over the codes' values in float32: GQA groups of 1-8 (padded to a 16-row
+    dot), heads of 16-128, scales per tensor or per KV head, left padding (a bias), a length read on the device
+    (a static cache's slots not written yet: filled with codes that would change the result if read), one or three
+    splits, e4m3 converted natively (sm_89 on) or by moving bits (sm_80). float16 and, on a GPU, bfloat16 queries
+    take half-precision products (the probabilities rounded to the query's dtype, as flash attention does)."""
+    g = torch.Generator().manual_seed(tokens + dim)
+    q = torch.randn(batch, kv_heads, group, dim, generator=g).to(DEVICE, dtype)
+    k, v = (3 * torch.randn(batch, kv_heads, tokens, dim, generator=g) for _ in range(2))
+    keys, values = k.to(torch.float8_e4m3fn).view(torch.uint8).to(DEVICE), v.to(torch.float8_e4m3fn).to(DEVICE)
+    key_scale, value_scale = (torch.rand(kv_heads if per_head else 1, generator=g).to(DEVICE) + 0.1 for _ in range(2))
+    bias = torch.zeros(batch, tokens, device=DEVICE)
+    bias[1:, : tokens // 3] = NEG  # rows after the first left-padded
+    at = None if length is None else torch.tensor(length, device=DEVICE)
+    ref = fp8_decode_reference(q, keys, values, key_scale, value_scale, bias, dim**-0.5, at)
+    out = fp8_decode_triton(q, keys, values, key_scale, value_scale, bias, dim**-0.5, at, splits=splits, native=native)
+    half = dtype == torch.float16 or (dtype == torch.bfloat16 and DEVICE == "cuda")
+    torch.testing.assert_close(out, ref, **(dict(atol=2e-2, rtol=1e-2) if half else TOL))
+    if at is not None:  # what lies past the length is never read
+        keys[:, :, length:] = 0x7E  # e4m3 448
+        moved = fp8_decode_triton(q, keys, values, key_scale, value_scale, bias, dim**-0.5, at, splits=splits)
+        torch.testing.assert_close(moved, out, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("dim,block,value_group", [(64, 32, 64), (32, 64, 16), (128, 32, 64), (48, 32, 32)])
 def test_folded_reader_is_attention_over_the_dequantized_codes(bits, dim, block, value_group):
@@ -335,11 +366,14 @@ def assert_same_generation(expected, got, where: str) -> None:
     assert torch.equal(expected.sequences, got.sequences)
 
 
-@pytest.mark.parametrize("name", list(KIVI_RECIPES))
+@pytest.mark.parametrize(("name", "static"), [(name, False) for name in KIVI_RECIPES] +
+                         [(name, True) for name in KIVI_RECIPES if name.startswith("quant")])  # fmt: skip
 @torch.no_grad()
-def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_model_dir, tmp_path, monkeypatch):
+def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, static, tokenized_model_dir, tmp_path,
+                                                               monkeypatch):  # fmt: skip
     """A 4-bit KIVI checkpoint with KVCONVERT_KERNELS=triton: greedy decoding gives the torch path's tokens and
-    logits, every decode step of every layer (razor: of every layer with retrieval heads) in one KIVI kernel launch.
+    logits, every decode step of every layer (razor: of every layer with retrieval heads) in one KIVI kernel launch;
+    from a static cache too (the kernel reads every block the buffers hold, those not quantized yet masked).
     A quant checkpoint's attention is routed to the codes' readers whether the kernels are asked for or not."""
     import kvconvert
     import kvconvert.runtime.kvconvert_quant as runtime
@@ -359,9 +393,43 @@ def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, tokenized_m
     outputs = {}
     for choice in ("torch", "triton"):
         monkeypatch.setenv("KVCONVERT_KERNELS", choice)
-        outputs[choice] = greedy_twelve(model)
+        outputs[choice] = greedy_twelve(model, **({"cache_implementation": "static"} if static else {}))
         assert len(launches) == (0 if choice == "torch" else 11 * layers)
     assert_same_generation(outputs["torch"], outputs["triton"], name)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+@torch.no_grad()
+def test_decode_with_the_fp8_kernel_matches_the_torch_runtime(static, tokenized_model_dir, tmp_path, monkeypatch):
+    """An fp8 checkpoint (scales per KV head) with KVCONVERT_KERNELS=triton: its attention is routed through
+    kvconvert's, and greedy decoding of a left-padded batch gives the torch path's tokens and logits (the codes read
+    back for SDPA) with every decode step of every layer one fp8 kernel launch; from a static cache too, where the
+    kernel reads the slots written so far."""
+    import kvconvert
+    import kvconvert.runtime.kvconvert_quant as runtime
+    import kvconvert.runtime.kvconvert_storage as storage
+    from tests.helpers import run_cli
+
+    out = tmp_path / "m"
+    result = run_cli("quant", "--model", str(tokenized_model_dir("llama_gqa")), "--out", str(out), "--quiet",
+                     "--kv-format", "fp8", "--kv-scale-strategy", "head", "--calib-tokens", "512")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    model = kvconvert.load(out).eval().to(DEVICE)
+    assert model.config._attn_implementation == runtime.IMPLEMENTATION
+    launches = []
+
+    def counted(*a, **k):
+        launches.append(1)
+        return fp8_decode_triton(*a, **k)
+
+    monkeypatch.setattr(storage, "fp8_decode_triton", counted)
+    options = {"cache_implementation": "static"} if static else {}
+    outputs = {}
+    for choice in ("torch", "triton"):
+        monkeypatch.setenv("KVCONVERT_KERNELS", choice)
+        outputs[choice] = greedy_twelve(model, **options)
+        assert len(launches) == (0 if choice == "torch" else 11 * model.config.num_hidden_layers)
+    assert_same_generation(outputs["torch"], outputs["triton"], "fp8")
 
 
 # (recipe, static cache): razor's retrieval heads have no static cache with --kv-bits
@@ -400,7 +468,7 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, static, to
     assert read > 11 * layers if name.startswith("razor") else read == 11 * layers
     for module in (runtime, razor_runtime):  # the dequantizing paths
         monkeypatch.setattr(module, "kivi_kernel_reads", lambda *a, **k: False)
-    monkeypatch.setattr(runtime.StaticKiviLayer, "_folded_reads", lambda self, dim: False)
+    monkeypatch.setattr(runtime.StaticKiviLayer, "_folded_reads", lambda self, dim, kernel=False: False)
     dequantized = greedy_twelve(model, **options)
     assert len(calls) == read
     assert_same_generation(dequantized, from_codes, f"{name}, static" if static else name)
@@ -524,11 +592,16 @@ def test_cli_refuses_a_kernel_setting_it_cannot_honour(command, monkeypatch, tmp
 
 
 def test_kernels_run_only_when_asked(monkeypatch):
-    """The torch path is the default on every device (measured faster end to end; see use_kernels)."""
+    """The torch path is the default, except for the kernels measured faster end to end on an NVIDIA GPU (fp8's and
+    KIVI's: ``use_kernels``), which ``auto`` takes there and nowhere else; ``torch`` turns them off too."""
     import kvconvert.runtime.kvconvert_kernels as kernels
 
     monkeypatch.delenv("KVCONVERT_KERNELS", raising=False)
     assert not kernels.use_kernels(torch.zeros(1, device=DEVICE))
+    assert kernels.use_kernels(torch.zeros(1, device=DEVICE), measured_faster=True) == (
+        DEVICE == "cuda" and torch.version.hip is None)  # fmt: skip
+    monkeypatch.setenv("KVCONVERT_KERNELS", "torch")
+    assert not kernels.use_kernels(torch.zeros(1, device=DEVICE), measured_faster=True)
     if triton_available():  # without Triton, asking for it is an error (test above)
         monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
         assert kernels.use_kernels(torch.zeros(1, device=DEVICE))

@@ -141,21 +141,30 @@ def check_kernel_device(device: torch.device) -> None:
                          "them")  # fmt: skip
 
 
-def use_kernels(tensor: torch.Tensor) -> bool:
-    """Whether decode runs the Triton kernels on ``tensor``'s device: only when asked, ``KVCONVERT_KERNELS=triton``
-    (on a CPU only with ``TRITON_INTERPRET=1``: tests); ``auto`` (default) and ``torch`` keep each runtime's torch
-    code. Asked for where they cannot run: a ``ValueError`` (``kernels_requested``, ``check_kernel_device``),
-    never a silent fall-back.
+def use_kernels(tensor: torch.Tensor, measured_faster: bool = False) -> bool:
+    """Whether decode runs the Triton kernels on ``tensor``'s device: when asked, ``KVCONVERT_KERNELS=triton`` (on a
+    CPU only with ``TRITON_INTERPRET=1``: tests); under ``auto`` (the default) only for a kernel ``measured_faster``
+    than its runtime's torch path on an NVIDIA GPU, and Triton is installed; ``torch``: never. Asked for where they
+    cannot run: a ``ValueError`` (``kernels_requested``, ``check_kernel_device``), never a silent fall-back.
 
-    Why not by default on CUDA: measured end to end on an H100 (``make bench-kernels``, bf16, a
+    Measured faster (an H200, bench/results/kernels-h200-fp8-kivi-razor-2026-11-27.md, × the original's static cache):
+    fp8's kernel (0.27× → 0.50× eagerly, 0.25× → 2.23× through CUDA graphs at 16 × 8K; 0.69× → 1.29×, 0.79× → 9.85× at
+    1 × 32K) and the 4-bit KIVI kernel (0.19× → 0.59×, 0.66× → 2.97× through CUDA graphs; eagerly 0.20× → 0.17× at
+    16 × 8K, 0.40× → 0.44× at 1 × 32K): each reads codes the torch path reads back whole in 16 bits first.
+
+    The others stay off under ``auto``: measured end to end on an H100 (``make bench-kernels``, bf16, a
     12-layer MHA Llama; bench/results/kernels-h100-2026-11-23.md), every runtime's torch path decoded
     faster than its kernels: at batch 1 slim's kernels ran at 0.45–0.56×, LoRC's 0.75–0.80×,
     razor's 0.83–0.92× of the torch path (8K and 32K context), at batch 16 (8K) 0.66×, 0.97×, 0.92×.
     The kernels reach 1–12 % of the HBM bandwidth (SDPA: 60–92 %) and each adds a Triton launch to
     an eager step that is bound by launches already. With every step a replayed CUDA graph (H200, static caches,
     bench/results/kernels-h200-graphs-2026-11-26.md) the torch paths still led: slim 0.48× vs 0.11× with kernels,
-    LoRC 0.43× vs 0.17× at 16 × 8K; 4.90× vs 0.89×, 4.30× vs 1.39× at 1 × 32K (× the original)."""
-    if kernels_requested() != "triton":
+    LoRC 0.43× vs 0.17× at 16 × 8K; 4.90× vs 0.89×, 4.30× vs 1.39× at 1 × 32K (× the original); razor 1.44× vs 1.35×
+    and 5.64× vs 4.98× (2026-11-27)."""
+    choice = kernels_requested()
+    if choice == "auto":
+        return measured_faster and triton is not None and tensor.device.type == "cuda" and torch.version.hip is None
+    if choice == "torch":
         return False
     check_kernel_device(tensor.device)
     return True

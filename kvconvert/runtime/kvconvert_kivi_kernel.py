@@ -174,6 +174,20 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tens
     return acc / ml[..., 1:]
 
 
+def exact_partial(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax partial (``merge_partials``) of query rows ``q [b, Hkv, G, d]`` over exact ``keys``/``values``
+    ``[b, Hkv, t, d]`` with an additive ``bias`` broadcasting to ``[b, Hkv, G, t]`` (or None): the weighted sum
+    ``[b, Hkv, G, d]`` and (max, sum of weights) ``[b, Hkv, G, 2]``, float32."""
+    scores = torch.einsum("bhgd,bhnd->bhgn", q, keys.float()) * scaling
+    if bias is not None:
+        scores = scores + bias.float()
+    top = scores.amax(-1)
+    probs = torch.exp(scores - top[..., None])
+    return torch.einsum("bhgn,bhnd->bhgd", probs, values.float()), torch.stack([top, probs.sum(-1)], dim=-1)
+
+
 def kivi_kernel_fits(bits: int, block: int, dim: int) -> bool:
     """What ``kivi_decode_triton`` reads: 4-bit codes, blocks of a power of two ≥ 32 tokens (each half a
     ``tl.dot`` operand of ≥ 16) and heads of a power-of-two width ≥ 32."""
@@ -219,47 +233,47 @@ if triton is not None:
         halves = tl.arange(0, D_HALF)
         live = heads < G
         q = tl.load(query + r * sqr + heads[:, None] * D + chans[None, :], mask=live[:, None], other=0.0)
-        q = q.to(tl.float32) * scale
+        q = (q.to(tl.float32) * scale).to(tl.float32)  # (Inductor passes a float argument as float64)
         m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((G_PAD,), tl.float32)
         acc_lo = tl.zeros((G_PAD, D_HALF), tl.float32)
         acc_hi = tl.zeros((G_PAD, D_HALF), tl.float32)
         pairs = tl.arange(0, HALF)
         first = split * blocks_per_split
-        for blk in range(first, first + blocks_per_split):
-            if blk * 2 * HALF < n:
-                base = key_codes + r * skr + blk * skb
-                packed = tl.load(base + chans[:, None] * skd + pairs[None, :])  # [D, HALF] uint8
-                k_scale = tl.load(key_scale + r * ssr + blk * ssb + chans).to(tl.float32)
-                k_zero = tl.load(key_zero + r * ssr + blk * ssb + chans).to(tl.float32)
-                # q·k = Σ_c (q_c·s_c)·code + Σ_c q_c·z_c: the scale folds into the query, the zero into one bias
-                q_scaled = q * k_scale[None, :]
-                offset = tl.sum(q * k_zero[None, :], axis=1)  # [G_PAD]
-                s_even = tl.dot(q_scaled, (packed & 15).to(tl.float32), input_precision=DOT) + offset[:, None]
-                s_odd = tl.dot(q_scaled, (packed >> 4).to(tl.float32), input_precision=DOT) + offset[:, None]
-                even = blk * 2 * HALF + 2 * pairs
-                odd = even + 1
-                if HAS_BIAS:
-                    s_even += tl.load(bias + row * sbb + even, mask=even < n, other=0.0)[None, :]
-                    s_odd += tl.load(bias + row * sbb + odd, mask=odd < n, other=0.0)[None, :]
-                s_even = tl.where((even < n)[None, :], s_even, float("-inf"))
-                s_odd = tl.where((odd < n)[None, :], s_odd, float("-inf"))
-                m_new = tl.maximum(m_i, tl.maximum(tl.max(s_even, axis=1), tl.max(s_odd, axis=1)))
-                alpha = tl.exp(m_i - m_new)
-                p_even = tl.exp(s_even - m_new[:, None])
-                p_odd = tl.exp(s_odd - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p_even, axis=1) + tl.sum(p_odd, axis=1)
-                acc_lo = acc_lo * alpha[:, None]
-                acc_hi = acc_hi * alpha[:, None]
-                lo, hi = _kivi_values(value_codes + r * svr, value_scale + r * sgr, value_zero + r * sgr, even, p_even,
-                                      halves, n, size, svn, sgn, DOT)  # fmt: skip
-                acc_lo += lo
-                acc_hi += hi
-                lo, hi = _kivi_values(value_codes + r * svr, value_scale + r * sgr, value_zero + r * sgr, odd, p_odd,
-                                      halves, n, size, svn, sgn, DOT)  # fmt: skip
-                acc_lo += lo
-                acc_hi += hi
-                m_i = m_new
+        # bounds known before the loop (no test inside it): what lets Triton pipeline the blocks' loads
+        for blk in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(n, 2 * HALF))):
+            base = key_codes + r * skr + blk * skb
+            packed = tl.load(base + chans[:, None] * skd + pairs[None, :])  # [D, HALF] uint8
+            k_scale = tl.load(key_scale + r * ssr + blk * ssb + chans).to(tl.float32)
+            k_zero = tl.load(key_zero + r * ssr + blk * ssb + chans).to(tl.float32)
+            # q·k = Σ_c (q_c·s_c)·code + Σ_c q_c·z_c: the scale folds into the query, the zero into one bias
+            q_scaled = q * k_scale[None, :]
+            offset = tl.sum(q * k_zero[None, :], axis=1)  # [G_PAD]
+            s_even = tl.dot(q_scaled, (packed & 15).to(tl.float32), input_precision=DOT) + offset[:, None]
+            s_odd = tl.dot(q_scaled, (packed >> 4).to(tl.float32), input_precision=DOT) + offset[:, None]
+            even = blk * 2 * HALF + 2 * pairs
+            odd = even + 1
+            if HAS_BIAS:
+                s_even += tl.load(bias + row * sbb + even, mask=even < n, other=0.0)[None, :]
+                s_odd += tl.load(bias + row * sbb + odd, mask=odd < n, other=0.0)[None, :]
+            s_even = tl.where((even < n)[None, :], s_even, float("-inf"))
+            s_odd = tl.where((odd < n)[None, :], s_odd, float("-inf"))
+            m_new = tl.maximum(m_i, tl.maximum(tl.max(s_even, axis=1), tl.max(s_odd, axis=1)))
+            alpha = tl.exp(m_i - m_new)
+            p_even = tl.exp(s_even - m_new[:, None])
+            p_odd = tl.exp(s_odd - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p_even, axis=1) + tl.sum(p_odd, axis=1)
+            acc_lo = acc_lo * alpha[:, None]
+            acc_hi = acc_hi * alpha[:, None]
+            lo, hi = _kivi_values(value_codes + r * svr, value_scale + r * sgr, value_zero + r * sgr, even, p_even,
+                                  halves, n, size, svn, sgn, DOT)  # fmt: skip
+            acc_lo += lo
+            acc_hi += hi
+            lo, hi = _kivi_values(value_codes + r * svr, value_scale + r * sgr, value_zero + r * sgr, odd, p_odd,
+                                  halves, n, size, svn, sgn, DOT)  # fmt: skip
+            acc_lo += lo
+            acc_hi += hi
+            m_i = m_new
         out = part_acc + r * spr + split * sps + heads[:, None] * D
         tl.store(out + 2 * halves[None, :], acc_lo, mask=live[:, None])
         tl.store(out + 2 * halves[None, :] + 1, acc_hi, mask=live[:, None])
@@ -268,14 +282,20 @@ if triton is not None:
         tl.store(ml + 1, l_i, mask=live)
 
 
+# Launch shape: warps and pipeline stages per program, and the programs per multiprocessor the token splits aim for
+# (0: ``_split_len``'s rule, at least 64 blocks a split).
+KIVI_WARPS, KIVI_STAGES, KIVI_PROGRAMS_PER_SM = 4, 3, 8
+
+
 def kivi_decode_triton(
     query: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor, key_zero: torch.Tensor,
     value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
-    scale: float, splits: int | None = None, precise: bool | None = None,
+    scale: float, splits: int | None = None, precise: bool | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``kivi_decode_reference`` in one launch, grid (rows × KV heads, token splits of whole blocks), the splits
     merged as ``merge_partials`` merges. ``precise``: float32 products (default: when the query is float32), else
-    TF32 on tensor cores."""
+    TF32 on tensor cores. ``splits``, ``num_warps``, ``num_stages``: the launch shape (default: ``KIVI_*``)."""
     precise = query.dtype == torch.float32 if precise is None else precise
     assert triton is not None, "Triton is not installed (pip install 'kvconvert[kernels]')"
     batch, kv_heads, group, dim = query.shape
@@ -286,6 +306,9 @@ def kivi_decode_triton(
     key_codes, value_codes = key_codes.contiguous(), value_codes.contiguous()
     key_scale, key_zero = key_scale.contiguous(), key_zero.contiguous()
     value_scale, value_zero = value_scale.contiguous(), value_zero.contiguous()
+    if splits is None and KIVI_PROGRAMS_PER_SM:
+        units = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
+        splits = max(1, min(triton.cdiv(KIVI_PROGRAMS_PER_SM * units, batch * kv_heads), blocks // 4))
     per_split = _split_len(blocks, batch * kv_heads, query.device, 1, splits)  # in blocks
     n_splits = triton.cdiv(blocks, per_split)
     rows = batch * kv_heads
@@ -301,7 +324,7 @@ def kivi_decode_triton(
         value_scale.stride(2), bias_t.stride(0), part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
         part_ml.stride(1),
         G=group, D=dim, HALF=half, HAS_BIAS=bias is not None, G_PAD=max(16, _pow2(group)), D_HALF=dim // 2,
-        DOT="ieee" if precise else "tf32",
+        DOT="ieee" if precise else "tf32", num_warps=num_warps or KIVI_WARPS, num_stages=num_stages or KIVI_STAGES,
     )  # fmt: skip
     shape = (batch, kv_heads, n_splits, group)
     acc, ml = part_acc.view(*shape, dim), part_ml.view(*shape, 2)

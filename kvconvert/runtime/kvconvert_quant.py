@@ -32,6 +32,7 @@ from .kvconvert_codec import QuantSpec, channel_groups, rotation
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, static_refusal
 from .kvconvert_kernels import use_kernels
 from .kvconvert_kivi_kernel import (
+    exact_partial,
     kivi_decode_folded,
     kivi_decode_triton,
     kivi_folded_fits,
@@ -228,20 +229,6 @@ def folded_fits(keys: Any, values: Any, dim: int) -> bool:
     return all(kivi_folded_fits(store.quant.bits, keys.quant.group, size) for store in (keys, values))
 
 
-def exact_partial(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The softmax partial (``merge_partials``) of query rows ``q [b, Hkv, G, d]`` over exact ``keys``/``values``
-    ``[b, Hkv, t, d]`` with an additive ``bias`` broadcasting to ``[b, Hkv, G, t]`` (or None): the weighted sum
-    ``[b, Hkv, G, d]`` and (max, sum of weights) ``[b, Hkv, G, 2]``, float32."""
-    scores = torch.einsum("bhgd,bhnd->bhgn", q, keys.float()) * scaling
-    if bias is not None:
-        scores = scores + bias.float()
-    top = scores.amax(-1)
-    probs = torch.exp(scores - top[..., None])
-    return torch.einsum("bhgn,bhnd->bhgd", probs, values.float()), torch.stack([top, probs.sum(-1)], dim=-1)
-
-
 def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int, kernel: bool = True) -> bool:
     """``kivi_decode`` can read these stores, through the kernel (``kernel``) or else in torch: KIVI's layout (keys per
     channel), widths and blocks its reader takes (``kivi_kernel_fits``: 4-bit; ``kivi_folded_fits``: 2 to 4 bits),
@@ -263,8 +250,8 @@ class KiviLayer(QuantizedLayer):
     ``quant_attention``). Until ``quant_attention`` first calls ``attend`` it is a plain ``QuantizedLayer``
     (``update`` returns the past dequantized), so a model whose attention was not routed reads it as one; once
     routed, ``update`` only records and ``attend`` does the work: decode steps from the codes (``kivi_decode``) through
-    the kernel when it is asked for and reads them (4-bit), else on a CPU through the torch reader (2 to 4 bits),
-    else dequantize-then-SDPA (a GPU's default: the torch reader is not measured there yet)."""
+    the kernel when it reads them (4-bit) and is asked for or on an NVIDIA GPU (``use_kernels``), else on a CPU
+    through the torch reader (2 to 4 bits), else dequantize-then-SDPA (the torch reader is not measured on a GPU)."""
 
     routed = False
 
@@ -284,7 +271,7 @@ class KiviLayer(QuantizedLayer):
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         keys, values = self.key_store, self.value_store
         step, dim = query.shape[2] == 1, query.shape[-1]
-        kernel = step and kivi_kernel_reads(keys, values, dim) and use_kernels(query)
+        kernel = step and kivi_kernel_reads(keys, values, dim) and use_kernels(query, measured_faster=True)
         folded = step and not kernel and query.device.type == "cpu" and kivi_kernel_reads(keys, values, dim, False)
         if kernel or folded:
             bias = additive_mask(attention_mask, 1, len(keys) + 1, torch.float32, query.device)
@@ -297,13 +284,13 @@ class KiviLayer(QuantizedLayer):
 
 
 class StaticKiviLayer(StaticStoreLayer):
-    """``StaticStoreLayer`` in KIVI's layout whose decode steps read the codes on a CPU, as ``KiviLayer`` does for a
-    growing cache (routed the same way: until ``quant_attention`` first calls ``attend``, a plain static layer).
-    A step reads every block the buffers have room for with ``kivi_decode_folded`` — fixed shapes, what
-    ``torch.compile`` needs — masking the blocks not quantized yet and the sink's stand-ins by position, and attends
-    the exact part (sink, the ring's tokens not quantized yet, this step's token) beside it; then the token is
-    written as ``StaticTokenStore.extend`` writes it. Elsewhere (a GPU, a prefill, widths the reader does not take)
-    it dequantizes, as ``StaticStoreLayer`` does."""
+    """``StaticStoreLayer`` in KIVI's layout whose decode steps read the codes, as ``KiviLayer`` does for a growing
+    cache (routed the same way: until ``quant_attention`` first calls ``attend``, a plain static layer). A step reads
+    every block the buffers have room for with ``kivi_decode_folded`` (a CPU) or the kernel (4-bit, as ``KiviLayer``
+    takes it) — fixed shapes, what ``torch.compile`` and CUDA graphs need — masking the blocks not quantized yet and
+    the sink's stand-ins by position, and attends the exact part (sink, the ring's tokens not quantized yet, this
+    step's token) beside it; then the token is written as ``StaticTokenStore.extend`` writes it. Elsewhere (a prefill,
+    widths neither reads) it dequantizes, as ``StaticStoreLayer`` does."""
 
     routed = False
 
@@ -323,23 +310,28 @@ class StaticKiviLayer(StaticStoreLayer):
         if not self.routed:  # the first call: ``update`` stored it and returned every slot
             self.routed = True
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        if query.shape[2] == 1 and query.device.type == "cpu" and self._folded_reads(query.shape[-1]):
-            out = self._decode(query, key, value, attention_mask, scaling).to(query.dtype)
+        step, dim = query.shape[2] == 1, query.shape[-1]
+        kernel = step and self._folded_reads(dim, kernel=True) and use_kernels(query, measured_faster=True)
+        if kernel or (step and query.device.type == "cpu" and self._folded_reads(dim)):
+            out = self._decode(query, key, value, attention_mask, scaling, kernel).to(query.dtype)
             return out.transpose(1, 2).contiguous(), None
         k, v = StaticStoreLayer.update(self, key, value)
         assert v is not None
         return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)
 
-    def _folded_reads(self, dim: int) -> bool:
+    def _folded_reads(self, dim: int, kernel: bool = False) -> bool:
+        """The stores are what the torch reader (or, ``kernel``, the Triton kernel: 4-bit) reads."""
         keys, values = self.key_store, self.value_store
         if values is None or keys.codes is None or values.codes is None or not keys.per_channel:
             return False
         same_ring = keys.ring_len == values.ring_len and keys.quant.sink == values.quant.sink
-        return same_ring and folded_fits(keys, values, dim)
+        fits = all(kivi_kernel_fits(s.quant.bits, keys.quant.group, dim) for s in (keys, values)) if kernel else True
+        return same_ring and fits and folded_fits(keys, values, dim)
 
     def _decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                scaling: float) -> torch.Tensor:  # fmt: skip
-        """One decode step (``[b, H, 1, d]`` float32) over every slot, then the token stored."""
+                scaling: float, kernel: bool = False) -> torch.Tensor:  # fmt: skip
+        """One decode step (``[b, H, 1, d]`` float32) over every slot, then the token stored: the codes through the
+        torch reader, or (``kernel``) the Triton kernel, its partial merged with the exact part's."""
         keys, values = self.key_store, self.value_store
         assert values is not None and keys.codes is not None and values.codes is not None
         assert keys.scale is not None and keys.zero is not None and values.scale is not None
@@ -372,10 +364,16 @@ class StaticKiviLayer(StaticStoreLayer):
         at, ok = torch.cat(where), torch.cat(valid)
         exact_bias = torch.where(ok, bias.index_select(1, at.clamp(0, self.max_cache_len - 1)), minimum)
         exact = (torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2), exact_bias[:, None, None])
-        acc, ml = kivi_decode_folded(q, keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero,
-                                     bias_q, scaling, keys.quant.bits, values.quant.bits, exact=exact,
-                                     value_rotation=value_rotation(values, dim, device))  # fmt: skip
-        out = (acc / ml[..., 1:]).view(batch, heads, 1, dim)
+        codes = (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)
+        rotated = value_rotation(values, dim, device)
+        if kernel:
+            acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32)
+            parts = [(acc if rotated is None else unrotated(acc, rotated), ml), exact_partial(q, *exact, scaling)]
+            out = merge_partials(parts).view(batch, heads, 1, dim)
+        else:
+            acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits, exact=exact,
+                                         value_rotation=rotated)  # fmt: skip
+            out = (acc / ml[..., 1:]).view(batch, heads, 1, dim)
         keys.extend_only(key, filled)
         values.extend_only(value, filled)
         self._advance(1)
@@ -493,8 +491,8 @@ def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerS
 
 
 def configure(model: Any) -> None:
-    """Token layout and KIVI's layout: route attention through ``quant_attention`` (``kivi_routed``: not under
-    soft-capping); fp8 keeps the model's own."""
+    """Token layout, KIVI's layout and fp8: route attention through ``quant_attention`` (``kivi_routed``: not
+    under soft-capping), so that decode steps can read the codes."""
     quant = QuantSpec.from_spec(model.config.kvconvert)
-    if quant.layout == "token" or (not quant.fp8 and kivi_routed(model)):
+    if quant.layout == "token" or kivi_routed(model):
         model.set_attn_implementation(IMPLEMENTATION)

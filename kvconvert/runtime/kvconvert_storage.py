@@ -14,8 +14,11 @@ from transformers.cache_utils import (
     StaticLayer,
     StaticSlidingWindowLayer,
 )
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kvconvert_codec import FP8, QuantSpec, fp8_read, fp8_store
+from .kvconvert_fp8_kernel import fp8_decode_triton
+from .kvconvert_kernels import use_kernels
 from .kvconvert_tokenstore import StaticTokenStore, TokenStore
 
 
@@ -115,10 +118,47 @@ class QuantizedLayer(KVLayer):
         self.is_initialized = False
 
 
-class Fp8Layer(KVLayer):
+class Fp8Reads:
+    """What the fp8 layers share: decode steps that read the codes through ``fp8_decode_triton`` when the kernels
+    are asked for, or by default on an NVIDIA GPU (``use_kernels``), and the model's attention is routed through
+    kvconvert's (``quant_attention``, ``configure``). Until ``attend`` is first called a layer's ``update`` returns
+    every token read back, as a stock attention needs; from then on ``update`` only stores, and ``attend`` reads: the
+    codes through the kernel for a decode step, else read back for SDPA as before."""
+
+    routed = False
+    key_scale: torch.Tensor
+    value_scale: torch.Tensor
+    dtype: torch.dtype
+
+    def _codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Key and value codes ``[b, Hkv, n, d]`` (this step's stored), and the tokens written (None: all n)."""
+        raise NotImplementedError
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
+        if not self.routed:  # the first call: ``update`` returned every token read back
+            self.routed = True
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        keys, values, length = self._codes()
+        if query.shape[2] == 1 and use_kernels(query, measured_faster=True):
+            from .kvconvert_common import additive_mask  # (that module imports this one)
+
+            batch, heads, _, dim = query.shape
+            bias = additive_mask(attention_mask, 1, keys.shape[2], torch.float32, query.device)
+            bias = None if bias is None else bias[:, 0, 0].expand(batch, -1)
+            q = query.view(batch, keys.shape[1], heads // keys.shape[1], dim)
+            out = fp8_decode_triton(q, keys, values, self.key_scale, self.value_scale, bias, scaling, length)
+            return out.to(query.dtype).view(batch, 1, heads, dim), None
+        k, v = fp8_read(keys.view(FP8), self.key_scale, self.dtype), fp8_read(values.view(FP8), self.value_scale,
+                                                                               self.dtype)  # fmt: skip
+        return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)
+
+
+class Fp8Layer(Fp8Reads, KVLayer):
     """A stock attention layer's ``[b, Hkv, n, d]`` keys and values as float8 e4m3 codes with the layer's
     static scales (``QuantSpec.scales``): what vLLM and SGLang store for the same checkpoint. ``update``
-    returns every token read back, this step's too, as the engines attend to them."""
+    returns every token read back, this step's too, as the engines attend to them (``Fp8Reads``: or, routed, reads
+    them itself)."""
 
     key_codes: torch.Tensor | None
     value_codes: torch.Tensor | None
@@ -139,8 +179,14 @@ class Fp8Layer(KVLayer):
         new_keys, new_values = fp8_store(key_states, self.key_scale), fp8_store(value_states, self.value_scale)
         self.key_codes = new_keys if self.key_codes is None else torch.cat([self.key_codes, new_keys], dim=-2)
         self.value_codes = new_values if self.value_codes is None else torch.cat([self.value_codes, new_values], -2)
+        if self.routed:
+            return key_states, value_states
         return (fp8_read(self.key_codes, self.key_scale, self.dtype),
                 fp8_read(self.value_codes, self.value_scale, self.dtype))  # fmt: skip
+
+    def _codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        assert self.key_codes is not None and self.value_codes is not None
+        return self.key_codes, self.value_codes, None
 
     def get_seq_length(self) -> int:
         return 0 if self.key_codes is None else self.key_codes.shape[-2]
@@ -159,7 +205,7 @@ class Fp8Layer(KVLayer):
     def reset(self) -> None:
         self.key_codes = self.value_codes = None
         self.keys = self.values = None
-        self.is_initialized = False
+        self.is_initialized = self.routed = False
 
 
 def in_graph(device: torch.device) -> bool:
@@ -244,10 +290,11 @@ class StaticKVLayer(KVLayer):
         self.filled.zero_()
 
 
-class StaticFp8Layer(StaticKVLayer):
+class StaticFp8Layer(Fp8Reads, StaticKVLayer):
     """``Fp8Layer`` preallocated for ``max_cache_len`` tokens (``StaticKVLayer``): codes ``[b, Hkv, max_cache_len,
     d]`` held as uint8 (torch has no ``index_copy_`` for float8 on the CPU; the bytes are the e4m3 codes), read
-    back whole with the layer's static scales, as ``Fp8Layer`` reads its growing codes."""
+    back whole with the layer's static scales, as ``Fp8Layer`` reads its growing codes (``Fp8Reads``: or, routed,
+    through the kernel, which reads the slots written so far)."""
 
     buffers = ("key_codes", "value_codes")
     key_codes: torch.Tensor | None
@@ -277,8 +324,18 @@ class StaticFp8Layer(StaticKVLayer):
         self.key_codes.index_copy_(2, slots, fp8_store(key_states, self.key_scale).view(torch.uint8))
         self.value_codes.index_copy_(2, slots, fp8_store(value_states, self.value_scale).view(torch.uint8))
         self._advance(count)
+        if self.routed:
+            return key_states, value_states
         return (fp8_read(self.key_codes.view(FP8), self.key_scale, self.dtype),
                 fp8_read(self.value_codes.view(FP8), self.value_scale, self.dtype))  # fmt: skip
+
+    def _codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        assert self.key_codes is not None and self.value_codes is not None
+        return self.key_codes, self.value_codes, self.filled
+
+    def reset(self) -> None:
+        super().reset()
+        self.routed = False
 
 
 class StaticStoreLayer(StaticKVLayer):
