@@ -144,8 +144,9 @@ def check_kernel_device(device: torch.device) -> None:
 def use_kernels(tensor: torch.Tensor, measured_faster: bool = False) -> bool:
     """Whether decode runs the Triton kernels on ``tensor``'s device: when asked, ``KVCONVERT_KERNELS=triton`` (on a
     CPU only with ``TRITON_INTERPRET=1``: tests); under ``auto`` (the default) only for a kernel ``measured_faster``
-    than its runtime's torch path on an NVIDIA GPU, and Triton is installed; ``torch``: never. Asked for where they
-    cannot run: a ``ValueError`` (``kernels_requested``, ``check_kernel_device``), never a silent fall-back.
+    than its runtime's torch path, on an NVIDIA GPU from Ampere on, with Triton installed; ``torch``: never. Asked
+    for where they cannot run: a ``ValueError`` (``kernels_requested``, ``check_kernel_device``), never a silent
+    fall-back.
 
     Measured faster (an H200, bench/results/kernels-h200-fp8-kivi-razor-2026-11-27.md, × the original's static cache):
     fp8's kernel (0.27× → 0.50× eagerly, 0.25× → 2.23× through CUDA graphs at 16 × 8K; 0.69× → 1.29×, 0.79× → 9.85× at
@@ -162,8 +163,10 @@ def use_kernels(tensor: torch.Tensor, measured_faster: bool = False) -> bool:
     LoRC 0.43× vs 0.17× at 16 × 8K; 4.90× vs 0.89×, 4.30× vs 1.39× at 1 × 32K (× the original); razor 1.44× vs 1.35×
     and 5.64× vs 4.98× (2026-11-27)."""
     choice = kernels_requested()
-    if choice == "auto":
-        return measured_faster and triton is not None and tensor.device.type == "cuda" and torch.version.hip is None
+    if choice == "auto":  # NVIDIA, Ampere on: where they were compiled (sm_80, sm_90) and measured (sm_90)
+        if not (measured_faster and triton is not None and tensor.device.type == "cuda"):
+            return False
+        return torch.version.hip is None and torch.cuda.get_device_capability(tensor.device) >= (8, 0)
     if choice == "torch":
         return False
     check_kernel_device(tensor.device)
