@@ -2,7 +2,8 @@
 # One prepared GPU session (about 8 minutes on an H200): the codes-reading kernels' launch shapes swept on
 # Llama-3-8B's attention (bench/kernel_sweep.py), then static caches decoded eagerly and through captured CUDA graphs
 # against the original with the best launch (bench/kernels_bench.py --graphs), then the kernels' GPU tests. Results
-# and logs go to $OUT (or /tmp/kvconvert-gpu-check when OUT is unset).
+# and logs go to $OUT (or /tmp/kvconvert-gpu-check when OUT is unset): eight files, as many as the device tool
+# brings back.
 #
 # The device image's transformers may be older than kvconvert's pin: carry the wheel (from the repository root, here)
 #   echo /.whl/ >> .git/info/exclude
@@ -26,19 +27,26 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" \
   | tee -a "$OUT/env.txt"
 start=$(date +%s)
-timeout "${SWEEP_S:-130}" python3 bench/kernel_sweep.py --shapes 16:8192,1:32768 --copy-to "$OUT" > "$OUT/sweep.log" 2>&1
+timeout "${SWEEP_S:-130}" python3 bench/kernel_sweep.py --shapes 16:8192,1:32768 --copy-to "$OUT" > "$OUT/bench.log" 2>&1
 echo "sweep rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
-grep "^|" "$OUT/sweep.log" | head -12
+grep "^|" "$OUT/bench.log" | head -12
 launch=()
 [ -s "$OUT/best-launch.json" ] && launch=(--launch "$OUT/best-launch.json") && cat "$OUT/best-launch.json"
 start=$(date +%s)
 timeout "${BENCH_S:-240}" python3 bench/kernels_bench.py --contexts 8192 --batches 16 --shapes "${SHAPES:-8192:16,32768:1}" \
   --graphs --no-growing --no-probe --serving none --steps 16 --only "${ONLY:-quant fp8,quant 4-bit KIVI,razor}" \
-  "${launch[@]}" --copy-to "$OUT" > "$OUT/bench.log" 2>&1
+  "${launch[@]}" --copy-to "$OUT" >> "$OUT/bench.log" 2>&1
 echo "bench rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 grep "^|" "$OUT/bench.log" | tail -24
 start=$(date +%s)
-timeout "${TEST_S:-100}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "fp8 or kivi_kernel_matches or gpu or cuda_graph" \
-  tests/test_static_cache.py > "$OUT/tests.log" 2>&1
-echo "tests rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+# first what the last GPU session could not finish: the static KIVI cache read by its kernel under generate's
+# compile; then the fp8 kernel natively; then the static caches' GPU tests
+timeout "${TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider -k "(kivi_kernel_matches and True) or fp8_decode" \
+  tests/test_kernels.py > "$OUT/tests.log" 2>&1
+echo "kernel tests rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+tail -3 "$OUT/tests.log"
+start=$(date +%s)
+timeout "${TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider -k "gpu or cuda_graph or fp8" tests/test_static_cache.py \
+  >> "$OUT/tests.log" 2>&1
+echo "static-cache tests rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 tail -3 "$OUT/tests.log"
