@@ -593,7 +593,8 @@ def test_cli_refuses_a_kernel_setting_it_cannot_honour(command, monkeypatch, tmp
 
 def test_kernels_run_only_when_asked(monkeypatch):
     """The torch path is the default, except for the kernels measured faster end to end on an NVIDIA GPU (fp8's and
-    KIVI's: ``use_kernels``), which ``auto`` takes there (Ampere on) and nowhere else; ``torch`` turns them off."""
+    KIVI's: ``use_kernels``), which ``auto`` takes there (Ampere on, outside torch.compile) and nowhere else;
+    ``torch`` turns them off."""
     import kvconvert.runtime.kvconvert_kernels as kernels
 
     monkeypatch.delenv("KVCONVERT_KERNELS", raising=False)
@@ -602,6 +603,18 @@ def test_kernels_run_only_when_asked(monkeypatch):
     assert kernels.use_kernels(torch.zeros(1, device=DEVICE), measured_faster=True) == ampere
     monkeypatch.setenv("KVCONVERT_KERNELS", "torch")
     assert not kernels.use_kernels(torch.zeros(1, device=DEVICE), measured_faster=True)
+    # the auto choice's rule, on a stand-in for a tensor on a GPU of each generation, eager and inside a trace
+    import types
+
+    monkeypatch.delenv("KVCONVERT_KERNELS")
+    monkeypatch.setattr(torch.version, "hip", None)
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    for capability, compiling, taken in [((9, 0), False, True), ((8, 0), False, True), ((7, 5), False, False),
+                                         ((9, 0), True, False)]:  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda c=compiling: c)
+        assert kernels.use_kernels(on_gpu, measured_faster=True) == taken, (capability, compiling)
+        assert not kernels.use_kernels(on_gpu)
     if triton_available():  # without Triton, asking for it is an error (test above)
         monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
         assert kernels.use_kernels(torch.zeros(1, device=DEVICE))

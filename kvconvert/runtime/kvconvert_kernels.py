@@ -144,9 +144,11 @@ def check_kernel_device(device: torch.device) -> None:
 def use_kernels(tensor: torch.Tensor, measured_faster: bool = False) -> bool:
     """Whether decode runs the Triton kernels on ``tensor``'s device: when asked, ``KVCONVERT_KERNELS=triton`` (on a
     CPU only with ``TRITON_INTERPRET=1``: tests); under ``auto`` (the default) only for a kernel ``measured_faster``
-    than its runtime's torch path, on an NVIDIA GPU from Ampere on, with Triton installed; ``torch``: never. Asked
-    for where they cannot run: a ``ValueError`` (``kernels_requested``, ``check_kernel_device``), never a silent
-    fall-back.
+    than its runtime's torch path, on an NVIDIA GPU from Ampere on, with Triton installed, outside ``torch.compile``
+    (eager steps, and steps captured as CUDA graphs as serving engines capture them; a compiled step takes them only
+    when asked: the H200 run found Inductor compiling them wrongly, fixed since but not re-run there); ``torch``:
+    never. Asked for where they cannot run: a ``ValueError`` (``kernels_requested``, ``check_kernel_device``), never
+    a silent fall-back.
 
     Measured faster (an H200, bench/results/kernels-h200-fp8-kivi-razor-2026-11-27.md, × the original's static cache):
     fp8's kernel (0.27× → 0.50× eagerly, 0.25× → 2.23× through CUDA graphs at 16 × 8K; 0.69× → 1.29×, 0.79× → 9.85× at
@@ -164,7 +166,10 @@ def use_kernels(tensor: torch.Tensor, measured_faster: bool = False) -> bool:
     and 5.64× vs 4.98× (2026-11-27)."""
     choice = kernels_requested()
     if choice == "auto":  # NVIDIA, Ampere on: where they were compiled (sm_80, sm_90) and measured (sm_90)
+        # not inside torch.compile (generate's own for static caches on CUDA): not yet verified there on a GPU
         if not (measured_faster and triton is not None and tensor.device.type == "cuda"):
+            return False
+        if torch.compiler.is_compiling():
             return False
         return torch.version.hip is None and torch.cuda.get_device_capability(tensor.device) >= (8, 0)
     if choice == "torch":
