@@ -26,6 +26,7 @@ from kvconvert.runtime import kvconvert_kivi_kernel as kivi  # noqa: E402
 from kvconvert.runtime.kvconvert_codec import fp8_read, quantize_tokens  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
+LAUNCH_KEYS = ("tile", "warps", "stages", "programs_per_sm", "values", "splits")
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -92,12 +93,12 @@ def sweep_shape(batch: int, n: int, device: torch.device, dtype: torch.dtype, qu
     acc, ml = kivi.kivi_decode_reference(q.float(), *store, None, DIM**-0.5)
     ref = acc / ml[..., 1:]
     warps, stages, per_sm = ([4], [2], [0]) if quick else ([4, 8], [1, 2, 3], [0, 4, 8, 16])
-    for warp, stage, pps in itertools.product(warps, stages, per_sm):
+    for warp, stage, pps, mode in itertools.product(warps, stages, per_sm, ["gather", "grouped"]):
         split = splits_for(pps, batch * KV_HEADS, max(1, kq.codes.shape[2] // 4), device)
-        config = {"warps": warp, "stages": stage, "programs_per_sm": pps, "splits": split}
+        config = {"warps": warp, "stages": stage, "programs_per_sm": pps, "values": mode, "splits": split}
 
-        def run(w: int = warp, s: int = stage, sp: int | None = split) -> torch.Tensor:
-            a, m = kivi.kivi_decode_triton(q, *store, None, DIM**-0.5, splits=sp, num_warps=w, num_stages=s)
+        def run(w: int = warp, s: int = stage, sp: int | None = split, v: str = mode) -> torch.Tensor:
+            a, m = kivi.kivi_decode_triton(q, *store, None, DIM**-0.5, splits=sp, num_warps=w, num_stages=s, values=v)
             return a / m[..., 1:]
 
         record("quant 4-bit KIVI kernel", config, nbytes(*store), run, ref)
@@ -129,7 +130,7 @@ def main() -> None:
     # the launch the runtime should take: the fastest summed over the shapes (each shape's time as a share of SDPA's)
     launch: dict[str, Any] = {}
     for kernel, keys in (("fp8 kernel", ("tile", "warps", "stages", "programs_per_sm")),
-                         ("quant 4-bit KIVI kernel", ("warps", "stages", "programs_per_sm"))):  # fmt: skip
+                         ("quant 4-bit KIVI kernel", ("warps", "stages", "programs_per_sm", "values"))):  # fmt: skip
         totals: dict[tuple, float] = {}
         for batch, n in shapes:
             base = sdpa_us(rows, batch, n)
@@ -142,7 +143,7 @@ def main() -> None:
     table = markdown_table(
         ["kernel", "batch", "context", "launch", "µs", "GB/s", "of peak", "‖err‖/‖ref‖"],
         [[r["kernel"], r["batch"], r["context"],
-          ", ".join(f"{k}={r[k]}" for k in ("tile", "warps", "stages", "programs_per_sm", "splits") if k in r),
+          ", ".join(f"{k}={r[k]}" for k in LAUNCH_KEYS if k in r),
           f"{r['us']:.1f}" if "us" in r else "-", f"{r['gb_per_s']:.0f}" if "us" in r else "-",
           f"{r['gb_per_s'] * 1e9 / peak:.0%}" if "us" in r and peak else "-",
           f"{r['relative_error']:.1e}" if "us" in r else r.get("error", "")[:80]] for r in rows],

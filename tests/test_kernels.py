@@ -175,9 +175,9 @@ def attention(query, keys, values, bias, scale):
 )
 @pytest.mark.parametrize("splits", [None, 3], ids=["auto-splits", "3-splits"])
 def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, blocks, value_group, dtype, splits):
-    """The kernel's partial softmax (merged), and the torch reader's that folds the scales (``kivi_decode_folded``),
-    against the plain-torch reference and against attention over the codec's own dequantized cache: channel scales
-    per block, value scales per token and channel group, padding."""
+    """The kernel's partial softmax (merged; values read per element or per channel group), and the torch reader's
+    that folds the scales (``kivi_decode_folded``), against the plain-torch reference and against attention over the
+    codec's own dequantized cache: channel scales per block, value scales per token and channel group, padding."""
     torch.manual_seed(blocks * 10 + dim)
     cache, (keys, values) = kivi_cache(batch, kv_heads, dim, block, blocks, value_group, dtype)
     query = torch.randn(batch, kv_heads, group, dim, device=DEVICE).to(dtype)
@@ -189,6 +189,9 @@ def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, block
         got = merge_partials([kivi_decode_triton(query, *cache, b, 0.3, splits=splits, precise=True)])
         torch.testing.assert_close(reference, expected, **TOL)
         torch.testing.assert_close(got, expected, **TOL)
+        # values read per channel group (where groups are 2^k >= 32 channels; else per element, as above)
+        grouped = kivi_decode_triton(query, *cache, b, 0.3, splits=splits, precise=True, values="grouped")
+        torch.testing.assert_close(merge_partials([grouped]), expected, **TOL)
         torch.testing.assert_close(merge_partials([kivi_decode_folded(query, *cache, b, 0.3)]), expected, **TOL)
         # half-precision queries take TF32 products on a GPU (the interpreter computes them in float32)
         fast = merge_partials([kivi_decode_triton(query, *cache, b, 0.3, splits=splits)])
