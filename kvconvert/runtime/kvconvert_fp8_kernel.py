@@ -132,8 +132,10 @@ def fp8_decode_triton(
     n = key_codes.shape[2]
     assert dim >= 16 and dim & (dim - 1) == 0, "fp8_decode_triton: heads of a power-of-two width >= 16"
     tile = tile or FP8_TILE
-    key_codes, value_codes = key_codes.view(torch.uint8), value_codes.view(torch.uint8)
-    assert key_codes.stride(-1) == 1 and value_codes.stride(-1) == 1 and key_codes.stride(1) == n * key_codes.stride(2)
+    # the kernel indexes rows × KV heads as one axis and channels contiguously (a cropped cache, a slice along its
+    # tokens, is read in place)
+    key_codes, value_codes = (c if c.stride(-1) == 1 and c.stride(0) == kv_heads * c.stride(1) else c.contiguous()
+                              for c in (key_codes.view(torch.uint8), value_codes.view(torch.uint8)))  # fmt: skip
     # Triton's interpreter (the CPU tests) multiplies bfloat16 operands wrongly (3.9: any bfloat16 tl.dot, seen):
     # there bfloat16 queries take the float32 products, on a GPU their own
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
