@@ -599,32 +599,40 @@ def test_cli_refuses_a_kernel_setting_it_cannot_honour(command, monkeypatch, tmp
 
 
 def test_kernels_run_only_when_asked(monkeypatch):
-    """The torch path is the default, except for the kernels measured faster end to end on an NVIDIA GPU (fp8's and
-    KIVI's: ``use_kernels``), which ``auto`` takes there (Ampere on, outside torch.compile) and nowhere else;
-    ``torch`` turns them off."""
+    """The torch path is the default, except for the kernels measured faster end to end on an NVIDIA GPU: fp8's
+    ("gpu": eager and through CUDA graphs) and KIVI's ("graphs": only while a CUDA graph is captured), which ``auto``
+    takes there (Ampere on, outside torch.compile) and nowhere else; ``torch`` turns them off."""
+    import types
+
     import kvconvert.runtime.kvconvert_kernels as kernels
 
     monkeypatch.delenv("KVCONVERT_KERNELS", raising=False)
-    assert not kernels.use_kernels(torch.zeros(1, device=DEVICE))
+    here = torch.zeros(1, device=DEVICE)
+    assert not kernels.use_kernels(here)
     ampere = DEVICE == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability() >= (8, 0)
-    assert kernels.use_kernels(torch.zeros(1, device=DEVICE), measured_faster=True) == ampere
+    assert kernels.use_kernels(here, default="gpu") == ampere
+    assert not kernels.use_kernels(here, default="graphs")  # not capturing
     monkeypatch.setenv("KVCONVERT_KERNELS", "torch")
-    assert not kernels.use_kernels(torch.zeros(1, device=DEVICE), measured_faster=True)
-    # the auto choice's rule, on a stand-in for a tensor on a GPU of each generation, eager and inside a trace
-    import types
-
+    assert not kernels.use_kernels(here, default="gpu")
+    if triton_available():  # without Triton, asking for it is an error (test above)
+        monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
+        assert kernels.use_kernels(here)
+    # the auto choice's rule, on a stand-in for a tensor on a GPU of each generation, eager, captured, and traced
     monkeypatch.delenv("KVCONVERT_KERNELS")
     monkeypatch.setattr(torch.version, "hip", None)
     on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
-    for capability, compiling, taken in [((9, 0), False, True), ((8, 0), False, True), ((7, 5), False, False),
-                                         ((9, 0), True, False)]:  # fmt: skip
+    cases = [  # (capability, compiling, capturing) -> taken for "gpu", for "graphs"
+        ((9, 0), False, False, True, False), ((9, 0), False, True, True, True), ((8, 0), False, True, True, True),
+        ((7, 5), False, True, False, False), ((9, 0), True, True, False, False),
+    ]  # fmt: skip
+    for capability, compiling, capturing, gpu, graphs in cases:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda c=compiling: c)
-        assert kernels.use_kernels(on_gpu, measured_faster=True) == taken, (capability, compiling)
-        assert not kernels.use_kernels(on_gpu)
-    if triton_available():  # without Triton, asking for it is an error (test above)
-        monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
-        assert kernels.use_kernels(torch.zeros(1, device=DEVICE))
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda c=capturing: c)
+        where = (capability, compiling, capturing)
+        assert kernels.use_kernels(on_gpu, default="gpu") == gpu, where
+        assert kernels.use_kernels(on_gpu, default="graphs") == graphs, where
+        assert not kernels.use_kernels(on_gpu), where
 
 
 def test_kernels_compile_for_sm80_and_sm90():

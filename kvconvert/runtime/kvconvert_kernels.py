@@ -141,21 +141,22 @@ def check_kernel_device(device: torch.device) -> None:
                          "them")  # fmt: skip
 
 
-def use_kernels(tensor: torch.Tensor, measured_faster: bool = False) -> bool:
+def use_kernels(tensor: torch.Tensor, default: str = "off") -> bool:
     """Whether decode runs the Triton kernels on ``tensor``'s device: when asked, ``KVCONVERT_KERNELS=triton`` (on a
-    CPU only with ``TRITON_INTERPRET=1``: tests); under ``auto`` (the default) only for a kernel ``measured_faster``
-    than its runtime's torch path, on an NVIDIA GPU from Ampere on, with Triton installed, outside ``torch.compile``
-    (eager steps, and steps captured as CUDA graphs as serving engines capture them; a compiled step takes them only
-    when asked: the H200 run found Inductor compiling them wrongly, fixed since but not re-run there); ``torch``:
-    never. Asked for where they cannot run: a ``ValueError`` (``kernels_requested``, ``check_kernel_device``), never
-    a silent fall-back.
+    CPU only with ``TRITON_INTERPRET=1``: tests); ``torch``: never; under ``auto`` (the default) what the caller's
+    kernel measured: ``default`` "gpu" (faster than its runtime's torch path on a GPU, eager and through CUDA graphs)
+    or "graphs" (faster only in steps captured as CUDA graphs: taken while one is being captured), on an NVIDIA GPU
+    from Ampere on, with Triton installed, outside ``torch.compile`` (a compiled step takes them only when asked: the
+    H200 run found Inductor compiling them wrongly, fixed since but not re-run there); "off": not by default. Asked
+    for where they cannot run: a ``ValueError`` (``kernels_requested``, ``check_kernel_device``), never a silent
+    fall-back.
 
-    Measured faster (an H200, bench/results/kernels-h200-fp8-kivi-razor-2026-11-27.md, × the original's static cache):
+    Measured (an H200, bench/results/kernels-h200-fp8-kivi-razor-2026-11-27.md, × the original's static cache), "gpu":
     fp8's kernel (0.27× → 0.50× eagerly, 0.25× → 2.23× through CUDA graphs at 16 × 8K; 0.69× → 1.29×, 0.79× → 9.85× at
-    1 × 32K) and the 4-bit KIVI kernel (0.19× → 0.59×, 0.66× → 2.97× through CUDA graphs; eagerly 0.20× → 0.17× at
-    16 × 8K, 0.40× → 0.44× at 1 × 32K): each reads codes the torch path reads back whole in 16 bits first.
+    1 × 32K); "graphs": the 4-bit KIVI kernel (0.19× → 0.59×, 0.66× → 2.97× through CUDA graphs; eagerly 0.20× →
+    0.17× at 16 × 8K, 0.40× → 0.44× at 1 × 32K). Each reads codes the torch path reads back whole in 16 bits first.
 
-    The others stay off under ``auto``: measured end to end on an H100 (``make bench-kernels``, bf16, a
+    "off" for the others: measured end to end on an H100 (``make bench-kernels``, bf16, a
     12-layer MHA Llama; bench/results/kernels-h100-2026-11-23.md), every runtime's torch path decoded
     faster than its kernels: at batch 1 slim's kernels ran at 0.45–0.56×, LoRC's 0.75–0.80×,
     razor's 0.83–0.92× of the torch path (8K and 32K context), at batch 16 (8K) 0.66×, 0.97×, 0.92×.
@@ -166,12 +167,11 @@ def use_kernels(tensor: torch.Tensor, measured_faster: bool = False) -> bool:
     and 5.64× vs 4.98× (2026-11-27)."""
     choice = kernels_requested()
     if choice == "auto":  # NVIDIA, Ampere on: where they were compiled (sm_80, sm_90) and measured (sm_90)
-        # not inside torch.compile (generate's own for static caches on CUDA): not yet verified there on a GPU
-        if not (measured_faster and triton is not None and tensor.device.type == "cuda"):
+        if default == "off" or triton is None or tensor.device.type != "cuda" or torch.compiler.is_compiling():
             return False
-        if torch.compiler.is_compiling():
+        if torch.version.hip is not None or torch.cuda.get_device_capability(tensor.device) < (8, 0):
             return False
-        return torch.version.hip is None and torch.cuda.get_device_capability(tensor.device) >= (8, 0)
+        return default == "gpu" or torch.cuda.is_current_stream_capturing()
     if choice == "torch":
         return False
     check_kernel_device(tensor.device)

@@ -250,8 +250,9 @@ class KiviLayer(QuantizedLayer):
     ``quant_attention``). Until ``quant_attention`` first calls ``attend`` it is a plain ``QuantizedLayer``
     (``update`` returns the past dequantized), so a model whose attention was not routed reads it as one; once
     routed, ``update`` only records and ``attend`` does the work: decode steps from the codes (``kivi_decode``) through
-    the kernel when it reads them (4-bit) and is asked for or on an NVIDIA GPU (``use_kernels``), else on a CPU
-    through the torch reader (2 to 4 bits), else dequantize-then-SDPA (the torch reader is not measured on a GPU)."""
+    the kernel when it reads them (4-bit) and is asked for (``use_kernels``: by default only in captured CUDA graphs,
+    which a growing cache never is), else on a CPU through the torch reader (2 to 4 bits), else dequantize-then-SDPA
+    (the torch reader is not measured on a GPU)."""
 
     routed = False
 
@@ -271,7 +272,7 @@ class KiviLayer(QuantizedLayer):
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         keys, values = self.key_store, self.value_store
         step, dim = query.shape[2] == 1, query.shape[-1]
-        kernel = step and kivi_kernel_reads(keys, values, dim) and use_kernels(query, measured_faster=True)
+        kernel = step and kivi_kernel_reads(keys, values, dim) and use_kernels(query, default="graphs")
         folded = step and not kernel and query.device.type == "cpu" and kivi_kernel_reads(keys, values, dim, False)
         if kernel or folded:
             bias = additive_mask(attention_mask, 1, len(keys) + 1, torch.float32, query.device)
@@ -311,7 +312,7 @@ class StaticKiviLayer(StaticStoreLayer):
             self.routed = True
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         step, dim = query.shape[2] == 1, query.shape[-1]
-        kernel = step and self._folded_reads(dim, kernel=True) and use_kernels(query, measured_faster=True)
+        kernel = step and self._folded_reads(dim, kernel=True) and use_kernels(query, default="graphs")
         if kernel or (step and query.device.type == "cpu" and self._folded_reads(dim)):
             out = self._decode(query, key, value, attention_mask, scaling, kernel).to(query.dtype)
             return out.transpose(1, 2).contiguous(), None

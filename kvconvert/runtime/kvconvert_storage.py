@@ -140,7 +140,7 @@ class Fp8Reads:
             self.routed = True
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         keys, values, length = self._codes()
-        if query.shape[2] == 1 and use_kernels(query, measured_faster=True):
+        if query.shape[2] == 1 and use_kernels(query, default="gpu"):
             from .kvconvert_common import additive_mask  # (that module imports this one)
 
             batch, heads, _, dim = query.shape
