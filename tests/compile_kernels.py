@@ -57,8 +57,9 @@ def typed_signature(kernel: object, constexprs: dict[str, object], pointers: dic
 
 def kivi_signature(kernel: object, constexprs: dict[str, object]) -> dict[str, str]:
     """KIVI's layout: uint8 codes, float16 scales and zeros, float32 queries, bias and partials."""
-    pointers = {"key_codes": "u8", "value_codes": "u8", **dict.fromkeys(("key_scale", "key_zero", "value_scale",
-                "value_zero"), "fp16"), **dict.fromkeys(("query", "bias", "part_acc", "part_ml"), "fp32")}  # fmt: skip
+    pointers = {"key_codes": "u8", "value_codes": "u8", "length": "i64", **dict.fromkeys(("key_scale", "key_zero",
+                "value_scale", "value_zero"), "fp16"), **dict.fromkeys(("query", "bias", "part_acc", "part_ml"),
+                "fp32")}  # fmt: skip
     return typed_signature(kernel, constexprs, pointers)
 
 
@@ -87,7 +88,8 @@ def main() -> None:
         # values read per element ("gather") or per channel group (two groups of 64 channels: 32 bytes each)
         for has_bias, dot, grouped in ((True, "ieee", False), (False, "tf32", False), (True, "tf32", True)):
             consts = {"G": 4, "D": 128, "HALF": 32, "HAS_BIAS": has_bias, "G_PAD": 16, "D_HALF": 64, "DOT": dot,
-                      "GROUPS": 2 if grouped else 1, "SH": 32 if grouped else 1, "GROUPED": grouped}  # fmt: skip
+                      "GROUPS": 2 if grouped else 1, "SH": 32 if grouped else 1, "GROUPED": grouped,
+                      "HAS_LENGTH": grouped}  # fmt: skip
             source = ASTSource(kivi, kivi_signature(kivi, consts), constexprs=consts)
             assert triton.compile(source, target=target).asm["cubin"]
         # fp8: uint8 codes (e4m3 converted on sm_90, moved bit by bit on sm_80), the query in the model's dtype

@@ -198,6 +198,28 @@ def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, block
         torch.testing.assert_close(fast, expected, atol=3e-3, rtol=3e-3)
 
 
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto-splits", "3-splits"])
+def test_kivi_kernel_reads_only_the_length_given(splits):
+    """A static cache's blocks not quantized yet: with ``length`` (read on the device) the kernel gives attention over
+    the first ``length`` tokens and never reads the blocks after them (their scales made NaN: the same result, bit
+    for bit; without ``length`` the NaN shows)."""
+    torch.manual_seed(7)
+    cache, (keys, values) = kivi_cache(2, 2, 64, 32, 5, 64, torch.float32)
+    query = torch.randn(2, 2, 4, 64, device=DEVICE)
+    length = torch.tensor(2 * 32, device=DEVICE)
+    bias = torch.zeros(2, 5 * 32, device=DEVICE)
+    bias[:, 64:] = NEG
+    expected = attention(query, keys[:, :, :64], values[:, :, :64], None, 0.3)
+    got = merge_partials([kivi_decode_triton(query, *cache, bias, 0.3, splits=splits, precise=True, length=length)])
+    torch.testing.assert_close(got, expected, **TOL)
+    _, key_scale, _, _, value_scale, _ = cache
+    key_scale[:, :, 2:] = float("nan")  # read, a NaN would reach every output through the softmax's max
+    value_scale[:, :, 64:] = float("nan")
+    again = merge_partials([kivi_decode_triton(query, *cache, bias, 0.3, splits=splits, precise=True, length=length)])
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    assert merge_partials([kivi_decode_triton(query, *cache, bias, 0.3, splits=splits, precise=True)]).isnan().any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("batch", "kv_heads", "group", "dim", "tokens", "per_head", "length"),
                          [(2, 2, 4, 32, 70, True, None), (1, 3, 1, 64, 33, False, None), (2, 1, 8, 16, 130, True, 100),

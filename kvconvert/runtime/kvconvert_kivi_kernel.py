@@ -232,11 +232,12 @@ if triton is not None:
 
     @triton.jit
     def _kivi_decode_kernel(
-        query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias, part_acc, part_ml,
+        query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias, length, part_acc, part_ml,
         kv_heads, n, blocks_per_split, scale, size,
         sqr, skr, skb, skd, ssr, ssb, svr, svn, sgr, sgn, sbb, spr, sps, smr, sms,
         G: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, G_PAD: tl.constexpr,
         D_HALF: tl.constexpr, DOT: tl.constexpr, GROUPS: tl.constexpr, SH: tl.constexpr, GROUPED: tl.constexpr,
+        HAS_LENGTH: tl.constexpr,
     ):  # fmt: skip
         """Program (row × KV head r, split j): the G query rows of KV head r over the blocks of split j, two
         half-blocks at a time (even and odd tokens: the two nibbles of a key byte), each value's even and odd
@@ -244,7 +245,8 @@ if triton is not None:
         2i + parity at column 2i + parity, and (max, denominator) per query row. ``DOT``: the products' precision,
         ``ieee`` (float32, as a float32 model computes) or ``tf32`` (tensor cores, for half-precision models:
         still finer than their own bfloat16 / float16 products). ``GROUPED``: values through ``_kivi_values_grouped``
-        (GROUPS channel groups of SH bytes), else ``_kivi_values``."""
+        (GROUPS channel groups of SH bytes), else ``_kivi_values``. ``HAS_LENGTH``: only the first ``length`` tokens
+        (read on the device) are read."""
         r = tl.program_id(0)
         split = tl.program_id(1)
         row = r // kv_heads
@@ -263,6 +265,8 @@ if triton is not None:
             acc_lo = tl.zeros((G_PAD, D_HALF), tl.float32)
             acc_hi = tl.zeros((G_PAD, D_HALF), tl.float32)
         pairs = tl.arange(0, HALF)
+        if HAS_LENGTH:
+            n = tl.minimum(n, tl.load(length))
         first = split * blocks_per_split
         # bounds known before the loop (no test inside it): what lets Triton pipeline the blocks' loads
         for blk in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(n, 2 * HALF))):
@@ -325,12 +329,14 @@ def kivi_decode_triton(
     query: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor, key_zero: torch.Tensor,
     value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
     scale: float, splits: int | None = None, precise: bool | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, values: str | None = None,
+    num_stages: int | None = None, values: str | None = None, length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``kivi_decode_reference`` in one launch, grid (rows × KV heads, token splits of whole blocks), the splits
     merged as ``merge_partials`` merges. ``precise``: float32 products (default: when the query is float32), else
     TF32 on tensor cores. ``splits``, ``num_warps``, ``num_stages``, ``values``: the launch shape and how values are
-    read (default: ``KIVI_*``; "grouped" where the value groups do not allow it reads as "gather")."""
+    read (default: ``KIVI_*``; "grouped" where the value groups do not allow it reads as "gather"). ``length`` (a 0-d
+    tensor, read on the device): only the first ``length`` tokens are read (a static cache's blocks quantized so far;
+    its step keeps its shapes and skips the rest)."""
     precise = query.dtype == torch.float32 if precise is None else precise
     assert triton is not None, "Triton is not installed (pip install 'kvconvert[kernels]')"
     batch, kv_heads, group, dim = query.shape
@@ -354,15 +360,16 @@ def kivi_decode_triton(
     size = math.ceil(dim / groups)
     grouped = (values or KIVI_VALUES) == "grouped" and size * groups == dim and size >= 32 and size & (size - 1) == 0
     _kivi_decode_kernel[(rows, n_splits)](
-        query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias_t, part_acc, part_ml,
-        kv_heads, n, per_split, scale, size,
+        query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias_t,
+        part_acc if length is None else length, part_acc, part_ml, kv_heads, n, per_split, scale, size,
         group * dim, key_codes.stride(1), key_codes.stride(2), key_codes.stride(3), key_scale.stride(1),
         key_scale.stride(2), value_codes.stride(1), value_codes.stride(2), value_scale.stride(1),
         value_scale.stride(2), bias_t.stride(0), part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
         part_ml.stride(1),
         G=group, D=dim, HALF=half, HAS_BIAS=bias is not None, G_PAD=max(16, _pow2(group)), D_HALF=dim // 2,
         DOT="ieee" if precise else "tf32", GROUPS=groups if grouped else 1, SH=size // 2 if grouped else 1,
-        GROUPED=grouped, num_warps=num_warps or KIVI_WARPS, num_stages=num_stages or KIVI_STAGES,
+        GROUPED=grouped, HAS_LENGTH=length is not None, num_warps=num_warps or KIVI_WARPS,
+        num_stages=num_stages or KIVI_STAGES,
     )  # fmt: skip
     shape = (batch, kv_heads, n_splits, group)
     acc, ml = part_acc.view(*shape, dim), part_ml.view(*shape, 2)

@@ -368,7 +368,8 @@ class StaticKiviLayer(StaticStoreLayer):
         codes = (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)
         rotated = value_rotation(values, dim, device)
         if kernel:
-            acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32)
+            acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32,
+                                         length=quantized)  # the blocks quantized so far, not the whole buffer
             parts = [(acc if rotated is None else unrotated(acc, rotated), ml), exact_partial(q, *exact, scaling)]
             out = merge_partials(parts).view(batch, heads, 1, dim)
         else:
