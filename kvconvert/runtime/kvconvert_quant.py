@@ -287,8 +287,8 @@ class KiviLayer(QuantizedLayer):
 class StaticKiviLayer(StaticStoreLayer):
     """``StaticStoreLayer`` in KIVI's layout whose decode steps read the codes, as ``KiviLayer`` does for a growing
     cache (routed the same way: until ``quant_attention`` first calls ``attend``, a plain static layer). A step reads
-    every block the buffers have room for with ``kivi_decode_folded`` (a CPU) or the kernel (4-bit, as ``KiviLayer``
-    takes it) — fixed shapes, what ``torch.compile`` and CUDA graphs need — masking the blocks not quantized yet and
+    every block the buffers have room for with ``kivi_decode_folded`` (a CPU; the kernel, 4-bit, only those quantized
+    so far) — fixed shapes, what ``torch.compile`` and CUDA graphs need — masking the blocks not quantized yet and
     the sink's stand-ins by position, and attends the exact part (sink, the ring's tokens not quantized yet, this
     step's token) beside it; then the token is written as ``StaticTokenStore.extend`` writes it. Elsewhere (a prefill,
     widths neither reads) it dequantizes, as ``StaticStoreLayer`` does."""
