@@ -369,7 +369,7 @@ class StaticKiviLayer(StaticStoreLayer):
         rotated = value_rotation(values, dim, device)
         if kernel:
             acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32,
-                                         length=quantized)  # the blocks quantized so far, not the whole buffer
+                                         length=quantized)  # the blocks quantized so far  # fmt: skip
             parts = [(acc if rotated is None else unrotated(acc, rotated), ml), exact_partial(q, *exact, scaling)]
             out = merge_partials(parts).view(batch, heads, 1, dim)
         else:
