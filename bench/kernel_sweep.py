@@ -24,6 +24,7 @@ from bench.kernels_bench import PEAK_BANDWIDTH, relative_error, sdpa_backends, t
 from kvconvert.runtime import kvconvert_fp8_kernel as fp8  # noqa: E402
 from kvconvert.runtime import kvconvert_kivi_kernel as kivi  # noqa: E402
 from kvconvert.runtime.kvconvert_codec import fp8_read, quantize_tokens  # noqa: E402
+from kvconvert.runtime.kvconvert_kernels import split_count  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 LAUNCH_KEYS = ("tile", "warps", "stages", "programs_per_sm", "values", "splits")
@@ -31,14 +32,6 @@ LAUNCH_KEYS = ("tile", "warps", "stages", "programs_per_sm", "values", "splits")
 
 def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def splits_for(programs_per_sm: int, rows: int, blocks: int, device: torch.device) -> int | None:
-    """The split count ``programs_per_sm`` asks for (None: the kernel's own rule)."""
-    if not programs_per_sm:
-        return None
-    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(-(-programs_per_sm * units // rows), blocks))
 
 
 def sweep_shape(batch: int, n: int, device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict[str, Any]]:
@@ -81,7 +74,7 @@ def sweep_shape(batch: int, n: int, device: torch.device, dtype: torch.dtype, qu
         record("fp8 read back + sdpa", {}, nbytes(kc, vc), read_back, ref.reshape(batch, HEADS, 1, DIM))
     tiles, warps, stages, per_sm = ([64], [4], [3], [4]) if quick else ([32, 64, 128], [4, 8], [2, 3, 4], [2, 4, 8, 16])
     for tile, warp, stage, pps in itertools.product(tiles, warps, stages, per_sm):
-        split = splits_for(pps, batch * KV_HEADS, max(1, n // (4 * tile)), device)
+        split = split_count(batch * KV_HEADS, n // (4 * tile), device, pps)
         config = {"tile": tile, "warps": warp, "stages": stage, "programs_per_sm": pps, "splits": split}
         record("fp8 kernel", config, nbytes(kc, vc),
                lambda t=tile, w=warp, s=stage, sp=split: fp8.fp8_decode_triton(
@@ -94,7 +87,7 @@ def sweep_shape(batch: int, n: int, device: torch.device, dtype: torch.dtype, qu
     ref = acc / ml[..., 1:]
     warps, stages, per_sm = ([4], [2], [0]) if quick else ([4, 8], [1, 2, 3], [0, 4, 8, 16])
     for warp, stage, pps, mode in itertools.product(warps, stages, per_sm, ["gather", "grouped"]):
-        split = splits_for(pps, batch * KV_HEADS, max(1, kq.codes.shape[2] // 4), device)
+        split = split_count(batch * KV_HEADS, kq.codes.shape[2] // 4, device, pps) if pps else None  # 0: its rule
         config = {"warps": warp, "stages": stage, "programs_per_sm": pps, "values": mode, "splits": split}
 
         def run(w: int = warp, s: int = stage, sp: int | None = split, v: str = mode) -> torch.Tensor:

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from .kvconvert_kernels import _pow2, combine_partials, triton
+from .kvconvert_kernels import _pow2, combine_partials, split_count, triton
 
 if triton is not None:
     import triton.language as tl
@@ -145,8 +145,7 @@ def fp8_decode_triton(
         native = interpreted or not query.is_cuda or torch.cuda.get_device_capability(query.device) >= (8, 9)
     rows = batch * kv_heads
     if splits is None:
-        units = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
-        splits = max(1, min(triton.cdiv(FP8_PROGRAMS_PER_SM * units, rows), n // (4 * tile)))
+        splits = split_count(rows, n // (4 * tile), query.device, FP8_PROGRAMS_PER_SM)
     split_len = triton.cdiv(triton.cdiv(n, splits), tile) * tile
     n_splits = triton.cdiv(n, split_len)
     part_acc = torch.empty(rows, n_splits, group, dim, dtype=torch.float32, device=query.device)

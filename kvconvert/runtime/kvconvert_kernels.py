@@ -316,10 +316,17 @@ def _split_len(n: int, programs: int, device: torch.device, block_n: int, splits
     H100, splitting a 1K cache cost 73 → 291 µs (the merge's launches), a 32K cache gained 6×.
     ``splits`` forces a count (tests)."""
     if splits is None:
-        units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        splits = min(triton.cdiv(4 * units, max(1, programs)), n // (64 * block_n))
+        splits = split_count(programs, n // (64 * block_n), device, 4)
     per_split = triton.cdiv(n, max(1, splits))
     return max(block_n, triton.cdiv(per_split, block_n) * block_n)
+
+
+def split_count(programs: int, most: int, device: torch.device, per_sm: int) -> int:
+    """Token splits for a decode launch of ``programs`` (rows × heads) programs: about ``per_sm`` programs per
+    multiprocessor in all (a CPU, under the interpreter, counts as 4), at most ``most`` (each split long enough to be
+    worth its merge), at least one."""
+    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(per_sm * units, max(1, programs)), most))
 
 
 def combine_partials(acc: torch.Tensor, ml: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .kvconvert_kernels import _pow2, _split_len, combine_partials, triton
+from .kvconvert_kernels import _pow2, _split_len, combine_partials, split_count, triton
 
 if triton is not None:
     import triton.language as tl
@@ -348,8 +348,7 @@ def kivi_decode_triton(
     key_scale, key_zero = key_scale.contiguous(), key_zero.contiguous()
     value_scale, value_zero = value_scale.contiguous(), value_zero.contiguous()
     if splits is None and KIVI_PROGRAMS_PER_SM:
-        units = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
-        splits = max(1, min(triton.cdiv(KIVI_PROGRAMS_PER_SM * units, batch * kv_heads), blocks // 4))
+        splits = split_count(batch * kv_heads, blocks // 4, query.device, KIVI_PROGRAMS_PER_SM)
     per_split = _split_len(blocks, batch * kv_heads, query.device, 1, splits)  # in blocks
     n_splits = triton.cdiv(blocks, per_split)
     rows = batch * kv_heads
