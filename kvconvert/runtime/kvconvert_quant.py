@@ -43,6 +43,7 @@ from .kvconvert_kivi_kernel import (
 from .kvconvert_storage import (
     Fp8Layer,
     QuantizedLayer,
+    RoutedLayer,
     StaticStoreLayer,
     sliding_layer,
     static_sliding_layer,
@@ -245,31 +246,21 @@ def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int, kernel: bo
     return layout and fits and front and keys.blocks is not None and quantized >= sink
 
 
-class KiviLayer(QuantizedLayer):
-    """``QuantizedLayer`` whose decode steps read the codes (``configure`` routed the model's attention through
-    ``quant_attention``). Until ``quant_attention`` first calls ``attend`` it is a plain ``QuantizedLayer``
-    (``update`` returns the past dequantized), so a model whose attention was not routed reads it as one; once
-    routed, ``update`` only records and ``attend`` does the work: decode steps from the codes (``kivi_decode``) through
+class KiviLayer(RoutedLayer, QuantizedLayer):
+    """``QuantizedLayer`` whose decode steps read the codes once its attention is routed (``RoutedLayer``: until then
+    ``update`` returns the past dequantized); then ``update`` only records and ``attend`` does the work: decode steps
+    from the codes (``kivi_decode``) through
     the kernel when it reads them (4-bit) and is asked for (``use_kernels``: by default only in captured CUDA graphs,
     which a growing cache never is), else on a CPU through the torch reader (2 to 4 bits), else dequantize-then-SDPA
     (the torch reader is not measured on a GPU)."""
-
-    routed = False
-
-    def reset(self) -> None:
-        super().reset()
-        self.routed = False
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.routed:
             return super().update(key_states, value_states, *args, **kwargs)
         return key_states, value_states
 
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
-        if not self.routed:  # the first step: ``update`` stored it and handed back its exact tokens
-            self.routed = True
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    def attend_routed(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
         keys, values = self.key_store, self.value_store
         step, dim = query.shape[2] == 1, query.shape[-1]
         kernel = step and kivi_kernel_reads(keys, values, dim) and use_kernels(query, default="graphs")
@@ -284,20 +275,14 @@ class KiviLayer(QuantizedLayer):
         return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)
 
 
-class StaticKiviLayer(StaticStoreLayer):
+class StaticKiviLayer(RoutedLayer, StaticStoreLayer):
     """``StaticStoreLayer`` in KIVI's layout whose decode steps read the codes, as ``KiviLayer`` does for a growing
-    cache (routed the same way: until ``quant_attention`` first calls ``attend``, a plain static layer). A step reads
+    cache (routed the same way, ``RoutedLayer``: until then a plain static layer). A step reads
     every block the buffers have room for with ``kivi_decode_folded`` (a CPU; the kernel, 4-bit, only those quantized
     so far) — fixed shapes, what ``torch.compile`` and CUDA graphs need — masking the blocks not quantized yet and
     the sink's stand-ins by position, and attends the exact part (sink, the ring's tokens not quantized yet, this
     step's token) beside it; then the token is written as ``StaticTokenStore.extend`` writes it. Elsewhere (a prefill,
     widths neither reads) it dequantizes, as ``StaticStoreLayer`` does."""
-
-    routed = False
-
-    def reset(self) -> None:
-        super().reset()
-        self.routed = False
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
@@ -306,11 +291,8 @@ class StaticKiviLayer(StaticStoreLayer):
             return super().update(key_states, value_states, *args, **kwargs)
         return key_states, value_states
 
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
-        if not self.routed:  # the first call: ``update`` stored it and returned every slot
-            self.routed = True
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    def attend_routed(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
         step, dim = query.shape[2] == 1, query.shape[-1]
         kernel = step and self._folded_reads(dim, kernel=True) and use_kernels(query, default="graphs")
         if kernel or (step and query.device.type == "cpu" and self._folded_reads(dim)):

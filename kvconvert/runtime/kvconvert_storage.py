@@ -118,14 +118,36 @@ class QuantizedLayer(KVLayer):
         self.is_initialized = False
 
 
-class Fp8Reads:
-    """What the fp8 layers share: decode steps that read the codes through ``fp8_decode_triton`` when the kernels
-    are asked for, or by default on an NVIDIA GPU (``use_kernels``), and the model's attention is routed through
-    kvconvert's (``quant_attention``, ``configure``). Until ``attend`` is first called a layer's ``update`` returns
-    every token read back, as a stock attention needs; from then on ``update`` only stores, and ``attend`` reads: the
-    codes through the kernel for a decode step, else read back for SDPA as before."""
+class RoutedLayer(KVLayer):
+    """A layer that reads its own store once the model's attention is routed to it (``configure``: kvconvert's
+    attention function calls its ``attend``). Until ``attend`` is first called, ``update`` does what a stock attention
+    needs (returns every token), so a model whose attention was not routed reads it as a plain layer; that first call
+    attends to what ``update`` returned, and from then on ``update`` only stores and ``attend_routed`` reads."""
 
     routed = False
+
+    def reset(self) -> None:
+        super().reset()
+        self.routed = False
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
+        if not self.routed:
+            self.routed = True
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        return self.attend_routed(module, query, key, value, attention_mask, scaling, **kwargs)
+
+    def attend_routed(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
+        """Attention over this layer's store (``key``/``value``: this step's states, stored by ``update``)."""
+        raise NotImplementedError
+
+
+class Fp8Reads(RoutedLayer):
+    """What the fp8 layers share (``RoutedLayer``): decode steps that read the codes through ``fp8_decode_triton``
+    when the kernels are asked for, or by default on an NVIDIA GPU (``use_kernels``); prefill and every step without
+    the kernel read the codes back for SDPA."""
+
     key_scale: torch.Tensor
     value_scale: torch.Tensor
     dtype: torch.dtype
@@ -134,11 +156,8 @@ class Fp8Reads:
         """Key and value codes ``[b, Hkv, n, d]`` (this step's stored), and the tokens written (None: all n)."""
         raise NotImplementedError
 
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
-        if not self.routed:  # the first call: ``update`` returned every token read back
-            self.routed = True
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    def attend_routed(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
         keys, values, length = self._codes()
         if query.shape[2] == 1 and use_kernels(query, default="gpu"):
             from .kvconvert_common import additive_mask  # (that module imports this one)
@@ -154,7 +173,7 @@ class Fp8Reads:
         return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)
 
 
-class Fp8Layer(Fp8Reads, KVLayer):
+class Fp8Layer(Fp8Reads):
     """A stock attention layer's ``[b, Hkv, n, d]`` keys and values as float8 e4m3 codes with the layer's
     static scales (``QuantSpec.scales``): what vLLM and SGLang store for the same checkpoint. ``update``
     returns every token read back, this step's too, as the engines attend to them (``Fp8Reads``: or, routed, reads
@@ -332,10 +351,6 @@ class StaticFp8Layer(Fp8Reads, StaticKVLayer):
     def _codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         assert self.key_codes is not None and self.value_codes is not None
         return self.key_codes, self.value_codes, self.filled
-
-    def reset(self) -> None:
-        super().reset()
-        self.routed = False
 
 
 class StaticStoreLayer(StaticKVLayer):
