@@ -10,9 +10,12 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as lla
 from kvconvert.runtime.kvconvert_common import (
     additive_mask,
     apply_rotary,
+    from_pairs,
     pair_order,
     rotary_pairs,
+    rotate_in_pairs,
     rotate_pairs,
+    to_pairs,
 )
 
 
@@ -63,6 +66,35 @@ def test_rotating_keys_in_pairs_scores_as_transformers(rotary_dim, grad):
     torch.testing.assert_close(got, reference_keys[..., order])
     torch.testing.assert_close(query[..., order] @ got.transpose(-1, -2), query @ reference_keys.transpose(-1, -2))
     assert got.requires_grad == grad
+
+
+@pytest.mark.parametrize("rotary_dim", [16, 4])
+@pytest.mark.parametrize("form", ["complex", "real", "variant", "bfloat16"])
+def test_rotating_a_pair_ordered_cache_as_transformers(rotary_dim, form):
+    """Slim caches its keys in ``pair_order`` (``to_pairs``; ``from_pairs`` gives the model's order back) and rotates
+    them with ``rotate_in_pairs``: transformers' rotate-half RoPE, channel for channel, whether the complex product
+    applies or the real arithmetic stands in (no ``rotary_pairs``; halves with different angles; bfloat16)."""
+    torch.manual_seed(0)
+    heads, dk = 3, 16
+    dtype = torch.bfloat16 if form == "bfloat16" else torch.float32
+    keys = torch.randn(2, 7, heads * dk).to(dtype)
+    order = pair_order(dk, rotary_dim)
+    paired = to_pairs(keys, heads, rotary_dim)
+    assert torch.equal(paired.view(2, 7, heads, dk), keys.view(2, 7, heads, dk)[..., order])
+    assert torch.equal(from_pairs(paired, heads, rotary_dim), keys)
+    angles = torch.randn(2, 7, rotary_dim // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    if form == "variant":  # rotate-half with its own angle per channel: not a rotation, still what transformers does
+        cos, sin = torch.cat([angles.cos(), (2 * angles).cos()], -1), torch.cat([angles.sin(), (3 * angles).sin()], -1)
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    rope = llama_rope if rotary_dim == 16 else neox_rope
+    head_major = keys.view(2, 7, heads, dk).transpose(1, 2)
+    reference = rope(head_major, head_major, cos, sin)[0]
+    pairs = rotary_pairs(cos, sin) if form == "complex" else None
+    assert (pairs is not None) == (form == "complex")
+    got = rotate_in_pairs(paired, cos, sin, heads, pairs)
+    assert got.shape == (2, heads, 7, dk) and got.dtype == dtype
+    torch.testing.assert_close(got, reference[..., order])
 
 
 def test_rotary_pairs_only_where_one_angle_turns_each_pair():

@@ -393,6 +393,47 @@ def rotate_pairs(tokens: torch.Tensor, pairs: torch.Tensor, heads: int) -> torch
     return out
 
 
+def to_pairs(x: torch.Tensor, heads: int, rotated: int) -> torch.Tensor:
+    """``x [..., heads·dk]`` in the model's channel order -> each head's channels in ``pair_order(dk, rotated)``
+    (a copy); ``from_pairs`` undoes it."""
+    *lead, width = x.shape
+    per_head = x.reshape(*lead, heads, width // heads)
+    paired = per_head[..., :rotated].unflatten(-1, (2, rotated // 2)).transpose(-1, -2).flatten(-2)
+    if rotated < per_head.shape[-1]:
+        paired = torch.cat([paired, per_head[..., rotated:]], dim=-1)
+    return paired.reshape(*lead, width)
+
+
+def from_pairs(x: torch.Tensor, heads: int, rotated: int) -> torch.Tensor:
+    """``x [..., heads·dk]`` with each head's channels in ``pair_order(dk, rotated)`` -> the model's order."""
+    *lead, width = x.shape
+    per_head = x.reshape(*lead, heads, width // heads)
+    plain = per_head[..., :rotated].unflatten(-1, (rotated // 2, 2)).transpose(-1, -2).flatten(-2)
+    if rotated < per_head.shape[-1]:
+        plain = torch.cat([plain, per_head[..., rotated:]], dim=-1)
+    return plain.reshape(*lead, width)
+
+
+def rotate_in_pairs(
+    tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, pairs: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RoPE on ``tokens [b, n, heads·dk]`` whose channels are in ``pair_order`` (cos/sin ``[b|1, n, r]`` as the
+    model's rotary gives them), written head-major ``[b, heads, n, dk]``: ``rotate_pairs`` where ``pairs``
+    (``rotary_pairs``) expresses it, else the same rotate-half arithmetic on the interleaved channels (half
+    precision, ``torch.compile``, a RoPE variant whose halves' angles differ)."""
+    if pairs is not None:
+        return rotate_pairs(tokens, pairs, heads)
+    b, n, width = tokens.shape
+    x = tokens.view(b, n, heads, width // heads).transpose(1, 2)
+    r = cos.shape[-1]
+    half = r // 2
+    low, high = x[..., 0:r:2], x[..., 1:r:2]
+    cos_low, cos_high, sin_low, sin_high = (t.unsqueeze(1) for t in (cos[..., :half], cos[..., half:],
+                                                                       sin[..., :half], sin[..., half:]))  # fmt: skip
+    turned = torch.stack([low * cos_low - high * sin_low, high * cos_high + low * sin_high], dim=-1).flatten(-2)
+    return turned if r == x.shape[-1] else torch.cat([turned, x[..., r:]], dim=-1)
+
+
 def _rows_token_major(x: torch.Tensor) -> bool:
     """``x [b, h, n, dk]`` is a ``[b, n, h·dk]`` tensor viewed per head, each row contiguous: the rows may lie apart
     (a latent store's rows are the fronts of one buffer with room to grow: ``TokenStore._grown``)."""

@@ -1,8 +1,10 @@
 """Slim attention runtime (Graef & Wasielewski, "Slim attention: cut your context memory in half").
 
 Only K is cached; values are V = K·W_KV (paper eq. 4). Keys are cached *before* RoPE (paper §3,
-option 1) so they can be multiplied by W_KV directly, and rotated when read. Copied verbatim
-into every slim output directory; imports only torch and transformers.
+option 1) so they can be multiplied by W_KV directly, and rotated when read: each head's channels
+are cached with RoPE's pairs side by side (``pair_order``), so that rotating every cached key at each
+step is one complex product instead of rotate-half's three passes. Copied verbatim into every slim
+output directory; imports only torch and transformers.
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
     additive_mask,
-    apply_rotary,
+    default_position_ids,
+    from_pairs,
     latent_layers,
+    pairs_for_keys,
     query_scores,
     rotary_for_keys,
+    rotate_in_pairs,
     softmax_rows,
+    to_pairs,
 )
 from .kvconvert_kernels import use_kernels
 
@@ -71,26 +77,39 @@ class SlimAttention(LatentAttention):
         rotary = self.rotary
         kernel = q_len == 1 and use_kernels(hidden_states)
 
-        query = self.q_proj(hidden_states).view(batch, q_len, h, dk).transpose(1, 2)  # [b, h, q, dk]
+        query = self.q_proj(hidden_states)  # [b, q, e]
         new_keys = self.k_proj(hidden_states)  # [b, q, e], before RoPE
+        rotated = 0  # channels per head that RoPE turns (0: a model without RoPE)
+        if rotary is not None:
+            if position_embeddings is None:
+                if position_ids is None:
+                    position_ids = default_position_ids(cache, self.layer_idx, q_len, hidden_states.device)
+                position_embeddings = rotary(hidden_states, position_ids)
+            cos, sin = position_embeddings
+            rotated = cos.shape[-1]
+            # cached in pair order: the weighted key rows go back to the model's order before W_KV (``from_pairs``)
+            query, new_keys = to_pairs(query, h, rotated), to_pairs(new_keys, h, rotated)
         keys, _, position_ids, key_positions = self.append_step(cache, new_keys, None, position_ids)
         kv_len = keys.shape[1]
-        key_heads = keys.view(batch, kv_len, h, dk).transpose(1, 2)  # [b, h, n, dk]
 
         if rotary is not None:
-            cos, sin = position_embeddings if position_embeddings is not None else rotary(query, position_ids)
-            query = apply_rotary(query, cos, sin)
+            query = rotate_in_pairs(query, cos, sin, h)  # [b, h, q, dk]
             assert key_positions is not None
             key_cos, key_sin = rotary_for_keys(cache, rotary, keys, key_positions)
-            key_heads = apply_rotary(key_heads, key_cos, key_sin, head_major=not kernel)
+            key_heads = rotate_in_pairs(keys, key_cos, key_sin, h, pairs_for_keys(cache, key_cos, key_sin))
+        else:
+            query = query.view(batch, q_len, h, dk).transpose(1, 2)  # [b, h, q, dk]
+            key_heads = keys.view(batch, kv_len, h, dk).transpose(1, 2)  # [b, h, n, dk]
 
         bias = additive_mask(attention_mask, q_len, kv_len, query.dtype, query.device)
         if kernel:
             # option 2 in one launch: scores on the RoPE'd keys, weights applied to the pre-RoPE rows
             rotated_rows = key_heads.transpose(1, 2).reshape(batch, kv_len, h * dk)
             mixed = self.decode_with_kernel(query.reshape(batch, h * dk), rotated_rows, keys, bias)
+            mixed = mixed.view(batch, h, h * dk).to(keys.dtype)
+            mixed = mixed if rotary is None else from_pairs(mixed, h, rotated)
             kv_per_head = self.kv_proj.weight.view(h, dk, h * dk)
-            out = torch.einsum("bhe,hde->bhd", mixed.view(batch, h, h * dk).to(keys.dtype), kv_per_head)
+            out = torch.einsum("bhe,hde->bhd", mixed, kv_per_head)
             return self.o_proj(out.reshape(batch, 1, h * dk))
         if self._decode_order_is_cheaper(q_len, kv_len):
             scores = query_scores(query, key_heads) * self.scaling  # [b, h, q, n]
@@ -100,10 +119,12 @@ class SlimAttention(LatentAttention):
             # option 2, softmax·K first; one bmm over all heads ([b, h·q, n] @ [b, n, e]) because a
             # broadcast matmul against keys[:, None] would copy K once per head.
             mixed_keys = torch.bmm(probs.reshape(batch, h * q_len, kv_len), keys).view(batch, h, q_len, h * dk)
+            mixed_keys = mixed_keys if rotary is None else from_pairs(mixed_keys, h, rotated)
             kv_per_head = self.kv_proj.weight.view(h, dk, h * dk)  # [h, dk, e]
             out = torch.einsum("bhqe,hde->bhqd", mixed_keys, kv_per_head)
         else:
-            values = self.kv_proj(keys).view(batch, kv_len, h, dk).transpose(1, 2)  # option 1: V = K·W_KV
+            values = self.kv_proj(from_pairs(keys, h, rotated) if rotary is not None else keys)  # option 1: V = K·W_KV
+            values = values.view(batch, kv_len, h, dk).transpose(1, 2)
             out = nn.functional.scaled_dot_product_attention(
                 query, key_heads, values, attn_mask=bias, scale=self.scaling
             )
