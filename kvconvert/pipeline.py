@@ -316,6 +316,7 @@ def convert(
         for name in TOKENIZER_FILES:
             if (source.path / name).exists():
                 shutil.copyfile(source.path / name, tmp / name)
+        refit = method.refit(plan, tmp, source, progress)  # the whole model as it will be loaded
 
         report = {
             "method": method.name,
@@ -333,6 +334,8 @@ def convert(
         }
         if summary := method.summary(plan):
             report["plan"] = summary
+        if refit:
+            report["refit"] = refit
         compressed = method.expected_kv_budget(plan, layout)
         if storage is not None:
             report["kv_storage"] = storage

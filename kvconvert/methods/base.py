@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
@@ -98,6 +99,12 @@ class Method(Generic[P]):
 
     def finish(self, plan: P, reports: list[dict[str, Any]]) -> None:
         """Called once all layers are converted; may refuse the result (raise ``KVConvertError``)."""
+
+    def refit(self, plan: P, directory: Path, source: Any, progress: bool = True) -> dict[str, Any]:
+        """Once every file of the output is in ``directory`` (its temporary place, before it is published): a fit
+        through the whole converted model, which may rewrite its weight files (lorc's MLA export,
+        ``--distill-steps``). Returns what ``kvconvert.json`` reports of it under ``refit`` (empty: nothing ran)."""
+        return {}
 
     def runtime_spec(self, plan: P, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
         """Method-specific entries of ``config.kvconvert`` that the runtime reads.

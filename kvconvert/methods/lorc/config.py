@@ -51,6 +51,14 @@ class LorcConfig:
         "(extension; implies --calib; 0: off).",
     )
     refine_chunks: int = 8  # calibration chunks each layer's refinement fits
+    distill_steps: int = option(
+        0,
+        help="--latent mla: after the layer-wise fit, this many Adam steps on the whole exported model's attention "
+        "projections, on the KL from the source's next-token distribution over calibration chunks, backpropagated "
+        "through every layer (extension; loads the source and the export whole; 0: off).",
+    )
+    distill_chunks: int = 8  # calibration chunks of ``distill_len`` tokens the distillation fits
+    distill_len: int = 1024
     # MLA-style (DeepSeek-V2; TransMLA and MHA2MLA convert to it)
     latent: Latent = option(
         "separate",
@@ -93,6 +101,12 @@ class LorcConfig:
                                  f"and {self.refine_chunks}")  # fmt: skip
         if self.refine_steps:
             object.__setattr__(self, "calibrate", True)  # it fits on calibration activations
+        if self.distill_steps < 0 or self.distill_chunks < 1 or self.distill_len < 2:
+            raise KVConvertError(f"distill_steps must be >= 0, distill_chunks >= 1 and distill_len >= 2, got "
+                                 f"{self.distill_steps}, {self.distill_chunks} and {self.distill_len}")  # fmt: skip
+        if self.distill_steps and self.latent != "mla":
+            raise KVConvertError("--distill-steps fits a DeepSeek-V3 export as stock transformers builds it: it "
+                                 "needs --latent mla")  # fmt: skip
         if self.latent not in ("separate", "joint", "mla"):
             raise KVConvertError(f"latent must be separate, joint or mla, got {self.latent!r}")
         if self.mla_rope_dim is not None and (self.latent != "mla" or self.mla_rope_dim < 2 or self.mla_rope_dim % 2):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -235,6 +236,10 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         if params.get("latent") == "mla":
             steps = params.get("refine_steps")
             refined = f", then refined by {steps} steps per layer on the attention output" if steps else ""
+            if distilled := report.get("refit", {}).get("distill"):
+                refined += (f", then distilled through the whole model for {distilled['steps']} steps on the source's "
+                            f"next-token distribution (KL {distilled['kl_before']:.4f} → {distilled['kl_after']:.4f} "
+                            "nats per calibration token)" if distilled["kept"] else "")  # fmt: skip
             return (
                 f"LoRC written as a standard DeepSeek-V3 checkpoint (multi-head latent attention): per layer one "
                 f"latent of {report['layers'][0]['rank']} values that keys and values are rebuilt from, plus one RoPE "
@@ -292,6 +297,9 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         for key in ("mla_distance", "mla_rope_dim"):
             if params[key] is None:
                 del params[key]  # the default: reports and recipes read as they did before the option
+        if not params["distill_steps"]:
+            for key in ("distill_steps", "distill_chunks", "distill_len"):
+                del params[key]
         return params
 
     def engine_config(self, plan: LorcPlan | MlaPlan) -> dict[str, Any]:
@@ -670,6 +678,20 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
             report[f"{side}_{key}"] = linalg.relative_frobenius_error(svals, rank)
             report[f"{side}_sigma_next"] = float(svals[rank]) if rank < svals.numel() else 0.0
         return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
+
+    def refit(self, plan: LorcPlan | MlaPlan, directory: Path, source: Any, progress: bool = True) -> dict[str, Any]:
+        """``--distill-steps``: the MLA export fitted through the whole model on calibration chunks of
+        ``distill_len`` tokens (``methods.lorc.distill``)."""
+        config = self.config
+        if not isinstance(plan, MlaPlan) or not config.distill_steps:
+            return {}
+        from kvconvert.calib.text import calibration_set
+        from kvconvert.methods.lorc.distill import distill_export
+
+        length = min(config.distill_len, plan.layout.context)
+        calib = calibration_set(source.path, config.calib, config.distill_chunks * length, length, config.seed)
+        return {"distill": distill_export(directory, source.path, calib.chunks, config.distill_steps, config.seed,
+                                          progress)}  # fmt: skip
 
     def summary(self, plan: LorcPlan | MlaPlan) -> dict[str, Any]:
         """Whole-model decisions (``kvconvert.json`` → ``plan``): the calibration and auto's probes."""

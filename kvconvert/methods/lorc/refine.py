@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from kvconvert.calib.hooks import observed_attention
 from kvconvert.calib.projection import flat_heads, normalise_keys, split_heads
@@ -104,14 +106,15 @@ def refine_layer(capture: Capture, job: Job, steps: int, seed: int = 0) -> tuple
 
 def fit_by_adam(
     initial: dict[str, torch.Tensor], loss: Callable[[dict[str, torch.Tensor], Any], torch.Tensor], n: int,
-    steps: int, seed: int = 0,
+    steps: int, seed: int = 0, step_size: float = STEP_SIZE, progress: str | None = None, batch: int = BATCH,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:  # fmt: skip
     """Adam on the tensors ``initial`` (float64 or float32, any device: fitted in float32 on the compute device)
     to minimise ``loss(params, rows)`` over ``n`` captured chunks (``rows``: a batch of chunk indices, or every
-    chunk), ``BATCH`` chunks per step, each tensor's step ``STEP_SIZE`` × its RMS entry, cosine-decayed. A run
+    chunk), ``batch`` chunks per step, each tensor's step ``step_size`` × its RMS entry, cosine-decayed. A run
     that ends above the start's loss on every chunk is retried once at a quarter of the step, then dropped:
     the result never has a higher loss than the start. Returns the tensors to keep (float64, CPU; the
-    start's own when dropped) and the loss before and after on every chunk."""
+    start's own when dropped) and the loss before and after on every chunk. ``progress``: a bar over the steps,
+    with this title."""
     from kvconvert.devices import compute_device
 
     device = compute_device()
@@ -123,9 +126,10 @@ def fit_by_adam(
         optimizer = torch.optim.Adam(groups)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
         generator = torch.Generator().manual_seed(seed)
+        bar = tqdm(range(steps), desc=progress, unit="step", disable=progress is None, file=sys.stderr)
         with torch.enable_grad():  # the layer-by-layer pass runs under no_grad
-            for _ in range(steps):
-                rows = torch.randperm(n, generator=generator)[: min(BATCH, n)].to(device)
+            for _ in bar:
+                rows = torch.randperm(n, generator=generator)[: min(batch, n)].to(device)
                 optimizer.zero_grad(set_to_none=True)
                 loss(params, rows).backward()
                 optimizer.step()
@@ -137,9 +141,9 @@ def fit_by_adam(
         before = float(loss(start, slice(None)))
     if before <= 1e-10:  # exact already (full rank): Adam's normalised steps would only add noise
         return dict(initial), {"loss_before": before, "loss_after": before}
-    params, after = fit(STEP_SIZE)
+    params, after = fit(step_size)
     if not after < before:
-        params, after = fit(STEP_SIZE / 4)
+        params, after = fit(step_size / 4)
     if not after < before:
         return dict(initial), {"loss_before": before, "loss_after": before}
     return {name: p.detach().double().cpu() for name, p in params.items()}, {"loss_before": before,

@@ -1,0 +1,89 @@
+"""A runtime change measured side by side: one converted checkpoint decoded through the runtime of another commit
+(``--base``, its files copied into a second output directory and loaded with ``trust_remote_code=True``) and through
+the working tree's (``kvconvert.load``), beside the source, all in one process (``eval.speed.side_by_side``: the
+models take turns, the best round counts). On these noisy machines only such same-process ratios say whether a
+change helped. ``--model mha`` is the random-weight MHA Llama the speed bench times slim on; ``smollm2`` the
+default. Writes bench/results/NAME-<date>.{json,md}.
+
+    python bench/runtime_ab.py --recipe '{"method": "slim"}' --model mha --contexts 4096,16384 --name ab-slim-pairs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.common import machine, markdown_table, write_results  # noqa: E402
+from bench.models import prepare_models  # noqa: E402
+from bench.slim_bench import build_source  # noqa: E402
+from bench.speed_bench import _converted  # noqa: E402
+from kvconvert.eval.speed import side_by_side  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", required=True, help="the conversion, as a JSON recipe")
+    parser.add_argument("--model", choices=["smollm2", "mha"], default="smollm2")
+    parser.add_argument("--base", default="HEAD", help="the commit whose runtime is the 'before'")
+    parser.add_argument("--contexts", default="4096")
+    parser.add_argument("--batches", default="1")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--name", default="runtime-ab")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    import kvconvert
+
+    started = time.perf_counter()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    base = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base], capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model == "mha":
+            source = Path(tmp) / "mha"
+            build_source(source, layers=8, max_positions=max(contexts) + args.steps + 8)
+        else:
+            source = prepare_models(include_smollm=True)["smollm2-135m"]
+        new = _converted(source, json.loads(args.recipe), "converted", Path(tmp) / "new").eval()
+        before = Path(tmp) / "before"
+        subprocess.run(["cp", "-r", str(Path(tmp) / "new"), str(before)], check=True)
+        for file in before.glob("*.py"):  # the base commit's runtime, loaded as remote code from its own directory
+            file.write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{base}:kvconvert/runtime/{file.name}"],
+                                           capture_output=True, text=True, check=True).stdout)  # fmt: skip
+        models = {"source": AutoModelForCausalLM.from_pretrained(source).eval(),
+                  f"runtime of {base}": AutoModelForCausalLM.from_pretrained(before, trust_remote_code=True).eval(),
+                  "working tree": new}  # fmt: skip
+        assert type(new).__module__.startswith(kvconvert.__name__)
+        for context in contexts:
+            for batch in (int(b) for b in args.batches.split(",")):
+                measured = side_by_side(models, context, args.steps, args.rounds, batch=batch)
+                speed = measured["source"]["decode_tokens_per_s"]
+                for label, row in measured.items():
+                    rows.append({"context": context, "batch": batch, "model": label,
+                                 "decode_tokens_per_s": row["decode_tokens_per_s"],
+                                 "ratio_to_source": row["decode_tokens_per_s"] / speed})  # fmt: skip
+                    print(rows[-1], flush=True)
+    table = markdown_table(["context", "batch", "model", "decode tok/s", "× source"],
+                           [[r["context"], r["batch"], r["model"], f"{r['decode_tokens_per_s']:.2f}",
+                             f"{r['ratio_to_source']:.2f}"] for r in rows])  # fmt: skip
+    payload = {"machine": machine(), "recipe": json.loads(args.recipe), "model": args.model, "base": base,
+               "steps": args.steps, "rounds": args.rounds, "rows": rows,
+               "seconds": time.perf_counter() - started}  # fmt: skip
+    write_results(args.name, payload, table)
+
+
+if __name__ == "__main__":
+    main()
