@@ -298,15 +298,7 @@ def test_refinement_lowers_each_layers_loss_and_the_export_carries_it(tokenized_
                 stored[f"model.layers.{layer}.self_attn.{name}"],
                 tensor.to(stored[f"model.layers.{layer}.self_attn.{name}"].dtype),
             )
-    ids = torch.randint(3, 90, (2, 48), generator=torch.Generator().manual_seed(11))
-    with torch.no_grad():
-        reference = load_reference(src)(ids).logits.log_softmax(-1)
-        kls = {}
-        for steps in runs:
-            logits = _stock(tmp_path / f"r{steps}")(ids).logits
-            for model in (load_converted(tmp_path / f"r{steps}"), kvconvert.load(tmp_path / f"r{steps}").eval()):
-                assert torch.allclose(model(ids).logits, logits, atol=1e-5, rtol=0)
-            kls[steps] = float((reference.exp() * (reference - logits.log_softmax(-1))).sum(-1).mean())
+    kls = _held_out_kl(src, {steps: tmp_path / f"r{steps}" for steps in runs})
     assert kls[40] < kls[0], kls
 
 
@@ -344,15 +336,7 @@ def test_distillation_lowers_the_kl_and_rewrites_only_the_attention_projections(
     fitted = {f"model.layers.{i}.self_attn.{p}.weight" for i in range(runs[40].plan.layout.num_layers)
               for p in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")}  # fmt: skip
     assert changed == fitted
-    ids = torch.randint(3, 90, (2, 48), generator=torch.Generator().manual_seed(11))
-    with torch.no_grad():
-        reference = load_reference(src)(ids).logits.log_softmax(-1)
-        kls = {}
-        for steps in runs:
-            logits = _stock(tmp_path / f"d{steps}")(ids).logits
-            for model in (load_converted(tmp_path / f"d{steps}"), kvconvert.load(tmp_path / f"d{steps}").eval()):
-                assert torch.allclose(model(ids).logits, logits, atol=1e-5, rtol=0)
-            kls[steps] = float((reference.exp() * (reference - logits.log_softmax(-1))).sum(-1).mean())
+    kls = _held_out_kl(src, {steps: tmp_path / f"d{steps}" for steps in runs})
     assert kls[40] < kls[0], kls
 
 
@@ -364,3 +348,18 @@ def test_distillation_needs_the_mla_export(tokenized_model_dir, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--distill-steps" in lines[0] and "--latent mla" in lines[0], result.stderr
     assert not out.exists()
+
+
+@torch.no_grad()
+def _held_out_kl(src: Path, outputs: dict[int, Path]) -> dict[int, float]:
+    """Per export: KL of its next-token distribution from the source's on random ids it was not fitted on, after
+    checking that stock transformers and both kvconvert loaders compute the same logits (1e-5)."""
+    ids = torch.randint(3, 90, (2, 48), generator=torch.Generator().manual_seed(11))
+    reference = load_reference(src)(ids).logits.log_softmax(-1)
+    kls = {}
+    for steps, out in outputs.items():
+        logits = _stock(out)(ids).logits
+        for model in (load_converted(out), kvconvert.load(out).eval()):
+            assert torch.allclose(model(ids).logits, logits, atol=1e-5, rtol=0)
+        kls[steps] = float((reference.exp() * (reference - logits.log_softmax(-1))).sum(-1).mean())
+    return kls
