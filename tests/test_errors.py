@@ -104,6 +104,22 @@ def test_pickle_needs_flag_then_loads_weights_only(tiny_model_dir, tmp_path):
     assert_equivalent(load_reference(src), load_converted(tmp_path / "out"), torch.randint(3, 90, (1, 12)))
 
 
+def test_distillation_never_unpickles_the_source(tokenized_model_dir, tmp_path):
+    """--distill-steps builds the source with transformers: a pickled source (even with --allow-pickle) is refused in
+    one line before any calibration, nothing written."""
+    src = tokenized_model_dir("llama_gqa")
+    pickled = tmp_path / "pickled"
+    _pickled_copy(src, pickled)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (src / name).exists():
+            (pickled / name).write_text((src / name).read_text())
+    out = tmp_path / "out"
+    result = run("lorc", "--model", str(pickled), "--out", str(out), "--allow-pickle", "--latent", "mla",
+                 "--kv-budget", "0.5", "--distill-steps", "5", "--quiet")  # fmt: skip
+    assert_user_error(result, "safetensors only")
+    assert not out.exists()
+
+
 class _Exploit:
     def __reduce__(self):
         return (os.system, ("touch /tmp/kvconvert-pwned",))

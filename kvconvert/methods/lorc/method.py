@@ -414,6 +414,10 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         layout, source, config = ctx.layout, ctx.source, self.config
         adapter = adapter_for(source.config)
         frequencies = check_mla_source(adapter, layout)
+        if config.distill_steps and any(path.suffix != ".safetensors" for path in source.weight_files):
+            # the teacher is built by transformers, which would unpickle a .bin checkpoint: refused before calibrating
+            raise KVConvertError("--distill-steps loads the source with transformers from safetensors only; this "
+                                 "source's weights are pickled (convert them to safetensors first)")  # fmt: skip
         if ctx.dtype == torch.float16:
             # the latent runs at ~1e-5 (kv_a_layernorm's linear range): float16's subnormals there keep 3-4 bits
             raise KVConvertError("--latent mla needs a float32 or bfloat16 checkpoint (its latent is scaled into "
