@@ -608,16 +608,18 @@ def test_kernels_asked_for_where_they_cannot_run_are_an_error_not_a_fall_back(mo
 
 
 @pytest.mark.parametrize("command", ["eval", "plan"])
-def test_cli_refuses_a_kernel_setting_it_cannot_honour(command, monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    ("variable", "value", "choices"),
+    [("KVCONVERT_KERNELS", "trition", "auto, torch, triton"), ("KVCONVERT_REBUILD", "fast", "auto, bf16, exact")],
+)
+def test_cli_refuses_a_kernel_setting_it_cannot_honour(command, variable, value, choices, monkeypatch, tmp_path):
     from helpers import run_cli
 
-    monkeypatch.setenv("KVCONVERT_KERNELS", "trition")
+    monkeypatch.setenv(variable, value)
     extra = ["--data", "x.txt"] if command == "eval" else ["--out", str(tmp_path / "plan")]
     result = run_cli(command, "--model", str(tmp_path / "absent"), *extra, "--device", "cpu")
     assert result.exit_code == 2
-    assert result.output.strip().splitlines() == [
-        "kvconvert: error: KVCONVERT_KERNELS='trition' is not one of auto, torch, triton"
-    ]
+    assert result.output.strip().splitlines() == [f"kvconvert: error: {variable}={value!r} is not one of {choices}"]
     assert not (tmp_path / "plan").exists()
 
 

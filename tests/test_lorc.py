@@ -362,6 +362,41 @@ def test_joint_latent_meets_the_budget_and_generates(tokenized_model_dir, tmp_pa
     generate_in_every_mode(converted)
 
 
+def test_bf16_rebuild_stays_within_its_rounding_and_is_chosen_by_the_cpu(tiny_model_dir, tmp_path, monkeypatch):
+    """KVCONVERT_REBUILD=bf16: keys rebuilt from bfloat16 operands change a LoRC model's logits by bfloat16's rounding
+    of the keys (well under 1 % of their scale here, where the latent's own truncation moves them by far more),
+    and every generate mode runs; ``auto`` picks it only for a float32 latent on a CPU that multiplies bfloat16 in
+    hardware; a misspelt value is one line."""
+    from kvconvert.runtime import kvconvert_kernels as kernels
+    from tests.helpers import generate_in_every_mode
+
+    src = tiny_model_dir("llama_gqa")
+    convert_lorc(src, tmp_path / "lorc", "--kv-budget", "0.5", "--schedule", "uniform")
+    converted, reference = load_converted(tmp_path / "lorc"), load_reference(src)
+    ids, mask = left_padded(length=24, pad=5, seed=4, high=97)
+    with torch.no_grad():
+        exact = converted(input_ids=ids, attention_mask=mask).logits
+        monkeypatch.setenv("KVCONVERT_REBUILD", "bf16")
+        low = converted(input_ids=ids, attention_mask=mask).logits
+        truncated = reference(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    rounding = (low - exact)[valid].abs().max().item()
+    assert 0 < rounding < 1e-2 * exact[valid].abs().max().item()
+    assert rounding < 0.1 * (truncated - exact)[valid].abs().max().item()
+    generate_in_every_mode(converted)
+
+    latent = torch.zeros(2, 3)
+    for choice, cpu_bf16, expected in [("exact", True, torch.float32), ("bf16", False, torch.bfloat16),
+                                       ("auto", True, torch.bfloat16), ("auto", False, torch.float32)]:  # fmt: skip
+        monkeypatch.setenv("KVCONVERT_REBUILD", choice)
+        monkeypatch.setattr(kernels, "_CPU_BF16", cpu_bf16)
+        assert kernels.rebuild_dtype(latent) == expected
+        assert kernels.rebuild_dtype(latent.bfloat16()) == torch.bfloat16  # a 16-bit latent is rebuilt as it is
+    monkeypatch.setenv("KVCONVERT_REBUILD", "fast")
+    with pytest.raises(ValueError, match="KVCONVERT_REBUILD='fast' is not one of auto, bf16, exact"):
+        kernels.rebuild_dtype(latent)
+
+
 def test_joint_latent_user_errors(tokenized_model_dir, tmp_path):
     for args, fragment in [
         (["--latent", "joint"], "--latent joint needs --schedule auto"),

@@ -34,7 +34,7 @@ from .kvconvert_common import (
     rotate_pairs,
     softmax_rows,
 )
-from .kvconvert_kernels import use_kernels
+from .kvconvert_kernels import rebuild, use_kernels
 
 
 class HeadNorm(nn.Module):
@@ -130,8 +130,13 @@ class LorcAttention(LatentAttention):
             norm_weight = None if norm is None else norm.weight[order if self.norm_per_head else rows]
             self._pair_weights = (stamp, weight[rows], bias, norm_weight, order)
         _, rows_weight, bias, norm_weight, order = self._pair_weights
-        keys = self._normed(nn.functional.linear(latent, rows_weight, bias), "k_norm", self.kv_heads, norm_weight)
+        keys = self._normed(rebuild(latent, rows_weight, bias), "k_norm", self.kv_heads, norm_weight)
         return rotate_pairs(keys, pairs, self.kv_heads), order
+
+    def _full_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """The cached keys ``[b, n, ·]`` as full-width keys in the model's channel order: rebuilt from the latent
+        (``rebuild``: in bfloat16 where a CPU multiplies it faster), or as cached where K was kept."""
+        return keys if self.rank_k is None else rebuild(keys, self.k_up.weight, self.k_up.bias)
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """``[b, n, Hkv·dk]`` -> ``[b, Hkv, n, dk]``."""
@@ -181,10 +186,10 @@ class LorcAttention(LatentAttention):
                 key_heads, order = self._in_pairs(keys, pairs)
                 query = query[..., order]  # the keys' channel order: every score stays the same sum
             else:
-                full_keys = self._normed(keys if self.rank_k is None else self.k_up(keys), "k_norm", hkv)
+                full_keys = self._normed(self._full_keys(keys), "k_norm", hkv)
                 key_heads = apply_rotary(self._grouped(full_keys), key_cos, key_sin, head_major=not kernel)
         elif not self.absorbed_keys:
-            key_heads = self._grouped(self._normed(keys if self.rank_k is None else self.k_up(keys), "k_norm", hkv))
+            key_heads = self._grouped(self._normed(self._full_keys(keys), "k_norm", hkv))
         if kernel:
             key_tokens = keys if self.absorbed_keys else key_heads.transpose(1, 2).reshape(batch, kv_len, -1)
             bias = additive_mask(attention_mask, 1, kv_len, torch.float32, keys.device)

@@ -92,6 +92,10 @@ class SlimAttention(LatentAttention):
         keys, _, position_ids, key_positions = self.append_step(cache, new_keys, None, position_ids)
         kv_len = keys.shape[1]
 
+        def model_order(rows: torch.Tensor) -> torch.Tensor:
+            """Key rows (or weighted sums of them) from the cache's pair order back to the model's, for W_KV."""
+            return rows if rotary is None else from_pairs(rows, h, rotated)
+
         if rotary is not None:
             query = rotate_in_pairs(query, cos, sin, h)  # [b, h, q, dk]
             assert key_positions is not None
@@ -107,7 +111,7 @@ class SlimAttention(LatentAttention):
             rotated_rows = key_heads.transpose(1, 2).reshape(batch, kv_len, h * dk)
             mixed = self.decode_with_kernel(query.reshape(batch, h * dk), rotated_rows, keys, bias)
             mixed = mixed.view(batch, h, h * dk).to(keys.dtype)
-            mixed = mixed if rotary is None else from_pairs(mixed, h, rotated)
+            mixed = model_order(mixed)
             kv_per_head = self.kv_proj.weight.view(h, dk, h * dk)
             out = torch.einsum("bhe,hde->bhd", mixed, kv_per_head)
             return self.o_proj(out.reshape(batch, 1, h * dk))
@@ -119,11 +123,11 @@ class SlimAttention(LatentAttention):
             # option 2, softmax·K first; one bmm over all heads ([b, h·q, n] @ [b, n, e]) because a
             # broadcast matmul against keys[:, None] would copy K once per head.
             mixed_keys = torch.bmm(probs.reshape(batch, h * q_len, kv_len), keys).view(batch, h, q_len, h * dk)
-            mixed_keys = mixed_keys if rotary is None else from_pairs(mixed_keys, h, rotated)
+            mixed_keys = model_order(mixed_keys)
             kv_per_head = self.kv_proj.weight.view(h, dk, h * dk)  # [h, dk, e]
             out = torch.einsum("bhqe,hde->bhqd", mixed_keys, kv_per_head)
         else:
-            values = self.kv_proj(from_pairs(keys, h, rotated) if rotary is not None else keys)  # option 1: V = K·W_KV
+            values = self.kv_proj(model_order(keys))  # option 1: V = K·W_KV
             values = values.view(batch, kv_len, h, dk).transpose(1, 2)
             out = nn.functional.scaled_dot_product_attention(
                 query, key_heads, values, attn_mask=bias, scale=self.scaling
