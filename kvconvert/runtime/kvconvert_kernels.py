@@ -135,8 +135,8 @@ def kernels_requested() -> str:
 REBUILD_CHOICES = ("auto", "bf16", "exact")
 
 # whether this CPU multiplies bfloat16 in hardware (AVX512-BF16, AMX tiles): read once at import, so that a compiled
-# step sees a constant
-_CPU_BF16 = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+# step sees a constant (torch's private probes: a torch without them counts as a CPU without)
+_CPU_BF16 = any(getattr(torch.cpu, probe, bool)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def rebuild_requested() -> str:
