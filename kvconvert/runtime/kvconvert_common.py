@@ -396,22 +396,23 @@ def rotate_pairs(tokens: torch.Tensor, pairs: torch.Tensor, heads: int) -> torch
 def to_pairs(x: torch.Tensor, heads: int, rotated: int) -> torch.Tensor:
     """``x [..., heads·dk]`` in the model's channel order -> each head's channels in ``pair_order(dk, rotated)``
     (a copy); ``from_pairs`` undoes it."""
-    *lead, width = x.shape
-    per_head = x.reshape(*lead, heads, width // heads)
-    paired = per_head[..., :rotated].unflatten(-1, (2, rotated // 2)).transpose(-1, -2).flatten(-2)
-    if rotated < per_head.shape[-1]:
-        paired = torch.cat([paired, per_head[..., rotated:]], dim=-1)
-    return paired.reshape(*lead, width)
+    return _transposed_rotary(x, heads, (2, rotated // 2))
 
 
 def from_pairs(x: torch.Tensor, heads: int, rotated: int) -> torch.Tensor:
     """``x [..., heads·dk]`` with each head's channels in ``pair_order(dk, rotated)`` -> the model's order."""
+    return _transposed_rotary(x, heads, (rotated // 2, 2))
+
+
+def _transposed_rotary(x: torch.Tensor, heads: int, grid: tuple[int, int]) -> torch.Tensor:
+    """Each head's first ``grid[0]·grid[1]`` channels read as a ``grid`` matrix and written transposed, the rest
+    as they are: ``(2, r/2)`` interleaves RoPE's two halves into pairs, ``(r/2, 2)`` splits them again."""
     *lead, width = x.shape
-    per_head = x.reshape(*lead, heads, width // heads)
-    plain = per_head[..., :rotated].unflatten(-1, (rotated // 2, 2)).transpose(-1, -2).flatten(-2)
+    per_head, rotated = x.reshape(*lead, heads, width // heads), grid[0] * grid[1]
+    turned = per_head[..., :rotated].unflatten(-1, grid).transpose(-1, -2).flatten(-2)
     if rotated < per_head.shape[-1]:
-        plain = torch.cat([plain, per_head[..., rotated:]], dim=-1)
-    return plain.reshape(*lead, width)
+        turned = torch.cat([turned, per_head[..., rotated:]], dim=-1)
+    return turned.reshape(*lead, width)
 
 
 def rotate_in_pairs(
