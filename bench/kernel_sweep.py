@@ -27,7 +27,7 @@ from kvconvert.runtime.kvconvert_codec import fp8_read, quantize_tokens  # noqa:
 from kvconvert.runtime.kvconvert_kernels import split_count  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
-LAUNCH_KEYS = ("tile", "warps", "stages", "programs_per_sm", "values", "splits")
+LAUNCH_KEYS = ("tile", "warps", "stages", "programs_per_sm", "splits")
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -86,12 +86,12 @@ def sweep_shape(batch: int, n: int, device: torch.device, dtype: torch.dtype, qu
     acc, ml = kivi.kivi_decode_reference(q.float(), *store, None, DIM**-0.5)
     ref = acc / ml[..., 1:]
     warps, stages, per_sm = ([4], [2], [0]) if quick else ([4, 8], [1, 2, 3], [0, 4, 8, 16])
-    for warp, stage, pps, mode in itertools.product(warps, stages, per_sm, ["gather", "grouped"]):
+    for warp, stage, pps in itertools.product(warps, stages, per_sm):
         split = split_count(batch * KV_HEADS, kq.codes.shape[2] // 4, device, pps) if pps else None  # 0: its rule
-        config = {"warps": warp, "stages": stage, "programs_per_sm": pps, "values": mode, "splits": split}
+        config = {"warps": warp, "stages": stage, "programs_per_sm": pps, "splits": split}
 
-        def run(w: int = warp, s: int = stage, sp: int | None = split, v: str = mode) -> torch.Tensor:
-            a, m = kivi.kivi_decode_triton(q, *store, None, DIM**-0.5, splits=sp, num_warps=w, num_stages=s, values=v)
+        def run(w: int = warp, s: int = stage, sp: int | None = split) -> torch.Tensor:
+            a, m = kivi.kivi_decode_triton(q, *store, None, DIM**-0.5, splits=sp, num_warps=w, num_stages=s)
             return a / m[..., 1:]
 
         record("quant 4-bit KIVI kernel", config, nbytes(*store), run, ref)
@@ -123,7 +123,7 @@ def main() -> None:
     # the launch the runtime should take: the fastest summed over the shapes (each shape's time as a share of SDPA's)
     launch: dict[str, Any] = {}
     for kernel, keys in (("fp8 kernel", ("tile", "warps", "stages", "programs_per_sm")),
-                         ("quant 4-bit KIVI kernel", ("warps", "stages", "programs_per_sm", "values"))):  # fmt: skip
+                         ("quant 4-bit KIVI kernel", ("warps", "stages", "programs_per_sm"))):  # fmt: skip
         totals: dict[tuple, float] = {}
         for batch, n in shapes:
             base = sdpa_us(rows, batch, n)

@@ -438,7 +438,7 @@ def apply_launch(launch: dict[str, dict[str, int]]) -> None:
     if "quant 4-bit KIVI kernel" in launch:
         k = launch["quant 4-bit KIVI kernel"]
         kivi_kernel.KIVI_WARPS, kivi_kernel.KIVI_STAGES = k["warps"], k["stages"]
-        kivi_kernel.KIVI_PROGRAMS_PER_SM, kivi_kernel.KIVI_VALUES = k["programs_per_sm"], k.get("values", "gather")
+        kivi_kernel.KIVI_PROGRAMS_PER_SM = k["programs_per_sm"]
     print("launch:", launch_now(), flush=True)
 
 
@@ -446,8 +446,7 @@ def launch_now() -> dict[str, Any]:
     from kvconvert.runtime import kvconvert_fp8_kernel as fp8
 
     return {"fp8": [fp8.FP8_TILE, fp8.FP8_WARPS, fp8.FP8_STAGES, fp8.FP8_PROGRAMS_PER_SM],
-            "kivi": [kivi_kernel.KIVI_WARPS, kivi_kernel.KIVI_STAGES, kivi_kernel.KIVI_PROGRAMS_PER_SM,
-                     kivi_kernel.KIVI_VALUES]}  # fmt: skip
+            "kivi": [kivi_kernel.KIVI_WARPS, kivi_kernel.KIVI_STAGES, kivi_kernel.KIVI_PROGRAMS_PER_SM]}  # fmt: skip
 
 
 def _num(value: float | None, digits: int = 1) -> str:

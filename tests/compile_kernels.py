@@ -85,11 +85,9 @@ def main() -> None:
         # KIVI's layout: uint8 codes, float16 scales and zeros, float32 queries and partials; heads of 128, blocks
         # of 64 tokens (the default group), Llama 3's 4 query heads per KV head padded to a 16-row dot
         kivi = kivi_kernel._kivi_decode_kernel
-        # values read per element ("gather") or per channel group (two groups of 64 channels: 32 bytes each)
-        for has_bias, dot, grouped in ((True, "ieee", False), (False, "tf32", False), (True, "tf32", True)):
+        for has_bias, dot, has_length in ((True, "ieee", False), (False, "tf32", False), (True, "tf32", True)):
             consts = {"G": 4, "D": 128, "HALF": 32, "HAS_BIAS": has_bias, "G_PAD": 16, "D_HALF": 64, "DOT": dot,
-                      "GROUPS": 2 if grouped else 1, "SH": 32 if grouped else 1, "GROUPED": grouped,
-                      "HAS_LENGTH": grouped}  # fmt: skip
+                      "HAS_LENGTH": has_length}  # fmt: skip
             source = ASTSource(kivi, kivi_signature(kivi, consts), constexprs=consts)
             assert triton.compile(source, target=target).asm["cubin"]
         # fp8: uint8 codes (e4m3 converted on sm_90, moved bit by bit on sm_80), the query in the model's dtype

@@ -187,11 +187,12 @@ def use_kernels(tensor: torch.Tensor, default: str = "off") -> bool:
     """Whether decode runs the Triton kernels on ``tensor``'s device: when asked, ``KVCONVERT_KERNELS=triton`` (on a
     CPU only with ``TRITON_INTERPRET=1``: tests); ``torch``: never; under ``auto`` (the default) what the caller's
     kernel measured: ``default`` "gpu" (faster than its runtime's torch path on a GPU, eager and through CUDA graphs)
-    or "graphs" (faster only in steps captured as CUDA graphs: taken while one is being captured), on an NVIDIA GPU
-    from Ampere on, with Triton installed, outside ``torch.compile`` (a compiled step takes them only when asked: the
-    H200 run found Inductor compiling them wrongly, fixed since but not re-run there); "off": not by default. Asked
-    for where they cannot run: a ``ValueError`` (``kernels_requested``, ``check_kernel_device``), never a silent
-    fall-back.
+    or "graphs" (faster only in steps captured as CUDA graphs: taken while one is being captured, and in a step
+    ``torch.compile`` traces, which transformers' ``generate`` compiles with ``mode="reduce-overhead"``, i.e. replays
+    as a CUDA graph), on an NVIDIA GPU from Ampere on, with Triton installed; "off": not by default. The KIVI kernel
+    decodes inside generate's compile as its torch path does (its test, natively on an H200, 2026-11-27), which was
+    the reason compiled steps left them out. Asked for where they cannot run: a ``ValueError``
+    (``kernels_requested``, ``check_kernel_device``), never a silent fall-back.
 
     Measured (an H200, bench/results/kernels-h200-fp8-kivi-razor-2026-11-27.md, × the original's static cache), "gpu":
     fp8's kernel (0.27× → 0.50× eagerly, 0.25× → 2.23× through CUDA graphs at 16 × 8K; 0.69× → 1.29×, 0.79× → 9.85× at
@@ -209,11 +210,11 @@ def use_kernels(tensor: torch.Tensor, default: str = "off") -> bool:
     and 5.64× vs 4.98× (2026-11-27)."""
     choice = kernels_requested()
     if choice == "auto":  # NVIDIA, Ampere on: where they were compiled (sm_80, sm_90) and measured (sm_90)
-        if default == "off" or triton is None or tensor.device.type != "cuda" or torch.compiler.is_compiling():
+        if default == "off" or triton is None or tensor.device.type != "cuda":
             return False
         if torch.version.hip is not None or torch.cuda.get_device_capability(tensor.device) < (8, 0):
             return False
-        return default == "gpu" or torch.cuda.is_current_stream_capturing()
+        return default == "gpu" or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling()
     if choice == "torch":
         return False
     check_kernel_device(tensor.device)

@@ -212,40 +212,19 @@ if triton is not None:
         return tl.dot(p, v_lo, input_precision=DOT), tl.dot(p, v_hi, input_precision=DOT)
 
     @triton.jit
-    def _kivi_values_grouped(codes, scales, zeros, tokens, p, n, svn, sgn, GROUPS: tl.constexpr, SH: tl.constexpr,
-                             DOT: tl.constexpr):  # fmt: skip
-        """``_kivi_values`` per channel group instead of per element: each group's scales and zeros are loaded once
-        per token and fold into the probabilities (``Σ p·(s·c + z) = Σ (p·s)·c + Σ p·z``), its byte columns meet them
-        in one batched ``tl.dot``. Returns the even and odd channels' sums ``[GROUPS, G_PAD, SH]`` (SH: bytes per
-        group)."""
-        inside = tokens < n
-        grp = tl.arange(0, GROUPS)
-        cols = tl.arange(0, SH)
-        v = tl.load(codes + tokens[None, :, None] * svn + grp[:, None, None] * SH + cols[None, None, :],
-                    mask=inside[None, :, None], other=0)  # [GROUPS, T, SH]  # fmt: skip
-        s = tl.load(scales + tokens[None, :] * sgn + grp[:, None], mask=inside[None, :], other=0.0).to(tl.float32)
-        z = tl.load(zeros + tokens[None, :] * sgn + grp[:, None], mask=inside[None, :], other=0.0).to(tl.float32)
-        weighted = p[None, :, :] * s[:, None, :]  # [GROUPS, G_PAD, T]
-        offset = tl.sum(p[None, :, :] * z[:, None, :], axis=2)[:, :, None]  # [GROUPS, G_PAD, 1]
-        lo = tl.dot(weighted, (v & 15).to(tl.float32), input_precision=DOT) + offset
-        return lo, tl.dot(weighted, (v >> 4).to(tl.float32), input_precision=DOT) + offset
-
-    @triton.jit
     def _kivi_decode_kernel(
         query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias, length, part_acc, part_ml,
         kv_heads, n, blocks_per_split, scale, size,
         sqr, skr, skb, skd, ssr, ssb, svr, svn, sgr, sgn, sbb, spr, sps, smr, sms,
         G: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr, G_PAD: tl.constexpr,
-        D_HALF: tl.constexpr, DOT: tl.constexpr, GROUPS: tl.constexpr, SH: tl.constexpr, GROUPED: tl.constexpr,
-        HAS_LENGTH: tl.constexpr,
+        D_HALF: tl.constexpr, DOT: tl.constexpr, HAS_LENGTH: tl.constexpr,
     ):  # fmt: skip
         """Program (row × KV head r, split j): the G query rows of KV head r over the blocks of split j, two
         half-blocks at a time (even and odd tokens: the two nibbles of a key byte), each value's even and odd
         channels (the two nibbles of a value byte) accumulated apart. Writes unnormalised sums, channel
         2i + parity at column 2i + parity, and (max, denominator) per query row. ``DOT``: the products' precision,
         ``ieee`` (float32, as a float32 model computes) or ``tf32`` (tensor cores, for half-precision models:
-        still finer than their own bfloat16 / float16 products). ``GROUPED``: values through ``_kivi_values_grouped``
-        (GROUPS channel groups of SH bytes), else ``_kivi_values``. ``HAS_LENGTH``: only the first ``length`` tokens
+        still finer than their own bfloat16 / float16 products). ``HAS_LENGTH``: only the first ``length`` tokens
         (read on the device) are read."""
         r = tl.program_id(0)
         split = tl.program_id(1)
@@ -258,12 +237,8 @@ if triton is not None:
         q = (q.to(tl.float32) * scale).to(tl.float32)  # (Inductor passes a float argument as float64)
         m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((G_PAD,), tl.float32)
-        if GROUPED:
-            acc_lo = tl.zeros((GROUPS, G_PAD, SH), tl.float32)
-            acc_hi = tl.zeros((GROUPS, G_PAD, SH), tl.float32)
-        else:
-            acc_lo = tl.zeros((G_PAD, D_HALF), tl.float32)
-            acc_hi = tl.zeros((G_PAD, D_HALF), tl.float32)
+        acc_lo = tl.zeros((G_PAD, D_HALF), tl.float32)
+        acc_hi = tl.zeros((G_PAD, D_HALF), tl.float32)
         pairs = tl.arange(0, HALF)
         if HAS_LENGTH:
             n = tl.minimum(n, tl.load(length))
@@ -292,51 +267,39 @@ if triton is not None:
             p_odd = tl.exp(s_odd - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p_even, axis=1) + tl.sum(p_odd, axis=1)
             codes, scales, zeros = value_codes + r * svr, value_scale + r * sgr, value_zero + r * sgr
-            if GROUPED:  # (the even tokens, then the odd ones: Triton compiles no loop over a tuple)
-                lo_e, hi_e = _kivi_values_grouped(codes, scales, zeros, even, p_even, n, svn, sgn, GROUPS, SH, DOT)
-                lo_o, hi_o = _kivi_values_grouped(codes, scales, zeros, odd, p_odd, n, svn, sgn, GROUPS, SH, DOT)
-                acc_lo = acc_lo * alpha[None, :, None] + lo_e + lo_o
-                acc_hi = acc_hi * alpha[None, :, None] + hi_e + hi_o
-            else:
-                lo_e, hi_e = _kivi_values(codes, scales, zeros, even, p_even, halves, n, size, svn, sgn, DOT)
-                lo_o, hi_o = _kivi_values(codes, scales, zeros, odd, p_odd, halves, n, size, svn, sgn, DOT)
-                acc_lo = acc_lo * alpha[:, None] + lo_e + lo_o
-                acc_hi = acc_hi * alpha[:, None] + hi_e + hi_o
+            # (the even tokens, then the odd ones: Triton compiles no loop over a tuple)
+            lo_e, hi_e = _kivi_values(codes, scales, zeros, even, p_even, halves, n, size, svn, sgn, DOT)
+            lo_o, hi_o = _kivi_values(codes, scales, zeros, odd, p_odd, halves, n, size, svn, sgn, DOT)
+            acc_lo = acc_lo * alpha[:, None] + lo_e + lo_o
+            acc_hi = acc_hi * alpha[:, None] + hi_e + hi_o
             m_i = m_new
-        if GROUPED:  # byte column g·SH + c of group g holds channels 2·(g·SH + c) and the one after it
-            grp, cols = tl.arange(0, GROUPS), tl.arange(0, SH)
-            out = part_acc + r * spr + split * sps + heads[None, :, None] * D
-            out += 2 * (grp[:, None, None] * SH + cols[None, None, :])
-            tl.store(out, acc_lo, mask=live[None, :, None])
-            tl.store(out + 1, acc_hi, mask=live[None, :, None])
-        else:
-            out = part_acc + r * spr + split * sps + heads[:, None] * D
-            tl.store(out + 2 * halves[None, :], acc_lo, mask=live[:, None])
-            tl.store(out + 2 * halves[None, :] + 1, acc_hi, mask=live[:, None])
+        out = part_acc + r * spr + split * sps + heads[:, None] * D
+        tl.store(out + 2 * halves[None, :], acc_lo, mask=live[:, None])
+        tl.store(out + 2 * halves[None, :] + 1, acc_hi, mask=live[:, None])
         ml = part_ml + r * smr + split * sms + heads * 2
         tl.store(ml, m_i, mask=live)
         tl.store(ml + 1, l_i, mask=live)
 
 
 # Launch shape: warps and pipeline stages per program, and the programs per multiprocessor the token splits aim for
-# (0: ``_split_len``'s rule, at least 64 blocks a split), measured on an H200 (bench/kernel_sweep.py); and how values
-# are read: "gather" (each element's scale, as measured) or "grouped" (``_kivi_values_grouped``: not yet timed on a
-# GPU; the sweep times both, and "grouped" serves only value groups of 2^k >= 32 channels).
-KIVI_WARPS, KIVI_STAGES, KIVI_PROGRAMS_PER_SM, KIVI_VALUES = 4, 3, 8, "gather"
+# (0: ``_split_len``'s rule, at least 64 blocks a split), measured on an H200 (bench/kernel_sweep.py). Values are
+# dequantized per element: reading them per channel group instead (each group's scale folded into the probabilities,
+# one batched product per group) was timed there too and ran no faster (327 vs 329 µs at 16 × 8K, 158 vs 155 µs at
+# 1 × 32K) with 30-50× the error under TF32 (bench/results/kernel-sweep-h200-values-2026-11-27.md), so it was dropped.
+KIVI_WARPS, KIVI_STAGES, KIVI_PROGRAMS_PER_SM = 4, 3, 8
 
 
 def kivi_decode_triton(
     query: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor, key_zero: torch.Tensor,
     value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
     scale: float, splits: int | None = None, precise: bool | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, values: str | None = None, length: torch.Tensor | None = None,
+    num_stages: int | None = None, length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``kivi_decode_reference`` in one launch, grid (rows × KV heads, token splits of whole blocks), the splits
     merged as ``merge_partials`` merges. ``precise``: float32 products (default: when the query is float32), else
-    TF32 on tensor cores. ``splits``, ``num_warps``, ``num_stages``, ``values``: the launch shape and how values are
-    read (default: ``KIVI_*``; "grouped" where the value groups do not allow it reads as "gather"). ``length`` (a 0-d
-    tensor, read on the device): only the first ``length`` tokens are read (a static cache's blocks quantized so far;
-    its step keeps its shapes and skips the rest)."""
+    TF32 on tensor cores. ``splits``, ``num_warps``, ``num_stages``: the launch shape (default: ``KIVI_*``).
+    ``length`` (a 0-d tensor, read on the device): only the first ``length`` tokens are read (a static cache's blocks
+    quantized so far; its step keeps its shapes and skips the rest)."""
     precise = query.dtype == torch.float32 if precise is None else precise
     assert triton is not None, "Triton is not installed (pip install 'kvconvert[kernels]')"
     batch, kv_heads, group, dim = query.shape
@@ -357,7 +320,6 @@ def kivi_decode_triton(
     bias_t = bias.float().contiguous() if bias is not None else part_acc  # any pointer when HAS_BIAS is off
     groups = value_scale.shape[-1]
     size = math.ceil(dim / groups)
-    grouped = (values or KIVI_VALUES) == "grouped" and size * groups == dim and size >= 32 and size & (size - 1) == 0
     _kivi_decode_kernel[(rows, n_splits)](
         query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias_t,
         part_acc if length is None else length, part_acc, part_ml, kv_heads, n, per_split, scale, size,
@@ -366,8 +328,7 @@ def kivi_decode_triton(
         value_scale.stride(2), bias_t.stride(0), part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
         part_ml.stride(1),
         G=group, D=dim, HALF=half, HAS_BIAS=bias is not None, G_PAD=max(16, _pow2(group)), D_HALF=dim // 2,
-        DOT="ieee" if precise else "tf32", GROUPS=groups if grouped else 1, SH=size // 2 if grouped else 1,
-        GROUPED=grouped, HAS_LENGTH=length is not None, num_warps=num_warps or KIVI_WARPS,
+        DOT="ieee" if precise else "tf32", HAS_LENGTH=length is not None, num_warps=num_warps or KIVI_WARPS,
         num_stages=num_stages or KIVI_STAGES,
     )  # fmt: skip
     shape = (batch, kv_heads, n_splits, group)
