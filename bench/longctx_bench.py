@@ -37,6 +37,10 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("razor, induction share 0.35 + 3-bit, sink 4 + rotated values (ext.)",
      {"method": "razor", "profile_tokens": 256, "induction_frac": 0.35, "kv_bits": 3, "kv_residual": 32, "kv_sink": 4,
       "kv_rotate": True}),
+    # the heads kept at 0.5 with values at 2 bits (--kv-value-bits), keys at 3: below 0.15 of the cache at 8K
+    ("razor, induction share 0.5 + keys 3-bit, values 2-bit, sink 4 + rotated values (ext.)",
+     {"method": "razor", "profile_tokens": 256, "induction_frac": 0.5, "kv_bits": 3, "kv_value_bits": 2,
+      "kv_residual": 32, "kv_sink": 4, "kv_rotate": True}),
     ("razor + 4-bit token layout, sink 4 (ext.)",
      {"method": "razor", "profile_tokens": 256, "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
 ]  # fmt: skip

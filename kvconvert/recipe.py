@@ -23,7 +23,7 @@ from kvconvert.runtime.kvconvert_codec import QuantSpec
 STORAGE_KEYS = {"kv_bits": "bits", "kv_group": "group", "kv_residual": "residual", "kv_sink": "sink",
                 "kv_rotate": "rotate", "kv_include_local": "include_local", "kv_layout": "layout",
                 "kv_format": "format", "kv_scale_strategy": "scale_strategy",
-                "kv_local_bits": "local_bits"}  # fmt: skip
+                "kv_local_bits": "local_bits", "kv_value_bits": "value_bits"}  # fmt: skip
 FLAGS = {"kv_rotate", "kv_include_local"}  # the storage keys that take true/false
 WORDS = {"kv_layout", "kv_format", "kv_scale_strategy"}  # the storage keys that take a word
 

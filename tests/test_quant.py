@@ -337,6 +337,9 @@ EXT = ("--kv-sink", "3", "--kv-rotate")  # the extensions: first tokens exact, v
 METHOD_ARGS["quant-ext"] = METHOD_ARGS["quant"]
 METHOD_ARGS["razor-ext"] = METHOD_ARGS["razor"]
 METHOD_ARGS["lorc-ext"] = METHOD_ARGS["lorc"]
+VALUES = ("--kv-value-bits", "2")  # values at a width apart from the keys'
+for _name in ("quant", "razor", "lorc", "slim", "zack", "minicache"):
+    METHOD_ARGS[f"{_name}-values"] = METHOD_ARGS[_name]
 
 
 def _command(method: str) -> tuple[str, ...]:
@@ -345,6 +348,8 @@ def _command(method: str) -> tuple[str, ...]:
         return ("quant", *MIXED)
     if method.endswith("-ext"):
         return (method.removesuffix("-ext"), *QUANT, *EXT)
+    if method.endswith("-values"):
+        return (method.removesuffix("-values"), *QUANT, *VALUES)
     return (method, *QUANT)
 
 
@@ -419,6 +424,28 @@ def test_measured_bytes_equal_the_accounting(bits, extension, tiny_model_dir, tm
     accounted = values * (spec.bytes_per_value(16, per_channel=True) + spec.bytes_per_value(16, per_channel=False))
     assert measured == pytest.approx(accounted)
     assert measured < kv_bytes_per_token(reference, ids, 48, 144) * (bits / 32 + 0.2)
+
+
+@pytest.mark.parametrize(("bits", "value_bits"), [(4, 2), (8, 3), (2, 4)])
+def test_values_stored_at_their_own_width(bits, value_bits, tiny_model_dir, tmp_path):
+    """``--kv-value-bits``: keys at ``--kv-bits``, values at their own width, in the live cache as accounted (each
+    side's codes and scales) and in the report; the recipe round-trips."""
+    src = tiny_model_dir("llama_gqa")  # 3 layers, 2 KV heads of 16 dims
+    report = convert("quant", src, tmp_path / "q", "--kv-bits", str(bits), "--kv-value-bits", str(value_bits),
+                     "--kv-group", "16", "--kv-residual", "16")  # fmt: skip
+    assert report["kv_storage"] == {"bits": bits, "group": 16, "residual": 16, "value_bits": value_bits}
+    model = load_converted(tmp_path / "q")
+    ids = torch.randint(3, 90, (1, 144), generator=torch.Generator().manual_seed(0))
+    measured = kv_bytes_per_token(model, ids, 48, 144)
+    keys, values = QuantSpec(bits, 16, 16), QuantSpec(value_bits, 16, 16)
+    per_token = 3 * 2 * 16  # layers × KV heads × head dim, for K and for V
+    accounted = per_token * (keys.bytes_per_value(16, per_channel=True) + values.bytes_per_value(16, per_channel=False))
+    assert measured == pytest.approx(accounted)
+    uniform = per_token * (keys.bytes_per_value(16, per_channel=True) + keys.bytes_per_value(16, per_channel=False))
+    assert (measured < uniform) == (value_bits < bits)
+    storage = QuantSpec.from_spec(json.loads((tmp_path / "q" / "config.json").read_text())["kvconvert"])
+    assert storage.side(0, keys=True).bits == bits and storage.side(0, keys=False).bits == value_bits
+    assert f"kv_value_bits: {value_bits}" in (tmp_path / "q" / "recipe.yaml").read_text()
 
 
 @pytest.mark.parametrize("method", sorted(METHOD_ARGS))
@@ -528,5 +555,6 @@ def test_quant_with_a_budget_allocates_widths_and_the_cache_holds_them(tokenized
                     "--quiet")  # fmt: skip
     assert again.exit_code == 0, again.output
     assert json.loads((tmp_path / "r" / "kvconvert.json").read_text())["kv_storage"] == storage
-    both = run_cli("quant", "--model", str(src), "--out", str(tmp_path / "x"), "--kv-bits", "4", "--kv-budget", "0.3")
-    assert both.exit_code == 2 and "not both" in both.output
+    for widths in (("--kv-bits", "4"), ("--kv-value-bits", "2")):
+        both = run_cli("quant", "--model", str(src), "--out", str(tmp_path / "x"), *widths, "--kv-budget", "0.3")
+        assert both.exit_code == 2 and "not both" in both.output and not (tmp_path / "x").exists()

@@ -77,6 +77,11 @@ class ConversionOptions(SourceOptions):
         help="Sliding-window layers' width (Gemma 2/3), quantized apart from the others' --kv-bits (implies "
         "--kv-include-local): their caches hold at most a window, so more bits there cost little at long context.",
     )
+    kv_value_bits: Literal["8", "4", "3", "2"] | None = option(
+        None,
+        help="Values' width apart from --kv-bits, which then sets the keys' (kvconvert extension, KIVI's layout): "
+        "values often take fewer bits than keys for the same loss.",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = option(
         "auto", help="Output dtype; auto keeps the source's."
     )
@@ -91,7 +96,8 @@ class ConversionOptions(SourceOptions):
                  "kv_residual": self.kv_residual, "kv_sink": self.kv_sink, "kv_rotate": self.kv_rotate,
                  "kv_include_local": self.kv_include_local, "kv_layout": self.kv_layout, "kv_format": self.kv_format,
                  "kv_scale_strategy": self.kv_scale_strategy,
-                 "kv_local_bits": None if self.kv_local_bits is None else int(self.kv_local_bits)}  # fmt: skip
+                 "kv_local_bits": None if self.kv_local_bits is None else int(self.kv_local_bits),
+                 "kv_value_bits": None if self.kv_value_bits is None else int(self.kv_value_bits)}  # fmt: skip
         return storage_spec(given, "options", base)
 
 

@@ -78,6 +78,10 @@ class QuantSpec:
     # at most a window, so a wider width there costs little at long context, and on Gemma 3 270M the windows lost
     # the needles at 3 bits where the global layers did not (README, long-context tasks)
     local_bits: int | None = None
+    # the values' width apart from the keys' ``bits`` (every layer but sliding-window ones with ``local_bits``); None:
+    # ``bits``. Keys are stored per channel because of their outlier channels and are the side whose error the
+    # softmax amplifies, so values often take fewer bits for the same loss (KIVI, KVQuant)
+    value_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS or self.scale_strategy not in SCALE_STRATEGIES:
@@ -89,22 +93,26 @@ class QuantSpec:
                 self.bits != 8
                 or self.layers is not None
                 or self.local_bits is not None
+                or self.value_bits is not None
                 or self.residual
                 or self.sink
                 or self.rotate
                 or self.layout != "kivi"
             ):
                 raise ValueError("fp8 storage holds every token and layer at 8 bits, as the engines do: it takes "
-                                 "no --kv-bits but 8, no widths per layer, --kv-local-bits, --kv-residual, --kv-sink, "
-                                 "--kv-rotate or --kv-layout")  # fmt: skip
+                                 "no --kv-bits but 8, no widths per layer, --kv-local-bits, --kv-value-bits, "
+                                 "--kv-residual, --kv-sink, --kv-rotate or --kv-layout")  # fmt: skip
             return
-        local = () if self.local_bits is None else (self.local_bits,)
-        for bits in (self.bits, *local, *(b for pair in self.layers or () for b in pair)):
+        extra = tuple(b for b in (self.local_bits, self.value_bits) if b is not None)
+        for bits in (self.bits, *extra, *(b for pair in self.layers or () for b in pair)):
             if bits not in BITS:
                 raise ValueError(f"kv bits must be one of {BITS}, got {bits}")
         if self.local_bits is not None and not (self.include_local and self.layers is None and self.layout == "kivi"):
             raise ValueError("kv local bits (the sliding-window layers' width) need --kv-include-local, one width for "
                              "the other layers and KIVI's layout")  # fmt: skip
+        if self.value_bits is not None and (self.value_bits == 16 or self.layers is not None or self.layout != "kivi"):
+            raise ValueError("kv value bits (the values' width apart from the keys') are 8, 4, 3 or 2, with one width "
+                             "per side for every layer and KIVI's layout")  # fmt: skip
         if self.local_bits == 3 and self.group % 8:
             raise ValueError(f"3-bit keys pack 8 tokens in 3 bytes: kv group must be a multiple of 8, got {self.group}")
         if self.group < 1 or self.residual < 0 or self.sink < 0:
@@ -134,17 +142,21 @@ class QuantSpec:
 
     @property
     def quantized(self) -> bool:
-        local = self.local_bits is not None and self.local_bits < 16
-        return self.bits < 16 or local or any(b < 16 for pair in self.layers or () for b in pair)
+        extra = (b for b in (self.local_bits, self.value_bits) if b is not None)
+        return self.bits < 16 or any(b < 16 for b in extra) or any(b < 16 for pair in self.layers or () for b in pair)
 
     def for_local(self) -> QuantSpec:
         """The storage of a sliding-window layer's cache when it is quantized (``include_local``)."""
-        return self if self.local_bits is None else dataclasses.replace(self, bits=self.local_bits, local_bits=None)
+        if self.local_bits is None:
+            return self
+        return dataclasses.replace(self, bits=self.local_bits, local_bits=None, value_bits=None)
 
     def side(self, layer: int, keys: bool) -> QuantSpec:
         """The uniform storage of one layer's keys (or values)."""
         if self.layers is None:
-            return self
+            if keys or self.value_bits is None:
+                return self
+            return dataclasses.replace(self, bits=self.value_bits, value_bits=None)
         return dataclasses.replace(self, bits=self.layers[layer][0 if keys else 1], layers=None)
 
     @classmethod
@@ -161,7 +173,8 @@ class QuantSpec:
                    None if entry.get("scales") is None else tuple(
                        (tuple(map(float, k)), tuple(map(float, v))) for k, v in entry["scales"]),
                    bool(entry.get("rotate_in_weights", False)),
-                   None if entry.get("local_bits") is None else int(entry["local_bits"]))  # fmt: skip
+                   None if entry.get("local_bits") is None else int(entry["local_bits"]),
+                   None if entry.get("value_bits") is None else int(entry["value_bits"]))  # fmt: skip
 
     def to_spec(self) -> dict[str, Any]:
         spec: dict[str, Any]
@@ -187,6 +200,8 @@ class QuantSpec:
             spec["include_local"] = True
         if self.local_bits is not None:
             spec["local_bits"] = self.local_bits
+        if self.value_bits is not None:
+            spec["value_bits"] = self.value_bits
         if self.layout != "kivi":
             spec["layout"] = self.layout
         return spec

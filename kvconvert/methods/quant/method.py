@@ -95,9 +95,9 @@ class QuantMethod(Method[QuantPlan | None]):
                 )
             return
         if self.config.kv_budget is not None:
-            if self.storage.bits != 16 or self.storage.local_bits is not None:
-                raise KVConvertError("give --kv-bits / --kv-local-bits (widths) or --kv-budget (widths chosen per "
-                                     "layer), not both")  # fmt: skip
+            if self.storage.bits != 16 or self.storage.local_bits is not None or self.storage.value_bits is not None:
+                raise KVConvertError("give --kv-bits / --kv-local-bits / --kv-value-bits (widths) or --kv-budget "
+                                     "(widths chosen per layer and side), not both")  # fmt: skip
             if 3 in self.config.choices and self.storage.group % 8:
                 raise KVConvertError(f"--kv-budget tries 3-bit widths, which pack 8 tokens in 3 bytes: --kv-group "
                                      f"{self.storage.group} is not a multiple of 8 (or leave 3 out with --min-bits 4 "
