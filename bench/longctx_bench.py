@@ -188,6 +188,7 @@ def main() -> None:
     parser.add_argument("--continuation", type=int, default=512, help="with --ppl: tokens scored per window")
     parser.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "gemma3-270m"))
     parser.add_argument("--name", default=None, help="results file stem (default longctx / longdoc)")
+    parser.add_argument("--seed", type=int, default=0, help="the task samples' seed (another seed: fresh samples)")
     args = parser.parse_args()
     started = time.time()
     if args.ppl:
@@ -204,7 +205,7 @@ def main() -> None:
     from kvconvert.recipe import parse_recipe
     from kvconvert.runtime.kvconvert_codec import QuantSpec
 
-    config = TaskEvalConfig.parse(args.tasks, args.lengths, args.samples, 0, False, "cpu", True)
+    config = TaskEvalConfig.parse(args.tasks, args.lengths, args.samples, args.seed, False, "cpu", True)
     source = _source(args)
     layout = adapter_for(open_source(str(source)).config).layout()
     reference, tokenizer = load_for_eval(str(source))
@@ -223,10 +224,11 @@ def main() -> None:
                 held = QuantSpec.from_spec({"kv_quant": report.get("kv_storage")})
                 budgets[label] = storage_factor(held, layout, max(config.lengths), report["kv_budget_expected"])
             models[label] = kvconvert.load(Path(tmp) / str(i)).eval()
-        outcome = run_tasks(models, tokenizer, config.tasks, config.lengths, config.samples, progress=True)
+        outcome = run_tasks(models, tokenizer, config.tasks, config.lengths, config.samples, seed=args.seed,
+                            progress=True)  # fmt: skip
     labels = list(models)
     if args.kvpress_python:
-        batches = make_batches(tokenizer, config.tasks, config.lengths, config.samples)  # run_tasks' samples
+        batches = make_batches(tokenizer, config.tasks, config.lengths, config.samples, args.seed)  # run_tasks'
         for label, accuracy in kvpress_accuracy(args, source, batches).items():
             labels.append(label)
             budgets[label] = float(label.rsplit("@", 1)[1])
@@ -240,7 +242,7 @@ def main() -> None:
                      *(f"{outcome['average'][label][str(n)]:.1f}" for n in config.lengths)])  # fmt: skip
     headers = ["model", "KV budget", *(f"{t} {n}" for n in config.lengths for t in config.tasks),
                *(f"average {n}" for n in config.lengths)]  # fmt: skip
-    table = (f"{args.model} (float32), {config.samples} samples per task and length (seed 0), accuracy in %; "
+    table = (f"{args.model} (float32), {config.samples} samples per task and length (seed {args.seed}), accuracy in %; "
              f"budgets against a 16-bit cache\n\n" + markdown_table(headers, rows))  # fmt: skip
     payload = {"machine": machine(), "budgets": budgets, "recipes": dict(wanted), **outcome,
                "seconds": time.time() - started}  # fmt: skip
