@@ -446,6 +446,25 @@ def test_values_stored_at_their_own_width(bits, value_bits, tiny_model_dir, tmp_
     storage = QuantSpec.from_spec(json.loads((tmp_path / "q" / "config.json").read_text())["kvconvert"])
     assert storage.side(0, keys=True).bits == bits and storage.side(0, keys=False).bits == value_bits
     assert f"kv_value_bits: {value_bits}" in (tmp_path / "q" / "recipe.yaml").read_text()
+    card = (tmp_path / "q" / "README.md").read_text()
+    assert f"keys at {bits} bits and values at {value_bits}" in card
+    from kvconvert.methods.quant.method import QuantMethod
+
+    assert f"keys {bits}-bit, values {value_bits}-bit" in QuantMethod.headline(report)
+
+
+def test_values_alone_quantized(tiny_model_dir, tmp_path):
+    """``--kv-value-bits`` without ``--kv-bits``: the keys stay in the model's dtype, only the values are stored as
+    integers (fewer bytes than the source's cache), and the model generates in every mode."""
+    src = tiny_model_dir("llama_gqa")
+    report = convert("quant", src, tmp_path / "q", "--kv-value-bits", "2", "--kv-group", "16", "--kv-residual", "16")
+    assert report["kv_storage"]["bits"] == 16 and report["kv_storage"]["value_bits"] == 2
+    model, reference = load_converted(tmp_path / "q"), load_reference(src)
+    ids = torch.randint(3, 90, (1, 144), generator=torch.Generator().manual_seed(0))
+    keys = 3 * 2 * 16 * 4  # layers × KV heads × head dim × float32 bytes: the keys as the source holds them
+    measured = kv_bytes_per_token(model, ids, 48, 144)
+    assert keys < measured < kv_bytes_per_token(reference, ids, 48, 144) * 0.6
+    generate_in_every_mode(model)
 
 
 @pytest.mark.parametrize("method", sorted(METHOD_ARGS))

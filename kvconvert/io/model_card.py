@@ -67,8 +67,11 @@ def _details(report: dict[str, Any]) -> str:
             f"dequantizing; the newest {storage['residual']} tokens stay unquantized."
         )
     elif storage:
+        widths = f"{storage['bits']}-bit integers"
+        if "value_bits" in storage:
+            widths = f"integers, keys at {storage['bits']} bits and values at {storage['value_bits']}"
         text += (
-            f"\n\nThe cache is stored as {storage['bits']}-bit integers (keys per channel over blocks of "
+            f"\n\nThe cache is stored as {widths} (keys per channel over blocks of "
             f"{storage['group']} tokens, values per token in groups of up to {storage['group']} channels, fp16 "
             f"scale and zero per group); the newest {storage['residual']} tokens stay unquantized."
         )

@@ -154,9 +154,9 @@ class QuantSpec:
     def side(self, layer: int, keys: bool) -> QuantSpec:
         """The uniform storage of one layer's keys (or values)."""
         if self.layers is None:
-            if keys or self.value_bits is None:
+            if self.value_bits is None:
                 return self
-            return dataclasses.replace(self, bits=self.value_bits, value_bits=None)
+            return dataclasses.replace(self, bits=self.bits if keys else self.value_bits, value_bits=None)
         return dataclasses.replace(self, bits=self.layers[layer][0 if keys else 1], layers=None)
 
     @classmethod

@@ -53,6 +53,8 @@ class QuantMethod(Method[QuantPlan | None]):
         if storage.get("format") == "fp8":
             return f"quant fp8 e4m3, static scales per {storage['scale_strategy']}; {budget_words(report)}"
         widths = f"{storage['bits']}-bit" if "layers" not in storage else "widths per layer by measured loss"
+        if "value_bits" in storage:
+            widths = f"keys {storage['bits']}-bit, values {storage['value_bits']}-bit"
         layout = ", token layout" if storage.get("layout") == "token" else ""
         return (f"quant {widths}{layout}, groups of {storage['group']}, {storage['residual']} recent tokens "
                 f"unquantized; {budget_words(report)}")  # fmt: skip
