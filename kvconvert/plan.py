@@ -231,7 +231,7 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
     from kvconvert.calib.text import load_tokenizer
     from kvconvert.devices import resolve_device
     from kvconvert.eval.quality import FixedReference, evaluate_quality
-    from kvconvert.eval.runner import EvalConfig, bytes_16bit, load_model, model_context
+    from kvconvert.eval.runner import ContextBytes, EvalConfig, bytes_16bit, load_model, model_context
     from kvconvert.eval.tasks import average_accuracy, make_batches
     from kvconvert.io.outdir import atomic_output_dir
     from kvconvert.io.source import open_source
@@ -252,7 +252,7 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
                              chunk=config.chunk)  # fmt: skip
     ids = ids.to(device)
     fixed = FixedReference(reference, ids, ctx, config.context)  # the source's logits, once for every candidate
-    reference_bytes = bytes_16bit(str(source.path), reference, ids, eval_config, ctx)
+    reference_bytes = bytes_16bit(reference, ids, eval_config, ctx)
     jobs = [(m, label, recipe) for m in config.methods for label, recipe in CANDIDATES[m]]
     rows: list[dict[str, Any]] = []
     refused: list[dict[str, Any]] = []
@@ -270,9 +270,11 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
                                 "reason": str(exc)})  # fmt: skip
                 continue
             candidate = load_model(str(directory), device=device)
-            quality = evaluate_quality(candidate, ids, ctx, fixed, context=config.context, chunk=config.chunk)
-            assert quality.reference_ppl is not None
-            budget = bytes_16bit(str(directory), candidate, ids, eval_config, ctx) / reference_bytes
+            held = ContextBytes(candidate)  # ``bytes_16bit``'s number, measured on the way (no second pass)
+            quality = evaluate_quality(candidate, ids, ctx, fixed, context=config.context, chunk=config.chunk,
+                                       context_bytes=held)  # fmt: skip
+            assert quality.reference_ppl is not None and held.bytes is not None
+            budget = held.bytes / config.context / reference_bytes
             rows.append({
                 "label": label, "method": name, "recipe": recipe_dict,
                 "kv_budget": budget, "ppl": quality.ppl, "reference_ppl": quality.reference_ppl,

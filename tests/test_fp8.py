@@ -172,3 +172,17 @@ def test_the_recipe_says_fp8_and_reads_back():
     spec = storage_spec({"kv_format": "fp8", "kv_scale_strategy": "head"}, "test")
     assert spec == QuantSpec(bits=8, residual=0, format="fp8", scale_strategy="head")
     assert QuantSpec.from_spec({"kv_quant": spec.to_spec()}) == spec  # the runtime spec, read back
+
+
+@torch.no_grad()
+def test_its_16bit_bytes_counted_on_a_float32_run_keep_the_float32_scales(exports):
+    """The scales are float32 in any model dtype (``Fp8Reads._keep_in_fp32``): counted as they are when a float32
+    run's cache is quoted as deployed in 16 bits, as the model loaded in bfloat16 holds them."""
+    from kvconvert.eval.memory import deployed_nbytes
+    from kvconvert.eval.runner import bytes_after_context, cache_after_context
+
+    out = exports["tensor"][1]
+    ids = torch.randint(3, 90, (1, 96), generator=torch.Generator().manual_seed(3))
+    wide, half = kvconvert.load(out).eval(), kvconvert.load(out, dtype=torch.bfloat16).eval()
+    counted = deployed_nbytes(cache_after_context(wide, ids, 32), wide)
+    assert counted == bytes_after_context(half, ids, 32) == bytes_after_context(wide, ids, 32)

@@ -160,3 +160,42 @@ def test_its_report_reads_back(method, converted):
     assert cls.headline(report).startswith(method) and "KV budget" in cls.headline(report)
     assert cls.describe(report).strip()
     assert isinstance(cls.report_table(report), str)
+
+
+@pytest.mark.parametrize("method", ALL)
+@torch.no_grad()
+def test_its_16bit_bytes_counted_on_a_float32_run_equal_a_bfloat16_run(method, converted):
+    """A budget is quoted against a 16-bit cache: ``deployed_nbytes`` counts a float32 run's cache as the model
+    loaded in bfloat16 would hold it, which holds only if every float32 state a runtime keeps in any dtype is
+    declared (``_keep_in_fp32``). Both tables: MiniCache's lossless setting retains every token (at its default γ
+    what it retains depends on the values, which bfloat16 changes)."""
+    from kvconvert.eval.memory import deployed_nbytes
+    from kvconvert.eval.runner import bytes_after_context, cache_after_context
+
+    ids = _ids(CONTEXT, rows=1)
+    for table in ("lossless", "compressing"):
+        if method == "minicache" and table == "compressing":
+            continue
+        out = converted(method, table)[1]
+        wide, half = kvconvert.load(out).eval(), kvconvert.load(out, dtype=torch.bfloat16).eval()
+        counted = deployed_nbytes(cache_after_context(wide, ids, 64), wide)
+        assert counted == bytes_after_context(half, ids, 64), table
+        assert counted < bytes_after_context(wide, ids, 64), table  # something was float32 and counted at 16 bits
+
+
+@pytest.mark.parametrize("method", ALL)
+@pytest.mark.parametrize("chunk", [64, 191, None])
+@torch.no_grad()
+def test_its_bytes_measured_during_a_prefill_equal_a_second_pass(method, chunk, converted):
+    """``ContextBytes`` measures a copy of the cache taken before the prefill's last chunk (one token, or many,
+    or the whole context): the same bytes as ``bytes_after_context``'s own pass, and the prefill it rode along
+    with computes what it computes without it."""
+    from kvconvert.eval.quality import prefill
+    from kvconvert.eval.runner import ContextBytes, bytes_after_context
+
+    model = kvconvert.load(converted(method, "compressing")[1]).eval()
+    ids = _ids(CONTEXT, rows=1)
+    held = ContextBytes(model)
+    logits = prefill(model, ids, chunk, held)[1]
+    assert held.bytes == bytes_after_context(model, ids, chunk, as_16bit=True)
+    torch.testing.assert_close(logits, prefill(model, ids, chunk)[1], rtol=0, atol=0)

@@ -17,42 +17,60 @@ import torch
 _OPAQUE = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
 
 
-def _tensors(obj: Any, visited: set[int]) -> list[torch.Tensor]:
-    """Tensors held by ``obj``'s attributes, followed through lists, tuples, dicts and plain
-    objects (a cache layer may keep its state in helper objects, or share it with another layer)."""
+def _tensors(obj: Any, visited: set[int], fixed: bool = False) -> list[tuple[torch.Tensor, bool]]:
+    """Tensors held by ``obj``'s attributes, followed through lists, tuples, dicts and plain objects (a cache layer
+    may keep its state in helper objects, or share it with another layer), each with whether its owner keeps it in
+    float32 whatever the model's dtype (the attribute is named in its class's ``_keep_in_fp32``, as transformers'
+    models name modules in ``_keep_in_fp32_modules``)."""
     if torch.is_tensor(obj):
-        return [obj]
+        return [(obj, fixed)]
     if id(obj) in visited or isinstance(obj, _OPAQUE):
         return []
     visited.add(id(obj))
     if isinstance(obj, (list, tuple)):
-        items: Any = obj
-    elif isinstance(obj, dict):
-        items = obj.values()
-    elif hasattr(obj, "__dict__"):
-        items = vars(obj).values()
-    else:
+        return [t for item in obj for t in _tensors(item, visited, fixed)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors(item, visited, fixed)]
+    if not hasattr(obj, "__dict__"):
         return []
-    return [t for item in items for t in _tensors(item, visited)]
+    kept = getattr(type(obj), "_keep_in_fp32", ())
+    return [t for name, item in vars(obj).items() for t in _tensors(item, visited, fixed or name in kept)]
 
 
-def cache_nbytes(cache: Any) -> int:
-    """Bytes held by every tensor reachable from ``cache`` (its layers included)."""
-    tensors = _tensors(cache, set())
+def cache_nbytes(cache: Any, as_dtype: torch.dtype | None = None, run_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes held by every tensor reachable from ``cache`` (its layers included). ``as_dtype``: the bytes the same
+    cache would hold from the model loaded in that dtype, measured on this run of it in ``run_dtype``: every tensor
+    in ``run_dtype`` counts at ``as_dtype``'s width but those its owner keeps in float32 whatever the model's dtype
+    (``_tensors``); integer codes and float16 scales count as they are. Equal to the bytes measured with the model
+    loaded in ``as_dtype`` (``tests/test_eval.py``) where what a cache holds does not depend on the values (it does
+    for MiniCache's retained tokens: this run's count), without a second model or a second pass over the text."""
     seen: set[tuple[int, int]] = set()
     total = 0
-    for t in tensors:
+    for t, fixed in _tensors(cache, set()):
         key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
         if t.numel() == 0 or key in seen:
             continue
         seen.add(key)
-        total += t.untyped_storage().nbytes()
+        size = t.untyped_storage().nbytes()
+        if as_dtype is not None and t.dtype == run_dtype and not fixed:
+            size = size * as_dtype.itemsize // 4
+        total += size
     return total
 
 
+def deployed_nbytes(cache: Any, model: Any) -> int:
+    """``cache_nbytes`` of ``model``'s cache as deployed in 16 bits: a 16-bit model's as it is; a wider one's with
+    its tensors in the model's dtype counted at bfloat16's width (``cache_nbytes(as_dtype=)``: all of a stock
+    cache, a kvconvert cache's but what it keeps in float32 in any dtype). Quantized storage is quoted against a
+    16-bit cache: an fp32 reference would flatter it 2×."""
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    return cache_nbytes(cache) if dtype.itemsize == 2 else cache_nbytes(cache, torch.bfloat16, dtype)
+
+
 @torch.no_grad()
-def kv_bytes_per_token(model: Any, input_ids: torch.Tensor, short: int, long: int) -> float:
-    """Growth of cache bytes per token (per sequence) between prefixes of ``short`` and ``long`` tokens.
+def kv_bytes_per_token(model: Any, input_ids: torch.Tensor, short: int, long: int, as_16bit: bool = False) -> float:
+    """Growth of cache bytes per token (per sequence) between prefixes of ``short`` and ``long`` tokens
+    (``as_16bit``: as deployed in 16 bits, ``deployed_nbytes``).
 
     Measuring growth cancels fixed overheads, so the number is what each extra token costs.
     ``input_ids``: ``[b, >= long]``.
@@ -62,7 +80,7 @@ def kv_bytes_per_token(model: Any, input_ids: torch.Tensor, short: int, long: in
     sizes = []
     for length in (short, long):
         out = model(input_ids[:, :length], use_cache=True)
-        sizes.append(cache_nbytes(out.past_key_values))
+        sizes.append(deployed_nbytes(out.past_key_values, model) if as_16bit else cache_nbytes(out.past_key_values))
     return (sizes[1] - sizes[0]) / (long - short) / input_ids.shape[0]
 
 

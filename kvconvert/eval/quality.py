@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,13 +66,21 @@ def window_logits(model: Any, window: torch.Tensor, chunk: int | None) -> torch.
     return torch.cat(parts, dim=1)
 
 
-def prefill(model: Any, ids: torch.Tensor, chunk: int | None = None) -> tuple[Any, torch.Tensor]:
+BeforeLast = Callable[[Any, torch.Tensor], None]  # (the cache so far or None, the last chunk's ids)
+
+
+def prefill(
+    model: Any, ids: torch.Tensor, chunk: int | None = None, before_last: BeforeLast | None = None
+) -> tuple[Any, torch.Tensor]:
     """``ids [b, n]`` into the model's own cache, ``chunk`` tokens per forward (None: one forward; chunks keep
     a long prompt's activations bounded, as engines' chunked prefill does) -> (cache, logits ``[b, 1, V]`` of
-    the last position: only those are kept, a 262k vocabulary × 8K positions would be 8 GB)."""
+    the last position: only those are kept, a 262k vocabulary × 8K positions would be 8 GB). ``before_last``:
+    called with the cache (None before a first forward) and the last chunk's ids before that chunk goes in."""
     cache, logits = None, None
     step = chunk or ids.shape[1]
     for start in range(0, ids.shape[1], step):
+        if before_last is not None and start + step >= ids.shape[1]:
+            before_last(cache, ids[:, start:])
         out = model(ids[:, start : start + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache, logits = out.past_key_values, out.logits
     assert logits is not None, "prefill needs at least one token"
@@ -85,6 +94,7 @@ def scored_logits(
     context: int | None,
     through_cache: bool = True,
     costs: WindowCosts | None = None,
+    before_last: BeforeLast | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits ``[1, m, V]``, targets ``[1, m]``) of the tokens a window scores.
 
@@ -92,7 +102,8 @@ def scored_logits(
     context-compression protocol): the first ``context`` tokens go into the cache (in one forward, or
     ``chunk`` tokens at a time), the rest are scored in one forward through that cache;
     ``through_cache=False`` (a stock reference, for which the cache changes nothing) takes the same
-    logits from one forward. ``costs`` receives the prefill's seconds and the window's peak memory."""
+    logits from one forward. ``costs`` receives the prefill's seconds and the window's peak memory;
+    ``before_last`` goes to the context's ``prefill``."""
     if context is None:
         return window_logits(model, window, chunk)[:, :-1], window[:, 1:]
     targets = window[:, context:]
@@ -104,7 +115,7 @@ def scored_logits(
     with PeakMemory(device) as peak:
         synchronize(device)
         started = time.perf_counter()
-        cache, last = prefill(model, window[:, :context], chunk)
+        cache, last = prefill(model, window[:, :context], chunk, before_last)
         synchronize(device)
         seconds = time.perf_counter() - started
         rest = model(window[:, context:-1], past_key_values=cache, use_cache=True)
@@ -141,6 +152,7 @@ def evaluate_quality(
     progress: bool = False,
     chunk: int | None = None,
     context: int | None = None,
+    context_bytes: BeforeLast | None = None,
 ) -> QualityResult:
     """Score ``token_ids [n]`` window by window (only one window's logits are ever held).
 
@@ -149,7 +161,8 @@ def evaluate_quality(
     through the cache, see ``scored_logits``) and from the reference (a stock model: one forward, since
     feeding a full cache in chunks changes nothing but the time — except with ``context`` and ``chunk``
     together, where it goes through its cache the same way so that prefill time and peak memory are
-    measured side by side); NLL, KL and argmax agreement are summed in float64.
+    measured side by side); NLL, KL and argmax agreement are summed in float64. ``context_bytes``: the first
+    window's ``before_last`` (``runner.ContextBytes``: the cache measured on the way).
     """
     nll = ref_nll = kl = 0.0
     agree = count = 0
@@ -166,7 +179,8 @@ def evaluate_quality(
             costs["reference"] = WindowCosts()
     scored = _scored_windows(token_ids, ctx, context)
     for index, window in enumerate(tqdm(scored, desc="eval", unit="window", disable=not progress)):
-        logits, targets = scored_logits(model, window, chunk, context, costs=costs.get("model"))
+        logits, targets = scored_logits(model, window, chunk, context, costs=costs.get("model"),
+                                        before_last=context_bytes if index == 0 else None)  # fmt: skip
         ref_logits = None
         if isinstance(reference, FixedReference):
             ref_logits = reference.logits[index]

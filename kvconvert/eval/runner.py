@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from kvconvert.devices import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.data import load_text
-from kvconvert.eval.memory import cache_nbytes, kv_bytes_per_token
+from kvconvert.eval.memory import cache_nbytes, deployed_nbytes, kv_bytes_per_token
 from kvconvert.eval.quality import evaluate_quality, prefill
 from kvconvert.eval.retrieval import copy_accuracy, ordinary_token_ids, passkey_accuracy
 from kvconvert.eval.speed import measure_speed, side_by_side
@@ -101,58 +102,68 @@ def default_retrieval_lengths(context: int) -> tuple[int, ...]:
     return tuple(lengths) or (context,)
 
 
-def cache_dtype_bytes(model: Any) -> int:
-    """Bytes per element of a stock cache of ``model`` (its floating-point parameters' dtype)."""
-    return next(p for p in model.parameters() if p.is_floating_point()).element_size()
-
-
 @torch.no_grad()
-def bytes_after_context(model: Any, ids: torch.Tensor, chunk: int | None = None) -> int:
-    """Bytes the cache holds once ``ids [1, n]`` went in: all but the last token in one forward (or ``chunk``
-    tokens at a time), the last as one decode step. (transformers' sliding-window layers keep a view of a
-    whole prefill until their next update; the decode step releases it, so every cache is measured in its
-    steady state.)"""
+def cache_after_context(model: Any, ids: torch.Tensor, chunk: int | None = None) -> Any:
+    """The cache once ``ids [1, n]`` went in: all but the last token in one forward (or ``chunk`` tokens at a
+    time), the last as one decode step. (transformers' sliding-window layers keep a view of a whole prefill until
+    their next update; the decode step releases it, so every cache is measured in its steady state.)"""
     if ids.shape[1] == 1:
-        return cache_nbytes(model(ids, use_cache=True).past_key_values)
+        return model(ids, use_cache=True).past_key_values
     cache = prefill(model, ids[:, :-1], chunk)[0]
-    return cache_nbytes(model(ids[:, -1:], past_key_values=cache, use_cache=True).past_key_values)
+    return model(ids[:, -1:], past_key_values=cache, use_cache=True).past_key_values
 
 
-def measure_kv(model: Any, ids: torch.Tensor, config: EvalConfig, ctx: int) -> tuple[float, dict[str, Any]]:
-    """(KV bytes per token, how it was measured) on the evaluation text ``ids [n]``: with the context
-    protocol, bytes held after the context ÷ its tokens; otherwise the cache's growth per token between
-    two prompt lengths (fixed overheads cancel)."""
+def bytes_after_context(model: Any, ids: torch.Tensor, chunk: int | None = None, as_16bit: bool = False) -> int:
+    """Bytes the cache holds once ``ids [1, n]`` went in (``cache_after_context``); ``as_16bit``: as deployed in
+    16 bits (``deployed_nbytes``)."""
+    cache = cache_after_context(model, ids, chunk)
+    return deployed_nbytes(cache, model) if as_16bit else cache_nbytes(cache)
+
+
+class ContextBytes:
+    """``bytes_after_context(model, window[:, :context], chunk, as_16bit=True)`` taken during the prefill that
+    scores the same window (``evaluate_quality(context_bytes=)``), not by a second pass over its context: just
+    before the prefill's last chunk, the cache is copied and the copy takes the rest of the context as
+    ``bytes_after_context`` feeds it (the chunks before are the same forwards), then is measured and dropped. At 8K
+    tokens on 2 cores the second pass cost 36 s of each planner candidate's 74. The copy raises that window's peak
+    memory by a cache: used where no peak is reported (``kvconvert plan``). ``bytes``: the first window's."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.bytes: int | None = None
+
+    @torch.no_grad()
+    def __call__(self, cache: Any, last: torch.Tensor) -> None:
+        """``cache`` (None before a first chunk) holds the context but ``last [1, t]``, its last chunk."""
+        if self.bytes is not None:
+            return
+        fork = copy.deepcopy(cache)
+        if last.shape[1] > 1:
+            fork = self.model(last[:, :-1], past_key_values=fork, use_cache=True, logits_to_keep=1).past_key_values
+        fork = self.model(last[:, -1:], past_key_values=fork, use_cache=True).past_key_values
+        self.bytes = deployed_nbytes(fork, self.model)
+
+
+def measure_kv(model: Any, ids: torch.Tensor, config: EvalConfig, ctx: int) -> tuple[float, float, dict[str, Any]]:
+    """(KV bytes per token, the same as deployed in 16 bits, how it was measured) on the evaluation text
+    ``ids [n]``: with the context protocol, bytes held after the context ÷ its tokens; otherwise the cache's growth
+    per token between two prompt lengths (fixed overheads cancel)."""
     if config.context is not None:
         sample = ids[None, : config.context]
-        measured = bytes_after_context(model, sample, config.chunk)
-        return measured / sample.shape[1], {"kv_measured_after": sample.shape[1]}
+        state, tokens = cache_after_context(model, sample, config.chunk), sample.shape[1]
+        return cache_nbytes(state) / tokens, deployed_nbytes(state, model) / tokens, {"kv_measured_after": tokens}
     long = min(ctx, ids.numel(), 512)
     short = max(1, long // 4)
-    return kv_bytes_per_token(model, ids[None, :long], short, long), {"kv_measured_between": [short, long]}
+    per_token, deployed = (kv_bytes_per_token(model, ids[None, :long], short, long, wide) for wide in (False, True))
+    return per_token, deployed, {"kv_measured_between": [short, long]}
 
 
-def budget_vs_16bit(
-    model_path: str, reference_path: Any, model: Any, reference: Any, ids: torch.Tensor, config: EvalConfig, ctx: int
-) -> float:
-    """Bytes of the model's cache ÷ those of the reference's stock cache, both as deployed in 16 bits.
-
-    Quantized storage is quoted against a 16-bit cache (an fp32 reference would flatter it 2×). In an
-    fp32 evaluation, both models are loaded again in bfloat16 and measured on the same text, so that
-    every float part of either cache (a method's 16-bit storage, a quantized cache's exact recent
-    tokens, its fp16 scales, deliberate float32 norms) counts at what it would really cost. A stock
-    reference's cache holds only its dtype's K and V, so its 16-bit bytes follow without a second run."""
-
-    reference_bytes = bytes_16bit(reference_path, reference, ids, config, ctx)
-    return bytes_16bit(model_path, model, ids, config, ctx) / reference_bytes
-
-
-def bytes_16bit(path: str, loaded: Any, ids: torch.Tensor, config: EvalConfig, ctx: int) -> float:
-    """KV bytes per token of the model at ``path`` (``loaded``) as deployed in 16 bits (``budget_vs_16bit``)."""
-    if cache_dtype_bytes(loaded) == 2:
-        return measure_kv(loaded, ids, config, ctx)[0]
-    if getattr(loaded.config, "kvconvert", None) is None:
-        return measure_kv(loaded, ids, config, ctx)[0] * 2 / cache_dtype_bytes(loaded)
-    return measure_kv(load_model(path, dtype=torch.bfloat16, device=ids.device), ids, config, ctx)[0]
+def bytes_16bit(model: Any, ids: torch.Tensor, config: EvalConfig, ctx: int) -> float:
+    """KV bytes per token of ``model`` as deployed in 16 bits (``measure_kv``, ``deployed_nbytes``): quantized
+    storage is quoted against a 16-bit cache, every float part of either cache (a method's 16-bit storage, a
+    quantized cache's exact recent tokens) at what it would really cost, its float16 scales and deliberate float32
+    norms as they are."""
+    return measure_kv(model, ids, config, ctx)[1]
 
 
 def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) -> dict[str, Any]:
@@ -215,12 +226,12 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
         result[f"{prefix}prefill_tokens_per_s"] = costs.prefill_tokens / costs.prefill_seconds
         result[f"{prefix}peak_memory_bytes"] = costs.peak_bytes
 
-    result["kv_bytes_per_token"], how = measure_kv(model, ids, config, ctx)
+    result["kv_bytes_per_token"], deployed, how = measure_kv(model, ids, config, ctx)
     result.update(how)
     if reference is not None:
-        result["reference_kv_bytes_per_token"] = measure_kv(reference, ids, config, ctx)[0]
+        result["reference_kv_bytes_per_token"], reference_deployed, _ = measure_kv(reference, ids, config, ctx)
         result["kv_budget_measured"] = result["kv_bytes_per_token"] / result["reference_kv_bytes_per_token"]
-        result["kv_budget_vs_16bit"] = budget_vs_16bit(model_path, reference_path, model, reference, ids, config, ctx)
+        result["kv_budget_vs_16bit"] = deployed / reference_deployed  # both as deployed in 16 bits
 
     if config.speed:
         speed_context = min(config.speed_context, context - config.new_tokens - 1)

@@ -97,6 +97,8 @@ class MergedStream:
     layers; ``retained_at [N, 2]`` int32 (batch row, position); ``distance_range [b, 2]``.
     """
 
+    _keep_in_fp32 = ("norms", "distance_range")  # float32 in any model dtype (the paper's restore needs the norms)
+
     def __init__(self, quant: QuantSpec, per_channel: bool) -> None:
         self.direction = TokenStore(quant, per_channel)
         self.norms: Any = None

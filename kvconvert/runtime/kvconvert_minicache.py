@@ -110,6 +110,8 @@ class PairState(PairedLayer):
     """Layer l (second of the pair): owns the pair's merged keys and values, ``seen`` tokens long,
     and, between the two layers of one forward call, layer l-1's new states (``pending``)."""
 
+    _keep_in_fp32 = ("retained",)  # ``merged_decode``'s memo: float32, as the codes reader computes
+
     def __init__(self, t: float, gamma: float, merge: str, quant: QuantSpec | None = None, layer: int = 0):
         super().__init__()
         self.t, self.gamma, self.merge = t, gamma, merge

@@ -47,6 +47,8 @@ class RazorLayer(KVLayer):
     (dropped non-padding tokens). Stores are quantized when the checkpoint asks for it (keys per
     channel, values per token). ``seen`` is the logical sequence length the masks are built for."""
 
+    _keep_in_fp32 = ("comp_k_sum", "comp_v_sum", "comp_count")  # sums of many tokens: float32 in any model dtype
+
     def __init__(self, retrieval: list[int], others: list[int], sink: int, window: int, window_frac: float,
                  quant: QuantSpec | None = None, layer: int = 0):  # fmt: skip
         super().__init__()

@@ -34,6 +34,7 @@ class StaticRazorLayer(StaticKVLayer):
     slots); the float32 compensation sums ``[b, N, 1, d]`` and counts ``[b]``."""
 
     buffers = ("full_k", "full_v", "window_k", "window_v", "comp_k_sum", "comp_v_sum", "comp_count")
+    _keep_in_fp32 = ("comp_k_sum", "comp_v_sum", "comp_count")  # sums of many tokens: float32 in any model dtype
     # tensors once allocated (None before, or for a kind of head the layer lacks); Any keeps the state terse
     full_k: Any
     full_v: Any

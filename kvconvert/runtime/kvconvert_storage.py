@@ -150,6 +150,8 @@ class Fp8Reads(RoutedLayer):
 
     key_scale: torch.Tensor
     value_scale: torch.Tensor
+    # float32 in any model dtype (what the engines read); a float32 run's bytes counted as 16-bit keep them at 4
+    _keep_in_fp32 = ("key_scale", "value_scale")
     dtype: torch.dtype
 
     def _codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
