@@ -287,14 +287,19 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
         tasks = None
         passes = None
         if batches:
-            from kvconvert.eval.tasks import checked_accuracy, task_accuracy
+            from kvconvert.eval.tasks import checked_accuracy
 
             started = time.perf_counter()
 
             def bar(label: str) -> str | None:
                 return f"tasks: {label}" if config.progress else None
 
-            source_tasks = task_accuracy(reference, tokenizer, batches, config.chunk, bar("source"))
+            by_sample: dict[Any, float] = {}
+            source_tasks = checked_accuracy(reference, tokenizer, batches, config.chunk, bar("source"),
+                                            scores=by_sample)[0]  # fmt: skip
+            # candidates answer first what the source missed: as a rule they miss it too, so a check bound to fail
+            # is out of reach after fewer samples (each a prefill of the whole length); the verdict is the same
+            order = sorted(by_sample, key=lambda key: by_sample[key])  # stable: missed first, then as batched
             source_average = average_accuracy(source_tasks)[str(ctx)]
             tasks = {"names": list(config.task_names()), "length": ctx, "samples": config.task_samples,
                      "seed": config.task_seed, "max_drop": config.max_task_drop, "source": source_tasks,
@@ -311,7 +316,7 @@ def _run_plan(model: str, out: Path, config: PlanConfig, replace: bool) -> dict[
                     candidate = load_model(str(directory), device=device)
                     floor = source_average - config.max_task_drop
                     row["tasks"], complete = checked_accuracy(candidate, tokenizer, batches, config.chunk,
-                                                              bar(row["label"]), floor)  # fmt: skip
+                                                              bar(row["label"]), floor, order)  # fmt: skip
                     row["task_check_stopped"] = not complete
                     row["task_average"] = average_accuracy(row["tasks"])[str(ctx)]
                     row["task_drop"] = source_average - row["task_average"]

@@ -286,3 +286,33 @@ def test_plan_task_errors_are_one_line(tokenized_model_dir, tmp_path):
         result = run_cli("plan", "--model", src, "--out", str(tmp_path / "plan"), "--methods", "quant", *args)
         assert result.exit_code == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
         assert not (tmp_path / "plan").exists()
+
+
+def test_plan_task_checks_ask_first_what_the_source_missed(tokenized_model_dir, tmp_path, monkeypatch):
+    """A candidate's check answers first the samples the source missed (as a rule it misses them too, so a check
+    bound to fail is out of reach sooner), then the rest in the source's order; the verdicts are the bound's."""
+    import kvconvert.eval.tasks as tasks
+
+    checks: list[tuple[int, list[tuple]]] = []  # (model, prompts answered in order), one per check
+
+    def fake_answer(model, tokenizer, sample, chunk=512):
+        if not checks or checks[-1][0] != id(model):
+            checks.append((id(model), []))
+        checks[-1][1].append(tuple(sample.prompt))
+        source = getattr(model.config, "kvconvert", None) is None
+        missed = source and len(checks[-1][1]) == 3  # the source misses its third sample
+        return "wrong" if missed else sample.answers[0]
+
+    monkeypatch.setattr(tasks, "answer", fake_answer)
+    src = tmp_path / "src"
+    shutil.copytree(tokenized_model_dir("llama_gqa64"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    result = run_cli("plan", "--model", str(src), "--out", str(tmp_path / "plan"), "--methods", "quant",
+                     "--budgets", "0.6", "--context", "992", "--continuation", "32", "--windows", "1", "--tasks",
+                     "niah_single,niah_multikey", "--task-samples", "2", "--device", "cpu", "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (_, source), (_, candidate), *_ = checks
+    assert len(source) == 4 and candidate == [source[2], source[0], source[1], source[3]]
+    frontier = json.loads((tmp_path / "plan" / "frontier.json").read_text())
+    assert frontier["tasks"]["source_average"] == 75.0 and frontier["budgets"][0]["task_drop"] == -25.0

@@ -101,11 +101,13 @@ def test_bad_task_arguments_are_one_line(aidreams_dir, args, says):
     assert says in result.output and len(result.output.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.parametrize("seed", range(20))
-def test_a_check_against_a_floor_stops_once_out_of_reach_with_the_same_verdict(seed, monkeypatch):
+def test_a_check_against_a_floor_stops_once_out_of_reach_with_the_same_verdict(seed, shuffled, monkeypatch):
     """``checked_accuracy`` with a floor: the verdict (average ≥ floor at every length) is the full run's, it
     stops at the first sample after which the floor is out of reach, and what it returns bounds the full run's
-    accuracies from above. Answers are faked by a random pattern of right and wrong."""
+    accuracies from above; in any ``order`` of the samples (the planner's: what the source missed first), each
+    answered in that order and its score recorded. Answers are faked by a random pattern of right and wrong."""
     import random
 
     import kvconvert.eval.tasks as tasks
@@ -124,13 +126,19 @@ def test_a_check_against_a_floor_stops_once_out_of_reach_with_the_same_verdict(s
     full = tasks.task_accuracy(None, None, batches)
     floor = rng.choice([50.0, 75.0, 90.0, 100.0])
     asked.clear()
-    bounded, complete = tasks.checked_accuracy(None, None, batches, floor=floor)
+    keys = [(key, i) for key, batch in batches.items() for i in range(len(batch))]
+    if shuffled:
+        rng.shuffle(keys)
+    scores: dict = {}
+    bounded, complete = tasks.checked_accuracy(None, None, batches, floor=floor, order=keys if shuffled else None,
+                                               scores=scores)  # fmt: skip
+    assert list(scores) == keys[: len(asked)] and all(scores[k] == right[id(batches[k[0]][k[1]])] for k in scores)
     passes = min(tasks.average_accuracy(full).values()) >= floor
     assert (min(tasks.average_accuracy(bounded).values()) >= floor) == passes
     assert all(bounded[t][n] >= full[t][n] for t in full for n in full[t])
     if passes:
         assert complete and bounded == full
     elif not complete:  # it stopped at the first sample that put the floor out of reach, not later
-        order = [id(s) for batch in batches.values() for s in batch]
+        order = [id(batches[key][i]) for key, i in keys]
         assert asked == order[: len(asked)] and not right[asked[-1]]
     assert len(asked) == (sum(map(len, batches.values())) if complete else len(asked))

@@ -263,6 +263,7 @@ def answer(model: Any, tokenizer: Any, sample: Sample, chunk: int = 512) -> str:
 
 
 Batches = dict[tuple[str, int], list[Sample]]
+SampleKey = tuple[tuple[str, int], int]  # ((task, length), index in its batch)
 
 
 def make_batches(
@@ -284,12 +285,14 @@ def task_accuracy(
 
 def checked_accuracy(
     model: Any, tokenizer: Any, batches: Batches, chunk: int = 512, progress: str | None = None,
-    floor: float | None = None,
+    floor: float | None = None, order: list[SampleKey] | None = None, scores: dict[SampleKey, float] | None = None,
 ) -> tuple[dict[str, dict[str, float]], bool]:  # fmt: skip
     """``task_accuracy`` that may stop early: with ``floor``, as soon as some length's average accuracy (the mean
     over tasks) could no longer reach ``floor`` even if every sample left were answered right, the rest are not
     run (each costs a long prefill) and count as right, so the accuracies returned are upper bounds. Returns them
-    and whether every sample was scored. A check against a bound gives the same pass / fail either way."""
+    and whether every sample was scored. A check against a bound gives the same pass / fail either way.
+    ``order``: every sample's key, in the order to answer them (default: as batched); ``scores``: receives each
+    answered sample's score (0 or 1) by its key."""
     from tqdm import tqdm
 
     right = {key: 0.0 for key in batches}
@@ -302,8 +305,14 @@ def checked_accuracy(
             accuracy.setdefault(task, {})[str(length)] = 100 * (right[task, length] + left[task, length]) / len(batch)
         return accuracy
 
-    for key, s in ((key, s) for key, batch in batches.items() for s in batch):
-        right[key] += score(answer(model, tokenizer, s, chunk), s.answers)
+    keys = order if order is not None else [(key, i) for key, batch in batches.items() for i in range(len(batch))]
+    assert sorted(keys) == sorted((key, i) for key, batch in batches.items() for i in range(len(batch))), "each once"
+    for key, i in keys:
+        s = batches[key][i]
+        got = score(answer(model, tokenizer, s, chunk), s.answers)
+        if scores is not None:
+            scores[key, i] = got
+        right[key] += got
         left[key] -= 1
         bar.update()
         if floor is not None and min(average_accuracy(accuracies()).values()) < floor - 1e-9:
