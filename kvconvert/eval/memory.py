@@ -42,7 +42,7 @@ def cache_nbytes(cache: Any, as_dtype: torch.dtype | None = None, run_dtype: tor
     cache would hold from the model loaded in that dtype, measured on this run of it in ``run_dtype``: every tensor
     in ``run_dtype`` counts at ``as_dtype``'s width but those its owner keeps in float32 whatever the model's dtype
     (``_tensors``); integer codes and float16 scales count as they are. Equal to the bytes measured with the model
-    loaded in ``as_dtype`` (``tests/test_eval.py``) where what a cache holds does not depend on the values (it does
+    loaded in ``as_dtype`` (``tests/test_method_contract.py``) where what a cache holds does not depend on the values (it does
     for MiniCache's retained tokens: this run's count), without a second model or a second pass over the text."""
     seen: set[tuple[int, int]] = set()
     total = 0
@@ -53,7 +53,7 @@ def cache_nbytes(cache: Any, as_dtype: torch.dtype | None = None, run_dtype: tor
         seen.add(key)
         size = t.untyped_storage().nbytes()
         if as_dtype is not None and t.dtype == run_dtype and not fixed:
-            size = size * as_dtype.itemsize // 4
+            size = size * as_dtype.itemsize // run_dtype.itemsize
         total += size
     return total
 
