@@ -42,8 +42,9 @@ def cache_nbytes(cache: Any, as_dtype: torch.dtype | None = None, run_dtype: tor
     cache would hold from the model loaded in that dtype, measured on this run of it in ``run_dtype``: every tensor
     in ``run_dtype`` counts at ``as_dtype``'s width but those its owner keeps in float32 whatever the model's dtype
     (``_tensors``); integer codes and float16 scales count as they are. Equal to the bytes measured with the model
-    loaded in ``as_dtype`` (``tests/test_method_contract.py``) where what a cache holds does not depend on the values (it does
-    for MiniCache's retained tokens: this run's count), without a second model or a second pass over the text."""
+    loaded in ``as_dtype`` (``tests/test_method_contract.py``) where what a cache holds does not depend on the
+    values (it does for MiniCache's retained tokens: this run's count), without a second model or a second pass
+    over the text."""
     seen: set[tuple[int, int]] = set()
     total = 0
     for t, fixed in _tensors(cache, set()):
