@@ -68,21 +68,26 @@ def deployed_nbytes(cache: Any, model: Any) -> int:
     return cache_nbytes(cache) if dtype.itemsize == 2 else cache_nbytes(cache, torch.bfloat16, dtype)
 
 
-@torch.no_grad()
-def kv_bytes_per_token(model: Any, input_ids: torch.Tensor, short: int, long: int, as_16bit: bool = False) -> float:
-    """Growth of cache bytes per token (per sequence) between prefixes of ``short`` and ``long`` tokens
-    (``as_16bit``: as deployed in 16 bits, ``deployed_nbytes``).
+def kv_bytes_per_token(model: Any, input_ids: torch.Tensor, short: int, long: int) -> float:
+    """Growth of cache bytes per token (per sequence) between prefixes of ``short`` and ``long`` tokens.
 
     Measuring growth cancels fixed overheads, so the number is what each extra token costs.
     ``input_ids``: ``[b, >= long]``.
     """
+    return kv_bytes_growth(model, input_ids, short, long)[0]
+
+
+@torch.no_grad()
+def kv_bytes_growth(model: Any, input_ids: torch.Tensor, short: int, long: int) -> tuple[float, float]:
+    """``kv_bytes_per_token``, and the same as deployed in 16 bits (``deployed_nbytes``), from the same caches."""
     if not 0 < short < long <= input_ids.shape[1]:
         raise ValueError(f"need 0 < short < long <= {input_ids.shape[1]}, got {short}, {long}")
     sizes = []
     for length in (short, long):
-        out = model(input_ids[:, :length], use_cache=True)
-        sizes.append(deployed_nbytes(out.past_key_values, model) if as_16bit else cache_nbytes(out.past_key_values))
-    return (sizes[1] - sizes[0]) / (long - short) / input_ids.shape[0]
+        cache = model(input_ids[:, :length], use_cache=True).past_key_values
+        sizes.append((cache_nbytes(cache), deployed_nbytes(cache, model)))
+    tokens = (long - short) * input_ids.shape[0]
+    return (sizes[1][0] - sizes[0][0]) / tokens, (sizes[1][1] - sizes[0][1]) / tokens
 
 
 class PeakMemory:

@@ -70,13 +70,14 @@ BeforeLast = Callable[[Any, torch.Tensor], None]  # (the cache so far or None, t
 
 
 def prefill(
-    model: Any, ids: torch.Tensor, chunk: int | None = None, before_last: BeforeLast | None = None
+    model: Any, ids: torch.Tensor, chunk: int | None = None, before_last: BeforeLast | None = None, past: Any = None
 ) -> tuple[Any, torch.Tensor]:
     """``ids [b, n]`` into the model's own cache, ``chunk`` tokens per forward (None: one forward; chunks keep
     a long prompt's activations bounded, as engines' chunked prefill does) -> (cache, logits ``[b, 1, V]`` of
     the last position: only those are kept, a 262k vocabulary × 8K positions would be 8 GB). ``before_last``:
-    called with the cache (None before a first forward) and the last chunk's ids before that chunk goes in."""
-    cache, logits = None, None
+    called with the cache (None before a first forward) and the last chunk's ids before that chunk goes in.
+    ``past``: a cache to go on from (None: a fresh one)."""
+    cache, logits = past, None
     step = chunk or ids.shape[1]
     for start in range(0, ids.shape[1], step):
         if before_last is not None and start + step >= ids.shape[1]:

@@ -13,7 +13,7 @@ import torch
 from kvconvert.devices import resolve_device
 from kvconvert.errors import KVConvertError
 from kvconvert.eval.data import load_text
-from kvconvert.eval.memory import cache_nbytes, deployed_nbytes, kv_bytes_per_token
+from kvconvert.eval.memory import cache_nbytes, deployed_nbytes, kv_bytes_growth
 from kvconvert.eval.quality import evaluate_quality, prefill
 from kvconvert.eval.retrieval import copy_accuracy, ordinary_token_ids, passkey_accuracy
 from kvconvert.eval.speed import measure_speed, side_by_side
@@ -103,14 +103,14 @@ def default_retrieval_lengths(context: int) -> tuple[int, ...]:
 
 
 @torch.no_grad()
-def cache_after_context(model: Any, ids: torch.Tensor, chunk: int | None = None) -> Any:
-    """The cache once ``ids [1, n]`` went in: all but the last token in one forward (or ``chunk`` tokens at a
-    time), the last as one decode step. (transformers' sliding-window layers keep a view of a whole prefill until
-    their next update; the decode step releases it, so every cache is measured in its steady state.)"""
-    if ids.shape[1] == 1:
-        return model(ids, use_cache=True).past_key_values
-    cache = prefill(model, ids[:, :-1], chunk)[0]
-    return model(ids[:, -1:], past_key_values=cache, use_cache=True).past_key_values
+def cache_after_context(model: Any, ids: torch.Tensor, chunk: int | None = None, past: Any = None) -> Any:
+    """The cache once ``ids [1, n]`` went in (after ``past``, a cache, if given): all but the last token in one
+    forward (or ``chunk`` tokens at a time), the last as one decode step. (transformers' sliding-window layers keep
+    a view of a whole prefill until their next update; the decode step releases it, so every cache is measured in
+    its steady state.)"""
+    if ids.shape[1] > 1:
+        past = prefill(model, ids[:, :-1], chunk, past=past)[0]
+    return model(ids[:, -1:], past_key_values=past, use_cache=True).past_key_values
 
 
 def bytes_after_context(model: Any, ids: torch.Tensor, chunk: int | None = None, as_16bit: bool = False) -> int:
@@ -124,7 +124,7 @@ class ContextBytes:
     """``bytes_after_context(model, window[:, :context], chunk, as_16bit=True)`` taken during the prefill that
     scores the same window (``evaluate_quality(context_bytes=)``), not by a second pass over its context: just
     before the prefill's last chunk, the cache is copied and the copy takes the rest of the context as
-    ``bytes_after_context`` feeds it (the chunks before are the same forwards), then is measured and dropped. At 8K
+    ``cache_after_context`` feeds it (the chunks before are the same forwards), then is measured and dropped. At 8K
     tokens on 2 cores the second pass cost 36 s of each planner candidate's 74. The copy raises that window's peak
     memory by a cache: used where no peak is reported (``kvconvert plan``). ``bytes``: the first window's."""
 
@@ -137,10 +137,7 @@ class ContextBytes:
         """``cache`` (None before a first chunk) holds the context but ``last [1, t]``, its last chunk."""
         if self.bytes is not None:
             return
-        fork = copy.deepcopy(cache)
-        if last.shape[1] > 1:
-            fork = self.model(last[:, :-1], past_key_values=fork, use_cache=True, logits_to_keep=1).past_key_values
-        fork = self.model(last[:, -1:], past_key_values=fork, use_cache=True).past_key_values
+        fork = cache_after_context(self.model, last, past=copy.deepcopy(cache))  # the last chunk: one forward
         self.bytes = deployed_nbytes(fork, self.model)
 
 
@@ -154,7 +151,7 @@ def measure_kv(model: Any, ids: torch.Tensor, config: EvalConfig, ctx: int) -> t
         return cache_nbytes(state) / tokens, deployed_nbytes(state, model) / tokens, {"kv_measured_after": tokens}
     long = min(ctx, ids.numel(), 512)
     short = max(1, long // 4)
-    per_token, deployed = (kv_bytes_per_token(model, ids[None, :long], short, long, wide) for wide in (False, True))
+    per_token, deployed = kv_bytes_growth(model, ids[None, :long], short, long)
     return per_token, deployed, {"kv_measured_between": [short, long]}
 
 
