@@ -199,3 +199,31 @@ def test_its_bytes_measured_during_a_prefill_equal_a_second_pass(method, chunk, 
     logits = prefill(model, ids, chunk, held)[1]
     assert held.bytes == bytes_after_context(model, ids, chunk, as_16bit=True)
     torch.testing.assert_close(logits, prefill(model, ids, chunk)[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ALL)
+@torch.no_grad()
+def test_prompts_sharing_a_prefix_prefill_it_once_with_the_same_caches(method, converted):
+    """``SharedPrefixes`` (how a model answers RULER-style samples that share their haystack's start): each
+    prompt starts from a copy of an earlier one's cache at a chunk boundary, and gives the last logits and the
+    cache (three decode steps through it) a prefill from scratch gives, bit for bit."""
+    from kvconvert.eval.quality import prefill
+    from kvconvert.eval.tasks import SharedPrefixes
+
+    model = kvconvert.load(converted(method, "compressing")[1]).eval()
+    trunk = _ids(CONTEXT, rows=1)[0].tolist()
+    branch = _ids(CONTEXT, rows=3, seed=1).tolist()
+    # with chunks of 32: the second starts from the first's cache at 96 tokens, the third and the fifth at 128 (of
+    # 150 shared), the fourth shares nothing
+    prompts = [trunk, trunk[:96] + branch[0], trunk[:150] + branch[1][:40], branch[2], trunk[:150] + branch[0][:20]]
+    shared = SharedPrefixes(prompts, chunk=32)
+    steps = torch.tensor([[5], [7], [11]])
+    for j, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt])
+        caches, logits = zip(shared.prefill(model, ids, j), prefill(model, ids, 32), strict=True)
+        torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+        for step in steps:
+            out = [model(step[None], past_key_values=c, use_cache=True).logits for c in caches]
+            torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
+    assert shared.prefilled == sum(map(len, prompts)) - 96 - 128 - 128
+    assert not shared.kept  # nothing held once no prompt is left to start from it

@@ -118,7 +118,7 @@ def test_a_check_against_a_floor_stops_once_out_of_reach_with_the_same_verdict(s
     right = {id(s): rng.random() < 0.8 for batch in batches.values() for s in batch}
     asked: list[int] = []
 
-    def fake_answer(model, tokenizer, sample, chunk=512):
+    def fake_answer(model, tokenizer, sample, chunk=512, prefill_with=None):
         asked.append(id(sample))
         return sample.answers[0] if right[id(sample)] else "no"
 
@@ -142,3 +142,47 @@ def test_a_check_against_a_floor_stops_once_out_of_reach_with_the_same_verdict(s
         order = [id(batches[key][i]) for key, i in keys]
         assert asked == order[: len(asked)] and not right[asked[-1]]
     assert len(asked) == (sum(map(len, batches.values())) if complete else len(asked))
+
+
+def test_needle_samples_of_one_length_share_their_haystack_start(tokenizer):
+    """RULER's design (one haystack per length, needles at random depths): every needle task's prompts share
+    their text up to the first needle, which ``SharedPrefixes`` prefills once; another seed, another haystack."""
+    from kvconvert.eval.tasks import SharedPrefixes
+
+    samples = [s for task in ("niah_single", "niah_multikey") for s in make_samples(tokenizer, task, 1024, 3, seed=0)]
+    shared = SharedPrefixes([s.prompt for s in samples], chunk=1)
+    instruction = len(tokenizer("Some special magic numbers are hidden within the following text. Make sure to "
+                                "memorize them. I will quiz you about the numbers afterwards.").input_ids)
+    assert all(shared.shared(i, j) >= instruction for i in range(6) for j in range(6))
+    # one needle each: these share their haystack up to the earlier needle (a four-needle sample's first may be at
+    # the very start)
+    assert all(shared.shared(i, j) > instruction + 20 for i in range(3) for j in range(3))
+    other = make_samples(tokenizer, "niah_single", 1024, 1, seed=1)[0]
+    assert SharedPrefixes([samples[0].prompt, other.prompt], chunk=1).shared(0, 1) < instruction + 20
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 29])
+def test_answers_through_shared_prefixes_are_the_answers_from_scratch(tiny_model_dir, keep_bytes):
+    """``checked_accuracy`` answers through ``SharedPrefixes``: the same answers as each prompt prefilled alone;
+    nothing kept (no room for a copy: ``keep_bytes`` 0) still answers right, prefilling every token."""
+    from helpers import load_reference
+
+    from kvconvert.eval.tasks import SharedPrefixes
+
+    model = load_reference(tiny_model_dir("llama_gqa"))
+
+    class Digits:
+        eos_token_id = None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    trunk = torch.randint(3, 90, (180,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = [trunk[:n] + trunk[n:][::-1] for n in (150, 70, 120)]
+    shared = SharedPrefixes(prompts, chunk=16, keep_bytes=keep_bytes)
+    for j, prompt in enumerate(prompts):
+        sample = Sample("niah_single", prompt, ("never",), 6)
+        alone = answer(model, Digits(), sample, chunk=16)
+        assert answer(model, Digits(), sample, 16, lambda m, ids, j=j: shared.prefill(m, ids, j)) == alone
+    assert shared.prefilled == 3 * 180 - (0 if keep_bytes == 0 else 64 + 112)

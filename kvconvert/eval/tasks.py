@@ -16,13 +16,17 @@ expected strings found in the generated answer):
   most frequent are asked for.
 
 Haystacks come from the calibration text the package ships (``kvconvert/calib_data``), repeated when a
-length needs more; words for ``cwe`` from the same text. Prompts go into the cache in chunks (bounded
-memory at any length), the answer is generated greedily through it: a method that drops, merges or
-quantizes cached tokens loses here what it loses in use.
+length needs more; words for ``cwe`` from the same text. As in RULER, every needle task of one length draws the
+same haystack (from a start the seed picks) and samples differ in their needles and depths, so their prompts
+share the text before their first needle. Prompts go into the cache in chunks (bounded memory at any length),
+the answer is generated greedily through it: a method that drops, merges or quantizes cached tokens loses here
+what it loses in use. A model answering several samples prefills a shared prefix once (``SharedPrefixes``).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import random
 import re
 import string
@@ -129,7 +133,7 @@ def _word(rng: random.Random, size: int = 6) -> str:
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(size))
 
 
-def _niah(task: str, tokens: _Tokens, length: int, rng: random.Random, sentences: list[str]) -> Sample:
+def _niah(task: str, tokens: _Tokens, length: int, rng: random.Random, sentences: list[str], start: int) -> Sample:
     keys = [f"{_word(rng)}-{_word(rng)}" for _ in range(4)]
     if task == "niah_single":
         needles, asked = [(keys[0], _number(rng))], [keys[0]]
@@ -141,7 +145,6 @@ def _niah(task: str, tokens: _Tokens, length: int, rng: random.Random, sentences
         needles, asked = [(k, _number(rng)) for k in keys], keys
     rng.shuffle(needles)
     depths = sorted(rng.random() for _ in needles)
-    start = rng.randrange(len(sentences))
     query = ", ".join(asked)
     new_tokens = 32 * len(needles) if task in ("niah_multivalue", "niah_multiquery") else 32  # ~32 per number
 
@@ -225,11 +228,14 @@ def make_samples(tokenizer: Any, task: str, length: int, count: int, seed: int) 
         raise KVConvertError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
     tokens, sentences = _Tokens(tokenizer), essay_sentences()
     vocabulary = cwe_vocabulary(sentences)
+    # one haystack per seed and length, every needle task's (RULER's design): prompts then share their text up
+    # to their first needle, which a model answering them prefills once (``SharedPrefixes``)
+    start = random.Random(f"{seed}/{length}").randrange(len(sentences))
     out = []
     for i in range(count):
         rng = random.Random(f"{seed}/{task}/{length}/{i}")
         if task.startswith("niah"):
-            out.append(_niah(task, tokens, length, rng, sentences))
+            out.append(_niah(task, tokens, length, rng, sentences, start))
         elif task == "vt":
             out.append(_vt(tokens, length, rng))
         elif task == "cwe":
@@ -239,15 +245,79 @@ def make_samples(tokenizer: Any, task: str, length: int, count: int, seed: int) 
     return out
 
 
+KEEP_BYTES = 1 << 29  # copies of prefix caches held at once, at most (512 MiB: peak memory stays bounded)
+
+
+class SharedPrefixes:
+    """Prefill of prompts answered one after another (``prompts``, in that order) that reuses what they share:
+    while a prompt goes into the cache, a copy of the cache is kept at each chunk boundary up to which a prompt
+    still to come shares its tokens, and that prompt starts from the copy. Chunks from position 0 and from a copy
+    end at the same positions, so the cache and logits are the ones a prefill from scratch gives (bit for bit:
+    ``tests/test_tasks.py``) for any cache, token-dropping and merging ones included. Copies are taken only while
+    those held total at most ``keep_bytes`` (their bytes as run), and dropped once no prompt to come starts from
+    them. Without ``chunk`` (one forward per prompt) nothing is shared."""
+
+    def __init__(self, prompts: list[list[int]], chunk: int | None, keep_bytes: int = KEEP_BYTES):
+        self.prompts = [torch.tensor(p) for p in prompts]
+        self.chunk, self.keep_bytes = chunk, keep_bytes
+        self.kept: dict[tuple[int, int], Any] = {}  # (prompt, tokens) -> the cache after its first ``tokens``
+        self.prefilled = 0  # tokens that went through the model (for tests and reports)
+
+    def shared(self, a: int, b: int) -> int:
+        """Tokens prompt ``b`` can take from prompt ``a``'s prefill: their common prefix down to a chunk boundary,
+        short of ``b``'s last token (its logits are the answer's first)."""
+        if self.chunk is None:
+            return 0
+        pa, pb = self.prompts[a], self.prompts[b]
+        n = min(pa.numel(), pb.numel() - 1)
+        differ = (pa[:n] != pb[:n]).nonzero()
+        common = int(differ[0]) if differ.numel() else n
+        return common // self.chunk * self.chunk
+
+    def _start(self, j: int) -> tuple[int, tuple[int, int] | None]:
+        """The kept copy prompt ``j`` starts from (most tokens) and its tokens; (0, None) for none."""
+        usable = [(tokens, key) for key in self.kept if (tokens := key[1]) <= self.shared(key[0], j)]
+        return max(usable, default=(0, None))
+
+    def prefill(self, model: Any, ids: torch.Tensor, index: int) -> tuple[Any, torch.Tensor]:
+        """(cache, last logits) of prompt ``index`` (``ids`` = it on the model's device), as ``quality.prefill``."""
+        from kvconvert.eval.memory import cache_nbytes
+        from kvconvert.eval.quality import prefill
+
+        j = index
+        start, key = self._start(j)
+        past = None if key is None else copy.deepcopy(self.kept[key])
+        later = range(j + 1, len(self.prompts))
+        # a copy where a later prompt could start further than from anything kept now
+        marks = sorted({b for k in later if (b := self.shared(j, k)) > max(start, self._start(k)[0])})
+        cache, at, logits = past, start, None
+        for end in [*marks, ids.shape[1]]:
+            cache, logits = prefill(model, ids[:, at:end], self.chunk, past=cache)
+            self.prefilled += end - at
+            held = sum(cache_nbytes(c) for c in self.kept.values())
+            if end < ids.shape[1] and held + cache_nbytes(cache) <= self.keep_bytes:
+                self.kept[j, end] = copy.deepcopy(cache)
+            at = end
+        for kept in list(self.kept):  # drop what no prompt to come starts from
+            if all(self._start(k)[1] != kept for k in later):
+                del self.kept[kept]
+        assert logits is not None
+        return cache, logits
+
+
 @torch.no_grad()
-def answer(model: Any, tokenizer: Any, sample: Sample, chunk: int = 512) -> str:
+def answer(
+    model: Any, tokenizer: Any, sample: Sample, chunk: int = 512,
+    prefill_with: Callable[[Any, torch.Tensor], tuple[Any, torch.Tensor]] | None = None,
+) -> str:  # fmt: skip
     """Greedy answer to ``sample``: the prompt into the model's own cache ``chunk`` tokens at a time (only the
-    last position's logits kept), then ``new_tokens`` generated through it (stopping at end of sequence)."""
+    last position's logits kept), then ``new_tokens`` generated through it (stopping at end of sequence).
+    ``prefill_with(model, ids)``: what puts the prompt in instead (``SharedPrefixes.prefill``), same result."""
     from kvconvert.devices import model_device
     from kvconvert.eval.quality import prefill
 
     ids = torch.tensor([sample.prompt], device=model_device(model))
-    cache, logits = prefill(model, ids, chunk)
+    cache, logits = prefill(model, ids, chunk) if prefill_with is None else prefill_with(model, ids)
     eos = tokenizer.eos_token_id
     generated: list[int] = []
     for _ in range(sample.new_tokens):
@@ -307,9 +377,10 @@ def checked_accuracy(
 
     keys = order if order is not None else [(key, i) for key, batch in batches.items() for i in range(len(batch))]
     assert sorted(keys) == sorted((key, i) for key, batch in batches.items() for i in range(len(batch))), "each once"
-    for key, i in keys:
+    shared = SharedPrefixes([batches[key][i].prompt for key, i in keys], chunk)
+    for j, (key, i) in enumerate(keys):
         s = batches[key][i]
-        got = score(answer(model, tokenizer, s, chunk), s.answers)
+        got = score(answer(model, tokenizer, s, chunk, functools.partial(shared.prefill, index=j)), s.answers)
         if scores is not None:
             scores[key, i] = got
         right[key] += got
