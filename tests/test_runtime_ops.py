@@ -114,3 +114,28 @@ def test_additive_mask_forms_agree():
     assert torch.equal(causal, from_bool)
     assert torch.isfinite(from_bool).all(), "fully masked rows must not produce -inf (NaN after softmax)"
     assert additive_mask(None, 1, 5, torch.float32, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize(("kv_heads", "key_width", "value_width"),
+                         [(3, 64, 64), (1, 64, 96), (3, 96, 40), (9, 32, 32)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_attention_is_softmax_attention(kv_heads, key_width, value_width, dtype):
+    """``chunk_attention`` (LoRC's and ZACK's prefill through SDPA's fused kernel) against scores, softmax and
+    product in plain torch: grouped query heads, a shared latent on either side, keys and values of different
+    widths (zero-padded for the kernel), a causal bias over a past."""
+    from kvconvert.runtime.kvconvert_kernels import chunk_attention
+
+    generator = torch.Generator().manual_seed(kv_heads + key_width)
+    heads, q_len, kv_len = 9, 24, 80
+    query = torch.randn(2, heads, q_len, key_width, generator=generator)
+    keys = torch.randn(2, kv_heads, kv_len, key_width, generator=generator)
+    values = torch.randn(2, 1 if kv_heads == 3 and value_width != key_width else kv_heads, kv_len, value_width,
+                         generator=generator)  # fmt: skip
+    bias = additive_mask(None, q_len, kv_len, dtype, query.device)
+    group = heads // keys.shape[1]
+    scores = query @ keys.repeat_interleave(group, dim=1).transpose(-1, -2) * 0.125 + bias.float()
+    expected = torch.softmax(scores, -1) @ values.repeat_interleave(heads // values.shape[1], dim=1)
+    got = chunk_attention(query.to(dtype), keys.to(dtype), values.to(dtype), bias, 0.125)
+    assert got.shape == expected.shape and got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)

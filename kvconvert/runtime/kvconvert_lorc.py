@@ -34,7 +34,7 @@ from .kvconvert_common import (
     rotate_pairs,
     softmax_rows,
 )
-from .kvconvert_kernels import rebuild, use_kernels
+from .kvconvert_kernels import chunk_attention, rebuild, use_kernels
 
 
 class HeadNorm(nn.Module):
@@ -195,6 +195,12 @@ class LorcAttention(LatentAttention):
             bias = additive_mask(attention_mask, 1, kv_len, torch.float32, keys.device)
             out = self.decode_with_kernel(query.reshape(batch, -1), key_tokens, values, bias)
             return self.o_proj(out.to(hidden_states.dtype)[:, None])
+        if q_len > 1:  # a chunk: the fused kernel (keys per KV head or the shared latent, values likewise)
+            bias = additive_mask(attention_mask, q_len, kv_len, query.dtype, query.device)
+            k = keys[:, None] if self.absorbed_keys else key_heads
+            v = self._grouped(values) if self.rank_v is None else values[:, None]
+            out = chunk_attention(query, k, v, bias, self.scaling)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
         if self.absorbed_keys:
             # scores against the shared latent: [b, h·q, r_k] @ [b, r_k, n]
             scores = torch.bmm(query.reshape(batch, h * q_len, -1), keys.transpose(1, 2)).view(batch, h, q_len, kv_len)

@@ -25,7 +25,7 @@ from .kvconvert_common import (
     latent_layers,
     softmax_rows,
 )
-from .kvconvert_kernels import use_kernels
+from .kvconvert_kernels import chunk_attention, use_kernels
 
 
 class ZackAttention(LatentAttention):
@@ -115,13 +115,9 @@ class ZackAttention(LatentAttention):
             return self.o_proj(self._decode_packed(queries, keys, values, bias))
         outputs = []
         per_head = zip(keys.split(self.rank_k, dim=-1), values.split(self.rank_v, dim=-1), strict=True)
-        for g, (key_g, value_g) in enumerate(per_head):
-            scores = (queries[g] @ key_g.transpose(1, 2).unsqueeze(1)) * self.scaling  # [b, G, q, n]
-            if bias is not None:
-                scores = scores + bias
-            probs = softmax_rows(scores, hidden_states.dtype)
-            out = probs @ value_g.unsqueeze(1)  # [b, G, q, r_v,g]: still rotated; W_O undoes it
-            outputs.append(out.transpose(1, 2).reshape(batch, q_len, -1))
+        for g, (key_g, value_g) in enumerate(per_head):  # a chunk: the fused kernel, group by group
+            out = chunk_attention(queries[g], key_g[:, None], value_g[:, None], bias, self.scaling)
+            outputs.append(out.transpose(1, 2).reshape(batch, q_len, -1))  # [b, q, G·r_v,g]: W_O undoes the rotation
         return self.o_proj(torch.cat(outputs, dim=-1))
 
     def _decode_packed(
