@@ -151,8 +151,8 @@ def test_needle_samples_of_one_length_share_their_haystack_start(tokenizer):
 
     samples = [s for task in ("niah_single", "niah_multikey") for s in make_samples(tokenizer, task, 1024, 3, seed=0)]
     shared = SharedPrefixes([s.prompt for s in samples], chunk=1)
-    instruction = len(tokenizer("Some special magic numbers are hidden within the following text. Make sure to "
-                                "memorize them. I will quiz you about the numbers afterwards.").input_ids)
+    opening = "Some special magic numbers are hidden within the following text. Make sure to memorize them."
+    instruction = len(tokenizer(opening + " I will quiz you about the numbers afterwards.").input_ids)
     assert all(shared.shared(i, j) >= instruction for i in range(6) for j in range(6))
     # one needle each: these share their haystack up to the earlier needle (a four-needle sample's first may be at
     # the very start)
