@@ -179,10 +179,12 @@ def test_answers_through_shared_prefixes_are_the_answers_from_scratch(tiny_model
             return " ".join(map(str, ids))
 
     trunk = torch.randint(3, 90, (180,), generator=torch.Generator().manual_seed(0)).tolist()
-    prompts = [trunk[:n] + trunk[n:][::-1] for n in (150, 70, 120)]
+    # chunks of 16: the second and third start from the first's cache at 64 tokens (the first, 96 long, is all of
+    # the third's and fourth's beginning: no copy at its end), the fourth from the third's at 112
+    prompts = [trunk[:96], trunk[:70] + trunk[70:][::-1], trunk[:120] + trunk[120:][::-1], trunk + trunk[:20]]
     shared = SharedPrefixes(prompts, chunk=16, keep_bytes=keep_bytes)
     for j, prompt in enumerate(prompts):
         sample = Sample("niah_single", prompt, ("never",), 6)
         alone = answer(model, Digits(), sample, chunk=16)
         assert answer(model, Digits(), sample, 16, lambda m, ids, j=j: shared.prefill(m, ids, j)) == alone
-    assert shared.prefilled == 3 * 180 - (0 if keep_bytes == 0 else 64 + 112)
+    assert shared.prefilled == sum(map(len, prompts)) - (0 if keep_bytes == 0 else 64 + 64 + 112)

@@ -288,8 +288,9 @@ class SharedPrefixes:
         start, key = self._start(j)
         past = None if key is None else copy.deepcopy(self.kept[key])
         later = range(j + 1, len(self.prompts))
-        # a copy where a later prompt could start further than from anything kept now
-        marks = sorted({b for k in later if (b := self.shared(j, k)) > max(start, self._start(k)[0])})
+        # a copy where a later prompt could start further than from anything kept now (inside this prompt: a prompt
+        # that is another's beginning gives it no copy, its cache goes on to the answer)
+        marks = sorted({b for k in later if max(start, self._start(k)[0]) < (b := self.shared(j, k)) < ids.shape[1]})
         cache, at, logits = past, start, None
         for end in [*marks, ids.shape[1]]:
             cache, logits = prefill(model, ids[:, at:end], self.chunk, past=cache)
