@@ -252,10 +252,10 @@ class SharedPrefixes:
     """Prefill of prompts answered one after another (``prompts``, in that order) that reuses what they share:
     while a prompt goes into the cache, a copy of the cache is kept at each chunk boundary up to which a prompt
     still to come shares its tokens, and that prompt starts from the copy. Chunks from position 0 and from a copy
-    end at the same positions, so the cache and logits are the ones a prefill from scratch gives (bit for bit:
-    ``tests/test_tasks.py``) for any cache, token-dropping and merging ones included. Copies are taken only while
-    those held total at most ``keep_bytes`` (their bytes as run), and dropped once no prompt to come starts from
-    them. Without ``chunk`` (one forward per prompt) nothing is shared."""
+    end at the same positions, so the cache and logits are the ones a prefill from scratch gives, bit for bit, for
+    any cache, token-dropping and merging ones included (``tests/test_method_contract.py``). Copies are taken only
+    while those held total at most ``keep_bytes`` (their bytes as run), and dropped once no prompt to come starts
+    from them. Without ``chunk`` (one forward per prompt) nothing is shared."""
 
     def __init__(self, prompts: list[list[int]], chunk: int | None, keep_bytes: int = KEEP_BYTES):
         self.prompts = [torch.tensor(p) for p in prompts]
