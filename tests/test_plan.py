@@ -239,7 +239,7 @@ def test_plan_recommends_only_recipes_within_the_task_drop(tokenized_model_dir, 
 
     answered: list[list[tuple]] = []  # per check (source first), the prompts answered in order
 
-    def fake_answer(model, tokenizer, sample, chunk=512):
+    def fake_answer(model, tokenizer, sample, chunk=512, prefill_with=None):
         if not answered or tuple(sample.prompt) == answered[0][0]:  # every check starts at the first sample
             answered.append([])
         answered[-1].append(tuple(sample.prompt))
@@ -295,7 +295,7 @@ def test_plan_task_checks_ask_first_what_the_source_missed(tokenized_model_dir, 
 
     checks: list[tuple[int, list[tuple]]] = []  # (model, prompts answered in order), one per check
 
-    def fake_answer(model, tokenizer, sample, chunk=512):
+    def fake_answer(model, tokenizer, sample, chunk=512, prefill_with=None):
         if not checks or checks[-1][0] != id(model):
             checks.append((id(model), []))
         checks[-1][1].append(tuple(sample.prompt))
