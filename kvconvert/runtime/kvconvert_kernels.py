@@ -189,10 +189,10 @@ def chunk_attention(
     pad = torch.nn.functional.pad
     if keys.shape[-1] < width:
         query, keys = pad(query, (0, width - keys.shape[-1])), pad(keys, (0, width - keys.shape[-1]))
+    wide = values if values.shape[-1] == width else pad(values, (0, width - values.shape[-1]))
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, pad(values, (0, width - values.shape[-1])), attn_mask=bias, scale=scale,
-        enable_gqa=heads != query.shape[1],
-    )  # fmt: skip
+        query, keys, wide, attn_mask=bias, scale=scale, enable_gqa=heads != query.shape[1]
+    )
     return out[..., : values.shape[-1]]
 
 
