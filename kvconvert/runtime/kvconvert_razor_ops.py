@@ -5,9 +5,9 @@ directory with ``kvconvert_razor``, which holds the state."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .kvconvert_common import softmax_rows
+from .kvconvert_kernels import chunk_attention
 
 
 def count_logit(count: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -55,8 +55,7 @@ def fused_attention(query: torch.Tensor, kv_heads: list[int], group: int, kv: tu
     """SDPA of ``kv_heads``' query heads over their ``kv`` keys and values ``[b, k, n, d]`` with the additive ``mask``
     ``[b|1, 1, q, n]``: ``[b, k, G·q, d]``, the layout ``attend_state`` writes."""
     rows = query[:, head_span(query_heads(kv_heads, group))]
-    out = F.scaled_dot_product_attention(rows, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.reshape(rows.shape[0], len(kv_heads), -1, rows.shape[-1])
+    return chunk_attention(rows, kv[0], kv[1], mask, scale).reshape(rows.shape[0], len(kv_heads), -1, rows.shape[-1])
 
 
 def extra_logits(sink_bias: torch.Tensor | None, log_count: torch.Tensor, heads: int, sink: int) -> torch.Tensor:
