@@ -61,8 +61,12 @@ def main() -> None:
         before = Path(tmp) / "before"
         subprocess.run(["cp", "-r", str(Path(tmp) / "new"), str(before)], check=True)
         for file in before.glob("*.py"):  # the base commit's runtime, loaded as remote code from its own directory
-            file.write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{base}:kvconvert/runtime/{file.name}"],
-                                           capture_output=True, text=True, check=True).stdout)  # fmt: skip
+            shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{base}:kvconvert/runtime/{file.name}"],
+                                   capture_output=True, text=True)  # fmt: skip
+            if shown.returncode == 0:
+                file.write_text(shown.stdout)
+            else:  # a runtime file the base commit did not have
+                file.unlink()
         models = {"source": AutoModelForCausalLM.from_pretrained(source).eval(),
                   f"runtime of {base}": AutoModelForCausalLM.from_pretrained(before, trust_remote_code=True).eval(),
                   "working tree": new}  # fmt: skip
