@@ -60,9 +60,17 @@ bench-minicache: install
 bench-quant: install
 	$(PYTHON) bench/quant_bench.py
 
-# Decode speed at 4K and 16K context: converted SmolLM2 vs its source, interleaved, best of 2 (about 15 minutes)
+# Decode speed, converted SmolLM2 beside its source in one process (issue #38's CPU grid): every method at batch 1 and
+# 8 (ragged left-padded rows) at 1K and 4K, batch 1 at 16K, a compiled step from static caches at 4K, and the serving
+# figure (as many rows as fit in the memory of the source's cache for 4 rows of 1K). Batch 8 at 16K is left out: the
+# source's float32 cache alone is 6 GB there and every step copies it. Hours on 2 cores, not run whole yet (the first
+# line for 8 of the 15 candidates and slim took 37 minutes on 2026-11-27; all candidates at 1K-16K, batch 1: ~50).
 bench-speed: install
-	$(PYTHON) bench/speed_bench.py
+	$(PYTHON) bench/speed_bench.py --contexts 1024,4096 --batches 1,8 --steps 16 --name speed
+	$(PYTHON) bench/speed_bench.py --contexts 16384 --steps 16 --name speed-16k
+	$(PYTHON) bench/speed_bench.py --contexts 4096 --compiled --steps 16 --name speed-compiled
+	$(PYTHON) bench/speed_bench.py --contexts 1024 --serving 1024:4 --only "quant 4-bit|zack 0.5|razor 0.5" \
+		--name speed-serving
 
 # `kvconvert plan` on SmolLM2-135M, wikitext-2 and TinyStories: every method's frontier (about 55 minutes)
 bench-frontier: install

@@ -429,9 +429,12 @@ def format_report(result: dict[str, Any]) -> str:
     drops = {r["label"]: r["task_drop"] for r in result["candidates"] if "task_drop" in r}
     stopped = {r["label"] for r in result["candidates"] if r.get("task_check_stopped")}
     if tasks is not None:
+        # what one answer is worth: a bound finer than that cannot tell a lossless recipe from one lucky draw
+        step = 100 / (tasks["samples"] * len(tasks["names"]))
         lines.append(f"tasks {', '.join(tasks['names'])} at {tasks['length']} tokens, {tasks['samples']} samples each "
                      f"(seed {tasks['seed']}): source {tasks['source_average']:.1f} %; a recipe is recommended only "
-                     f"within {tasks['max_drop']:g} points of it")  # fmt: skip
+                     f"within {tasks['max_drop']:g} points of it (one answer moves the average by up to {step:.1f}"
+                     f"{'; more --task-samples resolve finer' if step > tasks['max_drop'] else ''})")  # fmt: skip
 
     def rejected(pick: dict[str, Any]) -> str:
         names = pick.get("rejected_by_tasks") or []
