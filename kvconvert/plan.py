@@ -431,10 +431,11 @@ def format_report(result: dict[str, Any]) -> str:
     if tasks is not None:
         # what one answer is worth: a bound finer than that cannot tell a lossless recipe from one lucky draw
         step = 100 / (tasks["samples"] * len(tasks["names"]))
+        coarse = "; more --task-samples resolve finer" if step > tasks["max_drop"] else ""
         lines.append(f"tasks {', '.join(tasks['names'])} at {tasks['length']} tokens, {tasks['samples']} samples each "
                      f"(seed {tasks['seed']}): source {tasks['source_average']:.1f} %; a recipe is recommended only "
-                     f"within {tasks['max_drop']:g} points of it (one answer moves the average by up to {step:.1f}"
-                     f"{'; more --task-samples resolve finer' if step > tasks['max_drop'] else ''})")  # fmt: skip
+                     f"within {tasks['max_drop']:g} points of it (one answer moves the average by up to "
+                     f"{step:.1f} points{coarse})")  # fmt: skip
 
     def rejected(pick: dict[str, Any]) -> str:
         names = pick.get("rejected_by_tasks") or []

@@ -275,7 +275,7 @@ def test_plan_recommends_only_recipes_within_the_task_drop(tokenized_model_dir, 
     assert not (plan_dir / "recipes" / "budget-0.3.yaml").exists()
     assert "tasks +0.0 points" in result.output and "budget 0.3: no candidate passes the task check" in result.output
     # 2 tasks × 2 samples: one answer is 25 points of the average, far coarser than the 2-point bound, and it says so
-    assert "(one answer moves the average by up to 25.0; more --task-samples resolve finer)" in result.output
+    assert "(one answer moves the average by up to 25.0 points; more --task-samples resolve finer)" in result.output
     assert "long-context tasks +0.0 points" in (plan_dir / "recipes" / "budget-0.6.yaml").read_text()
 
 
