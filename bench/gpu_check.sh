@@ -11,7 +11,7 @@
 #     --platform manylinux_2_28_x86_64 -d .whl transformers==5.23.0
 # and run `bash bench/gpu_check.sh` there, the wheel folder travelling with the tree. SWEEP_S, BENCH_S and TEST_S
 # bound the sweep, the end-to-end bench and the tests (seconds); SHAPES picks the end-to-end context:batch pairs,
-# ONLY the conversions.
+# ONLY the conversions, SWEEP_KERNELS the kernels whose launches are swept (fp8,kivi).
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/kvconvert-gpu-check}
 mkdir -p "$OUT"
@@ -29,7 +29,8 @@ python3 -c "import torch, transformers, triton; print(torch.__version__, transfo
 # is SDPA exact in float32 here (the fp8 static test's open mismatch on an H200, docs/gpu.md)? seconds
 timeout 60 python3 bench/sdpa_precision.py 2>&1 | tee -a "$OUT/env.txt"
 start=$(date +%s)
-timeout "${SWEEP_S:-130}" python3 bench/kernel_sweep.py --shapes 16:8192,1:32768 --copy-to "$OUT" > "$OUT/bench.log" 2>&1
+timeout "${SWEEP_S:-130}" python3 bench/kernel_sweep.py --shapes 16:8192,1:32768 --kernels "${SWEEP_KERNELS:-fp8,kivi}" \
+  --copy-to "$OUT" > "$OUT/bench.log" 2>&1
 echo "sweep rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 grep "^|" "$OUT/bench.log" | head -12
 launch=()
@@ -43,7 +44,7 @@ grep "^|" "$OUT/bench.log" | tail -24
 start=$(date +%s)
 # first what the last GPU session could not finish: the static KIVI cache read by its kernel under generate's
 # compile; then the fp8 kernel natively; then the static caches' GPU tests
-timeout "${TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider -k "kivi_kernel_matches or fp8_kernel_matches or fp8_decode" \
+timeout "${TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider -k "kivi_decode_matches or kivi_kernel_reads or fp8_decode" \
   tests/test_kernels.py > "$OUT/tests.log" 2>&1
 echo "kernel tests rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 tail -3 "$OUT/tests.log"

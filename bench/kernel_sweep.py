@@ -34,7 +34,9 @@ def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def sweep_shape(batch: int, n: int, device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict[str, Any]]:
+def sweep_shape(
+    batch: int, n: int, device: torch.device, dtype: torch.dtype, quick: bool, kernels: set[str]
+) -> list[dict[str, Any]]:  # fmt: skip
     g = torch.Generator().manual_seed(0)
     group = HEADS // KV_HEADS
     q = torch.randn(batch, KV_HEADS, group, DIM, generator=g).to(device, dtype)
@@ -73,6 +75,8 @@ def sweep_shape(batch: int, n: int, device: torch.device, dtype: torch.dtype, qu
     with sdpa_backends():
         record("fp8 read back + sdpa", {}, nbytes(kc, vc), read_back, ref.reshape(batch, HEADS, 1, DIM))
     tiles, warps, stages, per_sm = ([64], [4], [3], [4]) if quick else ([32, 64, 128], [4, 8], [2, 3, 4], [2, 4, 8, 16])
+    if "fp8" not in kernels:  # its launch as the runtime takes it, for the record
+        tiles, warps, stages, per_sm = [fp8.FP8_TILE], [fp8.FP8_WARPS], [fp8.FP8_STAGES], [fp8.FP8_PROGRAMS_PER_SM]
     for tile, warp, stage, pps in itertools.product(tiles, warps, stages, per_sm):
         split = split_count(batch * KV_HEADS, n // (4 * tile), device, pps)
         config = {"tile": tile, "warps": warp, "stages": stage, "programs_per_sm": pps, "splits": split}
@@ -85,13 +89,19 @@ def sweep_shape(batch: int, n: int, device: torch.device, dtype: torch.dtype, qu
     store = (kq.codes, kq.scale, kq.zero, vq.codes, vq.scale, vq.zero)
     acc, ml = kivi.kivi_decode_reference(q.float(), *store, None, DIM**-0.5)
     ref = acc / ml[..., 1:]
-    warps, stages, per_sm = ([4], [2], [0]) if quick else ([4, 8], [1, 2, 3], [0, 4, 8, 16])
-    for warp, stage, pps in itertools.product(warps, stages, per_sm):
-        split = split_count(batch * KV_HEADS, kq.codes.shape[2] // 4, device, pps) if pps else None  # 0: its rule
-        config = {"warps": warp, "stages": stage, "programs_per_sm": pps, "splits": split}
+    # tile 0: the per-block kernel; else the tile kernel, that many tokens an iteration
+    tiles, warps, stages, per_sm = ([0, 128], [4], [2], [0]) if quick else ([0, 64, 128, 256], [4, 8], [2, 3],
+                                                                             [0, 8, 16])  # fmt: skip
+    if "kivi" not in kernels:
+        tiles, warps, stages = [kivi.KIVI_TILE], [kivi.KIVI_WARPS], [kivi.KIVI_STAGES]
+        per_sm = [kivi.KIVI_PROGRAMS_PER_SM]
+    for tile, warp, stage, pps in itertools.product(tiles, warps, stages, per_sm):
+        most = n // (4 * max(tile, 64))  # (blocks of 64 tokens)
+        split = split_count(batch * KV_HEADS, most, device, pps) if pps else None  # 0: its rule
+        config = {"tile": tile, "warps": warp, "stages": stage, "programs_per_sm": pps, "splits": split}
 
-        def run(w: int = warp, s: int = stage, sp: int | None = split) -> torch.Tensor:
-            a, m = kivi.kivi_decode_triton(q, *store, None, DIM**-0.5, splits=sp, num_warps=w, num_stages=s)
+        def run(t: int = tile, w: int = warp, s: int = stage, sp: int | None = split) -> torch.Tensor:
+            a, m = kivi.kivi_decode_triton(q, *store, None, DIM**-0.5, splits=sp, num_warps=w, num_stages=s, tile=t)
             return a / m[..., 1:]
 
         record("quant 4-bit KIVI kernel", config, nbytes(*store), run, ref)
@@ -113,17 +123,23 @@ def main() -> None:
     parser.add_argument("--shapes", default="16:8192,1:32768", help="BATCH:CONTEXT pairs")
     parser.add_argument("--quick", action="store_true", help="one launch shape per kernel (checks the script)")
     parser.add_argument("--copy-to", default=None, help="also write the results (and best-launch.json) here")
+    parser.add_argument(
+        "--kernels",
+        default="fp8,kivi",
+        help="the kernels whose launches are swept (the others run their current launch once)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = [(int(b), int(c)) for b, c in (pair.split(":") for pair in args.shapes.split(","))]
-    rows = [row for batch, n in shapes for row in sweep_shape(batch, n, device, dtype, args.quick)]
+    swept = set(args.kernels.split(","))
+    rows = [row for batch, n in shapes for row in sweep_shape(batch, n, device, dtype, args.quick, swept)]
     gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_BANDWIDTH.items() if k in gpu), None)
     # the launch the runtime should take: the fastest summed over the shapes (each shape's time as a share of SDPA's)
     launch: dict[str, Any] = {}
     for kernel, keys in (("fp8 kernel", ("tile", "warps", "stages", "programs_per_sm")),
-                         ("quant 4-bit KIVI kernel", ("warps", "stages", "programs_per_sm"))):  # fmt: skip
+                         ("quant 4-bit KIVI kernel", ("tile", "warps", "stages", "programs_per_sm"))):  # fmt: skip
         totals: dict[tuple, float] = {}
         for batch, n in shapes:
             base = sdpa_us(rows, batch, n)

@@ -6,6 +6,7 @@ themselves. Copied verbatim into every output directory; Triton is optional (see
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -280,6 +281,82 @@ if triton is not None:
         tl.store(ml, m_i, mask=live)
         tl.store(ml + 1, l_i, mask=live)
 
+    @triton.jit
+    def _kivi_tile_kernel(
+        query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias, length, part_acc, part_ml,
+        kv_heads, n, blocks, split_len, scale,
+        sqr, skr, skb, skd, ssr, ssb, svr, svn, sgr, sgn, sbb, spr, sps, smr, sms,
+        G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr,
+        GROUPS: tl.constexpr, GW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENGTH: tl.constexpr,
+        LOW: tl.constexpr, DOT: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row × KV head r, split j): the G query rows of KV head r over the tokens of split j, NB key
+        blocks (NB·2·HALF tokens) at a time, shaped as the fp8 kernel is: each tile's codes are read as stored in
+        wide contiguous runs (a key block's channel rows, a token's value bytes), dequantized in registers into one
+        ``[D, TILE]`` key and one ``[TILE, D]`` value operand (nibbles rejoined into token / channel order), then one
+        product each against the group's rows. ``LOW``: the operands in the query's bfloat16 / float16 (a code times
+        its scale rounded as the model's own dequantized cache is), products accumulated in float32; else float32
+        operands (``DOT``: ``ieee`` or ``tf32``). Writes the unnormalised sum and (max, denominator) per row."""
+        r = tl.program_id(0)
+        split = tl.program_id(1)
+        row = r // kv_heads
+        end = n
+        if HAS_LENGTH:
+            end = tl.minimum(end, tl.load(length))
+        start = split * split_len
+        stop = tl.minimum(start + split_len, end)
+        rows = tl.arange(0, G_PAD)
+        chans = tl.arange(0, D)
+        live = rows < G
+        q = tl.load(query + r * sqr + rows[:, None] * D + chans[None, :], mask=live[:, None], other=0.0)
+        q = q if LOW else q.to(tl.float32)
+        m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+        l_i = tl.zeros((G_PAD,), tl.float32)
+        acc = tl.zeros((G_PAD, D), tl.float32)
+        # key tile [D, NB, HALF]: channel c's codes of block b, two tokens a byte (the even one low)
+        k_chan = tl.arange(0, D)[:, None, None]
+        k_blk = tl.arange(0, NB)[None, :, None]
+        k_byte = tl.arange(0, HALF)[None, None, :]
+        # value tile [TILE, GROUPS, GW]: token t's bytes of channel group g, two channels a byte (the even one low)
+        v_group = tl.arange(0, GROUPS)[None, :, None]
+        v_byte = tl.arange(0, GW)[None, None, :]
+        offs = tl.arange(0, NB * 2 * HALF)
+        for first in range(start, stop, NB * 2 * HALF):
+            blk = first // (2 * HALF) + k_blk
+            in_blocks = (blk < blocks) & (blk * (2 * HALF) < stop)  # a block past the length is never read
+            packed = tl.load(key_codes + r * skr + blk * skb + k_chan * skd + k_byte, mask=in_blocks, other=0)
+            at = r * ssr + blk * ssb + k_chan  # [D, NB, 1]
+            k_s = tl.load(key_scale + at, mask=in_blocks, other=0.0).to(tl.float32)
+            k_z = tl.load(key_zero + at, mask=in_blocks, other=0.0).to(tl.float32)
+            k_lo = (packed & 15).to(tl.float32) * k_s + k_z
+            k_hi = (packed >> 4).to(tl.float32) * k_s + k_z
+            k = tl.reshape(tl.join(k_lo, k_hi), (D, NB * 2 * HALF)).to(q.dtype)
+            s = (tl.dot(q, k, input_precision=DOT) * scale).to(tl.float32)  # (Inductor's float args are float64)
+            tokens = first + offs
+            inside = tokens < stop
+            if HAS_BIAS:
+                s += tl.load(bias + row * sbb + tokens, mask=inside, other=0.0)[None, :]
+            s = tl.where(inside[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            t3, ok3 = tokens[:, None, None], inside[:, None, None]
+            v = tl.load(value_codes + r * svr + t3 * svn + v_group * GW + v_byte, mask=ok3, other=0)
+            at_v = r * sgr + t3 * sgn + v_group  # [TILE, GROUPS, 1]
+            v_s = tl.load(value_scale + at_v, mask=ok3, other=0.0).to(tl.float32)
+            v_z = tl.load(value_zero + at_v, mask=ok3, other=0.0).to(tl.float32)
+            v_lo = (v & 15).to(tl.float32) * v_s + v_z
+            v_hi = (v >> 4).to(tl.float32) * v_s + v_z
+            vals = tl.reshape(tl.join(v_lo, v_hi), (NB * 2 * HALF, D)).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vals, input_precision=DOT)
+            m_i = m_new
+        out = part_acc + r * spr + split * sps + rows[:, None] * D + chans[None, :]
+        tl.store(out, acc, mask=live[:, None])
+        ml = part_ml + r * smr + split * sms + rows * 2
+        tl.store(ml, m_i, mask=live)
+        tl.store(ml + 1, l_i, mask=live)
+
 
 # Launch shape: warps and pipeline stages per program, and the programs per multiprocessor the token splits aim for
 # (0: ``_split_len``'s rule, at least 64 blocks a split), measured on an H200 (bench/kernel_sweep.py). Values are
@@ -287,25 +364,39 @@ if triton is not None:
 # one batched product per group) was timed there too and ran no faster (327 vs 329 µs at 16 × 8K, 158 vs 155 µs at
 # 1 × 32K) with 30-50× the error under TF32 (bench/results/kernel-sweep-h200-values-2026-11-27.md), so it was dropped.
 KIVI_WARPS, KIVI_STAGES, KIVI_PROGRAMS_PER_SM = 4, 3, 8
+# Tokens per iteration of the tile kernel (``_kivi_tile_kernel``; at least one key block); 0: the per-block kernel.
+KIVI_TILE = 128
+
+
+def kivi_tile_fits(dim: int, groups: int) -> bool:
+    """What the tile kernel reads besides ``kivi_kernel_fits``: value channel groups of a power-of-two width
+    (whole bytes), so a token's bytes split into ``[groups, width / 2]``."""
+    size = dim // groups
+    return dim % groups == 0 and size >= 2 and size & (size - 1) == 0
 
 
 def kivi_decode_triton(
     query: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor, key_zero: torch.Tensor,
     value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
     scale: float, splits: int | None = None, precise: bool | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, length: torch.Tensor | None = None,
+    num_stages: int | None = None, length: torch.Tensor | None = None, tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``kivi_decode_reference`` in one launch, grid (rows × KV heads, token splits of whole blocks), the splits
     merged as ``merge_partials`` merges. ``precise``: float32 products (default: when the query is float32), else
     TF32 on tensor cores. ``splits``, ``num_warps``, ``num_stages``: the launch shape (default: ``KIVI_*``).
     ``length`` (a 0-d tensor, read on the device): only the first ``length`` tokens are read (a static cache's blocks
-    quantized so far; its step keeps its shapes and skips the rest)."""
+    quantized so far; its step keeps its shapes and skips the rest). ``tile``: tokens per iteration of the tile
+    kernel (default ``KIVI_TILE``; 0, or value groups it cannot split, the per-block kernel)."""
     precise = query.dtype == torch.float32 if precise is None else precise
     assert triton is not None, "Triton is not installed (pip install 'kvconvert[kernels]')"
     batch, kv_heads, group, dim = query.shape
     blocks, half = key_codes.shape[2], key_codes.shape[-1]
     assert kivi_kernel_fits(4, 2 * half, dim), "kivi_decode_triton: 4-bit codes, blocks of 2^k >= 32, dims >= 32"
     n = value_codes.shape[2]
+    tile = KIVI_TILE if tile is None else tile
+    if tile and kivi_tile_fits(dim, value_scale.shape[-1]):
+        return _kivi_tiles(query, (key_codes, key_scale, key_zero, value_codes, value_scale, value_zero), bias, scale,
+                           splits, precise, num_warps, num_stages, length, max(tile, 2 * half))  # fmt: skip
     query = query.float().contiguous()
     key_codes, value_codes = key_codes.contiguous(), value_codes.contiguous()
     key_scale, key_zero = key_scale.contiguous(), key_zero.contiguous()
@@ -330,6 +421,45 @@ def kivi_decode_triton(
         G=group, D=dim, HALF=half, HAS_BIAS=bias is not None, G_PAD=max(16, _pow2(group)), D_HALF=dim // 2,
         DOT="ieee" if precise else "tf32", HAS_LENGTH=length is not None, num_warps=num_warps or KIVI_WARPS,
         num_stages=num_stages or KIVI_STAGES,
+    )  # fmt: skip
+    shape = (batch, kv_heads, n_splits, group)
+    acc, ml = part_acc.view(*shape, dim), part_ml.view(*shape, 2)
+    return (acc[:, :, 0], ml[:, :, 0]) if n_splits == 1 else combine_partials(acc, ml, dim=2)
+
+
+def _kivi_tiles(
+    query: torch.Tensor, cache: tuple[torch.Tensor, ...], bias: torch.Tensor | None, scale: float,
+    splits: int | None, precise: bool, num_warps: int | None, num_stages: int | None, length: torch.Tensor | None,
+    tile: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``kivi_decode_triton`` through ``_kivi_tile_kernel``, ``tile`` tokens (whole key blocks) per iteration."""
+    key_codes, key_scale, key_zero, value_codes, value_scale, value_zero = (t.contiguous() for t in cache)
+    batch, kv_heads, group, dim = query.shape
+    blocks, half, n = key_codes.shape[2], key_codes.shape[-1], value_codes.shape[2]
+    # Triton's interpreter (the CPU tests) multiplies bfloat16 operands wrongly (3.9, seen; ``fp8_decode_triton``):
+    # there a bfloat16 query takes float32 products, on a GPU its own
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    low = not precise and (query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and not interpreted))
+    query = query.contiguous() if low else query.float().contiguous()
+    rows = batch * kv_heads
+    if splits is None and KIVI_PROGRAMS_PER_SM:
+        splits = split_count(rows, n // (4 * tile), query.device, KIVI_PROGRAMS_PER_SM)
+    split_len = _split_len(n, rows, query.device, tile, splits)  # in tokens, whole tiles
+    n_splits = triton.cdiv(n, split_len)
+    part_acc = torch.empty(rows, n_splits, group, dim, dtype=torch.float32, device=query.device)
+    part_ml = torch.empty(rows, n_splits, group, 2, dtype=torch.float32, device=query.device)
+    bias_t = bias.float().contiguous() if bias is not None else part_acc  # any pointer when HAS_BIAS is off
+    groups = value_scale.shape[-1]
+    _kivi_tile_kernel[(rows, n_splits)](
+        query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias_t,
+        part_acc if length is None else length, part_acc, part_ml, kv_heads, n, blocks, split_len, scale,
+        group * dim, key_codes.stride(1), key_codes.stride(2), key_codes.stride(3), key_scale.stride(1),
+        key_scale.stride(2), value_codes.stride(1), value_codes.stride(2), value_scale.stride(1),
+        value_scale.stride(2), bias_t.stride(0), part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
+        part_ml.stride(1),
+        G=group, D=dim, G_PAD=max(16, _pow2(group)), HALF=half, NB=tile // (2 * half), GROUPS=groups,
+        GW=dim // groups // 2, HAS_BIAS=bias is not None, HAS_LENGTH=length is not None, LOW=low,
+        DOT="ieee" if precise else "tf32", num_warps=num_warps or KIVI_WARPS, num_stages=num_stages or KIVI_STAGES,
     )  # fmt: skip
     shape = (batch, kv_heads, n_splits, group)
     acc, ml = part_acc.view(*shape, dim), part_ml.view(*shape, 2)
