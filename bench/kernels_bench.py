@@ -28,7 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -177,13 +177,14 @@ KERNEL_USERS = {"slim", "lorc 0.5", "razor", "quant fp8"}  # also timed with KVC
 
 def end_to_end(shapes: list[tuple[int, int]], device: str, small: bool, new_tokens: int,
                serving: tuple[int, int] | None = None, graphs: bool = False, growing: bool = True,
-               only: set[str] | None = None,
-               probe: bool = True) -> tuple[list[dict], list[dict], list[dict], list[dict]]:  # fmt: skip
+               only: set[str] | None = None, probe: bool = True,
+               compiled: set[str] | None = None) -> tuple[list[dict], list[dict], list[dict], list[dict]]:  # fmt: skip
     """Decode tokens/s of a random MHA Llama and its conversions at each (context, batch) of ``shapes``; prompts
     prefilled in 512-token chunks. With ``serving`` (context, rows) also the serving figure (``serving_rows``); with
     ``graphs`` also each static cache's decode through CUDA graphs (``graph_rows``) and whether its step traces whole
     (``compile_probe``); ``growing=False`` skips the default (growing) caches' rows; ``only``: these conversions'
-    labels alone (None: all). Returns (rows, serving rows,
+    labels alone (None: all); ``compiled``: these runs' labels (and the original) also decode through
+    ``torch.compile`` (``graph_rows``). Returns (rows, serving rows,
     graph rows, probe rows)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -198,7 +199,7 @@ def end_to_end(shapes: list[tuple[int, int]], device: str, small: bool, new_toke
     size = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=2) if small else dict(
         hidden_size=1024, num_hidden_layers=12, num_attention_heads=16)  # fmt: skip
     # positions for the longest run (graph_rows: 9 rounds of steps after the context); razor profiles 4 × 64 tokens
-    context = max(512, max(c for c, _ in shapes) + 10 * new_tokens + 8)
+    context = max(512, max(c for c, _ in shapes) + 16 * new_tokens + 8)
     config = LlamaConfig(vocab_size=32000, intermediate_size=4 * size["hidden_size"], max_position_embeddings=context,
                          num_key_value_heads=None, **size)  # fmt: skip
     rows: list[dict[str, Any]] = []
@@ -239,7 +240,7 @@ def end_to_end(shapes: list[tuple[int, int]], device: str, small: bool, new_toke
                              "peak_gpu_bytes": peak})  # fmt: skip
                 del cache
                 print(rows[-1], flush=True)
-        graphed = graph_rows(runs, shapes, device, new_tokens) if graphs else []
+        graphed = graph_rows(runs, shapes, device, new_tokens, compiled=compiled or set()) if graphs else []
         probed = compile_probe(runs, device) if graphs and probe else []
         served = [] if serving is None else serving_rows(runs, *serving, device, new_tokens)
     os.environ.pop("KVCONVERT_KERNELS", None)
@@ -247,12 +248,14 @@ def end_to_end(shapes: list[tuple[int, int]], device: str, small: bool, new_toke
 
 
 def graph_rows(runs: list[tuple[str, Any, str]], shapes: list[tuple[int, int]], device: str,
-               steps: int, rounds: int = 3) -> list[dict[str, Any]]:  # fmt: skip
+               steps: int, rounds: int = 3, compiled: Collection[str] = ()) -> list[dict[str, Any]]:  # fmt: skip
     """Each model's decode from its static cache (what ``generate(cache_implementation="static")`` makes), rows of
     equal length: eagerly, and as one captured CUDA graph per step replayed (``captured_decode``; on the CPU,
     ``--smoke``, the same loop uncaptured). The original (transformers' ``StaticCache``) is timed first and last,
     its best counts; a model whose cache is not static, or whose step cannot be captured, gets its reason instead of
-    a figure."""
+    a figure. Runs named in ``compiled`` (and the original's first run) also decode with the step compiled by
+    Inductor (``torch.compile``, default mode: its glue fused) and captured as a CUDA graph: what ``generate``'s
+    ``mode="reduce-overhead"`` does."""
     from kvconvert.eval.memory import cache_nbytes
     from kvconvert.eval.speed import _decode, _prefill
 
@@ -267,7 +270,7 @@ def graph_rows(runs: list[tuple[str, Any, str]], shapes: list[tuple[int, int]], 
             row: dict[str, Any] = {"model": label, "context": context, "batch": batch}
             try:
                 with sdpa_backends(), torch.no_grad():
-                    length = context + (2 * rounds + 3) * steps + 2
+                    length = context + (3 * rounds + 6) * steps + 2
                     probe = _prefill(model, ids[:1, :1], None, None, length)["cache"]  # one token: is it static?
                     if not probe.is_compileable:
                         raise RuntimeError(f"{type(probe.layers[0]).__name__}: no static cache")
@@ -279,12 +282,15 @@ def graph_rows(runs: list[tuple[str, Any, str]], shapes: list[tuple[int, int]], 
                                                                     for _ in range(rounds))  # fmt: skip
                     replay = captured_decode(model, state["cache"], state["token"])[0]
                     row["graph_tokens_per_s"] = batch * steps / min(replay(steps) for _ in range(rounds))
+                    if (label in compiled or label == "original") and not (label == "original" and first):
+                        row["compile_s"], replay = compiled_decode(model, state["cache"], state["token"])
+                        row["compiled_tokens_per_s"] = batch * steps / min(replay(steps) for _ in range(rounds))
                 del state
             except Exception as error:  # noqa: BLE001 - the reason is the row's result
                 row["error"] = f"{type(error).__name__}: {str(error)[:1500]}"
             print(row, flush=True)
             if label == "original" and first:  # its second run: the best of both counts, one row
-                for key in ("eager_tokens_per_s", "graph_tokens_per_s"):
+                for key in ("eager_tokens_per_s", "graph_tokens_per_s", "compiled_tokens_per_s"):
                     if key in row:
                         first[key] = max(first.get(key, 0.0), row[key])
                 continue
@@ -292,7 +298,7 @@ def graph_rows(runs: list[tuple[str, Any, str]], shapes: list[tuple[int, int]], 
                 first = row
             out.append(row)
         for row in out[-len(runs) :]:  # ratios to the original's best at this shape
-            for key in ("eager", "graph"):
+            for key in ("eager", "graph", "compiled"):
                 rate, base = row.get(f"{key}_tokens_per_s"), first.get(f"{key}_tokens_per_s")
                 row[f"{key}_ratio"] = None if rate is None or not base else rate / base
     return out
@@ -328,17 +334,38 @@ def serving_rows(runs: list[tuple[str, Any, str]], context: int, rows: int, devi
     return out
 
 
-def captured_decode(model: Any, cache: Any, token: torch.Tensor) -> tuple[Callable[[int], float], dict[str, Any]]:
+def compiled_decode(model: Any, cache: Any, token: torch.Tensor) -> tuple[float, Callable[[int], float]]:
+    """``captured_decode`` with the step compiled by Inductor first (positions passed as tensors the graph advances,
+    so each step has the same guards and one compile serves all). Returns (seconds to compile and capture, run)."""
+    torch._dynamo.reset()  # (each model's forward shares its code object with the others': compiled afresh)
+    position = torch.tensor([int(cache.get_seq_length())], device=token.device)
+    rows = token.shape[0]
+    compiled = torch.compile(model.forward, dynamic=False)
+
+    def forward(ids: torch.Tensor, **kwargs: Any) -> Any:
+        out = compiled(ids, cache_position=position, position_ids=position.view(1, 1).expand(rows, 1), **kwargs)
+        position.add_(1)
+        return out
+
+    began = time.perf_counter()
+    run = captured_decode(model, cache, token, forward)[0]
+    return time.perf_counter() - began, run
+
+
+def captured_decode(
+    model: Any, cache: Any, token: torch.Tensor, forward: Callable[..., Any] | None = None
+) -> tuple[Callable[[int], float], dict[str, Any]]:  # fmt: skip
     """Greedy decode from ``cache`` (static, after ``token``'s prefix) with each step one replayed CUDA graph, as
     serving engines decode: the step's input token lives in a fixed tensor, the positions in the cache's own counters
     (tensors, advanced inside the graph); two warm-up steps run on a side stream, then one step is captured. Returns
     ``run(steps)`` -> seconds for that many steps, and a dict holding the last step's ``logits`` and the ``token``
-    decoded from them. On the CPU the same loop calls the model uncaptured (checks the loop)."""
+    decoded from them. On the CPU the same loop calls the model uncaptured (checks the loop). ``forward``: what each
+    step calls (default: the model)."""
     ids = token.clone()
     last: dict[str, Any] = {"token": ids}
 
     def step() -> torch.Tensor:
-        return model(ids, past_key_values=cache, use_cache=True).logits
+        return (forward or model)(ids, past_key_values=cache, use_cache=True).logits
 
     def advance(logits: torch.Tensor) -> None:
         last["logits"] = logits
@@ -470,6 +497,9 @@ def main() -> None:
     parser.add_argument("--copy-to", default=None, help="also write the results into this folder")
     parser.add_argument("--only", default=None, help="comma-separated conversion labels (default: all)")
     parser.add_argument("--no-probe", action="store_true", help="skip the torch.compile trace probe (--graphs)")
+    parser.add_argument(
+        "--compiled", default=None, help="run labels (comma-separated) also decoded compiled and captured (--graphs)"
+    )
     parser.add_argument("--launch", default=None,
                         help="kernel_sweep.py's best-launch.json or results JSON: launch shapes")  # fmt: skip
     parser.add_argument("--serving", default=None,
@@ -509,7 +539,7 @@ def main() -> None:
         shapes, device, args.smoke, new_tokens=args.steps or (4 if args.smoke else 32),
         serving=None if serving == "none" else (context, rows), graphs=args.graphs,
         growing=not args.no_growing, only=None if args.only is None else set(args.only.split(",")),
-        probe=not args.no_probe)  # fmt: skip
+        probe=not args.no_probe, compiled=set(args.compiled.split(",")) if args.compiled else None)  # fmt: skip
     payload = {"benchmark": "kernels", "device": gpu, "launch": launch_now(), "dtype": str(dtype),
                "kernels": kernel_rows,
                "end_to_end": e2e, "serving": served, "graphs": graphed, "compile_probe": probed,
@@ -532,10 +562,11 @@ def main() -> None:
     )  # fmt: skip
     if graphed:
         table += "\n\nFrom static caches, eager and through CUDA graphs (rows of equal length):\n\n" + markdown_table(
-            ["model", "context", "batch", "eager tok/s", "× original", "CUDA graphs tok/s", "× original", "cache MB",
-             "why no figure"],
+            ["model", "context", "batch", "eager tok/s", "× original", "CUDA graphs tok/s", "× original",
+             "compiled + graphs tok/s", "× original", "cache MB", "why no figure"],
             [[r["model"], r["context"], r["batch"], _num(r.get("eager_tokens_per_s")), _num(r.get("eager_ratio"), 2),
               _num(r.get("graph_tokens_per_s")), _num(r.get("graph_ratio"), 2),
+              _num(r.get("compiled_tokens_per_s")), _num(r.get("compiled_ratio"), 2),
               _num(r["cache_bytes"] / 1e6 if "cache_bytes" in r else None), r.get("error", "").split("\n")[0]]
              for r in graphed],
         ) + "\n\nDecode step traced whole by torch.compile (fullgraph, 1 × 64 tokens):\n\n" + markdown_table(

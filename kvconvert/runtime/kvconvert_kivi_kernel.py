@@ -363,9 +363,12 @@ if triton is not None:
 # dequantized per element: reading them per channel group instead (each group's scale folded into the probabilities,
 # one batched product per group) was timed there too and ran no faster (327 vs 329 µs at 16 × 8K, 158 vs 155 µs at
 # 1 × 32K) with 30-50× the error under TF32 (bench/results/kernel-sweep-h200-values-2026-11-27.md), so it was dropped.
-KIVI_WARPS, KIVI_STAGES, KIVI_PROGRAMS_PER_SM = 4, 3, 8
+KIVI_WARPS, KIVI_STAGES, KIVI_PROGRAMS_PER_SM = 4, 2, 8
 # Tokens per iteration of the tile kernel (``_kivi_tile_kernel``; at least one key block); 0: the per-block kernel.
-KIVI_TILE = 128
+# Swept on an H200 (Llama-3-8B's attention; bench/results/kernel-sweep-h200-tiles-2026-11-27.md): 256 tokens, 4 warps,
+# 2 stages, 8 programs per multiprocessor took 253 µs at 16 × 8K and 178 µs at 1 × 32K, where the per-block kernel's
+# best took 339 and 272 µs in the same run.
+KIVI_TILE = 256
 
 
 def kivi_tile_fits(dim: int, groups: int) -> bool:
