@@ -1,5 +1,5 @@
 #!/bin/bash
-# One prepared GPU session (about 8 minutes on an H200): the codes-reading kernels' launch shapes swept on
+# One prepared GPU session (about 9 minutes on an H200): the codes-reading kernels' launch shapes swept on
 # Llama-3-8B's attention (bench/kernel_sweep.py), then static caches decoded eagerly and through captured CUDA graphs
 # against the original with the best launch (bench/kernels_bench.py --graphs), then the kernels' GPU tests. Results
 # and logs go to $OUT (or /tmp/kvconvert-gpu-check when OUT is unset): eight files, as many as the device tool
@@ -11,7 +11,8 @@
 #     --platform manylinux_2_28_x86_64 -d .whl transformers==5.23.0
 # and run `bash bench/gpu_check.sh` there, the wheel folder travelling with the tree. SWEEP_S, BENCH_S and TEST_S
 # bound the sweep, the end-to-end bench and the tests (seconds); SHAPES picks the end-to-end context:batch pairs,
-# ONLY the conversions, SWEEP_KERNELS the kernels whose launches are swept (fp8,kivi).
+# ONLY the conversions, SWEEP_KERNELS the kernels whose launches are swept (fp8,kivi), COMPILED the runs also decoded
+# compiled by Inductor and captured (run labels, comma-separated; empty: none; each compile took 13-65 s on an H200).
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/kvconvert-gpu-check}
 mkdir -p "$OUT"
@@ -36,9 +37,9 @@ grep "^|" "$OUT/bench.log" | head -12
 launch=()
 [ -s "$OUT/best-launch.json" ] && launch=(--launch "$OUT/best-launch.json") && cat "$OUT/best-launch.json"
 start=$(date +%s)
-timeout "${BENCH_S:-240}" python3 bench/kernels_bench.py --contexts 8192 --batches 16 --shapes "${SHAPES:-8192:16,32768:1}" \
+timeout "${BENCH_S:-360}" python3 bench/kernels_bench.py --contexts 8192 --batches 16 --shapes "${SHAPES:-8192:16,32768:1}" \
   --graphs --no-growing --no-probe --serving none --steps 16 --only "${ONLY:-quant fp8,quant 4-bit KIVI,razor}" \
-  "${launch[@]}" --copy-to "$OUT" >> "$OUT/bench.log" 2>&1
+  --compiled "${COMPILED-quant 4-bit KIVI [Triton kernels],razor}" "${launch[@]}" --copy-to "$OUT" >> "$OUT/bench.log" 2>&1
 echo "bench rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 grep "^|" "$OUT/bench.log" | tail -24
 start=$(date +%s)
