@@ -236,6 +236,23 @@ def test_store_keeps_recent_tokens_exact_and_ages_them_block_by_block():
     torch.testing.assert_close(store.read(), read[:, :, 70:], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_dropping_a_token_at_a_time_returns_what_was_stored(bits, per_channel):
+    """Razor's window drops a token or two a step: within a block only those tokens (per token) or the packing units
+    holding them (per channel) are read, bit for bit what reading the whole cache gives, across block edges, with an
+    exact sink and rotated values."""
+    torch.manual_seed(bits)
+    x = torch.randn(2, 3, 150, 40) * torch.linspace(0.1, 4, 40)
+    store = TokenStore(QuantSpec(bits, group=32, residual=8, sink=2, rotate=True), per_channel)
+    store.append(x)
+    held = store.read()
+    taken = [store.take_front(count) for count in (1, 1, 3, 1, 30, 1, 7, 2, 3)]  # within blocks and across them
+    assert torch.equal(torch.cat(taken, dim=-2), held[..., :49, :])
+    assert torch.equal(taken[0], x[..., :1, :])  # the sink: exact
+    assert torch.equal(store.read(), held[..., 49:, :]) and len(store) == 101
+
+
 @pytest.mark.parametrize("per_channel", [True, False])
 @pytest.mark.parametrize("width", [64, 37])
 def test_reading_the_cache_into_one_tensor_is_reading_and_concatenating(per_channel, width):
