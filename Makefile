@@ -81,9 +81,10 @@ bench-gemma: install
 	$(PYTHON) bench/gemma_bench.py
 
 # Triton decode kernels vs SDPA, end-to-end decode tokens/s, and static caches through captured CUDA graphs; needs a
-# CUDA GPU (--smoke: script check on CPU)
+# CUDA GPU (--smoke: script check on CPU); static caches also compiled by Inductor, then captured, for these runs
 bench-kernels: install
-	$(PYTHON) bench/kernels_bench.py --graphs
+	$(PYTHON) bench/kernels_bench.py --graphs \
+	  --compiled "quant 4-bit KIVI [Triton kernels],quant fp8 [Triton kernels],razor,zack 0.5,slim,lorc 0.5"
 
 # the codes-reading kernels' launch shapes on a GPU (tiles, warps, stages, splits) beside SDPA; the fastest launch is
 # the results' "launch" (bench/kernels_bench.py --launch reads that file)

@@ -174,8 +174,10 @@ def attention(query, keys, values, bias, scale):
     [(2, 2, 3, 64, 32, 3, 64), (1, 1, 4, 32, 64, 5, 16), (3, 3, 1, 64, 32, 4, 128), (1, 2, 8, 128, 32, 2, 64)],
 )
 @pytest.mark.parametrize("splits", [None, 3], ids=["auto-splits", "3-splits"])
-@pytest.mark.parametrize("tile", [0, 128], ids=["per-block", "tiles"])
-def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, blocks, value_group, dtype, splits, tile):
+@pytest.mark.parametrize(("tile", "split"), [(0, False), (128, False), (128, True)],
+                         ids=["per-block", "tiles", "split-tiles"])  # fmt: skip
+def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, blocks, value_group, dtype, splits, tile,
+                                       split):  # fmt: skip
     """The kernel's partial softmax (merged; values read per element or per channel group), and the torch reader's
     that folds the scales (``kivi_decode_folded``), against the plain-torch reference and against attention over the
     codec's own dequantized cache: channel scales per block, value scales per token and channel group, padding."""
@@ -187,21 +189,23 @@ def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, block
     for b in (bias, None):
         expected = attention(query, keys, values, b, 0.3)
         reference = merge_partials([kivi_decode_reference(query, *cache, b, 0.3)])
-        got = merge_partials([kivi_decode_triton(query, *cache, b, 0.3, splits=splits, precise=True, tile=tile)])
+        kernel = dict(splits=splits, tile=tile, split_tiles=split)
+        got = merge_partials([kivi_decode_triton(query, *cache, b, 0.3, precise=True, **kernel)])
         torch.testing.assert_close(reference, expected, **TOL)
         torch.testing.assert_close(got, expected, **TOL)
         torch.testing.assert_close(merge_partials([kivi_decode_folded(query, *cache, b, 0.3)]), expected, **TOL)
         # half-precision queries take TF32 products on a GPU (the interpreter computes them in float32), the tile
         # kernel the query's own 16-bit operands (a float16 query in the interpreter too)
-        fast = merge_partials([kivi_decode_triton(query, *cache, b, 0.3, splits=splits, tile=tile)])
+        fast = merge_partials([kivi_decode_triton(query, *cache, b, 0.3, **kernel)])
         low = tile and DEVICE == "cuda" and dtype != torch.float32
         torch.testing.assert_close(fast, expected, atol=2e-2 if low else 3e-3, rtol=1e-2 if low else 3e-3)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's NaN warnings, where the NaN is the point
 @pytest.mark.parametrize("splits", [None, 3], ids=["auto-splits", "3-splits"])
-@pytest.mark.parametrize("tile", [0, 64, 128], ids=["per-block", "tiles-64", "tiles-128"])
-def test_kivi_kernel_reads_only_the_length_given(splits, tile):
+@pytest.mark.parametrize(("tile", "split"), [(0, False), (64, False), (128, False), (128, True)],
+                         ids=["per-block", "tiles-64", "tiles-128", "split-tiles-128"])  # fmt: skip
+def test_kivi_kernel_reads_only_the_length_given(splits, tile, split):
     """A static cache's blocks not quantized yet: with ``length`` (read on the device) the kernel gives attention over
     the first ``length`` tokens and never reads the blocks after them (their scales made NaN: the same result, bit
     for bit; without ``length`` the NaN shows)."""
@@ -212,22 +216,18 @@ def test_kivi_kernel_reads_only_the_length_given(splits, tile):
     bias = torch.zeros(2, 5 * 32, device=DEVICE)
     bias[:, 64:] = NEG
     expected = attention(query, keys[:, :, :64], values[:, :, :64], None, 0.3)
-    got = merge_partials(
-        [kivi_decode_triton(query, *cache, bias, 0.3, splits=splits, precise=True, length=length, tile=tile)]
-    )
+
+    def decoded(**kwargs):
+        kernel = dict(splits=splits, precise=True, tile=tile, split_tiles=split)
+        return merge_partials([kivi_decode_triton(query, *cache, bias, 0.3, **kernel, **kwargs)])
+
+    got = decoded(length=length)
     torch.testing.assert_close(got, expected, **TOL)
     _, key_scale, _, _, value_scale, _ = cache
     key_scale[:, :, 2:] = float("nan")  # read, a NaN would reach every output through the softmax's max
     value_scale[:, :, 64:] = float("nan")
-    again = merge_partials(
-        [kivi_decode_triton(query, *cache, bias, 0.3, splits=splits, precise=True, length=length, tile=tile)]
-    )
-    torch.testing.assert_close(again, got, rtol=0, atol=0)
-    assert (
-        merge_partials([kivi_decode_triton(query, *cache, bias, 0.3, splits=splits, precise=True, tile=tile)])
-        .isnan()
-        .any()
-    )
+    torch.testing.assert_close(decoded(length=length), got, rtol=0, atol=0)
+    assert decoded().isnan().any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -210,7 +210,16 @@ if triton is not None:
         v_lo += tl.load(rows_z + g_lo, mask=inside, other=0.0).to(tl.float32)
         v_hi = (v >> 4).to(tl.float32) * tl.load(rows_s + g_hi, mask=inside, other=0.0).to(tl.float32)
         v_hi += tl.load(rows_z + g_hi, mask=inside, other=0.0).to(tl.float32)
-        return tl.dot(p, v_lo, input_precision=DOT), tl.dot(p, v_hi, input_precision=DOT)
+        return tl.dot(p, v_lo.to(p.dtype), input_precision=DOT), tl.dot(p, v_hi.to(p.dtype), input_precision=DOT)
+
+    @triton.jit
+    def _tile_scores(q, k, tokens, stop, bias_row, scale, HAS_BIAS: tl.constexpr, DOT: tl.constexpr):
+        """``q [G_PAD, D]`` against keys ``k [D, T]`` of ``tokens [T]``: scaled scores, biased, -inf past ``stop``."""
+        s = (tl.dot(q, k, input_precision=DOT) * scale).to(tl.float32)  # (Inductor's float args are float64)
+        inside = tokens < stop
+        if HAS_BIAS:
+            s += tl.load(bias_row + tokens, mask=inside, other=0.0)[None, :]
+        return tl.where(inside[None, :], s, float("-inf"))
 
     @triton.jit
     def _kivi_decode_kernel(
@@ -288,7 +297,7 @@ if triton is not None:
         sqr, skr, skb, skd, ssr, ssb, svr, svn, sgr, sgn, sbb, spr, sps, smr, sms,
         G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr,
         GROUPS: tl.constexpr, GW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENGTH: tl.constexpr,
-        LOW: tl.constexpr, DOT: tl.constexpr,
+        LOW: tl.constexpr, DOT: tl.constexpr, SPLIT: tl.constexpr,
     ):  # fmt: skip
         """Program (row × KV head r, split j): the G query rows of KV head r over the tokens of split j, NB key
         blocks (NB·2·HALF tokens) at a time, shaped as the fp8 kernel is: each tile's codes are read as stored in
@@ -296,7 +305,9 @@ if triton is not None:
         ``[D, TILE]`` key and one ``[TILE, D]`` value operand (nibbles rejoined into token / channel order), then one
         product each against the group's rows. ``LOW``: the operands in the query's bfloat16 / float16 (a code times
         its scale rounded as the model's own dequantized cache is), products accumulated in float32; else float32
-        operands (``DOT``: ``ieee`` or ``tf32``). Writes the unnormalised sum and (max, denominator) per row."""
+        operands (``DOT``: ``ieee`` or ``tf32``). ``SPLIT``: nothing rejoined: the even and odd tokens (a byte's two
+        nibbles) are two key operands, each value's even and odd channels two sums (as ``_kivi_decode_kernel``).
+        Writes the unnormalised sum and (max, denominator) per row."""
         r = tl.program_id(0)
         split = tl.program_id(1)
         row = r // kv_heads
@@ -313,6 +324,11 @@ if triton is not None:
         m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)
+        acc_lo = tl.zeros((G_PAD, D // 2), tl.float32)  # (SPLIT: a value's even channels, and its odd ones)
+        acc_hi = tl.zeros((G_PAD, D // 2), tl.float32)
+        pairs = tl.arange(0, NB * HALF)
+        halves = tl.arange(0, D // 2)
+        codes_r, scales_r, zeros_r = value_codes + r * svr, value_scale + r * sgr, value_zero + r * sgr
         # key tile [D, NB, HALF]: channel c's codes of block b, two tokens a byte (the even one low)
         k_chan = tl.arange(0, D)[:, None, None]
         k_blk = tl.arange(0, NB)[None, :, None]
@@ -330,29 +346,46 @@ if triton is not None:
             k_z = tl.load(key_zero + at, mask=in_blocks, other=0.0).to(tl.float32)
             k_lo = (packed & 15).to(tl.float32) * k_s + k_z
             k_hi = (packed >> 4).to(tl.float32) * k_s + k_z
-            k = tl.reshape(tl.join(k_lo, k_hi), (D, NB * 2 * HALF)).to(q.dtype)
-            s = (tl.dot(q, k, input_precision=DOT) * scale).to(tl.float32)  # (Inductor's float args are float64)
-            tokens = first + offs
-            inside = tokens < stop
-            if HAS_BIAS:
-                s += tl.load(bias + row * sbb + tokens, mask=inside, other=0.0)[None, :]
-            s = tl.where(inside[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            t3, ok3 = tokens[:, None, None], inside[:, None, None]
-            v = tl.load(value_codes + r * svr + t3 * svn + v_group * GW + v_byte, mask=ok3, other=0)
-            at_v = r * sgr + t3 * sgn + v_group  # [TILE, GROUPS, 1]
-            v_s = tl.load(value_scale + at_v, mask=ok3, other=0.0).to(tl.float32)
-            v_z = tl.load(value_zero + at_v, mask=ok3, other=0.0).to(tl.float32)
-            v_lo = (v & 15).to(tl.float32) * v_s + v_z
-            v_hi = (v >> 4).to(tl.float32) * v_s + v_z
-            vals = tl.reshape(tl.join(v_lo, v_hi), (NB * 2 * HALF, D)).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vals, input_precision=DOT)
+            if SPLIT:
+                even = first + (pairs // HALF) * (2 * HALF) + 2 * (pairs % HALF)  # the low nibbles' tokens
+                k_e = tl.reshape(k_lo, (D, NB * HALF)).to(q.dtype)
+                k_o = tl.reshape(k_hi, (D, NB * HALF)).to(q.dtype)
+                s_e = _tile_scores(q, k_e, even, stop, bias + row * sbb, scale, HAS_BIAS, DOT)
+                s_o = _tile_scores(q, k_o, even + 1, stop, bias + row * sbb, scale, HAS_BIAS, DOT)
+                m_new = tl.maximum(m_i, tl.maximum(tl.max(s_e, axis=1), tl.max(s_o, axis=1)))
+                alpha = tl.exp(m_i - m_new)
+                p_e, p_o = tl.exp(s_e - m_new[:, None]), tl.exp(s_o - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p_e, axis=1) + tl.sum(p_o, axis=1)
+                lo_e, hi_e = _kivi_values(codes_r, scales_r, zeros_r, even, p_e.to(q.dtype), halves, stop, 2 * GW,
+                                          svn, sgn, DOT)  # fmt: skip
+                lo_o, hi_o = _kivi_values(codes_r, scales_r, zeros_r, even + 1, p_o.to(q.dtype), halves, stop,
+                                          2 * GW, svn, sgn, DOT)  # fmt: skip
+                acc_lo = acc_lo * alpha[:, None] + lo_e + lo_o
+                acc_hi = acc_hi * alpha[:, None] + hi_e + hi_o
+            else:
+                k = tl.reshape(tl.join(k_lo, k_hi), (D, NB * 2 * HALF)).to(q.dtype)
+                tokens = first + offs
+                s = _tile_scores(q, k, tokens, stop, bias + row * sbb, scale, HAS_BIAS, DOT)
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                t3, ok3 = tokens[:, None, None], (tokens < stop)[:, None, None]
+                v = tl.load(codes_r + t3 * svn + v_group * GW + v_byte, mask=ok3, other=0)
+                at_v = t3 * sgn + v_group  # [TILE, GROUPS, 1]
+                v_s = tl.load(scales_r + at_v, mask=ok3, other=0.0).to(tl.float32)
+                v_z = tl.load(zeros_r + at_v, mask=ok3, other=0.0).to(tl.float32)
+                v_lo = (v & 15).to(tl.float32) * v_s + v_z
+                v_hi = (v >> 4).to(tl.float32) * v_s + v_z
+                vals = tl.reshape(tl.join(v_lo, v_hi), (NB * 2 * HALF, D)).to(q.dtype)
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vals, input_precision=DOT)
             m_i = m_new
-        out = part_acc + r * spr + split * sps + rows[:, None] * D + chans[None, :]
-        tl.store(out, acc, mask=live[:, None])
+        out = part_acc + r * spr + split * sps + rows[:, None] * D
+        if SPLIT:
+            tl.store(out + 2 * halves[None, :], acc_lo, mask=live[:, None])
+            tl.store(out + 2 * halves[None, :] + 1, acc_hi, mask=live[:, None])
+        else:
+            tl.store(out + chans[None, :], acc, mask=live[:, None])
         ml = part_ml + r * smr + split * sms + rows * 2
         tl.store(ml, m_i, mask=live)
         tl.store(ml + 1, l_i, mask=live)
@@ -369,6 +402,7 @@ KIVI_WARPS, KIVI_STAGES, KIVI_PROGRAMS_PER_SM = 4, 2, 8
 # 2 stages, 8 programs per multiprocessor took 253 µs at 16 × 8K and 178 µs at 1 × 32K, where the per-block kernel's
 # best took 339 and 272 µs in the same run.
 KIVI_TILE = 256
+KIVI_SPLIT = False  # the tile kernel's SPLIT form (not yet measured on a GPU: bench/kernel_sweep.py sweeps both)
 
 
 def kivi_tile_fits(dim: int, groups: int) -> bool:
@@ -383,87 +417,61 @@ def kivi_decode_triton(
     value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
     scale: float, splits: int | None = None, precise: bool | None = None, num_warps: int | None = None,
     num_stages: int | None = None, length: torch.Tensor | None = None, tile: int | None = None,
+    split_tiles: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``kivi_decode_reference`` in one launch, grid (rows × KV heads, token splits of whole blocks), the splits
     merged as ``merge_partials`` merges. ``precise``: float32 products (default: when the query is float32), else
-    TF32 on tensor cores. ``splits``, ``num_warps``, ``num_stages``: the launch shape (default: ``KIVI_*``).
-    ``length`` (a 0-d tensor, read on the device): only the first ``length`` tokens are read (a static cache's blocks
-    quantized so far; its step keeps its shapes and skips the rest). ``tile``: tokens per iteration of the tile
-    kernel (default ``KIVI_TILE``; 0, or value groups it cannot split, the per-block kernel)."""
+    the tile kernel's 16-bit operands (TF32 in the per-block kernel). ``splits``, ``num_warps``, ``num_stages``: the
+    launch shape (default: ``KIVI_*``). ``length`` (a 0-d tensor, read on the device): only the first ``length``
+    tokens are read (a static cache's blocks quantized so far; its step keeps its shapes and skips the rest).
+    ``tile``: tokens per iteration of the tile kernel (default ``KIVI_TILE``; 0, or value groups it cannot split:
+    the per-block kernel); ``split_tiles``: its ``SPLIT`` form (default ``KIVI_SPLIT``)."""
     precise = query.dtype == torch.float32 if precise is None else precise
     assert triton is not None, "Triton is not installed (pip install 'kvconvert[kernels]')"
     batch, kv_heads, group, dim = query.shape
     blocks, half = key_codes.shape[2], key_codes.shape[-1]
     assert kivi_kernel_fits(4, 2 * half, dim), "kivi_decode_triton: 4-bit codes, blocks of 2^k >= 32, dims >= 32"
-    n = value_codes.shape[2]
+    n, groups, tokens = value_codes.shape[2], value_scale.shape[-1], blocks * 2 * half
     tile = KIVI_TILE if tile is None else tile
-    if tile and kivi_tile_fits(dim, value_scale.shape[-1]):
-        return _kivi_tiles(query, (key_codes, key_scale, key_zero, value_codes, value_scale, value_zero), bias, scale,
-                           splits, precise, num_warps, num_stages, length, max(tile, 2 * half))  # fmt: skip
-    query = query.float().contiguous()
-    key_codes, value_codes = key_codes.contiguous(), value_codes.contiguous()
-    key_scale, key_zero = key_scale.contiguous(), key_zero.contiguous()
-    value_scale, value_zero = value_scale.contiguous(), value_zero.contiguous()
-    if splits is None and KIVI_PROGRAMS_PER_SM:
-        splits = split_count(batch * kv_heads, blocks // 4, query.device, KIVI_PROGRAMS_PER_SM)
-    per_split = _split_len(blocks, batch * kv_heads, query.device, 1, splits)  # in blocks
-    n_splits = triton.cdiv(blocks, per_split)
-    rows = batch * kv_heads
-    part_acc = torch.empty(rows, n_splits, group, dim, dtype=torch.float32, device=query.device)
-    part_ml = torch.empty(rows, n_splits, group, 2, dtype=torch.float32, device=query.device)
-    bias_t = bias.float().contiguous() if bias is not None else part_acc  # any pointer when HAS_BIAS is off
-    groups = value_scale.shape[-1]
-    size = math.ceil(dim / groups)
-    _kivi_decode_kernel[(rows, n_splits)](
-        query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias_t,
-        part_acc if length is None else length, part_acc, part_ml, kv_heads, n, per_split, scale, size,
-        group * dim, key_codes.stride(1), key_codes.stride(2), key_codes.stride(3), key_scale.stride(1),
-        key_scale.stride(2), value_codes.stride(1), value_codes.stride(2), value_scale.stride(1),
-        value_scale.stride(2), bias_t.stride(0), part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
-        part_ml.stride(1),
-        G=group, D=dim, HALF=half, HAS_BIAS=bias is not None, G_PAD=max(16, _pow2(group)), D_HALF=dim // 2,
-        DOT="ieee" if precise else "tf32", HAS_LENGTH=length is not None, num_warps=num_warps or KIVI_WARPS,
-        num_stages=num_stages or KIVI_STAGES,
-    )  # fmt: skip
-    shape = (batch, kv_heads, n_splits, group)
-    acc, ml = part_acc.view(*shape, dim), part_ml.view(*shape, 2)
-    return (acc[:, :, 0], ml[:, :, 0]) if n_splits == 1 else combine_partials(acc, ml, dim=2)
-
-
-def _kivi_tiles(
-    query: torch.Tensor, cache: tuple[torch.Tensor, ...], bias: torch.Tensor | None, scale: float,
-    splits: int | None, precise: bool, num_warps: int | None, num_stages: int | None, length: torch.Tensor | None,
-    tile: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``kivi_decode_triton`` through ``_kivi_tile_kernel``, ``tile`` tokens (whole key blocks) per iteration."""
-    key_codes, key_scale, key_zero, value_codes, value_scale, value_zero = (t.contiguous() for t in cache)
-    batch, kv_heads, group, dim = query.shape
-    blocks, half, n = key_codes.shape[2], key_codes.shape[-1], value_codes.shape[2]
+    tiles = bool(tile) and kivi_tile_fits(dim, groups)
+    step = max(tile, 2 * half) if tiles else 2 * half  # tokens a program reads an iteration: splits hold whole steps
     # Triton's interpreter (the CPU tests) multiplies bfloat16 operands wrongly (3.9, seen; ``fp8_decode_triton``):
     # there a bfloat16 query takes float32 products, on a GPU its own
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    low = not precise and (query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and not interpreted))
+    low = (
+        tiles and not precise and (query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and not interpreted))
+    )
     query = query.contiguous() if low else query.float().contiguous()
+    key_codes, key_scale, key_zero, value_codes, value_scale, value_zero = (
+        t.contiguous() for t in (key_codes, key_scale, key_zero, value_codes, value_scale, value_zero))  # fmt: skip
     rows = batch * kv_heads
     if splits is None and KIVI_PROGRAMS_PER_SM:
-        splits = split_count(rows, n // (4 * tile), query.device, KIVI_PROGRAMS_PER_SM)
-    split_len = _split_len(n, rows, query.device, tile, splits)  # in tokens, whole tiles
-    n_splits = triton.cdiv(n, split_len)
+        splits = split_count(rows, tokens // (4 * step), query.device, KIVI_PROGRAMS_PER_SM)
+    split_len = _split_len(tokens, rows, query.device, step, splits)  # in tokens, whole steps
+    n_splits = triton.cdiv(tokens, split_len)
     part_acc = torch.empty(rows, n_splits, group, dim, dtype=torch.float32, device=query.device)
     part_ml = torch.empty(rows, n_splits, group, 2, dtype=torch.float32, device=query.device)
     bias_t = bias.float().contiguous() if bias is not None else part_acc  # any pointer when HAS_BIAS is off
-    groups = value_scale.shape[-1]
-    _kivi_tile_kernel[(rows, n_splits)](
-        query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias_t,
-        part_acc if length is None else length, part_acc, part_ml, kv_heads, n, blocks, split_len, scale,
-        group * dim, key_codes.stride(1), key_codes.stride(2), key_codes.stride(3), key_scale.stride(1),
-        key_scale.stride(2), value_codes.stride(1), value_codes.stride(2), value_scale.stride(1),
-        value_scale.stride(2), bias_t.stride(0), part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
-        part_ml.stride(1),
-        G=group, D=dim, G_PAD=max(16, _pow2(group)), HALF=half, NB=tile // (2 * half), GROUPS=groups,
-        GW=dim // groups // 2, HAS_BIAS=bias is not None, HAS_LENGTH=length is not None, LOW=low,
-        DOT="ieee" if precise else "tf32", num_warps=num_warps or KIVI_WARPS, num_stages=num_stages or KIVI_STAGES,
-    )  # fmt: skip
+    cache = (query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias_t,
+             part_acc if length is None else length, part_acc, part_ml, kv_heads, n)  # fmt: skip
+    strides = (group * dim, key_codes.stride(1), key_codes.stride(2), key_codes.stride(3), key_scale.stride(1),
+               key_scale.stride(2), value_codes.stride(1), value_codes.stride(2), value_scale.stride(1),
+               value_scale.stride(2), bias_t.stride(0), part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
+               part_ml.stride(1))  # fmt: skip
+    launch = dict(G=group, D=dim, G_PAD=max(16, _pow2(group)), HALF=half, HAS_BIAS=bias is not None,
+                  HAS_LENGTH=length is not None, num_warps=num_warps or KIVI_WARPS,
+                  num_stages=num_stages or KIVI_STAGES)  # fmt: skip
+    if tiles:
+        _kivi_tile_kernel[(rows, n_splits)](
+            *cache, blocks, split_len, scale, *strides, NB=step // (2 * half), GROUPS=groups, GW=dim // groups // 2,
+            LOW=low, DOT="ieee" if precise else "tf32", SPLIT=KIVI_SPLIT if split_tiles is None else split_tiles,
+            **launch,
+        )  # fmt: skip
+    else:
+        _kivi_decode_kernel[(rows, n_splits)](
+            *cache, split_len // (2 * half), scale, math.ceil(dim / groups), *strides, D_HALF=dim // 2,
+            DOT="ieee" if precise else "tf32", **launch,
+        )  # fmt: skip
     shape = (batch, kv_heads, n_splits, group)
     acc, ml = part_acc.view(*shape, dim), part_ml.view(*shape, 2)
     return (acc[:, :, 0], ml[:, :, 0]) if n_splits == 1 else combine_partials(acc, ml, dim=2)
