@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--name", default="runtime-ab")
+    parser.add_argument("--static", action="store_true", help="decode from static caches, eagerly (batch 1)")
     args = parser.parse_args()
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
@@ -73,7 +74,7 @@ def main() -> None:
         assert type(new).__module__.startswith(kvconvert.__name__)
         for context in contexts:
             for batch in (int(b) for b in args.batches.split(",")):
-                measured = side_by_side(models, context, args.steps, args.rounds, batch=batch)
+                measured = side_by_side(models, context, args.steps, args.rounds, batch=batch, static=args.static)
                 speed = measured["source"]["decode_tokens_per_s"]
                 for label, row in measured.items():
                     rows.append({"context": context, "batch": batch, "model": label,
@@ -84,7 +85,7 @@ def main() -> None:
                            [[r["context"], r["batch"], r["model"], f"{r['decode_tokens_per_s']:.2f}",
                              f"{r['ratio_to_source']:.2f}"] for r in rows])  # fmt: skip
     payload = {"machine": machine(), "recipe": json.loads(args.recipe), "model": args.model, "base": base,
-               "steps": args.steps, "rounds": args.rounds, "rows": rows,
+               "steps": args.steps, "rounds": args.rounds, "static": args.static, "rows": rows,
                "seconds": time.perf_counter() - started}  # fmt: skip
     write_results(args.name, payload, table)
 

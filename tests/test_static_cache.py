@@ -251,7 +251,8 @@ def test_a_static_cache_too_short_is_one_clear_error(method, layer, converted):
 
 def test_compiled_speed_is_measured_only_for_static_caches(converted, tokenized_model_dir):
     """``side_by_side(compiled=True)`` (``make bench-speed --compiled``) times the source and the methods with a
-    static cache; a method without one gets no figure rather than a recompiling, growing one."""
+    static cache; a method without one gets no figure rather than a recompiling, growing one (``static=True``: the
+    same caches, eagerly)."""
     from kvconvert.eval.speed import side_by_side
 
     models = {"source": load_reference(tokenized_model_dir("llama_gqa")),
@@ -266,6 +267,8 @@ def test_compiled_speed_is_measured_only_for_static_caches(converted, tokenized_
     assert all(row["decode_tokens_per_s"] > 0 for row in measured.values())
     with pytest.raises(ValueError, match="batch 1"):
         side_by_side(models, context=40, batch=2, compiled=True)
+    eager = side_by_side(models, context=40, steps=2, rounds=1, static=True)  # the same caches, not compiled
+    assert set(eager) == {"source", "zack"} and eager["zack"]["cache_bytes"] == measured["zack"]["cache_bytes"]
 
 
 @pytest.fixture(scope="module")

@@ -101,6 +101,7 @@ def side_by_side(
     chunk: int | None = 2048,
     batch: int = 1,
     compiled: bool = False,
+    static: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Decode speed of several models after the same ``context`` random tokens, measured in one process:
     each model prefills once (its own cache), then the models take turns decoding ``steps`` greedy
@@ -109,21 +110,22 @@ def side_by_side(
     once). ``batch`` > 1: that many left-padded rows of different lengths (``ragged_batch``), decoded
     together. ``compiled``: each model decodes from a static cache (what ``generate(cache_implementation=
     "static")`` makes, sized for the whole run) through ``torch.compile(forward, fullgraph=True)``, batch 1 only;
-    a model whose cache is not static (its method has none yet) gets no figure. Returns, per model, decode
+    a model whose cache is not static (its method has none yet) gets no figure; ``static``: the same caches, decoded
+    eagerly (``generate(cache_implementation="static")`` without a compile). Returns, per model, decode
     tokens/s (all rows) and the bytes its cache held after the prefill."""
     from kvconvert.eval.memory import cache_nbytes
 
-    if compiled and batch != 1:
-        raise ValueError("compiled decode is measured at batch 1 (a growing padding mask would recompile each step)")
+    if (compiled or static) and batch != 1:
+        raise ValueError("static caches are measured at batch 1 (a growing padding mask would recompile each step)")
     vocab = next(iter(models.values())).config.vocab_size
     ids, mask = ragged_batch(vocab, context, batch, seed)
     states, best = {}, {}
     for name, model in models.items():
         device = model_device(model)
         # batch 1 has no padding: no mask, positions implied (the plain decode loop users write)
-        static = context + (rounds + 1) * steps + 2 if compiled else None
-        state = _prefill(model, ids.to(device), chunk, mask.to(device) if batch > 1 else None, static)
-        if compiled and not state["cache"].is_compileable:
+        length = context + (rounds + 1) * steps + 2 if compiled or static else None
+        state = _prefill(model, ids.to(device), chunk, mask.to(device) if batch > 1 else None, length)
+        if length and not state["cache"].is_compileable:
             continue
         state["bytes"] = cache_nbytes(state["cache"])
         if compiled:

@@ -468,6 +468,8 @@ class StaticTokenStore:
             self.head.index_copy_(-2, slot, torch.where(filled < spec.sink, new, self.head.index_select(-2, slot)))
         total = filled + 1
         filled_up = (total - spec.residual >= spec.group) & ((total - spec.residual) % spec.group == 0)
+        if new.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(filled_up):
+            return  # eagerly on a CPU the count is free to read: a step that fills no block quantizes none
         block = ((total - spec.residual) // spec.group - 1).clamp(min=0)
         positions = block * spec.group + torch.arange(spec.group, device=new.device)
         tokens = self._with_stand_ins(self.ring.index_select(-2, positions.remainder(self.ring_len)), block)
