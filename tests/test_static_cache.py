@@ -150,12 +150,19 @@ def test_compiled_decode_from_a_static_quantized_cache(quantized):
 @pytest.mark.parametrize("bits, group, residual, sink, rotate", [
     (4, 64, 128, 0, False), (3, 32, 0, 4, True), (2, 32, 32, 4, False), (8, 64, 16, 0, True), (16, 64, 128, 0, False),
 ])  # fmt: skip
-def test_static_store_holds_what_the_growing_store_holds(bits, group, residual, sink, rotate, per_channel):
+@pytest.mark.parametrize("writes", ["counts read", "tensor ops"])
+def test_static_store_holds_what_the_growing_store_holds(bits, group, residual, sink, rotate, per_channel, writes,
+                                                         monkeypatch):  # fmt: skip
     """Independent of how tokens arrive (prefill chunks, single decode tokens), ``StaticTokenStore`` gives each step
     exactly what ``TokenStore.extend`` gives it: bit for bit, except that a rotation is a float matrix product whose
-    rounding may differ with the operand's layout, which can move a value across a rounding boundary (one code)."""
+    rounding may differ with the operand's layout, which can move a value across a rounding boundary (one code).
+    A decode token is written with the count read (eagerly on a CPU) or with tensor ops only (what a compiled or
+    captured step runs: taken here by reporting a compile)."""
     from kvconvert.runtime.kvconvert_codec import QuantSpec
     from kvconvert.runtime.kvconvert_tokenstore import StaticTokenStore, TokenStore
+
+    if writes == "tensor ops":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
 
     spec = QuantSpec(bits=bits, group=group, residual=residual, sink=sink, rotate=rotate)
     chunks = [37, 1, 1, 90, *[1] * 100, 70, *[1] * 40]

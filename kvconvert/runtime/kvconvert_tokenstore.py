@@ -396,8 +396,9 @@ class StaticTokenStore:
         return out
 
     def extend_only(self, new: torch.Tensor, filled: torch.Tensor) -> None:
-        """``extend``'s writes without its read (a step that read the codes itself: ``StaticKiviLayer``)."""
-        if new.shape[-2] == 1:
+        """``extend``'s writes without its read (a step that read the codes itself: ``StaticKiviLayer``). Eagerly on a
+        CPU, where the count is free to read, with Python counts: a step that fills no block quantizes none."""
+        if new.shape[-2] == 1 and (new.device.type != "cpu" or torch.compiler.is_compiling()):
             self._write_one(new, filled)
         else:
             self._write_many(new, int(filled))
@@ -468,8 +469,6 @@ class StaticTokenStore:
             self.head.index_copy_(-2, slot, torch.where(filled < spec.sink, new, self.head.index_select(-2, slot)))
         total = filled + 1
         filled_up = (total - spec.residual >= spec.group) & ((total - spec.residual) % spec.group == 0)
-        if new.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(filled_up):
-            return  # eagerly on a CPU the count is free to read: a step that fills no block quantizes none
         block = ((total - spec.residual) // spec.group - 1).clamp(min=0)
         positions = block * spec.group + torch.arange(spec.group, device=new.device)
         tokens = self._with_stand_ins(self.ring.index_select(-2, positions.remainder(self.ring_len)), block)
