@@ -45,7 +45,7 @@ grep "^|" "$OUT/bench.log" | tail -24
 start=$(date +%s)
 # first what the last GPU session could not finish: the static KIVI cache read by its kernel under generate's
 # compile; then the fp8 kernel natively; then the static caches' GPU tests
-timeout "${TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider -k "kivi_decode_matches or kivi_kernel_reads or fp8_decode" \
+timeout "${TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider -k "generate_compiles or kivi_decode_matches or kivi_kernel_reads or fp8_decode" \
   tests/test_kernels.py > "$OUT/tests.log" 2>&1
 echo "kernel tests rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 tail -3 "$OUT/tests.log"

@@ -441,6 +441,27 @@ def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, static, tok
         assert_same_generation(outputs["torch"], outputs[choice], f"{name} {choice}")
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@torch.no_grad()
+def test_generate_compiles_static_kivi_steps_and_they_launch_the_kernel(tokenized_model_dir, tmp_path, monkeypatch):
+    """On a GPU, ``generate(cache_implementation="static")`` compiles the decode step (transformers' auto-compile)
+    and, left to ``auto``, the compiled step launches the KIVI kernel: counted from the CUDA kernels the profiler saw,
+    not by a Python wrapper (a trace runs that once). The question left open on an H200 on 2026-11-27, when a
+    wrapper counted 0 launches in 33 steps; rows of equal length, so no growing padding mask recompiles the step."""
+    import kvconvert
+
+    kivi_checkpoint("quant-groups-of-64", tokenized_model_dir, tmp_path / "m")
+    monkeypatch.setenv("KVCONVERT_KERNELS", "auto")
+    model = kvconvert.load(tmp_path / "m").eval().to(DEVICE)
+    ids = torch.randint(3, 90, (2, 100), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    torch._dynamo.reset()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static")
+    assert getattr(model, "_compiled_call", None) is not None, "generate did not compile the static decode step"
+    kernels = {event.name for event in profiler.events() if "kivi" in event.name}
+    assert kernels, "the compiled static step launched no KIVI kernel"
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
 @torch.no_grad()
 def test_decode_with_the_fp8_kernel_matches_the_torch_runtime(static, tokenized_model_dir, tmp_path, monkeypatch):
