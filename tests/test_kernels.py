@@ -203,12 +203,13 @@ def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, block
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's NaN warnings, where the NaN is the point
 @pytest.mark.parametrize("splits", [None, 3], ids=["auto-splits", "3-splits"])
-@pytest.mark.parametrize(("tile", "split"), [(0, False), (64, False), (128, False), (128, True)],
-                         ids=["per-block", "tiles-64", "tiles-128", "split-tiles-128"])  # fmt: skip
+@pytest.mark.parametrize(("tile", "split"), [(0, False), (64, False), (128, False), (128, True), (100, True)],
+                         ids=["per-block", "tiles-64", "tiles-128", "split-tiles-128", "tiles-100"])  # fmt: skip
 def test_kivi_kernel_reads_only_the_length_given(splits, tile, split):
     """A static cache's blocks not quantized yet: with ``length`` (read on the device) the kernel gives attention over
     the first ``length`` tokens and never reads the blocks after them (their scales made NaN: the same result, bit
-    for bit; without ``length`` the NaN shows)."""
+    for bit; without ``length`` the NaN shows). A tile of no whole power of two of blocks (100 tokens) is read as the
+    largest one below it."""
     torch.manual_seed(7)
     cache, (keys, values) = kivi_cache(2, 2, 64, 32, 5, 64, torch.float32)
     query = torch.randn(2, 2, 4, 64, device=DEVICE)

@@ -434,7 +434,8 @@ def kivi_decode_triton(
     n, groups, tokens = value_codes.shape[2], value_scale.shape[-1], blocks * 2 * half
     tile = KIVI_TILE if tile is None else tile
     tiles = bool(tile) and kivi_tile_fits(dim, groups)
-    step = max(tile, 2 * half) if tiles else 2 * half  # tokens a program reads an iteration: splits hold whole steps
+    blocks_a_step = 1 << (max(tile // (2 * half), 1).bit_length() - 1)  # whole blocks, a power of two (tl.arange)
+    step = blocks_a_step * 2 * half if tiles else 2 * half  # tokens a program reads an iteration; splits: whole steps
     # Triton's interpreter (the CPU tests) multiplies bfloat16 operands wrongly (3.9, seen; ``fp8_decode_triton``):
     # there a bfloat16 query takes float32 products, on a GPU its own
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
