@@ -30,7 +30,7 @@ python3 -c "import torch, transformers, triton; print(torch.__version__, transfo
 # is SDPA exact in float32 here (the fp8 static test's open mismatch on an H200, docs/gpu.md)? seconds
 timeout 60 python3 bench/sdpa_precision.py 2>&1 | tee -a "$OUT/env.txt"
 start=$(date +%s)
-timeout "${SWEEP_S:-130}" python3 bench/kernel_sweep.py --shapes 16:8192,1:32768 --kernels "${SWEEP_KERNELS:-fp8,kivi}" \
+timeout "${SWEEP_S:-240}" python3 bench/kernel_sweep.py --shapes 16:8192,1:32768 --kernels "${SWEEP_KERNELS:-fp8,kivi}" \
   --copy-to "$OUT" > "$OUT/bench.log" 2>&1
 echo "sweep rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 grep "^|" "$OUT/bench.log" | head -12

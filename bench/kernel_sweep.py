@@ -27,7 +27,7 @@ from kvconvert.runtime.kvconvert_codec import fp8_read, quantize_tokens  # noqa:
 from kvconvert.runtime.kvconvert_kernels import split_count  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
-LAUNCH_KEYS = ("tile", "split", "warps", "stages", "programs_per_sm", "splits")
+LAUNCH_KEYS = ("tile", "split", "magic", "warps", "stages", "programs_per_sm", "splits")
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -90,25 +90,23 @@ def sweep_shape(
     acc, ml = kivi.kivi_decode_reference(q.float(), *store, None, DIM**-0.5)
     ref = acc / ml[..., 1:]
     # tile 0: the per-block kernel; else the tile kernel, that many tokens an iteration, its nibbles rejoined into
-    # one operand each (form "join") or kept apart ("split")
-    forms = (
-        [(0, False), (128, False), (128, True)]
-        if quick
-        else [(0, False), *itertools.product([64, 128, 256], [False, True])]
-    )
-    warps, stages, per_sm = ([4], [2], [0]) if quick else ([4, 8], [2, 3], [0, 8, 16])
+    # one operand each or kept apart ("split"), its codes converted or widened by a bit trick ("magic")
+    tiles = [128] if quick else [64, 128, 256]
+    forms = [(0, False, False), *itertools.product(tiles, [False, True], [False, True])]
+    warps, stages, per_sm = ([4], [2], [0]) if quick else ([4, 8], [2, 3], [8, 16])
     if "kivi" not in kernels:
-        forms, warps, stages = [(kivi.KIVI_TILE, kivi.KIVI_SPLIT)], [kivi.KIVI_WARPS], [kivi.KIVI_STAGES]
-        per_sm = [kivi.KIVI_PROGRAMS_PER_SM]
-    for (tile, apart), warp, stage, pps in itertools.product(forms, warps, stages, per_sm):
+        forms = [(kivi.KIVI_TILE, kivi.KIVI_SPLIT, kivi.KIVI_MAGIC)]
+        warps, stages, per_sm = [kivi.KIVI_WARPS], [kivi.KIVI_STAGES], [kivi.KIVI_PROGRAMS_PER_SM]
+    for (tile, apart, magic), warp, stage, pps in itertools.product(forms, warps, stages, per_sm):
         most = n // (4 * max(tile, 64))  # (blocks of 64 tokens)
         split = split_count(batch * KV_HEADS, most, device, pps) if pps else None  # 0: its rule
-        config = {"tile": tile, "split": apart, "warps": warp, "stages": stage, "programs_per_sm": pps,
-                  "splits": split}  # fmt: skip
+        config = {"tile": tile, "split": apart, "magic": magic, "warps": warp, "stages": stage,
+                  "programs_per_sm": pps, "splits": split}  # fmt: skip
 
-        def run(t: int = tile, f: bool = apart, w: int = warp, s: int = stage, sp: int | None = split) -> torch.Tensor:
+        def run(t: int = tile, f: bool = apart, g: bool = magic, w: int = warp, s: int = stage,
+                sp: int | None = split) -> torch.Tensor:  # fmt: skip
             a, m = kivi.kivi_decode_triton(q, *store, None, DIM**-0.5, splits=sp, num_warps=w, num_stages=s, tile=t,
-                                           split_tiles=f)  # fmt: skip
+                                           split_tiles=f, magic=g)  # fmt: skip
             return a / m[..., 1:]
 
         record("quant 4-bit KIVI kernel", config, nbytes(*store), run, ref)
@@ -145,7 +143,7 @@ def main() -> None:
     peak = next((v for k, v in PEAK_BANDWIDTH.items() if k in gpu), None)
     # the launch the runtime should take: the fastest summed over the shapes (each shape's time as a share of SDPA's)
     launch: dict[str, Any] = {}
-    kivi_keys = ("tile", "split", "warps", "stages", "programs_per_sm")
+    kivi_keys = ("tile", "split", "magic", "warps", "stages", "programs_per_sm")
     for kernel, keys in (("fp8 kernel", ("tile", "warps", "stages", "programs_per_sm")),
                          ("quant 4-bit KIVI kernel", kivi_keys)):  # fmt: skip
         totals: dict[tuple, float] = {}

@@ -468,6 +468,7 @@ def apply_launch(launch: dict[str, dict[str, int]]) -> None:
         kivi_kernel.KIVI_PROGRAMS_PER_SM = k["programs_per_sm"]
         kivi_kernel.KIVI_TILE = k.get("tile", kivi_kernel.KIVI_TILE)  # (launch files before the tile kernel)
         kivi_kernel.KIVI_SPLIT = k.get("split", kivi_kernel.KIVI_SPLIT)
+        kivi_kernel.KIVI_MAGIC = k.get("magic", kivi_kernel.KIVI_MAGIC)
     print("launch:", launch_now(), flush=True)
 
 
@@ -475,8 +476,8 @@ def launch_now() -> dict[str, Any]:
     from kvconvert.runtime import kvconvert_fp8_kernel as fp8
 
     return {"fp8": [fp8.FP8_TILE, fp8.FP8_WARPS, fp8.FP8_STAGES, fp8.FP8_PROGRAMS_PER_SM],
-            "kivi": [kivi_kernel.KIVI_TILE, kivi_kernel.KIVI_SPLIT, kivi_kernel.KIVI_WARPS, kivi_kernel.KIVI_STAGES,
-                     kivi_kernel.KIVI_PROGRAMS_PER_SM]}  # fmt: skip
+            "kivi": [kivi_kernel.KIVI_TILE, kivi_kernel.KIVI_SPLIT, kivi_kernel.KIVI_MAGIC, kivi_kernel.KIVI_WARPS,
+                     kivi_kernel.KIVI_STAGES, kivi_kernel.KIVI_PROGRAMS_PER_SM]}  # fmt: skip
 
 
 def _num(value: float | None, digits: int = 1) -> str:

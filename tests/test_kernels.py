@@ -174,10 +174,11 @@ def attention(query, keys, values, bias, scale):
     [(2, 2, 3, 64, 32, 3, 64), (1, 1, 4, 32, 64, 5, 16), (3, 3, 1, 64, 32, 4, 128), (1, 2, 8, 128, 32, 2, 64)],
 )
 @pytest.mark.parametrize("splits", [None, 3], ids=["auto-splits", "3-splits"])
-@pytest.mark.parametrize(("tile", "split"), [(0, False), (128, False), (128, True)],
-                         ids=["per-block", "tiles", "split-tiles"])  # fmt: skip
+@pytest.mark.parametrize(("tile", "split", "magic"), [(0, False, False), (128, False, False), (128, True, False),
+                                                    (128, False, True), (128, True, True)],
+                         ids=["per-block", "tiles", "split-tiles", "tiles-magic", "split-tiles-magic"])  # fmt: skip
 def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, blocks, value_group, dtype, splits, tile,
-                                       split):  # fmt: skip
+                                       split, magic):  # fmt: skip
     """The kernel's partial softmax (merged; values read per element or per channel group), and the torch reader's
     that folds the scales (``kivi_decode_folded``), against the plain-torch reference and against attention over the
     codec's own dequantized cache: channel scales per block, value scales per token and channel group, padding."""
@@ -189,7 +190,7 @@ def test_kivi_decode_matches_reference(batch, kv_heads, group, dim, block, block
     for b in (bias, None):
         expected = attention(query, keys, values, b, 0.3)
         reference = merge_partials([kivi_decode_reference(query, *cache, b, 0.3)])
-        kernel = dict(splits=splits, tile=tile, split_tiles=split)
+        kernel = dict(splits=splits, tile=tile, split_tiles=split, magic=magic)
         got = merge_partials([kivi_decode_triton(query, *cache, b, 0.3, precise=True, **kernel)])
         torch.testing.assert_close(reference, expected, **TOL)
         torch.testing.assert_close(got, expected, **TOL)

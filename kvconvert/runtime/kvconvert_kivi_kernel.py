@@ -198,7 +198,8 @@ def kivi_kernel_fits(bits: int, block: int, dim: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _kivi_values(codes, scales, zeros, tokens, p, halves, n, size, svn, sgn, DOT: tl.constexpr):
+    def _kivi_values(codes, scales, zeros, tokens, p, halves, n, size, svn, sgn, DOT: tl.constexpr,
+                     MAGIC: tl.constexpr):  # fmt: skip
         """``p [G_PAD, T]`` times the values of ``tokens [T]`` (dequantized per token and channel group), as
         the even channels' and the odd channels' sums ``[G_PAD, D/2]`` each."""
         inside = (tokens < n)[:, None]
@@ -206,11 +207,20 @@ if triton is not None:
         g_lo = (2 * halves // size)[None, :]
         g_hi = ((2 * halves + 1) // size)[None, :]
         rows_s, rows_z = scales + tokens[:, None] * sgn, zeros + tokens[:, None] * sgn
-        v_lo = (v & 15).to(tl.float32) * tl.load(rows_s + g_lo, mask=inside, other=0.0).to(tl.float32)
+        v_lo = _widened(v & 15, MAGIC) * tl.load(rows_s + g_lo, mask=inside, other=0.0).to(tl.float32)
         v_lo += tl.load(rows_z + g_lo, mask=inside, other=0.0).to(tl.float32)
-        v_hi = (v >> 4).to(tl.float32) * tl.load(rows_s + g_hi, mask=inside, other=0.0).to(tl.float32)
+        v_hi = _widened(v >> 4, MAGIC) * tl.load(rows_s + g_hi, mask=inside, other=0.0).to(tl.float32)
         v_hi += tl.load(rows_z + g_hi, mask=inside, other=0.0).to(tl.float32)
         return tl.dot(p, v_lo.to(p.dtype), input_precision=DOT), tl.dot(p, v_hi.to(p.dtype), input_precision=DOT)
+
+    @triton.jit
+    def _widened(codes, MAGIC: tl.constexpr):
+        """Codes 0-15 (uint8) as float32: converted, or (``MAGIC``) their bits put under 2^23's exponent and 2^23
+        taken away, exactly (an integer OR and a float subtraction: the CUDA guide lists integer-to-float conversion at
+        a fraction of the float instructions' throughput)."""
+        if MAGIC:
+            return (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        return codes.to(tl.float32)
 
     @triton.jit
     def _tile_scores(q, k, tokens, stop, bias_row, scale, HAS_BIAS: tl.constexpr, DOT: tl.constexpr):
@@ -278,8 +288,8 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p_even, axis=1) + tl.sum(p_odd, axis=1)
             codes, scales, zeros = value_codes + r * svr, value_scale + r * sgr, value_zero + r * sgr
             # (the even tokens, then the odd ones: Triton compiles no loop over a tuple)
-            lo_e, hi_e = _kivi_values(codes, scales, zeros, even, p_even, halves, n, size, svn, sgn, DOT)
-            lo_o, hi_o = _kivi_values(codes, scales, zeros, odd, p_odd, halves, n, size, svn, sgn, DOT)
+            lo_e, hi_e = _kivi_values(codes, scales, zeros, even, p_even, halves, n, size, svn, sgn, DOT, False)
+            lo_o, hi_o = _kivi_values(codes, scales, zeros, odd, p_odd, halves, n, size, svn, sgn, DOT, False)
             acc_lo = acc_lo * alpha[:, None] + lo_e + lo_o
             acc_hi = acc_hi * alpha[:, None] + hi_e + hi_o
             m_i = m_new
@@ -297,7 +307,7 @@ if triton is not None:
         sqr, skr, skb, skd, ssr, ssb, svr, svn, sgr, sgn, sbb, spr, sps, smr, sms,
         G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr,
         GROUPS: tl.constexpr, GW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENGTH: tl.constexpr,
-        LOW: tl.constexpr, DOT: tl.constexpr, SPLIT: tl.constexpr,
+        LOW: tl.constexpr, DOT: tl.constexpr, SPLIT: tl.constexpr, MAGIC: tl.constexpr,
     ):  # fmt: skip
         """Program (row × KV head r, split j): the G query rows of KV head r over the tokens of split j, NB key
         blocks (NB·2·HALF tokens) at a time, shaped as the fp8 kernel is: each tile's codes are read as stored in
@@ -307,7 +317,7 @@ if triton is not None:
         its scale rounded as the model's own dequantized cache is), products accumulated in float32; else float32
         operands (``DOT``: ``ieee`` or ``tf32``). ``SPLIT``: nothing rejoined: the even and odd tokens (a byte's two
         nibbles) are two key operands, each value's even and odd channels two sums (as ``_kivi_decode_kernel``).
-        Writes the unnormalised sum and (max, denominator) per row."""
+        ``MAGIC``: codes widened by ``_widened``'s bit trick. Writes the unnormalised sum and (max, denominator)."""
         r = tl.program_id(0)
         split = tl.program_id(1)
         row = r // kv_heads
@@ -344,8 +354,8 @@ if triton is not None:
             at = r * ssr + blk * ssb + k_chan  # [D, NB, 1]
             k_s = tl.load(key_scale + at, mask=in_blocks, other=0.0).to(tl.float32)
             k_z = tl.load(key_zero + at, mask=in_blocks, other=0.0).to(tl.float32)
-            k_lo = (packed & 15).to(tl.float32) * k_s + k_z
-            k_hi = (packed >> 4).to(tl.float32) * k_s + k_z
+            k_lo = _widened(packed & 15, MAGIC) * k_s + k_z
+            k_hi = _widened(packed >> 4, MAGIC) * k_s + k_z
             if SPLIT:
                 even = first + (pairs // HALF) * (2 * HALF) + 2 * (pairs % HALF)  # the low nibbles' tokens
                 k_e = tl.reshape(k_lo, (D, NB * HALF)).to(q.dtype)
@@ -357,9 +367,9 @@ if triton is not None:
                 p_e, p_o = tl.exp(s_e - m_new[:, None]), tl.exp(s_o - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p_e, axis=1) + tl.sum(p_o, axis=1)
                 lo_e, hi_e = _kivi_values(codes_r, scales_r, zeros_r, even, p_e.to(q.dtype), halves, stop, 2 * GW,
-                                          svn, sgn, DOT)  # fmt: skip
+                                          svn, sgn, DOT, MAGIC)  # fmt: skip
                 lo_o, hi_o = _kivi_values(codes_r, scales_r, zeros_r, even + 1, p_o.to(q.dtype), halves, stop,
-                                          2 * GW, svn, sgn, DOT)  # fmt: skip
+                                          2 * GW, svn, sgn, DOT, MAGIC)  # fmt: skip
                 acc_lo = acc_lo * alpha[:, None] + lo_e + lo_o
                 acc_hi = acc_hi * alpha[:, None] + hi_e + hi_o
             else:
@@ -375,8 +385,8 @@ if triton is not None:
                 at_v = t3 * sgn + v_group  # [TILE, GROUPS, 1]
                 v_s = tl.load(scales_r + at_v, mask=ok3, other=0.0).to(tl.float32)
                 v_z = tl.load(zeros_r + at_v, mask=ok3, other=0.0).to(tl.float32)
-                v_lo = (v & 15).to(tl.float32) * v_s + v_z
-                v_hi = (v >> 4).to(tl.float32) * v_s + v_z
+                v_lo = _widened(v & 15, MAGIC) * v_s + v_z
+                v_hi = _widened(v >> 4, MAGIC) * v_s + v_z
                 vals = tl.reshape(tl.join(v_lo, v_hi), (NB * 2 * HALF, D)).to(q.dtype)
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vals, input_precision=DOT)
             m_i = m_new
@@ -403,6 +413,7 @@ KIVI_WARPS, KIVI_STAGES, KIVI_PROGRAMS_PER_SM = 4, 2, 8
 # best took 339 and 272 µs in the same run.
 KIVI_TILE = 256
 KIVI_SPLIT = False  # the tile kernel's SPLIT form (not yet measured on a GPU: bench/kernel_sweep.py sweeps both)
+KIVI_MAGIC = False  # its codes widened by a bit trick (``_widened``; not yet measured on a GPU, swept too)
 
 
 def kivi_tile_fits(dim: int, groups: int) -> bool:
@@ -417,7 +428,7 @@ def kivi_decode_triton(
     value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
     scale: float, splits: int | None = None, precise: bool | None = None, num_warps: int | None = None,
     num_stages: int | None = None, length: torch.Tensor | None = None, tile: int | None = None,
-    split_tiles: bool | None = None,
+    split_tiles: bool | None = None, magic: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``kivi_decode_reference`` in one launch, grid (rows × KV heads, token splits of whole blocks), the splits
     merged as ``merge_partials`` merges. ``precise``: float32 products (default: when the query is float32), else
@@ -425,7 +436,8 @@ def kivi_decode_triton(
     launch shape (default: ``KIVI_*``). ``length`` (a 0-d tensor, read on the device): only the first ``length``
     tokens are read (a static cache's blocks quantized so far; its step keeps its shapes and skips the rest).
     ``tile``: tokens per iteration of the tile kernel (default ``KIVI_TILE``; 0, or value groups it cannot split:
-    the per-block kernel); ``split_tiles``: its ``SPLIT`` form (default ``KIVI_SPLIT``)."""
+    the per-block kernel); ``split_tiles``, ``magic``: its ``SPLIT`` and ``MAGIC`` forms (default ``KIVI_SPLIT``,
+    ``KIVI_MAGIC``)."""
     precise = query.dtype == torch.float32 if precise is None else precise
     assert triton is not None, "Triton is not installed (pip install 'kvconvert[kernels]')"
     batch, kv_heads, group, dim = query.shape
@@ -466,7 +478,7 @@ def kivi_decode_triton(
         _kivi_tile_kernel[(rows, n_splits)](
             *cache, blocks, split_len, scale, *strides, NB=step // (2 * half), GROUPS=groups, GW=dim // groups // 2,
             LOW=low, DOT="ieee" if precise else "tf32", SPLIT=KIVI_SPLIT if split_tiles is None else split_tiles,
-            **launch,
+            MAGIC=KIVI_MAGIC if magic is None else magic, **launch,
         )  # fmt: skip
     else:
         _kivi_decode_kernel[(rows, n_splits)](
