@@ -102,6 +102,7 @@ def side_by_side(
     batch: int = 1,
     compiled: bool = False,
     static: bool = False,
+    capacity: float | None = None,
 ) -> dict[str, dict[str, float]]:
     """Decode speed of several models after the same ``context`` random tokens, measured in one process:
     each model prefills once (its own cache), then the models take turns decoding ``steps`` greedy
@@ -111,7 +112,9 @@ def side_by_side(
     together. ``compiled``: each model decodes from a static cache (what ``generate(cache_implementation=
     "static")`` makes, sized for the whole run) through ``torch.compile(forward, fullgraph=True)``, batch 1 only;
     a model whose cache is not static (its method has none yet) gets no figure; ``static``: the same caches, decoded
-    eagerly (``generate(cache_implementation="static")`` without a compile). Returns, per model, decode
+    eagerly (``generate(cache_implementation="static")`` without a compile); ``capacity``: static caches hold that
+    many times ``context`` tokens (as ``generate`` sizes them for its new tokens; default: just the run's). Returns,
+    per model, decode
     tokens/s (all rows) and the bytes its cache held after the prefill."""
     from kvconvert.eval.memory import cache_nbytes
 
@@ -124,6 +127,7 @@ def side_by_side(
         device = model_device(model)
         # batch 1 has no padding: no mask, positions implied (the plain decode loop users write)
         length = context + (rounds + 1) * steps + 2 if compiled or static else None
+        length = max(length, int(capacity * context)) if length and capacity else length
         state = _prefill(model, ids.to(device), chunk, mask.to(device) if batch > 1 else None, length)
         if length and not state["cache"].is_compileable:
             continue

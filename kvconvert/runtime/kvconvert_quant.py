@@ -355,6 +355,12 @@ class StaticKiviLayer(RoutedLayer, StaticStoreLayer):
             parts = [(acc if rotated is None else unrotated(acc, rotated), ml), exact_partial(q, *exact, scaling)]
             out = merge_partials(parts).view(batch, heads, 1, dim)
         else:
+            if device.type == "cpu" and not torch.compiler.is_compiling():  # eagerly the count is free to read:
+                upto = max(1, -(-int(quantized) // keys.quant.group))  # the blocks written so far, not every one held
+                (kc, ks, kz, vc, vs, vz), tokens = codes, upto * keys.quant.group
+                codes = (kc[:, :, :upto], ks[:, :, :upto], kz[:, :, :upto],
+                         vc[:, :, :tokens], vs[:, :, :tokens], vz[:, :, :tokens])  # fmt: skip
+                bias_q = bias_q[:, :tokens]
             acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits, exact=exact,
                                          value_rotation=rotated)  # fmt: skip
             out = (acc / ml[..., 1:]).view(batch, heads, 1, dim)
