@@ -114,8 +114,7 @@ def side_by_side(
     a model whose cache is not static (its method has none yet) gets no figure; ``static``: the same caches, decoded
     eagerly (``generate(cache_implementation="static")`` without a compile); ``capacity``: static caches hold that
     many times ``context`` tokens (as ``generate`` sizes them for its new tokens; default: just the run's). Returns,
-    per model, decode
-    tokens/s (all rows) and the bytes its cache held after the prefill."""
+    per model, decode tokens/s (all rows) and the bytes its cache held after the prefill."""
     from kvconvert.eval.memory import cache_nbytes
 
     if (compiled or static) and batch != 1:
