@@ -78,6 +78,9 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="candidates whose label contains this text ('|': any of several; "
                                                      "'=LABEL': that label exactly)")  # fmt: skip
     parser.add_argument("--name", default="speed", help="results file stem (bench/results/NAME-<date>.*)")
+    parser.add_argument("--static", action="store_true",
+                        help="batch 1 also from static caches decoded eagerly, sized for as many new tokens as the "
+                             "context (generate(cache_implementation='static') without a compile)")  # fmt: skip
     parser.add_argument("--compiled", action="store_true",
                         help="batch 1 also from static caches through torch.compile (fullgraph), against the compiled "
                              "source; methods without a static cache get no compiled row")  # fmt: skip
@@ -99,7 +102,7 @@ def main() -> None:
                 recipes[label] = recipe
         batches = [int(b) for b in args.batches.split(",")]
         rows += _measure("smollm2-135m (fp32)", models, recipes, contexts, args.steps, args.rounds, batches,
-                         args.compiled)  # fmt: skip
+                         args.compiled, args.static)  # fmt: skip
         if args.serving:
             context, rows_ = (int(x) for x in args.serving.split(":"))
             serving = _serving(models, context, rows_, args.steps, args.rounds)
@@ -110,11 +113,12 @@ def main() -> None:
             models = {"source": AutoModelForCausalLM.from_pretrained(mha).eval(),
                       "slim": _converted(mha, slim, "slim", Path(tmp) / "slim")}  # fmt: skip
             rows += _measure("random MHA Llama 8×1024 (fp32)", models, {"slim": slim}, contexts, args.steps,
-                             args.rounds, batches, args.compiled)  # fmt: skip
+                             args.rounds, batches, args.compiled, args.static)  # fmt: skip
     table = markdown_table(
         ["source", "context", "batch", "decode", "model", "decode tok/s", "× source", "cache MiB",
          "cache ÷ source (fp32)"],
-        [[r["source"], r["context"], r["batch"], "compiled, static cache" if r["compiled"] else "eager",
+        [[r["source"], r["context"], r["batch"],
+          "compiled, static cache" if r["compiled"] else "static cache, eager" if r.get("static") else "eager",
           r["model"], f"{r['decode_tokens_per_s']:.2f}",
           f"{r['ratio_to_source']:.2f}", f"{r['cache_bytes_after_prefill'] / 2**20:.1f}",
           f"{r['cache_ratio_to_source']:.3f}"] for r in rows],
@@ -166,18 +170,23 @@ def _serving(models: dict[str, Any], context: int, rows: int, steps: int, rounds
 
 
 def _measure(source: str, models: dict[str, Any], recipes: dict[str, Any], contexts: list[int], steps: int,
-             rounds: int, batches: list[int], compiled: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+             rounds: int, batches: list[int], compiled: bool = False,
+             static: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     """Rows of one group of models timed side by side against ``models["source"]``; with ``compiled``, batch 1 also
-    from static caches through ``torch.compile`` against the compiled source (``side_by_side(compiled=True)``)."""
+    from static caches through ``torch.compile`` against the compiled source (``side_by_side(compiled=True)``); with
+    ``static``, batch 1 also from static caches twice the context, eagerly, against the source's ``StaticCache``."""
     rows = []
-    runs = [(c, b, False) for c in contexts for b in batches] + [(c, 1, True) for c in contexts if compiled]
-    for context, batch, static in runs:
+    runs = [(c, b, "") for c in contexts for b in batches] + [(c, 1, "compiled") for c in contexts if compiled]
+    runs += [(c, 1, "static") for c in contexts if static]
+    for context, batch, mode in runs:
         # prefill in chunks of 2048 tokens
-        measured = side_by_side(models, context, steps, rounds, batch=batch, compiled=static)
+        measured = side_by_side(models, context, steps, rounds, batch=batch, compiled=mode == "compiled",
+                                static=mode == "static", capacity=2.0 if mode == "static" else None)  # fmt: skip
         source_speed, source_bytes = measured["source"]["decode_tokens_per_s"], measured["source"]["cache_bytes"]
         for label, row in measured.items():
             rows.append({
-                "source": source, "context": context, "batch": batch, "compiled": static, "model": label,
+                "source": source, "context": context, "batch": batch, "compiled": mode == "compiled",
+                "static": mode == "static", "model": label,
                 "recipe": recipes.get(label),
                 "decode_tokens_per_s": row["decode_tokens_per_s"],
                 "ratio_to_source": row["decode_tokens_per_s"] / source_speed,

@@ -126,16 +126,21 @@ class CompressedCache(Cache):
         inside a compiled graph)."""
         slots = layer.slots(new_keys.shape[1]).to(new_keys.device)  # its counter moves there at its first update
         keys, values = layer.update(new_keys, new_values)
+        # eagerly on a CPU the count is free to read: attention takes the slots written so far, not the whole buffer
+        # (masks are cut to the keys' length); compiled and GPU steps keep every slot (fixed shapes)
+        held = int(layer.filled) if keys.device.type == "cpu" and not torch.compiler.is_compiling() else None
+        if held is not None:
+            keys, values = keys[:, :held], None if values is None else values[:, :held]
         if not self.track_positions:
             return keys, values, None
         assert position_ids is not None
         if self.positions is None:
-            self.positions = torch.zeros(keys.shape[:2], dtype=torch.int32, device=keys.device)
+            self.positions = torch.zeros(keys.shape[0], layer.max_cache_len, dtype=torch.int32, device=keys.device)
             if not torch.compiler.is_compiling():
                 torch._dynamo.mark_static_address(self.positions)
         new_positions = position_ids.to(torch.int32).expand(new_keys.shape[0], new_keys.shape[1])
         self.positions.index_copy_(1, slots, new_positions)
-        return keys, values, self.positions
+        return keys, values, self.positions if held is None else self.positions[:, :held]
 
     def rope_for_keys(
         self, rotary: nn.Module, like: torch.Tensor, positions: torch.Tensor
