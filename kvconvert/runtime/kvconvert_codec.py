@@ -231,11 +231,17 @@ def fp8_store(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def eager_on_cpu(device: torch.device) -> bool:
+    """A step running eagerly on a CPU: a count is free to read there, and a Python branch on it costs nothing, where
+    a compiled or captured step (or a GPU, which would wait for the read) keeps fixed shapes and tensor ops."""
+    return device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def fp8_read(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The values ``fp8_store`` codes stand for, in ``dtype``: code × scale in float32, rounded once to ``dtype``. On a
     CPU the codes are widened by moving bits (``fp8_as_half``): torch converts float8 there one element at a time."""
     per_head = scale.float().view(1, -1, 1, 1)
-    if codes.device.type == "cpu" and not torch.compiler.is_compiling():  # Inductor emits its own conversion
+    if eager_on_cpu(codes.device):  # Inductor emits its own conversion
         # (code / 256) · (scale · 256): powers of two, so the same float32 product as code · scale
         return fp8_as_half(codes).float().mul_(per_head * 256).to(dtype)
     return (codes.float() * per_head).to(dtype)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .kvconvert_codec import QuantSpec
+from .kvconvert_codec import QuantSpec, eager_on_cpu
 from .kvconvert_kernels import HeadColumns, packed_decode_triton
 from .kvconvert_storage import KVLayer, StaticStoreLayer, static_stock_layer, stock_layer
 from .kvconvert_tokenstore import TokenStore
@@ -126,9 +126,9 @@ class CompressedCache(Cache):
         inside a compiled graph)."""
         slots = layer.slots(new_keys.shape[1]).to(new_keys.device)  # its counter moves there at its first update
         keys, values = layer.update(new_keys, new_values)
-        # eagerly on a CPU the count is free to read: attention takes the slots written so far, not the whole buffer
-        # (masks are cut to the keys' length); compiled and GPU steps keep every slot (fixed shapes)
-        held = int(layer.filled) if keys.device.type == "cpu" and not torch.compiler.is_compiling() else None
+        # eagerly on a CPU attention takes the slots written so far, not the whole buffer (masks are cut to the keys'
+        # length); compiled and GPU steps keep every slot (fixed shapes)
+        held = int(layer.filled) if eager_on_cpu(keys.device) else None
         if held is not None:
             keys, values = keys[:, :held], None if values is None else values[:, :held]
         if not self.track_positions:

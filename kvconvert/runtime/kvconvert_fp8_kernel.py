@@ -11,11 +11,9 @@ products accumulate in float32, and long caches are cut into token splits merged
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .kvconvert_kernels import _pow2, combine_partials, split_count, triton
+from .kvconvert_kernels import _pow2, combine_partials, interpreted, sixteen_bit_products, split_count, triton
 
 if triton is not None:
     import triton.language as tl
@@ -136,13 +134,10 @@ def fp8_decode_triton(
     # tokens, is read in place)
     key_codes, value_codes = (c if c.stride(-1) == 1 and c.stride(0) == kv_heads * c.stride(1) else c.contiguous()
                               for c in (key_codes.view(torch.uint8), value_codes.view(torch.uint8)))  # fmt: skip
-    # Triton's interpreter (the CPU tests) multiplies bfloat16 operands wrongly (3.9: any bfloat16 tl.dot, seen):
-    # there bfloat16 queries take the float32 products, on a GPU their own
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    half = query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and not interpreted)
+    half = sixteen_bit_products(query)
     query = query.contiguous() if half else query.float().contiguous()
     if native is None:
-        native = interpreted or not query.is_cuda or torch.cuda.get_device_capability(query.device) >= (8, 9)
+        native = interpreted() or not query.is_cuda or torch.cuda.get_device_capability(query.device) >= (8, 9)
     rows = batch * kv_heads
     if splits is None:
         splits = split_count(rows, n // (4 * tile), query.device, FP8_PROGRAMS_PER_SM)

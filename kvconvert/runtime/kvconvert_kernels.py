@@ -388,6 +388,17 @@ def _split_len(n: int, programs: int, device: torch.device, block_n: int, splits
     return max(block_n, triton.cdiv(per_split, block_n) * block_n)
 
 
+def interpreted() -> bool:
+    """Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``: the tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def sixteen_bit_products(query: torch.Tensor) -> bool:
+    """A decode kernel multiplies in ``query``'s own float16 / bfloat16: not in Triton's interpreter, which multiplies
+    bfloat16 operands wrongly (3.9: any bfloat16 ``tl.dot``, seen), so there a bfloat16 query takes float32 products."""
+    return query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and not interpreted())
+
+
 def split_count(programs: int, most: int, device: torch.device, per_sm: int) -> int:
     """Token splits for a decode launch of ``programs`` (rows × heads) programs: about ``per_sm`` programs per
     multiprocessor in all (a CPU, under the interpreter, counts as 4), at most ``most`` (each split long enough to be

@@ -6,11 +6,10 @@ themselves. Copied verbatim into every output directory; Triton is optional (see
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from .kvconvert_kernels import _pow2, _split_len, combine_partials, split_count, triton
+from .kvconvert_kernels import _pow2, _split_len, combine_partials, sixteen_bit_products, split_count, triton
 
 if triton is not None:
     import triton.language as tl
@@ -448,12 +447,7 @@ def kivi_decode_triton(
     tiles = bool(tile) and kivi_tile_fits(dim, groups)
     blocks_a_step = 1 << (max(tile // (2 * half), 1).bit_length() - 1)  # whole blocks, a power of two (tl.arange)
     step = blocks_a_step * 2 * half if tiles else 2 * half  # tokens a program reads an iteration; splits: whole steps
-    # Triton's interpreter (the CPU tests) multiplies bfloat16 operands wrongly (3.9, seen; ``fp8_decode_triton``):
-    # there a bfloat16 query takes float32 products, on a GPU its own
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    low = (
-        tiles and not precise and (query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and not interpreted))
-    )
+    low = tiles and not precise and sixteen_bit_products(query)
     query = query.contiguous() if low else query.float().contiguous()
     key_codes, key_scale, key_zero, value_codes, value_scale, value_zero = (
         t.contiguous() for t in (key_codes, key_scale, key_zero, value_codes, value_scale, value_zero))  # fmt: skip

@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kvconvert_codec import QuantSpec, channel_groups, rotation
+from .kvconvert_codec import QuantSpec, channel_groups, eager_on_cpu, rotation
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, static_refusal
 from .kvconvert_kernels import use_kernels
 from .kvconvert_kivi_kernel import (
@@ -355,7 +355,7 @@ class StaticKiviLayer(RoutedLayer, StaticStoreLayer):
             parts = [(acc if rotated is None else unrotated(acc, rotated), ml), exact_partial(q, *exact, scaling)]
             out = merge_partials(parts).view(batch, heads, 1, dim)
         else:
-            if device.type == "cpu" and not torch.compiler.is_compiling():  # eagerly the count is free to read:
+            if eager_on_cpu(device):  # the count is free to read:
                 upto = max(1, -(-int(quantized) // keys.quant.group))  # the blocks written so far, not every one held
                 (kc, ks, kz, vc, vs, vz), tokens = codes, upto * keys.quant.group
                 codes = (kc[:, :, :upto], ks[:, :, :upto], kz[:, :, :upto],

@@ -8,12 +8,7 @@ from typing import Any
 
 import torch
 
-from .kvconvert_codec import (
-    QuantizedBlock,
-    QuantSpec,
-    dequantize_tokens,
-    quantize_tokens,
-)
+from .kvconvert_codec import QuantizedBlock, QuantSpec, dequantize_tokens, eager_on_cpu, quantize_tokens
 
 # --------------------------------------------------------------------------- the store
 
@@ -398,7 +393,7 @@ class StaticTokenStore:
     def extend_only(self, new: torch.Tensor, filled: torch.Tensor) -> None:
         """``extend``'s writes without its read (a step that read the codes itself: ``StaticKiviLayer``). Eagerly on a
         CPU, where the count is free to read, with Python counts: a step that fills no block quantizes none."""
-        if new.shape[-2] == 1 and (new.device.type != "cpu" or torch.compiler.is_compiling()):
+        if new.shape[-2] == 1 and not eager_on_cpu(new.device):
             self._write_one(new, filled)
         else:
             self._write_many(new, int(filled))
