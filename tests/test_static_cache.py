@@ -181,18 +181,6 @@ def test_static_store_holds_what_the_growing_store_holds(bits, group, residual, 
             assert torch.equal(got, expected), f"after {filled} tokens"
 
 
-def test_the_token_layout_keeps_its_growing_cache_and_says_why(tokenized_model_dir, tmp_path):
-    from helpers import convert
-
-    out = tmp_path / "token"
-    convert("quant", tokenized_model_dir("llama_gqa64"), out, "--kv-bits", "4", "--kv-layout", "token",
-            "--kv-residual", "0")  # fmt: skip
-    model = load_converted(out)
-    with pytest.warns(UserWarning, match="token layout"):
-        static = _generate(model, cache_implementation="static")
-    assert not static.past_key_values.is_compileable
-
-
 @pytest.mark.parametrize(
     "storage",
     [

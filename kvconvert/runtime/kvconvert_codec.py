@@ -268,10 +268,17 @@ def _round_down(x: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Te
 
 
 def round_up(x: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """The smallest positive ``dtype`` value ≥ x (x ≥ 0 float32): the scale must cover the group's range."""
-    h = x.clamp(max=torch.finfo(dtype).max).to(dtype)
-    too_small = h.float() < x
-    h = torch.where(too_small, torch.nextafter(h, h.new_full((), math.inf)), h)
+    """The smallest positive ``dtype`` value ≥ x (x ≥ 0 float32; ``dtype``'s largest above it): the scale must cover
+    the group's range. Rounded on float32's bits, not by casting down and comparing: Inductor keeps a value it casts
+    down and back up in float32 (no rounding), which left half the scales of a compiled step too small."""
+    info = torch.finfo(dtype)
+    x = x.float().clamp(max=info.max)
+    drop = (1 << (23 - round(-math.log2(info.eps)))) - 1  # float32 mantissa bits that ``dtype`` lacks
+    up = ((x.contiguous().view(torch.int32) + drop) & ~drop).view(torch.float32)
+    if info.tiny > torch.finfo(torch.float32).tiny:  # float16 below its smallest normal: steps of its least subnormal
+        step = info.tiny * info.eps
+        up = torch.where(x < info.tiny, torch.ceil(x / step) * step, up)
+    h = up.to(dtype)  # exact
     return torch.where(h > 0, h, torch.ones_like(h))  # constant group: any scale, codes are 0
 
 

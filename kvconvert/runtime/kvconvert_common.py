@@ -200,12 +200,10 @@ def latent_layers(spec: dict[str, Any], compressed: Sequence[bool], max_cache_le
 
 
 def static_refusal(spec: dict[str, Any], static_windows: bool = False) -> str | None:
-    """Why a checkpoint cannot have a static cache, or None: the token layout's int4 packing has no static layer,
-    nor have sliding-window layers, unless the caller gives those it keeps stock transformers' own static window
+    """Why a checkpoint cannot have a static cache, or None: razor's quantized windows have no static layer, nor
+    have sliding-window layers, unless the caller gives those it keeps stock transformers' own static window
     (``static_windows``; quant does)."""
     quant = QuantSpec.from_spec(spec)
-    if quant.layout == "token":
-        return "its token layout (torch's CPU int4 packing) has no static layer yet"
     if spec.get("method") == "razor" and quant.quantized:
         return "razor's windows in quantized storage have no static layer yet"
     stock_windows = static_windows and not (quant.include_local and quant.quantized)

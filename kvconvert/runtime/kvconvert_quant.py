@@ -50,7 +50,8 @@ from .kvconvert_storage import (
     static_stock_layer,
     stock_layer,
 )
-from .kvconvert_tokenlayout import TokenLayoutStore, cpu_int4_rows
+from .kvconvert_tokenlayout import TokenLayoutStore, code_outputs, code_scores, cpu_int4_rows
+from .kvconvert_tokenstatic import StaticTokenLayoutLayer, static_columns
 from .kvconvert_tokenstore import TokenStore
 
 IMPLEMENTATION = "kvconvert_quant"
@@ -65,23 +66,6 @@ def int4_kernel_available(device: torch.device) -> bool:
 def decodes_from_codes(keys: TokenLayoutStore, values: TokenLayoutStore, device: torch.device) -> bool:
     """A decode step can be computed from the stores' codes (``token_decode``)."""
     return keys.blocks is not None and int4_kernel_available(device) and keys.kernel_reads() and values.kernel_reads()
-
-
-_UNIT_SCALES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _unit_scales(tokens: int, channels: int, device: torch.device) -> torch.Tensor:
-    """Kernel scales ``[tokens/32, channels, 2]`` of (1, 0): the kernel computes ``Σ (p⊙s)·(code − 8)``
-    (value scales multiply the probabilities instead). Centred codes keep that bfloat16 sum small:
-    with raw codes it is ≈ 7.5·Σ p·s and cancels against ``p·z`` afterwards, losing its rounding error
-    (measured on random 4K–16K caches: 6 % of the output's scale at worst, 1–2 % centred). Grown as the cache grows; a
-    prefix of a contiguous tensor along dim 0 is contiguous."""
-    table = _UNIT_SCALES.get((channels, device))
-    if table is None or table.shape[0] < tokens // 32:
-        rows = max(tokens // 32, 2 * (0 if table is None else table.shape[0]), 64)
-        table = torch.tensor([1.0, 0.0], dtype=torch.bfloat16, device=device).expand(rows, channels, 2).contiguous()
-        _UNIT_SCALES[(channels, device)] = table
-    return table[: tokens // 32]
 
 
 def token_decode(
@@ -109,13 +93,11 @@ def token_decode(
     kv_heads = key.shape[1]
     group, rows = heads // kv_heads, batch * kv_heads
     size = keys.group_size()
-    groups = dim // size
     rot = rotation(size, query.device)
     kb, vb = keys.blocks, values.blocks
     assert kb is not None and kb.center is not None and vb is not None
     assert keys.tail is not None and values.tail is not None
     n_q, sink, dropped = keys.quantized_tokens, (0 if keys.head is None else keys.head.shape[-2]), keys.offset
-    int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     q = query.reshape(rows, group, dim).float() * scaling  # [b·Hkv, G, d]
     q_rot = torch.mm(q.view(-1, size), rot).to(torch.bfloat16).view(rows, group, dim)
     exact_k, exact_v = [keys.tail, key], [values.tail, value]
@@ -129,15 +111,7 @@ def token_decode(
     k_exact = torch.cat(exact_k, dim=-2).flatten(0, 1).float()  # [b·Hkv, t, d]: extra, sink, tail, this step
     v_exact = torch.cat(exact_v, dim=-2).flatten(0, 1).float()
     scores = torch.empty(rows, group, n_q + k_exact.shape[1], device=query.device)
-    # one kernel call per (row, KV head); unbind makes the per-head views in one op
-    scores_q = torch.stack([
-        int4_mm(x, codes, size, pairs)
-        for x, (codes, pairs) in zip(q_rot.unbind(0), keys.kernel_operands(), strict=True)
-    ])  # [b·Hkv, G, n_q] bfloat16  # fmt: skip
-    block_offsets = torch.bmm(q, kb.center.flatten(0, 1).float().transpose(1, 2))  # [b·Hkv, G, n_q/B]
-    blocks = block_offsets.shape[-1]
-    torch.add(scores_q.view(rows, group, blocks, -1), block_offsets[..., None],
-              out=scores[..., :n_q].view(rows, group, blocks, -1))  # fmt: skip
+    code_scores(q, q_rot, keys.kernel_operands(), kb.center, size, scores[..., :n_q])
     scores[..., n_q:] = torch.bmm(q, k_exact.transpose(1, 2))
     if sink or dropped:  # the sink's stand-ins and the dropped tokens
         scores[..., : dropped + sink] = -math.inf
@@ -152,20 +126,8 @@ def token_decode(
         by_head[..., first : first + sink] += bias[..., :sink]  # the sink's copies: the mask of its positions
         by_head[..., first + sink :] += bias[..., held:]
     probs = torch.softmax(scores, dim=-1)
-    p_q = probs[..., :n_q]
     out = torch.bmm(probs[..., n_q:], v_exact)  # [b·Hkv, G, d]
-    # p·((code − 8)·s + z) = (p⊙s)·(code − 8) + p·z, per channel group j; value scales are [b, Hkv, G', n_q]
-    weighted = torch.empty(rows, groups, group, n_q, dtype=torch.bfloat16, device=query.device)
-    torch.mul(p_q[:, None], vb.scale.flatten(0, 1)[:, :, None], out=weighted)  # [b·Hkv, G', G, n_q], the kernel's input
-    offsets = torch.bmm(p_q, vb.zero.flatten(0, 1).float().transpose(1, 2))  # [b·Hkv, G, G']
-    unit = _unit_scales(n_q, size, query.device)
-    # Vᵀ's int4 rows, one [size, n_q/2] matrix per (row, KV head, channel group)
-    out_rot = torch.stack([
-        int4_mm(x, codes, 32, unit) for x, (codes,) in zip(weighted.flatten(0, 1).unbind(0), values.kernel_operands(),
-                                                            strict=True)
-    ]).view(rows, groups, group, size) + offsets.transpose(1, 2)[..., None]  # float32  # fmt: skip
-    if groups > 1:
-        out_rot = out_rot.transpose(1, 2).reshape(rows, group, dim)
+    out_rot = code_outputs(probs[..., :n_q], vb.scale, vb.zero, values.kernel_operands(), size)
     out = torch.addmm(out.view(-1, size), out_rot.view(-1, size), rot.T)  # rotated back, added to the exact part
     return out.view(batch, heads, 1, dim)
 
@@ -322,31 +284,9 @@ class StaticKiviLayer(RoutedLayer, StaticStoreLayer):
         self._check_room(1)
         batch, heads, _, dim = query.shape
         kv_heads, filled, device = key.shape[1], self.filled, query.device
-        minimum = torch.finfo(torch.float32).min
         q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
-        # the mask's bias per slot [b, max_cache_len] (positions past it: never valid)
-        bias = additive_mask(attention_mask, 1, self.max_cache_len, torch.float32, device)
-        bias = (torch.zeros(1, self.max_cache_len, device=device) if bias is None else bias[:, 0, 0]).expand(batch, -1)
-        length, sink = keys.blocks * keys.quant.group, keys.quant.sink if keys.head is not None else 0
-        positions = torch.arange(length, device=device)
+        bias_q, exact = static_columns(keys, values, key, value, attention_mask, filled, self.max_cache_len)
         quantized = keys.quantized_count(filled)
-        bias_q = torch.full((batch, length), minimum, device=device)
-        bias_q[:, : self.max_cache_len] = bias
-        bias_q = torch.where((positions < quantized) & (positions >= sink), bias_q, minimum)
-        # exact: the sink, the ring's slots not quantized yet (slot s: the newest position ≡ s mod its length), this
-        # step's token at position ``filled``
-        slots = torch.arange(keys.ring_len, device=device)
-        ring = filled - 1 - (filled - 1 - slots).remainder(keys.ring_len)
-        where = [ring, filled.view(1)]
-        valid = [(ring >= quantized) & (ring >= sink) & (ring >= 0), torch.ones(1, dtype=torch.bool, device=device)]
-        exact_k, exact_v = [keys.ring, key], [values.ring, value]
-        if keys.head is not None and values.head is not None:
-            held = torch.arange(sink, device=device)
-            where, valid = [held, *where], [held < filled, *valid]
-            exact_k, exact_v = [keys.head, *exact_k], [values.head, *exact_v]
-        at, ok = torch.cat(where), torch.cat(valid)
-        exact_bias = torch.where(ok, bias.index_select(1, at.clamp(0, self.max_cache_len - 1)), minimum)
-        exact = (torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2), exact_bias[:, None, None])
         codes = (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)
         rotated = value_rotation(values, dim, device)
         if kernel:
@@ -474,7 +414,8 @@ def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerS
     layers = range(len(spec["attention_modules"]))
     if max_cache_len is not None and static_refusal(spec, static_windows=True) is None:
         length = max_cache_len
-        return LayerStateCache([static_sliding_layer(spec, i, length) or static_kivi_layer(quant, i, length)
+        static = StaticTokenLayoutLayer if quant.layout == "token" else static_kivi_layer
+        return LayerStateCache([static_sliding_layer(spec, i, length) or static(quant, i, length)
                                 for i in layers])  # fmt: skip
     layer_class = Fp8Layer if quant.fp8 else TokenLayoutLayer if quant.layout == "token" else KiviLayer
     return LayerStateCache([sliding_layer(spec, i) or layer_class(quant, i) for i in layers])

@@ -326,8 +326,8 @@ class StaticTokenStore:
     arrive), so a decode step needs no data-dependent branch: ``extend`` reads, as ``TokenStore.extend`` does,
     positions below ``Q(p)`` from the codes and the rest exact, then stores the token and rewrites the one block
     that may just have filled (its old codes where it did not). A prefill (several tokens) runs eagerly and
-    quantizes its whole blocks at once. Storage without quantization is a plain buffer. The KIVI layout only
-    (the token layout's int4 packing is read by its own decode step)."""
+    quantizes its whole blocks at once. Storage without quantization is a plain buffer. KIVI's layout; the token
+    layout replaces the codec (``_quantize``, ``_fields``, ``_dequantize_into``: ``StaticTokenLayoutStore``)."""
 
     def __init__(self, quant: QuantSpec, per_channel: bool, max_len: int):
         self.quant, self.per_channel = quant, per_channel
@@ -339,11 +339,12 @@ class StaticTokenStore:
         self.codes: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
         self.zero: torch.Tensor | None = None
+        self.center: torch.Tensor | None = None
         self.ring: torch.Tensor | None = None
         self.head: torch.Tensor | None = None
         self.width = 0
 
-    TENSORS = ("codes", "scale", "zero", "ring", "head")
+    TENSORS = ("codes", "scale", "zero", "center", "ring", "head")
 
     def held(self) -> list[torch.Tensor]:
         return [t for t in (getattr(self, name) for name in self.TENSORS) if t is not None]
@@ -360,11 +361,9 @@ class StaticTokenStore:
             self.ring = new.new_zeros(*lead, self.max_len, width)
             return
         # the shapes of one block's codes, scales and zeros, from the codec itself, repeated for every block
-        probe = quantize_tokens(new.new_zeros(*lead, spec.group, width), spec.bits, spec.group, self.per_channel,
-                                self.rotate)  # fmt: skip
-        axis = -3 if self.per_channel else -2  # the block (per channel) or token (per token) axis of the codes
-        self.codes, self.scale, self.zero = (_repeated(t, dim, self.blocks) for t, dim in
-                                             ((probe.codes, axis), (probe.scale, -2), (probe.zero, -2)))  # fmt: skip
+        probe = self._quantize(new.new_zeros(*lead, spec.group, width))
+        for name, dim, _ in self._fields():
+            setattr(self, name, _repeated(getattr(probe, name), dim, self.blocks))
         self.ring = new.new_zeros(*lead, self.ring_len, width)
         if spec.sink:
             self.head = new.new_zeros(*lead, spec.sink, width)
@@ -399,16 +398,13 @@ class StaticTokenStore:
             self._write_many(new, int(filled))
 
     def _read(self, new: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
-        assert self.ring is not None
-        count = new.shape[-2]
-        steps = torch.arange(count, device=new.device) + filled
-        assert self.codes is not None and self.scale is not None and self.zero is not None
+        assert self.ring is not None and self.codes is not None and self.scale is not None and self.zero is not None
+        steps = torch.arange(new.shape[-2], device=new.device) + filled
         spec, lead = self.quant, self.ring.shape[:-2]
         length = self.blocks * spec.group
         # one slot past the last block: where the ring's stale slots are written, then cut off
         out = self.ring.new_empty(*lead, length + 1, self.width)
-        dequantize_tokens(QuantizedBlock(self.codes, self.scale, self.zero), spec.bits, spec.group, self.width,
-                          self.per_channel, out.dtype, self.rotate, out[..., :length, :])  # fmt: skip
+        self._dequantize_into(QuantizedBlock(self.codes, self.scale, self.zero, self.center), out[..., :length, :])
         # ring slot s holds the newest position ≡ s (mod ring_len) before this step; exact where not quantized
         slots = torch.arange(self.ring_len, device=new.device)
         positions = filled - 1 - (filled - 1 - slots).remainder(self.ring_len)
@@ -421,26 +417,34 @@ class StaticTokenStore:
             out[..., :sink, :] = torch.where(held, self.head, out[..., :sink, :])
         return out[..., : self.max_len, :]
 
+    # --- the codec: what a subclass in another layout replaces (``StaticTokenLayoutStore``)
+    def _quantize(self, tokens: torch.Tensor) -> QuantizedBlock:
+        spec = self.quant
+        return quantize_tokens(tokens, spec.bits, spec.group, self.per_channel, self.rotate)
+
+    def _fields(self) -> tuple[tuple[str, int, bool], ...]:
+        """``(name, axis, per token)`` of each buffer of the codes: the axis its blocks (or tokens) lie along."""
+        return tuple((name, -3 if name == "codes" and self.per_channel else -2, not self.per_channel)
+                     for name in ("codes", "scale", "zero"))  # fmt: skip
+
+    def _dequantize_into(self, blocks: QuantizedBlock, out: torch.Tensor) -> None:
+        spec = self.quant
+        dequantize_tokens(blocks, spec.bits, spec.group, self.width, self.per_channel, out.dtype, self.rotate, out)
+
     # --- writing
     def _quantize_into(self, tokens: torch.Tensor, first_block: Any, keep: Any = None) -> None:
         """Quantize ``tokens [..., k·group, w]`` (whole blocks) into blocks ``first_block …``; with ``keep`` (a 0-d
         bool tensor, one block) the old codes stay where it is True."""
-        assert self.codes is not None and self.scale is not None and self.zero is not None
         spec = self.quant
-        block = quantize_tokens(tokens, spec.bits, spec.group, self.per_channel, self.rotate)
-        blocks = tokens.shape[-2] // spec.group
-        index = torch.arange(blocks, device=tokens.device) + first_block
+        block = self._quantize(tokens)
+        index = torch.arange(tokens.shape[-2] // spec.group, device=tokens.device) + first_block
         within = torch.arange(spec.group, device=tokens.device)
-        rows = index if self.per_channel else (index[:, None] * spec.group + within).flatten()
-        axis = -3 if self.per_channel else -2
-        codes, scale, zero = block.codes, block.scale, block.zero
-        if keep is not None:
-            codes = torch.where(keep, self.codes.index_select(axis, rows), codes)
-            scale = torch.where(keep, self.scale.index_select(-2, rows), scale)
-            zero = torch.where(keep, self.zero.index_select(-2, rows), zero)
-        self.codes.index_copy_(axis, rows, codes)
-        self.scale.index_copy_(-2, rows, scale)
-        self.zero.index_copy_(-2, rows, zero)
+        for name, axis, per_token in self._fields():
+            held, new = getattr(self, name), getattr(block, name)
+            rows = (index[:, None] * spec.group + within).flatten() if per_token else index
+            if keep is not None:
+                new = torch.where(keep, held.index_select(axis, rows), new)
+            held.index_copy_(axis, rows, new)
 
     def _with_stand_ins(self, tokens: torch.Tensor, first: Any) -> torch.Tensor:
         """``tokens`` (starting at block ``first``) with the sink replaced by the token after it in block 0, so
