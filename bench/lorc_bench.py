@@ -82,6 +82,14 @@ VARIANTS: list[tuple[str, str, float, dict[str, Any], int | None]] = [
     # the same, each layer then fitted on its attention output with kv_a_layernorm in the loop
     ("--latent mla --refine-steps 100", EXT, 0.5, {"latent": "mla", "refine_steps": 100}, None),
     ("--latent mla --refine-steps 100", EXT, 0.3, {"latent": "mla", "refine_steps": 100}, None),
+    # then the whole export distilled on the source's next-token distribution (16 chunks of 1024 tokens)
+    (
+        "--latent mla --refine-steps 100 --distill-steps 120",
+        EXT,
+        0.5,
+        {"latent": "mla", "refine_steps": 100, "distill_steps": 120, "distill_chunks": 16},
+        None,
+    ),
 ]
 
 

@@ -31,6 +31,17 @@ def test_too_little_text_is_an_actionable_error():
         tokenize_chunks(list(range(50)), tokens=100, chunk_len=20, seed=0, source="x")
 
 
+def test_fewer_chunks_where_the_text_is_shorter_when_asked():
+    """``fewer`` (LoRC's distillation: up to ``distill_chunks``): a short text gives the chunks it holds, none
+    still refuses, and a text long enough gives exactly what is asked for."""
+    short = tokenize_chunks(list(range(50)), tokens=100, chunk_len=20, seed=0, source="x", fewer=True)
+    assert short.chunks.shape == (2, 20) and short.held_out.shape[0] == 0
+    enough = tokenize_chunks(list(range(500)), tokens=100, chunk_len=20, seed=0, source="x", fewer=True)
+    assert enough.chunks.shape == (5, 20)
+    with pytest.raises(KVConvertError, match="gives 0 tokens"):
+        tokenize_chunks(list(range(10)), tokens=100, chunk_len=20, seed=0, source="x", fewer=True)
+
+
 def test_calibration_sources(tmp_path):
     text, source = read_calibration_text(None)
     assert source == str(CALIB_DATA) and len(text.split()) > 16000  # ZACK §6.6: > 16K tokens

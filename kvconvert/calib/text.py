@@ -64,11 +64,13 @@ def load_tokenizer(model_path: Path) -> Any:
 
 
 def tokenize_chunks(ids: list[int], tokens: int, chunk_len: int, seed: int, source: str,
-                    bos: int | None = None) -> CalibrationSet:  # fmt: skip
+                    bos: int | None = None, fewer: bool = False) -> CalibrationSet:  # fmt: skip
     """Cut ``ids`` into chunks of ``chunk_len`` (``bos`` first in each when the model expects it)."""
     body = chunk_len - (1 if bos is not None else 0)
     count = len(ids) // body
     needed = -(-tokens // chunk_len)  # ceil
+    if fewer and count:
+        needed = min(needed, count)
     if count < needed:
         raise KVConvertError(
             f"calibration text {source!r} gives {count * chunk_len} tokens in {chunk_len}-token chunks; "
@@ -81,8 +83,10 @@ def tokenize_chunks(ids: list[int], tokens: int, chunk_len: int, seed: int, sour
     return CalibrationSet(chunks=rows[order[:needed]], held_out=rows[order[needed:]], source=source)
 
 
-def calibration_set(model_path: Path, spec: str | None, tokens: int, chunk_len: int, seed: int) -> CalibrationSet:
-    """Token chunks of a calibration source for the model at ``model_path``."""
+def calibration_set(model_path: Path, spec: str | None, tokens: int, chunk_len: int, seed: int,
+                    fewer: bool = False) -> CalibrationSet:  # fmt: skip
+    """Token chunks of a calibration source for the model at ``model_path``; ``fewer``: as many as the text gives
+    when that is fewer than ``tokens`` asks for (at least one)."""
     if tokens < 1 or chunk_len < 2:
         raise KVConvertError(f"--calib-tokens must be >= 1 and the chunk length >= 2 (got {tokens}, {chunk_len})")
     text, source = read_calibration_text(spec)
@@ -90,4 +94,4 @@ def calibration_set(model_path: Path, spec: str | None, tokens: int, chunk_len: 
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
-    return tokenize_chunks(ids, tokens, chunk_len, seed, source, bos if adds_bos else None)
+    return tokenize_chunks(ids, tokens, chunk_len, seed, source, bos if adds_bos else None, fewer)

@@ -693,7 +693,9 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         from kvconvert.methods.lorc.distill import distill_export
 
         length = min(config.distill_len, plan.layout.context)
-        calib = calibration_set(source.path, config.calib, config.distill_chunks * length, length, config.seed)
+        # up to ``distill_chunks``: a calibration text shorter than that many chunks gives what it holds
+        calib = calibration_set(source.path, config.calib, config.distill_chunks * length, length, config.seed,
+                                fewer=True)  # fmt: skip
         return {"distill": distill_export(directory, source.path, calib.chunks, config.distill_steps, config.seed,
                                           progress)}  # fmt: skip
 
