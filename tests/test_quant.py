@@ -594,3 +594,27 @@ def test_quant_with_a_budget_allocates_widths_and_the_cache_holds_them(tokenized
     for widths in (("--kv-bits", "4"), ("--kv-value-bits", "2")):
         both = run_cli("quant", "--model", str(src), "--out", str(tmp_path / "x"), *widths, "--kv-budget", "0.3")
         assert both.exit_code == 2 and "not both" in both.output and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_round_up_is_the_least_value_that_covers_compiled_too(dtype):
+    """A quantizer's scale is rounded up to float16 / bfloat16 so that the grid covers the group's range: the result
+    is the least ``dtype`` value ≥ x (subnormals, exact values and ``dtype``'s largest, for x beyond it, included),
+    and Inductor computes the same (a cast down and back up, which it keeps in float32, once left half of a compiled
+    step's scales below their range)."""
+    from kvconvert.runtime.kvconvert_codec import round_up
+
+    info = torch.finfo(dtype)
+    g = torch.Generator().manual_seed(0)
+    edges = torch.tensor([0.0, 1.0, 0.5, info.max, 3e38])
+    x = torch.cat([torch.rand(4000, generator=g) * 3, torch.rand(1000, generator=g) * 1e-4,
+                   torch.exp(torch.randn(4000, generator=g) * 8), edges])  # fmt: skip
+    x = x[x < 3e38 if dtype == torch.bfloat16 else x >= 0]  # bfloat16 reaches float32's range: no finite x beyond
+    got = round_up(x, dtype)
+    assert got.dtype == dtype
+    beyond = x > info.max
+    covered = got.float() >= x
+    below = torch.nextafter(got, torch.zeros((), dtype=dtype)).float()  # the next value down must not cover x
+    assert covered[~beyond].all() and (below < x)[~beyond & (x > 0)].all()
+    assert (got[beyond] == info.max).all() and (got[x == 0] == 1).all()  # a constant group: any scale
+    assert torch.equal(torch.compile(round_up, fullgraph=True)(x, dtype), got)
