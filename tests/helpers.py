@@ -151,3 +151,24 @@ def razor_static_steps(sink: int, window: int, frac: float, retrieval: list[int]
         assert growing.comp_count.tolist() == static.comp_count.tolist() and growing.comp_count[0] > 0
         torch.testing.assert_close(static.comp_k_sum, growing.comp_k_sum)
         torch.testing.assert_close(static.comp_v_sum, growing.comp_v_sum)
+
+
+# a prefill, single decode tokens, chunks: how tokens reach a cache's store (``static_store_steps``)
+STORE_CHUNKS = [37, 1, 1, 90, *[1] * 100, 70, *[1] * 40]
+
+
+def static_store_steps(growing, static, width: int = 64):
+    """Feed the same tokens ``[2, 3, n, width]`` (channels of growing scale, sink-like outliers first) in
+    ``STORE_CHUNKS`` to a growing store (``extend(new)``) and a static one (``extend(new, filled)``, room for
+    ``sum(STORE_CHUNKS)`` or more); yield ``(tokens so far, the static store's, the growing store's, all tokens)``
+    after each chunk."""
+    x = torch.randn(2, 3, sum(STORE_CHUNKS), width, generator=torch.Generator().manual_seed(0))
+    x = x * torch.linspace(0.5, 4, width)
+    x[..., :4, :] *= 10  # sink-like outliers
+    filled = 0
+    for count in STORE_CHUNKS:
+        new = x[..., filled : filled + count, :]
+        expected = growing.extend(new)
+        got = static.extend(new, torch.tensor(filled))[..., : filled + count, :]
+        filled += count
+        yield filled, got, expected, x

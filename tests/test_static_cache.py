@@ -11,7 +11,15 @@ import warnings
 import pytest
 import torch
 from default_methods import COMPRESSING, LOSSLESS
-from helpers import assert_same_logits, left_padded, load_converted, load_reference, razor_static_steps
+from helpers import (
+    STORE_CHUNKS,
+    assert_same_logits,
+    left_padded,
+    load_converted,
+    load_reference,
+    razor_static_steps,
+    static_store_steps,
+)
 from transformers import CompileConfig, StaticCache
 
 STATIC = ("lorc", "slim", "zack", "quant", "razor")  # the methods with a static cache
@@ -165,16 +173,8 @@ def test_static_store_holds_what_the_growing_store_holds(bits, group, residual, 
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
 
     spec = QuantSpec(bits=bits, group=group, residual=residual, sink=sink, rotate=rotate)
-    chunks = [37, 1, 1, 90, *[1] * 100, 70, *[1] * 40]
-    x = torch.randn(2, 3, sum(chunks), 64, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.5, 4, 64)
-    x[..., :4, :] *= 10  # sink-like outliers
-    growing, static = TokenStore(spec, per_channel), StaticTokenStore(spec, per_channel, sum(chunks) + 5)
-    filled = 0
-    for count in chunks:
-        new = x[..., filled : filled + count, :]
-        expected = growing.extend(new)
-        got = static.extend(new, torch.tensor(filled))[..., : filled + count, :]
-        filled += count
+    growing, static = TokenStore(spec, per_channel), StaticTokenStore(spec, per_channel, sum(STORE_CHUNKS) + 5)
+    for filled, got, expected, _ in static_store_steps(growing, static):
         if rotate:
             assert (got != expected).float().mean() < 1e-3, f"after {filled} tokens"
         else:

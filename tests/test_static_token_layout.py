@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import convert, left_padded, load_converted
+from helpers import STORE_CHUNKS, convert, left_padded, load_converted, static_store_steps
 from transformers import CompileConfig
 
 import kvconvert
@@ -191,18 +191,8 @@ def test_static_token_layout_store_holds_what_the_growing_store_holds(keys, grou
     if writes == "tensor ops":
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     spec = QuantSpec(bits=4, group=group, residual=residual, sink=sink, layout="token")
-    chunks = [37, 1, 1, 90, *[1] * 100, 70, *[1] * 40]
-    x = torch.randn(2, 3, sum(chunks), width, generator=torch.Generator().manual_seed(0)) * torch.linspace(
-        0.5, 4, width
-    )
-    x[..., :4, :] *= 10  # sink-like outliers
-    growing, static = TokenLayoutStore(spec, keys), StaticTokenLayoutStore(spec, keys, sum(chunks) + 5)
-    filled = 0
-    for count in chunks:
-        new = x[..., filled : filled + count, :]
-        expected = growing.extend(new)
-        got = static.extend(new, torch.tensor(filled))[..., : filled + count, :]
-        filled += count
+    growing, static = TokenLayoutStore(spec, keys), StaticTokenLayoutStore(spec, keys, sum(STORE_CHUNKS) + 5)
+    for filled, got, expected, x in static_store_steps(growing, static, width):
         # the rotation is a float product whose rounding may differ with its operand's layout: a token's value may
         # cross a rounding boundary (one code, or one float16 step of its zero), and the rotation back spreads that
         # over the token's channel group; a misplaced block or scale would differ everywhere, and by the values' size

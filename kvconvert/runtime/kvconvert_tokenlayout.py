@@ -122,10 +122,8 @@ def cpu_int4_rows() -> Int4Rows | None:
 
 
 def _token_layout_groups(x: torch.Tensor, size: int) -> torch.Tensor:
-    """``x [..., n, w]`` -> rotated channel groups ``[..., n, w/size, size]`` float32. Contiguous first: a product's
-    rounding may depend on its operand's strides, and the growing and static stores quantize the same block from a
-    slice of their float tail and from their ring."""
-    return x.float().contiguous().reshape(*x.shape[:-1], -1, size) @ rotation(size, x.device)
+    """``x [..., n, w]`` -> rotated channel groups ``[..., n, w/size, size]`` float32."""
+    return x.float().reshape(*x.shape[:-1], -1, size) @ rotation(size, x.device)
 
 
 def _kernel_groups(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -319,12 +317,11 @@ class StaticTokenLayoutStore(StaticTokenStore):
         if tokens is None and self._operands is not None:
             return self._operands
         assert self.codes is not None and self.scale is not None
-        codes, scale = (self.codes, self.scale) if tokens is None else (self.codes[..., :tokens, :],
-                                                                        self.scale[..., :tokens, :])  # fmt: skip
+        codes = self.codes if tokens is None else self.codes[..., :tokens, :]  # tokens on dim -2 (both sides)
         operands: list[tuple[torch.Tensor, ...]]
-        if self.keys:  # each row's codes [n, d/2] are a prefix of its [max_len, d/2]: a view
-            operands = list(zip(codes.flatten(0, 1).unbind(0), scale.contiguous().flatten(0, 1).unbind(0),
-                                strict=True))  # fmt: skip
+        if self.keys:  # each row's codes [n, d/2] are a prefix of its [max_len, d/2]: a view; pairs [G, n, 2]
+            pairs = self.scale if tokens is None else self.scale[..., :tokens, :].contiguous()
+            operands = list(zip(codes.flatten(0, 1).unbind(0), pairs.flatten(0, 1).unbind(0), strict=True))
         else:  # Vᵀ's rows [d/r, n, r/2] per group: one [size, n/2] matrix each
             size = self.codec.group_size()
             operands = [(m,) for m in codes.contiguous().reshape(-1, size, codes.shape[-2] // 2).unbind(0)]
