@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--name", default="runtime-ab")
     parser.add_argument("--static", action="store_true", help="decode from static caches, eagerly (batch 1)")
     parser.add_argument("--capacity", type=float, default=None, help="static caches hold this many times the context")
+    parser.add_argument("--compiled", action="store_true",
+                        help="static caches through torch.compile (batch 1), the source compiled too")  # fmt: skip
     args = parser.parse_args()
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
@@ -76,7 +78,7 @@ def main() -> None:
         for context in contexts:
             for batch in (int(b) for b in args.batches.split(",")):
                 measured = side_by_side(models, context, args.steps, args.rounds, batch=batch, static=args.static,
-                                        capacity=args.capacity)  # fmt: skip
+                                        capacity=args.capacity, compiled=args.compiled)  # fmt: skip
                 speed = measured["source"]["decode_tokens_per_s"]
                 for label, row in measured.items():
                     rows.append({"context": context, "batch": batch, "model": label,
@@ -88,6 +90,7 @@ def main() -> None:
                              f"{r['ratio_to_source']:.2f}"] for r in rows])  # fmt: skip
     payload = {"machine": machine(), "recipe": json.loads(args.recipe), "model": args.model, "base": base,
                "steps": args.steps, "rounds": args.rounds, "static": args.static, "capacity": args.capacity,
+               "compiled": args.compiled,
                "rows": rows,
                "seconds": time.perf_counter() - started}  # fmt: skip
     write_results(args.name, payload, table)
