@@ -51,7 +51,7 @@ from .kvconvert_storage import (
     stock_layer,
 )
 from .kvconvert_tokenlayout import TokenLayoutStore, code_outputs, code_scores, cpu_int4_rows
-from .kvconvert_tokenstatic import StaticTokenLayoutLayer, static_columns
+from .kvconvert_tokenstatic import StaticTokenLayoutLayer, static_columns, written_blocks
 from .kvconvert_tokenstore import TokenStore
 
 IMPLEMENTATION = "kvconvert_quant"
@@ -295,8 +295,8 @@ class StaticKiviLayer(RoutedLayer, StaticStoreLayer):
             parts = [(acc if rotated is None else unrotated(acc, rotated), ml), exact_partial(q, *exact, scaling)]
             out = merge_partials(parts).view(batch, heads, 1, dim)
         else:
-            if eager_on_cpu(device):  # the count is free to read:
-                upto = max(1, -(-int(quantized) // keys.quant.group))  # the blocks written so far, not every one held
+            if eager_on_cpu(device):  # the count is free to read: the blocks written so far, not every one held
+                upto = written_blocks(keys, filled)
                 (kc, ks, kz, vc, vs, vz), tokens = codes, upto * keys.quant.group
                 codes = (kc[:, :, :upto], ks[:, :, :upto], kz[:, :, :upto],
                          vc[:, :, :tokens], vs[:, :, :tokens], vz[:, :, :tokens])  # fmt: skip
@@ -316,8 +316,11 @@ def _kivi_quantized(quant: QuantSpec, layer: int) -> bool:
     return quantized and not quant.fp8 and quant.layout == "kivi"
 
 
-def static_kivi_layer(quant: QuantSpec, layer: int, max_cache_len: int) -> Any:
-    """``static_stock_layer``, with ``StaticKiviLayer`` for a layer quantized in KIVI's layout."""
+def static_quant_layer(quant: QuantSpec, layer: int, max_cache_len: int) -> Any:
+    """``static_stock_layer``, with ``StaticKiviLayer`` for a layer quantized in KIVI's layout and
+    ``StaticTokenLayoutLayer`` in the token layout (whose steps read their codes)."""
+    if quant.layout == "token":
+        return StaticTokenLayoutLayer(quant, layer, max_cache_len)
     if _kivi_quantized(quant, layer):
         return StaticKiviLayer(max_cache_len, quant, layer)
     return static_stock_layer(quant, layer, max_cache_len)
@@ -414,8 +417,7 @@ def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerS
     layers = range(len(spec["attention_modules"]))
     if max_cache_len is not None and static_refusal(spec, static_windows=True) is None:
         length = max_cache_len
-        static = StaticTokenLayoutLayer if quant.layout == "token" else static_kivi_layer
-        return LayerStateCache([static_sliding_layer(spec, i, length) or static(quant, i, length)
+        return LayerStateCache([static_sliding_layer(spec, i, length) or static_quant_layer(quant, i, length)
                                 for i in layers])  # fmt: skip
     layer_class = Fp8Layer if quant.fp8 else TokenLayoutLayer if quant.layout == "token" else KiviLayer
     return LayerStateCache([sliding_layer(spec, i) or layer_class(quant, i) for i in layers])

@@ -18,6 +18,12 @@ from .kvconvert_tokenlayout import StaticTokenLayoutStore, code_outputs, code_sc
 from .kvconvert_tokenstore import StaticTokenStore
 
 
+def written_blocks(store: StaticTokenStore, filled: torch.Tensor) -> int:
+    """Eagerly, where the count is free to read: the blocks quantized once ``filled`` tokens are stored (at least one),
+    what a step reads instead of every block the buffers have room for."""
+    return max(1, int(store.quantized_count(filled)) // store.quant.group)
+
+
 def static_columns(
     keys: StaticTokenStore, values: StaticTokenStore, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
     filled: torch.Tensor, max_cache_len: int,
@@ -100,7 +106,7 @@ class StaticTokenLayoutLayer(StaticStoreLayer):
         assert center is not None and scale is not None and zero is not None
         held = None  # every block's room (fixed shapes: a compiled step)
         if eager_on_cpu(query.device):  # the count is free to read: the blocks written so far, not every one held
-            blocks = max(1, -(-int(keys.quantized_count(filled)) // keys.quant.group))
+            blocks = written_blocks(keys, filled)
             held = blocks * keys.quant.group
             center, scale, zero, bias_q = center[..., :blocks, :], scale[..., :held], zero[..., :held], bias_q[:, :held]
         key_ops, value_ops = keys.kernel_operands(held), values.kernel_operands(held)
