@@ -234,24 +234,27 @@ class TokenLayoutStore(TokenStore):
         return -2, (-2 if self.keys else -1)
 
     def _dequantize(self, blocks: QuantizedBlock, dtype: torch.dtype) -> torch.Tensor:
+        # Where no int4 kernel reads the codes (a GPU, a CPU of another layout) every decode step comes here for the
+        # whole cache: so one float32 copy worked on in place and one 2-D product with the rotation. A broadcast
+        # ``x @ rot.T`` over [..., n, G, size] ran as a batched product of tiny matrices: 3-4x slower on a CPU.
         size, rows = self.group_size(), self._layout()
+        rot_t = rotation(size, blocks.codes.device).T
         if self.keys:
-            codes = rows.unpack(blocks.codes).float()  # [..., n, d]
-            scale, zero = blocks.scale.transpose(-2, -3).float().unbind(-1)  # the pairs: [..., n, G] each
-            x = (codes.reshape(*codes.shape[:-1], -1, size) - 8) * scale[..., None] + zero[..., None]
+            codes = rows.unpack(blocks.codes)  # [..., n, d]
+            *lead, n, d = codes.shape
+            scale, zero = (side.transpose(-1, -2)[..., None] for side in blocks.scale.float().unbind(-1))  # [..n, G, 1]
+            x = codes.reshape(*lead, n, d // size, size).float().sub_(8).mul_(scale).add_(zero)
+            out = torch.mm(x.view(-1, size), rot_t).view(*lead, n // self.quant.group, self.quant.group, d)
             assert blocks.center is not None
-            centers = blocks.center.float().repeat_interleave(self.quant.group, dim=-2)  # [..., n, d]
-            return ((x @ rotation(size, x.device).T).flatten(-2) + centers).to(dtype)
+            return out.add_(blocks.center.float()[..., None, :]).view(*lead, n, d).to(dtype)
         *lead, stored, n, _ = blocks.codes.shape
         groups = stored * self._value_block(size) // size
         codes = rows.unpack(blocks.codes.reshape(*lead, groups, size, n // 2))  # [..., G, size, n]
-        codes = codes.permute(*range(len(lead)), -1, -3, -2).float()  # [..., n, G, size]
-        scale, zero = (
-            blocks.scale.transpose(-1, -2).float(),
-            blocks.zero.transpose(-1, -2).float(),
-        )
-        x = (codes - 8) * scale[..., None] + zero[..., None]
-        return (x @ rotation(size, x.device).T).flatten(-2).to(dtype)
+        # token-major in the one float32 copy, so that the product comes out as [..., n, d] with no copy after it
+        x = codes.permute(*range(len(lead)), -1, -3, -2).to(torch.float32, memory_format=torch.contiguous_format)
+        scale, zero = (side.float().transpose(-1, -2)[..., None] for side in (blocks.scale, blocks.zero))  # [..n, G, 1]
+        x.sub_(8).mul_(scale).add_(zero)
+        return torch.mm(x.view(-1, size), rot_t).view(*lead, n, groups * size).to(dtype)
 
     def _dequantize_into(self, blocks: QuantizedBlock, out: torch.Tensor) -> None:
         out.copy_(self._dequantize(blocks, out.dtype))
