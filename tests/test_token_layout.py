@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -404,3 +405,19 @@ def test_decode_from_the_codes_under_another_cpu_capability():
                             env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:]
     assert "12 passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
+
+
+def test_the_token_layout_says_once_that_off_a_cpu_it_dequantizes_every_step():
+    """Off a CPU no kernel reads the token layout's codes (0.01x the original on an H200): converting for a GPU
+    should take KIVI's layout or fp8, and the runtime says so once, not at every block."""
+    kvconvert_tokenlayout._warn_off_cpu.cache_clear()
+    spec = QuantSpec(4, 32, residual=0, layout="token")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        TokenLayoutStore(spec, keys=True).extend(torch.randn(1, 2, 64, 64))
+        assert not caught  # on the CPU: nothing to say
+        for _ in range(2):
+            store = TokenLayoutStore(spec, keys=True)
+            store.extend(torch.randn(1, 2, 64, 64, device="meta"))  # any device that is not a CPU
+    said = [w for w in caught if "token layout" in str(w.message)]
+    assert len(said) == 1 and "meta" in str(said[0].message) and "--kv-layout kivi" in str(said[0].message)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,17 @@ def _unpack_blocks(packed: torch.Tensor, block: int, halves: bool) -> torch.Tens
     low, high = b & 15, b >> 4
     rows = torch.cat([low, high], dim=-2) if halves else torch.stack([low, high], dim=-2)
     return rows.reshape(*lead, n, 2 * half)
+
+
+@functools.cache
+def _warn_off_cpu(device: str) -> None:
+    """Once per device type: off a CPU nothing reads the codes, every decode step dequantizes the whole cache."""
+    warnings.warn(
+        f"kvconvert: the 4-bit token layout is read by a CPU int4 kernel; on {device} every decode step dequantizes "
+        "the whole cache (0.01x the original measured on an H200). For a GPU convert with --kv-layout kivi "
+        "(its Triton kernel reads the codes) or --kv-format fp8",
+        stacklevel=2,
+    )
 
 
 # Every layout torch's packer is known to produce (AVX2, AVX-512, the plain loop at two vector widths);
@@ -201,6 +213,8 @@ class TokenLayoutStore(TokenStore):
         return min(self._layout().block, size)
 
     def _quantize(self, tokens: torch.Tensor) -> QuantizedBlock:
+        if tokens.device.type != "cpu" and not torch.compiler.is_compiling():
+            _warn_off_cpu(tokens.device.type)
         size, rows = self.group_size(), self._layout()
         if not self.keys:
             codes, scale, zero = _kernel_groups(_token_layout_groups(tokens, size), torch.float16)  # [..., n, G, size]
