@@ -257,7 +257,8 @@ class TokenLayoutStore(TokenStore):
             codes = rows.unpack(blocks.codes)  # [..., n, d]
             *lead, n, d = codes.shape
             scale, zero = (side.transpose(-1, -2)[..., None] for side in blocks.scale.float().unbind(-1))  # [..n, G, 1]
-            x = codes.reshape(*lead, n, d // size, size).float().sub_(8).mul_(scale).add_(zero)
+            x = codes.reshape(*lead, n, d // size, size).to(torch.float32, memory_format=torch.contiguous_format)
+            x.sub_(8).mul_(scale).add_(zero)
             out = torch.mm(x.view(-1, size), rot_t).view(*lead, n // self.quant.group, self.quant.group, d)
             assert blocks.center is not None
             return out.add_(blocks.center.float()[..., None, :]).view(*lead, n, d).to(dtype)
