@@ -415,7 +415,7 @@ def test_the_token_layout_says_once_that_off_a_cpu_it_dequantizes_every_step():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         TokenLayoutStore(spec, keys=True).extend(torch.randn(1, 2, 64, 64))
-        assert not caught  # on the CPU: nothing to say
+        assert not [w for w in caught if "token layout" in str(w.message)]  # on the CPU: nothing to say
         for _ in range(2):
             store = TokenLayoutStore(spec, keys=True)
             store.extend(torch.randn(1, 2, 64, 64, device="meta"))  # any device that is not a CPU
