@@ -618,3 +618,33 @@ def test_round_up_is_the_least_value_that_covers_compiled_too(dtype):
     assert covered[~beyond].all() and (below < x)[~beyond & (x > 0)].all()
     assert (got[beyond] == info.max).all() and (got[x == 0] == 1).all()  # a constant group: any scale
     assert torch.equal(torch.compile(round_up, fullgraph=True)(x, dtype), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_round_down_is_the_greatest_value_below_compiled_too(dtype):
+    """A quantizer's zero point is rounded down to float16 / bfloat16 so that it does not exceed the group's minimum:
+    the result is the greatest ``dtype`` value ≤ x (negative and positive, subnormals and exact values included; x
+    beyond ``dtype``'s range gives its largest finite value), and Inductor computes the same (a cast down compared
+    with its cast back up, kept in float32 by Inductor, once gave a compiled step other zero points than an eager one,
+    so a static quantized cache decoded compiled held other values than eagerly)."""
+    from kvconvert.runtime.kvconvert_codec import _round_down
+
+    info = torch.finfo(dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.randn(4000, generator=g) * 3, torch.randn(1000, generator=g) * 1e-5,
+                   torch.randn(200, generator=g).to(dtype).float(),  # exact values
+                   torch.exp(torch.randn(4000, generator=g) * 6) * torch.randn(4000, generator=g).sign(),
+                   torch.tensor([0.0, -0.0, info.max, -info.max, info.tiny, -info.tiny])])  # fmt: skip
+    x = x[x.abs() <= info.max]
+    got = _round_down(x, dtype)
+    above = torch.nextafter(got, torch.full((), float("inf"), dtype=dtype)).float()  # the next value up exceeds x
+    assert got.dtype == dtype and (got.float() <= x).all() and (above > x).all()
+    if dtype == torch.float16:  # bfloat16 reaches float32's range: no finite x beyond
+        assert (_round_down(torch.tensor([-1e30, 1e30]), dtype).float().abs() == info.max).all()
+    assert torch.equal(torch.compile(_round_down, fullgraph=True)(x, dtype), got)
+    # and so a block quantized in a compiled step holds what an eager step quantizes (codes, scales, zero points)
+    from kvconvert.runtime.kvconvert_codec import quantize_groups
+
+    blocks = torch.randn(64, 32, generator=g) * torch.exp(torch.randn(64, 1, generator=g) * 2)
+    eager, compiled = quantize_groups(blocks, 4), torch.compile(quantize_groups, fullgraph=True)(blocks, 4)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))

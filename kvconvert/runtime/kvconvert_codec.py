@@ -260,11 +260,20 @@ def fp8_as_half(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _round_down(x: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """The largest ``dtype`` value ≤ x (x float32): the zero point must not exceed the group minimum."""
-    finite = torch.finfo(dtype).max
-    h = x.clamp(-finite, finite).to(dtype)
-    too_big = h.float() > x
-    return torch.where(too_big, torch.nextafter(h, h.new_full((), -math.inf)), h)
+    """The largest ``dtype`` value ≤ x (x float32): the zero point must not exceed the group minimum. On float32's
+    bits, as ``round_up`` rounds: a cast down compared with x cast back up is what Inductor keeps in float32, which
+    gave a compiled step other zero points (and scales) than an eager one, a few per block."""
+    info = torch.finfo(dtype)
+    x = x.float().clamp(-info.max, info.max)
+    drop = (1 << (23 - round(-math.log2(info.eps)))) - 1  # float32 mantissa bits that ``dtype`` lacks
+    magnitude = x.abs().contiguous().view(torch.int32)
+    # toward −∞: a positive value's magnitude truncated, a negative one's rounded up
+    down = torch.where(x >= 0, magnitude & ~drop, (magnitude + drop) & ~drop).view(torch.float32)
+    down = torch.where(x >= 0, down, -down)
+    if info.tiny > torch.finfo(torch.float32).tiny:  # float16 below its smallest normal: steps of its least subnormal
+        step = info.tiny * info.eps
+        down = torch.where(x.abs() < info.tiny, torch.floor(x / step) * step, down)
+    return down.to(dtype)  # exact
 
 
 def round_up(x: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
