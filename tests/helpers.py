@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -117,24 +118,29 @@ def step_mask(valid: torch.Tensor, first: int, count: int, length: int) -> torch
     return ((slots <= query)[None] & padded[:, None, :])[:, None]
 
 
+RAZOR_CHUNKS = [1, 1, 5, *[1] * 12, 9, *[1] * 30]
+
+
 def razor_static_steps(sink: int, window: int, frac: float, retrieval: list[int], tolerance: float,
-                       device: str = "cpu") -> None:  # fmt: skip
+                       device: str = "cpu", quant: Any = None, chunks: list[int] = RAZOR_CHUNKS) -> None:  # fmt: skip
     """Feed the same chunks (several tokens, then single ones; a left-padded row whose padding outlasts the sink)
     to razor's growing and static cache layers: each step's outputs of the real tokens agree within ``tolerance``,
-    and the compensation sums end equal (``test_static_cache``; with the head-wise kernel, ``test_kernels``)."""
+    and the compensation sums end equal (``test_static_cache``; with the head-wise kernel, ``test_kernels``).
+    ``quant``: a ``QuantSpec`` for both (``StaticRazorKiviLayer``)."""
     from kvconvert.runtime.kvconvert_razor import RazorLayer
+    from kvconvert.runtime.kvconvert_razor_kivi import StaticRazorKiviLayer
     from kvconvert.runtime.kvconvert_razor_static import StaticRazorLayer
 
     others = [g for g in range(3) if g not in retrieval]
-    chunks = [1, 1, 5, *[1] * 12, 9, *[1] * 30]
     total, generator = sum(chunks), torch.Generator().manual_seed(3)
     q = torch.randn(2, 6, total, 8, generator=generator).to(device)
     k = torch.randn(2, 3, total, 8, generator=generator).to(device)
     v = torch.randn(2, 3, total, 8, generator=generator).to(device)
     valid = torch.ones(2, total, dtype=torch.bool)
     valid[1, :13] = False
-    growing = RazorLayer(retrieval, others, sink, window, frac)
-    static = StaticRazorLayer(retrieval, others, sink, window, frac, total + 3)
+    growing = RazorLayer(retrieval, others, sink, window, frac, quant)
+    static = StaticRazorLayer(retrieval, others, sink, window, frac, total + 3) if quant is None else (
+        StaticRazorKiviLayer(retrieval, others, sink, window, frac, total + 3, quant, 0))  # fmt: skip
     first = 0
     for count in chunks:
         step = slice(first, first + count)

@@ -29,6 +29,7 @@ STATIC_LAYERS = {
     "StaticKiviLayer",
     "StaticFp8Layer",
     "StaticRazorLayer",
+    "StaticRazorKiviLayer",
 }  # kvconvert's
 SEARCHES = {
     "greedy": {"do_sample": False},
@@ -108,6 +109,10 @@ QUANTIZED = {
                                                              "--kv-rotate", "--kv-group", "32")),
     "lorc 0.5 + 4-bit": ("lorc", ("--kv-budget", "0.5", "--schedule", "uniform", "--kv-bits", "4",
                                   "--kv-residual", "8")),
+    # windows of 48 tokens (at least residual + group): the window slides over quantized blocks while it decodes
+    "razor + 4-bit, sink + rotation": ("razor", ("--profile-tokens", "16", "--induction-frac", "0.1", "--echo-frac",
+                                                 "0", "--window", "48", "--kv-bits", "4", "--kv-residual", "8",
+                                                 "--kv-group", "32", "--kv-sink", "2", "--kv-rotate")),
 }  # fmt: skip
 
 
@@ -130,6 +135,7 @@ def test_quantized_storage_has_a_static_cache_that_holds_what_the_growing_one_ho
     padding states are garbage (a fully masked query averages over every slot, and a static cache has more), and
     per-channel key blocks take their range over the padding too, so its real tokens' codes may differ a little."""
     model = load_converted(quantized[name])
+    method = QUANTIZED[name][0]
     for search, kwargs in SEARCHES.items():
         dynamic = _generate(model, 200, **kwargs)
         static = _generate(model, 200, cache_implementation="static", **kwargs)
@@ -139,10 +145,15 @@ def test_quantized_storage_has_a_static_cache_that_holds_what_the_growing_one_ho
                 assert_same_logits(a[0], b[0], f"{name} step {step}")
             assert static.past_key_values.is_compileable
             assert _layer_classes(static) & STATIC_LAYERS
+            if method == "razor":  # its windows slid over quantized blocks, and what left them was compensated
+                layers = [layer for layer in static.past_key_values.layers if hasattr(layer, "window_keys")]
+                assert any(layer.others for layer in layers)
+                assert all(layer.comp_count.min() > 0 for layer in layers if layer.others)
 
 
-def test_compiled_decode_from_a_static_quantized_cache(quantized):
-    model = load_converted(quantized["quant 3-bit, sink + rotation, groups of 32"])
+@pytest.mark.parametrize("name", ["quant 3-bit, sink + rotation, groups of 32", "razor + 4-bit, sink + rotation"])
+def test_compiled_decode_from_a_static_quantized_cache(name, quantized):
+    model = load_converted(quantized[name])
     eager = _generate(model, 200)
     config = CompileConfig(fullgraph=True, mode="default")
     config._compile_all_devices = True
@@ -151,7 +162,7 @@ def test_compiled_decode_from_a_static_quantized_cache(quantized):
     assert getattr(model, "_compiled_call", None) is not None
     assert torch.equal(compiled.sequences, eager.sequences)
     for step, (a, b) in enumerate(zip(eager.logits, compiled.logits, strict=True)):
-        assert_same_logits(a, b, f"quant 3-bit step {step}")
+        assert_same_logits(a, b, f"{name} step {step}")
 
 
 @pytest.mark.parametrize("per_channel", [True, False])
@@ -340,6 +351,51 @@ def test_static_razor_layer_attends_as_the_growing_one(sink, window, frac, retri
     window growing with ``frac`` so that some steps drop nothing, padded tokens leaving the window) give each step
     what ``RazorLayer`` gives it, and the compensation sums end equal."""
     razor_static_steps(sink, window, frac, retrieval, tolerance=1e-5)
+
+
+# razor's long chunks: a prefill past the window, decode tokens filling blocks, a chunk that drops many at once
+RAZOR_KIVI_CHUNKS = [1, 1, 5, *[1] * 12, 40, *[1] * 30, 23, *[1] * 20]
+
+
+@pytest.mark.parametrize("sink, window, frac, retrieval, storage", [
+    (2, 16, 0.25, [1], {"bits": 4, "group": 8, "residual": 8}),
+    (3, 24, 0.5, [0, 2], {"bits": 3, "group": 8, "residual": 0, "sink": 2, "rotate": True}),
+    (0, 20, 0.0, [], {"bits": 2, "group": 4, "residual": 16, "sink": 3}),
+    (4, 16, 0.2, [0, 1, 2], {"bits": 4, "group": 8, "residual": 8, "sink": 1}),
+])  # fmt: skip
+@pytest.mark.parametrize("writes", ["counts read", "tensor ops"])
+def test_static_razor_layer_in_kivi_storage_attends_as_the_growing_one(sink, window, frac, retrieval, storage, writes,
+                                                                       monkeypatch):  # fmt: skip
+    """The same with ``--kv-bits`` in KIVI's layout (``StaticRazorKiviLayer``): blocks quantized at chunks and at
+    decode tokens, windows sliding over quantized blocks (a ring of them), the store's own exact sink, dropped tokens
+    compensated as the growing store hands them over (dequantized). Decode tokens written with the count read
+    (eagerly on a CPU) or with tensor ops only (a compiled step's writes: taken here by reporting a compile)."""
+    from kvconvert.runtime.kvconvert_codec import QuantSpec
+
+    if writes == "tensor ops":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+    razor_static_steps(sink, window, frac, retrieval, tolerance=1e-5, quant=QuantSpec(**storage),
+                       chunks=RAZOR_KIVI_CHUNKS)  # fmt: skip
+
+
+@pytest.mark.parametrize("storage, window, reason", [
+    ({"bits": 4, "group": 32, "residual": 16}, 48, None),
+    ({"bits": 4, "group": 32, "residual": 16, "layout": "token"}, 48, "token layout"),
+    ({"bits": 4, "group": 32, "residual": 32}, 48, "window (48 tokens) is shorter"),
+    ({"bits": 4, "group": 32, "residual": 16, "layers": ((4, 4), (4, 16))}, 48, "some at 16 bits"),
+])  # fmt: skip
+def test_razor_with_quantized_storage_says_when_it_has_no_static_layer(storage, window, reason):
+    """KIVI's layout with windows at least residual + group long gets ``StaticRazorKiviLayer``; the token layout, a
+    shorter window (its growing store would drop tokens from the float tail, shifting its blocks) or a layer kept at
+    16 bits get the growing cache, and the reason (which generate's one-line warning quotes)."""
+    from kvconvert.runtime.kvconvert_codec import QuantSpec
+    from kvconvert.runtime.kvconvert_common import static_refusal
+
+    spec = {"method": "razor", "kv_quant": QuantSpec(**storage).to_spec(),
+            "razor": {"retrieval_kv_heads": [[0], [1]], "window": window}}  # fmt: skip
+    said = static_refusal(spec, static_windows=True)
+    assert said is None if reason is None else reason in said, said
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

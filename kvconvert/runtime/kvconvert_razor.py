@@ -419,7 +419,8 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
 def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerStateCache:
     """The head-wise cache; preallocated for ``max_cache_len`` tokens (a static cache asked for) unless
     ``static_refusal`` says why not (then it grows with the sequence, and the caller says so)."""
-    from .kvconvert_razor_static import StaticRazorLayer  # it builds on this module
+    from .kvconvert_razor_kivi import StaticRazorKiviLayer  # they build on this module
+    from .kvconvert_razor_static import StaticRazorLayer
 
     razor = spec["razor"]
     kv_heads = int(spec["num_kv_heads"])
@@ -431,7 +432,9 @@ def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerS
         heads = list(retrieval), others, razor["sink"], razor["window"], razor["window_frac"]
         if static:  # sliding-window layers (kept stock) get transformers' own static window
             assert max_cache_len is not None
-            layers.append(static_sliding_layer(spec, layer, max_cache_len) or StaticRazorLayer(*heads, max_cache_len))
+            held = StaticRazorKiviLayer(*heads, max_cache_len, quant, layer) if quant.quantized else (
+                StaticRazorLayer(*heads, max_cache_len))  # fmt: skip
+            layers.append(static_sliding_layer(spec, layer, max_cache_len) or held)
         else:
             layers.append(sliding_layer(spec, layer) or RazorLayer(*heads, quant, layer))
     return LayerStateCache(layers)

@@ -9,8 +9,8 @@ compensated), the compensation sums and counts. A slot's logical position (``win
 inside the window, so a step masks instead of slicing, and sink and window are read as one tensor (by torch, or by
 the head-wise Triton kernel when ``KVCONVERT_KERNELS=triton``). A decode step (one token) is written in tensors
 only; longer steps (prefill, chunks) rebuild a growing ``RazorLayer`` from the buffers, let it attend and evict,
-and write its state back: the two paths compute what the growing cache computes. 16-bit stores only: razor's
-quantized windows keep the growing cache.
+and write its state back: the two paths compute what the growing cache computes. 16-bit stores; with ``--kv-bits``
+in KIVI's layout, ``StaticRazorKiviLayer`` (``kvconvert_razor_kivi``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class StaticRazorLayer(StaticKVLayer):
     capacity]`` (the logical position each slot holds, -1 for none: the same for every row, as positions are cache
     slots); the float32 compensation sums ``[b, N, 1, d]`` and counts ``[b]``."""
 
-    buffers = ("full_k", "full_v", "window_k", "window_v", "comp_k_sum", "comp_v_sum", "comp_count")
+    buffers: tuple[str, ...] = ("full_k", "full_v", "window_k", "window_v", "comp_k_sum", "comp_v_sum", "comp_count")
     _keep_in_fp32 = ("comp_k_sum", "comp_v_sum", "comp_count")  # sums of many tokens: float32 in any model dtype
     # tensors once allocated (None before, or for a kind of head the layer lacks); Any keeps the state terse
     full_k: Any
@@ -55,6 +55,7 @@ class StaticRazorLayer(StaticKVLayer):
         self.at_r: Any = None  # set with the buffers (``_index_heads``)
         self.at_o: Any = None
         self.kernel_tables: Any = None
+        self.quant, self.layer = QuantSpec(), 0  # 16 bits (``StaticRazorKiviLayer``: its stores' storage)
 
     def _window_start(self, total: torch.Tensor) -> torch.Tensor:
         """First logical position of the window after ``total`` tokens: max(sink, total − L(total)); float64, as
@@ -224,7 +225,8 @@ class StaticRazorLayer(StaticKVLayer):
     def _attend_growing(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                         scale: float) -> tuple[torch.Tensor, None]:  # fmt: skip
         seen = int(self.filled)
-        layer = RazorLayer(self.retrieval, self.others, self.sink, self.window, self.window_frac, QuantSpec())
+        layer = RazorLayer(self.retrieval, self.others, self.sink, self.window, self.window_frac, self.quant,
+                           self.layer)  # fmt: skip
         if seen:
             self._load(layer, seen)
         out = attend_state(query, key, value, attention_mask, scale, layer)

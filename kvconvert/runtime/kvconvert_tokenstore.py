@@ -417,6 +417,10 @@ class StaticTokenStore:
             out[..., :sink, :] = torch.where(held, self.head, out[..., :sink, :])
         return out[..., : self.max_len, :]
 
+    def block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Where blocks (by index) are held: block i in slot i (``RingTokenStore``: a ring of slots)."""
+        return blocks
+
     # --- the codec: what a subclass in another layout replaces (``StaticTokenLayoutStore``)
     def _quantize(self, tokens: torch.Tensor) -> QuantizedBlock:
         spec = self.quant
@@ -437,7 +441,7 @@ class StaticTokenStore:
         bool tensor, one block) the old codes stay where it is True."""
         spec = self.quant
         block = self._quantize(tokens)
-        index = torch.arange(tokens.shape[-2] // spec.group, device=tokens.device) + first_block
+        index = self.block_slots(torch.arange(tokens.shape[-2] // spec.group, device=tokens.device) + first_block)
         within = torch.arange(spec.group, device=tokens.device)
         for name, axis, per_token in self._fields():
             held, new = getattr(self, name), getattr(block, name)

@@ -1,0 +1,273 @@
+"""Razor's preallocated cache with ``--kv-bits`` in KIVI's layout: ``StaticRazorLayer`` (16 bits) with its stores
+quantized as the growing ``RazorLayer``'s are, so that ``torch.compile`` and CUDA graphs decode razor's smallest
+caches too.
+
+Retrieval heads keep every token in a ``StaticTokenStore`` (``max_cache_len`` tokens, as quant's static cache).
+The other heads keep the sink exact, then a window whose quantized blocks lie in a ring (``RingTokenStore``:
+block i in slot i mod slots, enough slots for the widest window plus the block being written and the one the
+window's front is leaving), the newest tokens exact in the store's own float ring, and the compensation sums.
+Which tokens are quantized depends on the count alone, as in ``StaticTokenStore``: the growing window store
+quantizes blocks aligned with its positions, and drops from its front only tokens already in a block as long as
+the window holds at least ``residual + group`` tokens (``static_refusal`` refuses a shorter one: there the
+growing store cuts its float tail and its blocks shift). A decode step reads every slot, masking by logical
+position what is dropped, not written or held twice; longer steps go through a growing layer built from the
+buffers and written back, as ``StaticRazorLayer`` does. Copied verbatim into every razor output directory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .kvconvert_codec import QuantizedBlock, QuantSpec
+from .kvconvert_common import softmax_rows
+from .kvconvert_razor import RazorLayer
+from .kvconvert_razor_ops import compensated_attention
+from .kvconvert_razor_static import StaticRazorLayer
+from .kvconvert_tokenstore import StaticTokenStore, TokenStore
+
+
+class RingTokenStore(StaticTokenStore):
+    """A ``StaticTokenStore`` of ``slots`` blocks held in a ring: block i in slot i mod ``slots`` (a sliding window
+    of a longer sequence, whose oldest blocks are overwritten once dropped)."""
+
+    def __init__(self, quant: QuantSpec, per_channel: bool, slots: int):
+        super().__init__(quant, per_channel, slots * quant.group)
+
+    def block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
+        return blocks.remainder(self.blocks)
+
+
+def _gather_blocks(static: StaticTokenStore, blocks: torch.Tensor) -> QuantizedBlock:
+    """The codes of ``blocks`` (indices, in order) as the growing store concatenates them."""
+    group = static.quant.group
+    within = torch.arange(group, device=blocks.device)
+    slots = static.block_slots(blocks)
+    fields = {}
+    for name, axis, per_token in static._fields():
+        rows = (slots[:, None] * group + within).flatten() if per_token else slots
+        fields[name] = getattr(static, name).index_select(axis, rows)
+    return QuantizedBlock(fields["codes"], fields["scale"], fields["zero"], None)
+
+
+def load_store(static: StaticTokenStore, store: TokenStore, stored: int, start: int) -> None:
+    """Fill the empty growing ``store`` with what it holds after ``stored`` tokens, the first ``start`` dropped from
+    its front (only ever from whole blocks: see the module's docstring)."""
+    if stored == 0:
+        return
+    assert static.ring is not None
+    group, device = static.quant.group, static.ring.device
+    quantized = static.quantized_count(stored)
+    assert start <= quantized, "a window dropped tokens it had not quantized: no static layer holds that"
+    first, count = start // group, quantized // group
+    store.width = static.width
+    if first < count:  # blocks wholly dropped are freed, as ``TokenStore._free_dropped_blocks`` frees them
+        store.blocks = _gather_blocks(static, torch.arange(first, count, device=device))
+        store.quantized_tokens, store.offset = (count - first) * group, start - first * group
+    exact = torch.arange(quantized, stored, device=device).remainder(static.ring_len)
+    store.tail = static.ring.index_select(-2, exact)
+    if static.head is not None:
+        held = min(static.quant.sink, stored)
+        store.head = static.head[..., start:held, :].clone() if start < held else None
+    store.front_dropped = start > 0
+
+
+def save_store(store: TokenStore, static: StaticTokenStore, stored: int) -> None:
+    """Write the growing ``store``'s state after ``stored`` tokens into ``static`` (its float tail into the ring, its
+    blocks into their slots, what is left of its exact sink into the head)."""
+    if store.tail is None:
+        return
+    assert static.ring is not None
+    group, device = static.quant.group, static.ring.device
+    quantized = stored - store.tail.shape[-2]
+    if store.blocks is not None:
+        first = (quantized - store.quantized_tokens) // group
+        assert (quantized - store.quantized_tokens) % group == 0, "the store's blocks left its positions' grid"
+        within = torch.arange(group, device=device)
+        slots = static.block_slots(torch.arange(first, quantized // group, device=device))
+        for name, axis, per_token in static._fields():
+            rows = (slots[:, None] * group + within).flatten() if per_token else slots
+            getattr(static, name).index_copy_(axis, rows, getattr(store.blocks, name))
+    static.ring.index_copy_(-2, torch.arange(quantized, stored, device=device).remainder(static.ring_len),
+                            store.tail)  # fmt: skip
+    if static.head is not None and store.head is not None:
+        start = stored - len(store)  # the oldest held token: the head's first
+        static.head[..., start : start + store.head.shape[-2], :] = store.head
+
+
+class StaticRazorKiviLayer(StaticRazorLayer):
+    """``StaticRazorLayer`` whose stores are quantized in KIVI's layout (keys per channel, values per token): the
+    retrieval heads' ``full_keys/values`` (``StaticTokenStore``, ``[b, R, ·, d]``), the other heads' exact sink
+    ``sink_k/v [b, N, sink, d]`` and window ``window_keys/values`` (``RingTokenStore``), the float32 compensation sums
+    ``[b, N, 1, d]`` and counts ``[b]``."""
+
+    buffers: tuple[str, ...] = ("sink_k", "sink_v", "comp_k_sum", "comp_v_sum", "comp_count")
+    sink_k: Any
+    sink_v: Any
+
+    def __init__(self, retrieval: list[int], others: list[int], sink: int, window: int, window_frac: float,
+                 max_cache_len: int, quant: QuantSpec, layer: int):  # fmt: skip
+        super().__init__(retrieval, others, sink, window, window_frac, max_cache_len)
+        self.quant, self.layer = quant, layer
+        keys, values = quant.side(layer, keys=True), quant.side(layer, keys=False)
+        self.full_keys = StaticTokenStore(keys, True, max_cache_len)
+        self.full_values = StaticTokenStore(values, False, max_cache_len)
+        # the widest window before its step's drop, the block its newest tokens fill, the block its front leaves
+        slots = -(-self.capacity // keys.group) + 2
+        self.window_keys, self.window_values = RingTokenStore(keys, True, slots), RingTokenStore(values, False, slots)
+
+    def _stores(self) -> list[StaticTokenStore]:
+        return [*((self.full_keys, self.full_values) if self.retrieval else ()),
+                *((self.window_keys, self.window_values) if self.others else ())]  # fmt: skip
+
+    def _held(self) -> list[torch.Tensor]:
+        return [t for store in self._stores() for t in store.held()] + [
+            t for t in (getattr(self, name) for name in self.buffers) if t is not None]  # fmt: skip
+
+    def rows(self) -> int:
+        held = self._held()
+        return held[0].shape[0] if held else 0
+
+    def apply(self, fn: Any) -> None:
+        super().apply(fn)
+        for store in self._stores():
+            store.apply(fn)
+
+    def _allocate(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        batch, dim = key.shape[0], key.shape[-1]
+        self.dtype, self.device = key.dtype, key.device
+        r, o = len(self.retrieval), len(self.others)
+        for store, heads, like in ((self.full_keys, r, key), (self.full_values, r, value),
+                                   (self.window_keys, o, key), (self.window_values, o, value)):  # fmt: skip
+            if heads:
+                store._allocate(like.new_zeros(batch, heads, 1, dim))
+        if o:
+            self.sink_k = key.new_zeros(batch, o, self.sink, dim)
+            self.sink_v = value.new_zeros(batch, o, self.sink, dim)
+            self.comp_k_sum = key.new_zeros(batch, o, 1, dim, dtype=torch.float32)
+            self.comp_v_sum = value.new_zeros(batch, o, 1, dim, dtype=torch.float32)
+            self.comp_count = key.new_zeros(batch, dtype=torch.float32)
+        self._initialized(key.device)
+
+    # --- a decode step, in tensors only
+    def _decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                scale: float) -> torch.Tensor:  # fmt: skip
+        """One token: the retrieval heads over every slot of their stores, the other heads over sink + window +
+        compensation token, then the token stored and what left the window compensated. ``[b, H, 1, d]``."""
+        batch, heads, _, dim = query.shape
+        kv_heads = key.shape[1]
+        group = heads // kv_heads
+        bias = self._bias(attention_mask, query.dtype)
+        rows = query.reshape(batch, kv_heads, group, dim)  # a KV group's query heads are adjacent
+        out = query.new_empty(rows.shape)
+        if self.retrieval:
+            at = self.at_r
+            keys = self.full_keys.extend(key[:, at], self.filled)
+            values = self.full_values.extend(value[:, at], self.filled)
+            scores = rows[:, at] @ keys.transpose(-1, -2) * scale + bias
+            out[:, at] = softmax_rows(scores, value.dtype) @ values
+        if self.others:
+            at = self.at_o
+            out[:, at] = self._decode_window(rows[:, at], key[:, at], value[:, at], bias, scale)
+        self._advance(1)
+        return out.view(batch, heads, 1, dim)
+
+    def _decode_window(self, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+                       scale: float) -> torch.Tensor:  # fmt: skip
+        """The other heads' step ``[b, N, G, d]`` (``rows``: their query heads by KV head), then their writes."""
+        seen, sink, device = self.filled, self.sink, key.device
+        keys, values = self.window_keys, self.window_values
+        assert keys.ring is not None and values.ring is not None
+        group, minimum = keys.quant.group, torch.finfo(bias.dtype).min
+        stored = (seen - sink).clamp(min=0)  # the window store's tokens before this step
+        quantized = keys.quantized_count(stored)
+        start = self._window_start(seen)  # the window's first logical position before this step's drop
+        head = keys.quant.sink if keys.head is not None else 0  # the store's exact sink, over its block's stand-ins
+        # the store position each column holds: the ring's blocks (slot s: the newest block ≡ s below the count),
+        # the float ring's slots (the newest position ≡ slot), the store's sink; then the column's validity
+        count = quantized // group
+        slots = torch.arange(keys.blocks, device=device)
+        in_blocks = ((count - 1 - (count - 1 - slots).remainder(keys.blocks))[:, None] * group
+                     + torch.arange(group, device=device)).flatten()  # fmt: skip
+        ring = torch.arange(keys.ring_len, device=device)
+        in_ring = stored - 1 - (stored - 1 - ring).remainder(keys.ring_len)
+        in_head = torch.arange(head, device=device)
+        positions = torch.cat([in_blocks, in_ring, in_head])
+        held = torch.cat([(in_blocks >= head) & (in_blocks < quantized), (in_ring >= quantized) & (in_ring >= head),
+                          in_head < stored]) & (positions >= 0) & (positions + sink >= start)  # fmt: skip
+        logical = torch.cat([torch.arange(sink, device=device), positions + sink, seen.view(1)])
+        visible = torch.cat([torch.arange(sink, device=device) < seen, held, torch.ones(1, dtype=torch.bool,
+                                                                                        device=device)])  # fmt: skip
+        column_bias = torch.where(visible, bias.index_select(-1, logical.clamp(0, self.max_cache_len - 1)), minimum)
+        # what the blocks hold, dequantized (the compensation's dropped token is read from it too)
+        block_k, block_v = keys.ring.new_empty(*keys.ring.shape[:-2], keys.blocks * group, keys.width), \
+            values.ring.new_empty(*values.ring.shape[:-2], values.blocks * group, values.width)  # fmt: skip
+        keys._dequantize_into(QuantizedBlock(keys.codes, keys.scale, keys.zero, None), block_k)  # type: ignore[arg-type]
+        values._dequantize_into(QuantizedBlock(values.codes, values.scale, values.zero, None),  # type: ignore[arg-type]
+                                block_v)  # fmt: skip
+        parts_k = [self.sink_k, block_k, keys.ring, *([keys.head] if head else []), key]
+        parts_v = [self.sink_v, block_v, values.ring, *([values.head] if head else []), value]
+        all_k, all_v = torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+        scores = rows @ all_k.transpose(-1, -2) * scale + column_bias
+        count_d = self.comp_count
+        denominator = count_d.clamp(min=1).view(-1, 1, 1, 1)
+        comp_k = (self.comp_k_sum / denominator).to(key.dtype)
+        comp_v = (self.comp_v_sum / denominator).to(value.dtype)
+        out = compensated_attention(rows, all_k, all_v, scores, comp_k, comp_v, count_d, scale)
+        # the token leaving the window (0 or 1 a step) as the growing store hands it over: from its block, or exact
+        gone = start - sink
+        column = (gone // group).remainder(keys.blocks) * group + gone.remainder(group)
+        gone_k, gone_v = block_k.index_select(2, column.view(1)), block_v.index_select(2, column.view(1))
+        if head:
+            at = gone.clamp(max=head - 1).view(1)
+            in_sink = gone < head
+            gone_k = torch.where(in_sink, keys.head.index_select(2, at), gone_k)  # type: ignore[union-attr]
+            gone_v = torch.where(in_sink, values.head.index_select(2, at), gone_v)  # type: ignore[union-attr]
+        # writes: the razor sink (a token past it rewrites a slot with what it held), then the window store, which a
+        # token inside the sink writes at position 0 too, to be overwritten by position 0's own token
+        if sink:
+            slot = seen.clamp(max=sink - 1).view(1)
+            self.sink_k.index_copy_(2, slot, torch.where(seen < sink, key, self.sink_k.index_select(2, slot)))
+            self.sink_v.index_copy_(2, slot, torch.where(seen < sink, value, self.sink_v.index_select(2, slot)))
+        keys.extend_only(key, stored)
+        values.extend_only(value, stored)
+        leaves = self._window_start(seen + 1) > start
+        weight = torch.where(leaves, (bias.index_select(-1, start.view(1)) == 0).float(), 0.0).reshape(-1, 1, 1, 1)
+        self.comp_k_sum.add_(gone_k.float() * weight)
+        self.comp_v_sum.add_(gone_v.float() * weight)
+        self.comp_count.add_(weight.reshape(-1).expand_as(self.comp_count))
+        return out
+
+    # --- prefill and other multi-token steps, through the growing layer
+    def _load(self, layer: RazorLayer, seen: int) -> None:
+        layer.is_initialized, layer.dtype, layer.device = True, self.dtype, self.device
+        if self.retrieval:
+            load_store(self.full_keys, layer.full_k, seen, 0)
+            load_store(self.full_values, layer.full_v, seen, 0)
+        if self.others:
+            held = min(self.sink, seen)
+            layer.sink_k, layer.sink_v = self.sink_k[:, :, :held].clone(), self.sink_v[:, :, :held].clone()
+            stored, start = max(0, seen - self.sink), int(self._window_start(torch.tensor(seen))) - self.sink
+            load_store(self.window_keys, layer.recent_k, stored, start)
+            load_store(self.window_values, layer.recent_v, stored, start)
+            layer.comp_k_sum, layer.comp_v_sum = self.comp_k_sum.clone(), self.comp_v_sum.clone()
+            layer.comp_count = self.comp_count.clone()
+        layer.seen = seen
+
+    def _store(self, layer: RazorLayer) -> None:
+        seen = layer.seen
+        if self.retrieval:
+            save_store(layer.full_k, self.full_keys, seen)
+            save_store(layer.full_v, self.full_values, seen)
+        if self.others:
+            held = layer.sink_k.shape[2]
+            self.sink_k[:, :, :held] = layer.sink_k
+            self.sink_v[:, :, :held] = layer.sink_v
+            stored = max(0, seen - self.sink)
+            save_store(layer.recent_k, self.window_keys, stored)
+            save_store(layer.recent_v, self.window_values, stored)
+            self.comp_k_sum.copy_(layer.comp_k_sum)
+            self.comp_v_sum.copy_(layer.comp_v_sum)
+            self.comp_count.copy_(layer.comp_count)
+        self.filled.fill_(seen)
