@@ -164,6 +164,9 @@ CONVERSIONS: list[tuple[str, dict[str, Any]]] = [
     ("slim", {"method": "slim"}),
     ("lorc 0.5", {"method": "lorc", "kv_budget": 0.5, "schedule": "uniform"}),
     ("razor", {"method": "razor", "profile_tokens": 64}),
+    # razor's windows quantized in KIVI's layout: a static cache since the twenty-second session (window >= group)
+    ("razor + 4-bit KIVI", {"method": "razor", "profile_tokens": 64, "kv_bits": 4, "kv_residual": 0, "kv_sink": 4,
+                            "kv_rotate": True}),
     ("minicache", {"method": "minicache"}),
     ("quant 4-bit KIVI", {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
     ("quant 4-bit token", {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),

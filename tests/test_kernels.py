@@ -362,7 +362,11 @@ KIVI_RECIPES = {
     # razor's retrieval heads from their codes, its windows (quantized too) through the head-wise kernel
     "razor-4bit": ["razor", "--induction-frac", "0.5", "--echo-frac", "0", "--window", "6", "--window-frac", "0.1",
                    "--sink", "2", "--profile-tokens", "16", "--kv-bits", "4", "--kv-group", "32", "--kv-residual", "0"],
+    # the same with windows of 40 tokens (at least residual + group): a static cache too (``StaticRazorKiviLayer``)
+    "razor-4bit-window-40": ["razor", "--induction-frac", "0.5", "--echo-frac", "0", "--window", "40", "--sink", "2",
+                             "--profile-tokens", "16", "--kv-bits", "4", "--kv-group", "32", "--kv-residual", "0"],
 }  # fmt: skip
+STATIC_KIVI = [name for name in KIVI_RECIPES if name != "razor-4bit"]  # razor-4bit's window is too short for one
 
 
 # what only the torch reader takes (the kernel reads 4 bits)
@@ -408,7 +412,7 @@ def assert_same_generation(expected, got, where: str) -> None:
 
 
 @pytest.mark.parametrize(("name", "static"), [(name, False) for name in KIVI_RECIPES] +
-                         [(name, True) for name in KIVI_RECIPES if name.startswith("quant")])  # fmt: skip
+                         [(name, True) for name in STATIC_KIVI])  # fmt: skip
 @torch.no_grad()
 def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, static, tokenized_model_dir, tmp_path,
                                                                monkeypatch):  # fmt: skip
@@ -500,9 +504,9 @@ def test_decode_with_the_fp8_kernel_matches_the_torch_runtime(static, tokenized_
         assert_same_generation(outputs["torch"], outputs[choice], f"fp8 {choice}")
 
 
-# (recipe, static cache): razor's static layer with --kv-bits dequantizes its blocks (no code-reading path yet)
+# (recipe, static cache)
 FROM_CODES = [(name, static) for name in (*KIVI_RECIPES, *FOLDED_RECIPES) for static in (False, True)
-              if not (static and name.startswith("razor"))]  # fmt: skip
+              if not static or name in STATIC_KIVI or name in FOLDED_RECIPES]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "static"), FROM_CODES)
@@ -517,6 +521,7 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, static, to
     import kvconvert
     import kvconvert.runtime.kvconvert_quant as runtime
     import kvconvert.runtime.kvconvert_razor as razor_runtime
+    import kvconvert.runtime.kvconvert_razor_kivi as razor_kivi_runtime
 
     if DEVICE != "cpu":
         pytest.skip("a GPU keeps dequantize-then-SDPA by default")
@@ -533,10 +538,12 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, static, to
     monkeypatch.setattr(runtime, "kivi_decode_folded", counted)
     from_codes = greedy_twelve(model, **options)
     read = len(calls)
-    assert read > 11 * layers if name.startswith("razor") else read == 11 * layers
+    # razor's growing windows read their codes too; its static windows are dequantized (retrieval heads only)
+    assert read > 11 * layers if name.startswith("razor") and not static else read == 11 * layers
     for module in (runtime, razor_runtime):  # the dequantizing paths
         monkeypatch.setattr(module, "kivi_kernel_reads", lambda *a, **k: False)
     monkeypatch.setattr(runtime.StaticKiviLayer, "_folded_reads", lambda self, dim, kernel=False: False)
+    monkeypatch.setattr(razor_kivi_runtime, "static_reads_codes", lambda *a, **k: False)
     dequantized = greedy_twelve(model, **options)
     assert len(calls) == read
     assert_same_generation(dequantized, from_codes, f"{name}, static" if static else name)

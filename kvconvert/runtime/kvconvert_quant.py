@@ -52,7 +52,7 @@ from .kvconvert_storage import (
 )
 from .kvconvert_tokenlayout import TokenLayoutStore, code_outputs, code_scores, cpu_int4_rows
 from .kvconvert_tokenstatic import StaticTokenLayoutLayer, static_columns, written_blocks
-from .kvconvert_tokenstore import TokenStore
+from .kvconvert_tokenstore import StaticTokenStore, TokenStore
 
 IMPLEMENTATION = "kvconvert_quant"
 
@@ -265,49 +265,63 @@ class StaticKiviLayer(RoutedLayer, StaticStoreLayer):
         return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)
 
     def _folded_reads(self, dim: int, kernel: bool = False) -> bool:
-        """The stores are what the torch reader (or, ``kernel``, the Triton kernel: 4-bit) reads."""
-        keys, values = self.key_store, self.value_store
-        if values is None or keys.codes is None or values.codes is None or not keys.per_channel:
-            return False
-        same_ring = keys.ring_len == values.ring_len and keys.quant.sink == values.quant.sink
-        fits = all(kivi_kernel_fits(s.quant.bits, keys.quant.group, dim) for s in (keys, values)) if kernel else True
-        return same_ring and fits and folded_fits(keys, values, dim)
+        return self.value_store is not None and static_reads_codes(self.key_store, self.value_store, dim, kernel)
 
     def _decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 scaling: float, kernel: bool = False) -> torch.Tensor:  # fmt: skip
-        """One decode step (``[b, H, 1, d]`` float32) over every slot, then the token stored: the codes through the
-        torch reader, or (``kernel``) the Triton kernel, its partial merged with the exact part's."""
+        """One decode step (``[b, H, 1, d]`` float32) over every slot (``static_kivi_decode``), then the token
+        stored."""
         keys, values = self.key_store, self.value_store
-        assert values is not None and keys.codes is not None and values.codes is not None
-        assert keys.scale is not None and keys.zero is not None and values.scale is not None
-        assert values.zero is not None and keys.ring is not None and values.ring is not None
+        assert values is not None
         self._check_room(1)
-        batch, heads, _, dim = query.shape
-        kv_heads, filled, device = key.shape[1], self.filled, query.device
-        q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
-        bias_q, exact = static_columns(keys, values, key, value, attention_mask, filled, self.max_cache_len)
-        quantized = keys.quantized_count(filled)
-        codes = (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)
-        rotated = value_rotation(values, dim, device)
-        if kernel:
-            acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32,
-                                         length=quantized)  # the blocks quantized so far  # fmt: skip
-            parts = [(acc if rotated is None else unrotated(acc, rotated), ml), exact_partial(q, *exact, scaling)]
-            out = merge_partials(parts).view(batch, heads, 1, dim)
-        else:
-            if eager_on_cpu(device):  # the count is free to read: the blocks written so far, not every one held
-                upto = written_blocks(keys, filled)
-                (kc, ks, kz, vc, vs, vz), tokens = codes, upto * keys.quant.group
-                codes = (kc[:, :, :upto], ks[:, :, :upto], kz[:, :, :upto],
-                         vc[:, :, :tokens], vs[:, :, :tokens], vz[:, :, :tokens])  # fmt: skip
-                bias_q = bias_q[:, :tokens]
-            acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits, exact=exact,
-                                         value_rotation=rotated)  # fmt: skip
-            out = (acc / ml[..., 1:]).view(batch, heads, 1, dim)
-        keys.extend_only(key, filled)
-        values.extend_only(value, filled)
+        out = static_kivi_decode(query, key, value, attention_mask, scaling, keys, values, self.filled,
+                                 self.max_cache_len, kernel)  # fmt: skip
+        keys.extend_only(key, self.filled)
+        values.extend_only(value, self.filled)
         self._advance(1)
         return out
+
+
+def static_reads_codes(keys: StaticTokenStore, values: StaticTokenStore, dim: int, kernel: bool = False) -> bool:
+    """Static stores in KIVI's layout that the torch reader (or, ``kernel``, the Triton kernel: 4-bit) reads."""
+    if keys.codes is None or values.codes is None or not keys.per_channel:
+        return False
+    same_ring = keys.ring_len == values.ring_len and keys.quant.sink == values.quant.sink
+    fits = all(kivi_kernel_fits(s.quant.bits, keys.quant.group, dim) for s in (keys, values)) if kernel else True
+    return same_ring and fits and folded_fits(keys, values, dim)
+
+
+def static_kivi_decode(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, scaling: float,
+    keys: StaticTokenStore, values: StaticTokenStore, filled: torch.Tensor, max_cache_len: int, kernel: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """One decode step ``[b, H, 1, d]`` float32 over static stores (``static_reads_codes``) from their codes, writing
+    nothing: every block's room through the torch reader (eagerly on a CPU the blocks written so far), or
+    (``kernel``) the Triton kernel over the blocks quantized so far, its partial merged with the exact part's (the
+    sink, the ring's tokens not quantized yet, this step's token: ``static_columns``)."""
+    assert keys.codes is not None and keys.scale is not None and keys.zero is not None
+    assert values.codes is not None and values.scale is not None and values.zero is not None
+    batch, heads, _, dim = query.shape
+    kv_heads, device = key.shape[1], query.device
+    q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
+    bias_q, exact = static_columns(keys, values, key, value, attention_mask, filled, max_cache_len)
+    quantized = keys.quantized_count(filled)
+    codes = (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)
+    rotated = value_rotation(values, dim, device)
+    if kernel:
+        acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32,
+                                     length=quantized)  # the blocks quantized so far  # fmt: skip
+        parts = [(acc if rotated is None else unrotated(acc, rotated), ml), exact_partial(q, *exact, scaling)]
+        return merge_partials(parts).view(batch, heads, 1, dim)
+    if eager_on_cpu(device):  # the count is free to read: the blocks written so far, not every one held
+        upto = written_blocks(keys, filled)
+        (kc, ks, kz, vc, vs, vz), tokens = codes, upto * keys.quant.group
+        codes = (kc[:, :, :upto], ks[:, :, :upto], kz[:, :, :upto],
+                 vc[:, :, :tokens], vs[:, :, :tokens], vz[:, :, :tokens])  # fmt: skip
+        bias_q = bias_q[:, :tokens]
+    acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits, exact=exact,
+                                 value_rotation=rotated)  # fmt: skip
+    return (acc / ml[..., 1:]).view(batch, heads, 1, dim)
 
 
 def _kivi_quantized(quant: QuantSpec, layer: int) -> bool:

@@ -2,7 +2,9 @@
 quantized as the growing ``RazorLayer``'s are, so that ``torch.compile`` and CUDA graphs decode razor's smallest
 caches too.
 
-Retrieval heads keep every token in a ``StaticTokenStore`` (``max_cache_len`` tokens, as quant's static cache).
+Retrieval heads keep every token in a ``StaticTokenStore`` (``max_cache_len`` tokens, as quant's static cache) and
+a decode step reads them as quant's static layer does (``static_kivi_decode``: from the codes on a CPU, or through
+the KIVI kernel at 4 bits where kernels are used; elsewhere dequantized).
 The other heads keep the sink exact, then a window whose quantized blocks lie in a ring (``RingTokenStore``:
 block i in slot i mod slots, enough slots for the widest window plus the block being written and the one the
 window's front is leaving), the newest tokens exact in the store's own float ring, and the compensation sums.
@@ -22,6 +24,8 @@ import torch
 
 from .kvconvert_codec import QuantizedBlock, QuantSpec
 from .kvconvert_common import softmax_rows
+from .kvconvert_kernels import use_kernels
+from .kvconvert_quant import static_kivi_decode, static_reads_codes
 from .kvconvert_razor import RazorLayer
 from .kvconvert_razor_ops import compensated_attention
 from .kvconvert_razor_static import StaticRazorLayer
@@ -162,11 +166,21 @@ class StaticRazorKiviLayer(StaticRazorLayer):
         rows = query.reshape(batch, kv_heads, group, dim)  # a KV group's query heads are adjacent
         out = query.new_empty(rows.shape)
         if self.retrieval:
-            at = self.at_r
-            keys = self.full_keys.extend(key[:, at], self.filled)
-            values = self.full_values.extend(value[:, at], self.filled)
-            scores = rows[:, at] @ keys.transpose(-1, -2) * scale + bias
-            out[:, at] = softmax_rows(scores, value.dtype) @ values
+            at, full_keys, full_values = self.at_r, self.full_keys, self.full_values
+            # from their codes where quant's static layer reads them (a CPU; a GPU's kernel at 4 bits), else dequantized
+            kernel = static_reads_codes(full_keys, full_values, dim, kernel=True) and use_kernels(query, "graphs")
+            if kernel or (query.device.type == "cpu" and static_reads_codes(full_keys, full_values, dim)):
+                mine = rows[:, at].reshape(batch, -1, 1, dim)  # the retrieval heads' query heads
+                read = static_kivi_decode(mine, key[:, at], value[:, at], attention_mask, scale, full_keys,
+                                          full_values, self.filled, self.max_cache_len, kernel)  # fmt: skip
+                out[:, at] = read.to(query.dtype).view(batch, -1, group, dim)
+                full_keys.extend_only(key[:, at], self.filled)
+                full_values.extend_only(value[:, at], self.filled)
+            else:
+                keys = full_keys.extend(key[:, at], self.filled)
+                values = full_values.extend(value[:, at], self.filled)
+                scores = rows[:, at] @ keys.transpose(-1, -2) * scale + bias
+                out[:, at] = softmax_rows(scores, value.dtype) @ values
         if self.others:
             at = self.at_o
             out[:, at] = self._decode_window(rows[:, at], key[:, at], value[:, at], bias, scale)
