@@ -55,6 +55,14 @@ def _gather_blocks(static: StaticTokenStore, blocks: torch.Tensor) -> QuantizedB
     return QuantizedBlock(fields["codes"], fields["scale"], fields["zero"], None)
 
 
+def _dequantized(store: StaticTokenStore) -> torch.Tensor:
+    """Every block slot of ``store`` dequantized ``[..., slots · group, w]``, in slot order."""
+    assert store.ring is not None and store.codes is not None and store.scale is not None and store.zero is not None
+    out = store.ring.new_empty(*store.ring.shape[:-2], store.blocks * store.quant.group, store.width)
+    store._dequantize_into(QuantizedBlock(store.codes, store.scale, store.zero, None), out)
+    return out
+
+
 def load_store(static: StaticTokenStore, store: TokenStore, stored: int, start: int) -> None:
     """Fill the empty growing ``store`` with what it holds after ``stored`` tokens, the first ``start`` dropped from
     its front (only ever from whole blocks: see the module's docstring)."""
@@ -215,20 +223,15 @@ class StaticRazorKiviLayer(StaticRazorLayer):
                                                                                         device=device)])  # fmt: skip
         column_bias = torch.where(visible, bias.index_select(-1, logical.clamp(0, self.max_cache_len - 1)), minimum)
         # what the blocks hold, dequantized (the compensation's dropped token is read from it too)
-        block_k, block_v = keys.ring.new_empty(*keys.ring.shape[:-2], keys.blocks * group, keys.width), \
-            values.ring.new_empty(*values.ring.shape[:-2], values.blocks * group, values.width)  # fmt: skip
-        keys._dequantize_into(QuantizedBlock(keys.codes, keys.scale, keys.zero, None), block_k)  # type: ignore[arg-type]
-        values._dequantize_into(QuantizedBlock(values.codes, values.scale, values.zero, None),  # type: ignore[arg-type]
-                                block_v)  # fmt: skip
+        block_k, block_v = _dequantized(keys), _dequantized(values)
         parts_k = [self.sink_k, block_k, keys.ring, *([keys.head] if head else []), key]
         parts_v = [self.sink_v, block_v, values.ring, *([values.head] if head else []), value]
-        all_k, all_v = torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
-        scores = rows @ all_k.transpose(-1, -2) * scale + column_bias
-        count_d = self.comp_count
-        denominator = count_d.clamp(min=1).view(-1, 1, 1, 1)
-        comp_k = (self.comp_k_sum / denominator).to(key.dtype)
-        comp_v = (self.comp_v_sum / denominator).to(value.dtype)
-        out = compensated_attention(rows, all_k, all_v, scores, comp_k, comp_v, count_d, scale)
+        # scored part by part, not concatenated: a compiled step copied the concatenated keys and values through
+        # aten::cat at 0.9 ms a layer (SmolLM2's shapes at 4K, three window heads), more than all the rest
+        scores = torch.cat([rows @ part.transpose(-1, -2) for part in parts_k], dim=-1) * scale + column_bias
+        comp_k, comp_v = self._compensation_token(key.dtype, value.dtype)
+        out = compensated_attention(rows, tuple(parts_k), tuple(parts_v), scores, comp_k, comp_v, self.comp_count,
+                                    scale)  # fmt: skip
         # the token leaving the window (0 or 1 a step) as the growing store hands it over: from its block, or exact
         gone = start - sink
         column = (gone // group).remainder(keys.blocks) * group + gone.remainder(group)
@@ -246,11 +249,7 @@ class StaticRazorKiviLayer(StaticRazorLayer):
             self.sink_v.index_copy_(2, slot, torch.where(seen < sink, value, self.sink_v.index_select(2, slot)))
         keys.extend_only(key, stored)
         values.extend_only(value, stored)
-        leaves = self._window_start(seen + 1) > start
-        weight = torch.where(leaves, (bias.index_select(-1, start.view(1)) == 0).float(), 0.0).reshape(-1, 1, 1, 1)
-        self.comp_k_sum.add_(gone_k.float() * weight)
-        self.comp_v_sum.add_(gone_v.float() * weight)
-        self.comp_count.add_(weight.reshape(-1).expand_as(self.comp_count))
+        self._add_dropped(gone_k, gone_v, start, bias)
         return out
 
     # --- prefill and other multi-token steps, through the growing layer

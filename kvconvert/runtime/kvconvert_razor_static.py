@@ -167,9 +167,7 @@ class StaticRazorLayer(StaticKVLayer):
             window_bias = torch.where(inside, bias.index_select(-1, pos.clamp(min=0)), torch.finfo(bias.dtype).min)
         count = self.comp_count
         if o:
-            denominator = count.clamp(min=1).view(-1, 1, 1, 1)
-            comp_k = (self.comp_k_sum / denominator).to(key.dtype)
-            comp_v = (self.comp_v_sum / denominator).to(value.dtype)
+            comp_k, comp_v = self._compensation_token(key.dtype, value.dtype)
         if use_kernels(query):
             out = self._decode_with_kernel(query, bias, window_bias, comp_k if o else None, comp_v if o else None,
                                            group, scale)  # fmt: skip
@@ -190,14 +188,23 @@ class StaticRazorLayer(StaticKVLayer):
         self._advance(1)
         return out
 
+    def _compensation_token(self, key_dtype: torch.dtype, value_dtype: torch.dtype) -> tuple[Any, Any]:
+        """The dropped tokens' mean key and value ``[b, N, 1, d]`` (zeros before any)."""
+        denominator = self.comp_count.clamp(min=1).view(-1, 1, 1, 1)
+        return (self.comp_k_sum / denominator).to(key_dtype), (self.comp_v_sum / denominator).to(value_dtype)
+
     def _compensate(self, start: torch.Tensor, bias: torch.Tensor) -> None:
-        """What left the window this step (0 or 1 token: L grows by at most one a step) goes into the sums; padding
-        never does."""
-        leaves = self._window_start(self.filled + 1) > start
+        """What left the window this step (0 or 1 token: L grows by at most one a step) goes into the sums."""
         gone = self._slot(start).view(1)
+        self._add_dropped(self.window_k.index_select(2, gone), self.window_v.index_select(2, gone), start, bias)
+
+    def _add_dropped(self, key: torch.Tensor, value: torch.Tensor, start: torch.Tensor, bias: torch.Tensor) -> None:
+        """Add the token at logical position ``start`` (``key/value [b, N, 1, d]``) to the sums if it leaves the window
+        after this step; padding never does."""
+        leaves = self._window_start(self.filled + 1) > start
         weight = torch.where(leaves, (bias.index_select(-1, start.view(1)) == 0).float(), 0.0).reshape(-1, 1, 1, 1)
-        self.comp_k_sum.add_(self.window_k.index_select(2, gone).float() * weight)
-        self.comp_v_sum.add_(self.window_v.index_select(2, gone).float() * weight)
+        self.comp_k_sum.add_(key.float() * weight)
+        self.comp_v_sum.add_(value.float() * weight)
         self.comp_count.add_(weight.reshape(-1).expand_as(self.comp_count))
 
     def _decode_with_kernel(self, query: torch.Tensor, bias: torch.Tensor, window_bias: Any, comp_k: Any,
