@@ -201,30 +201,19 @@ def latent_layers(spec: dict[str, Any], compressed: Sequence[bool], max_cache_le
 
 def static_refusal(spec: dict[str, Any], static_windows: bool = False) -> str | None:
     """Why a checkpoint cannot have a static cache, or None: razor's quantized windows only in KIVI's layout and
-    wide enough (``_razor_static_refusal``), sliding-window layers only where the caller gives those it keeps stock
+    wide enough (``window_static_refusal``), sliding-window layers only where the caller gives those it keeps stock
     transformers' own static window (``static_windows``; quant and razor do)."""
     quant = QuantSpec.from_spec(spec)
     if spec.get("method") == "razor" and quant.quantized:
-        return _razor_static_refusal(spec, quant)
+        from .kvconvert_razor_kivi import window_static_refusal  # razor's runtime builds on this module
+
+        razor = spec["razor"]
+        why = window_static_refusal(quant, len(razor["retrieval_kv_heads"]), int(razor["window"]))
+        if why:
+            return f"razor's windows: {why}"
     stock_windows = static_windows and not (quant.include_local and quant.quantized)
     if spec.get("local_layers") and not stock_windows:
         return "its sliding-window layers have no static layer here yet"
-    return None
-
-
-def _razor_static_refusal(spec: dict[str, Any], quant: QuantSpec) -> str | None:
-    """Why razor with quantized storage has no static cache (``StaticRazorKiviLayer``), or None."""
-    if quant.layout != "kivi":
-        return "razor's windows in the token layout have no static layer (KIVI's layout has: --kv-layout kivi)"
-    layers = range(len(spec["razor"]["retrieval_kv_heads"]))
-    if not all(quant.side(i, keys).quantized for i in layers for keys in (True, False)):
-        return "razor's static layer quantizes keys and values alike; this checkpoint keeps some at 16 bits"
-    window, tail = int(spec["razor"]["window"]), quant.residual + quant.group
-    if window < tail:  # the growing window would then drop tokens from its float tail, shifting its blocks
-        return (
-            f"razor's window ({window} tokens) is shorter than quantized storage's float tail (residual + "
-            f"group = {tail} tokens); its static layer needs a window at least that long"
-        )
     return None
 
 

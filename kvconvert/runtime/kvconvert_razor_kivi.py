@@ -108,6 +108,19 @@ def save_store(store: TokenStore, static: StaticTokenStore, stored: int) -> None
         static.head[..., start : start + store.head.shape[-2], :] = store.head
 
 
+def window_static_refusal(quant: QuantSpec, layers: int, window: int) -> str | None:
+    """Why windows of at least ``window`` tokens sliding over this storage have no preallocated layer (razor's
+    ``RingTokenStore``), or None. Its blocks must follow the positions, which holds while a window drops only quantized
+    tokens (at least ``residual + group`` wide: a narrower one cuts the float tail, shifting the blocks); KIVI's
+    layout, every layer's keys and values quantized."""
+    if quant.layout != "kivi":
+        return "the token layout has no static layer for them (KIVI's layout has: --kv-layout kivi)"
+    if not all(quant.side(i, keys).quantized for i in range(layers) for keys in (True, False)):
+        return "their static layer quantizes keys and values alike; this checkpoint keeps some at 16 bits"
+    tail = quant.residual + quant.group
+    return None if window >= tail else f"{window} tokens, shorter than residual + group ({tail}) as this layer needs"
+
+
 class StaticRazorKiviLayer(StaticRazorLayer):
     """``StaticRazorLayer`` whose stores are quantized in KIVI's layout (keys per channel, values per token): the
     retrieval heads' ``full_keys/values`` (``StaticTokenStore``, ``[b, R, ·, d]``), the other heads' exact sink

@@ -75,28 +75,11 @@ class TokenStore:
 
     def _dequantize(self, blocks: QuantizedBlock, dtype: torch.dtype) -> torch.Tensor:
         spec = self.quant
-        return dequantize_tokens(
-            blocks,
-            spec.bits,
-            spec.group,
-            self.width,
-            self.per_channel,
-            dtype,
-            self.rotate,
-        )
+        return dequantize_tokens(blocks, spec.bits, spec.group, self.width, self.per_channel, dtype, self.rotate)
 
     def _dequantize_into(self, blocks: QuantizedBlock, out: torch.Tensor) -> None:
         spec = self.quant
-        dequantize_tokens(
-            blocks,
-            spec.bits,
-            spec.group,
-            self.width,
-            self.per_channel,
-            out.dtype,
-            self.rotate,
-            out,
-        )
+        dequantize_tokens(blocks, spec.bits, spec.group, self.width, self.per_channel, out.dtype, self.rotate, out)
 
     def read(self, then: torch.Tensor | None = None) -> torch.Tensor:
         """All stored tokens ``[..., n, w]`` in the cache dtype (quantized ones dequantized), followed by
