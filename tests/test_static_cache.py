@@ -427,18 +427,28 @@ def test_a_static_decode_step_replays_as_a_cuda_graph(method, converted):
     decode: a fixed input tensor, positions from the cache's own counters) and replayed gives the logits the eager
     steps give from a twin cache; nothing in a step may copy from the host or read a device value, which a capture
     refuses. On a CPU the same loop runs uncaptured."""
+    _replays_as_a_cuda_graph(load_converted(converted(method, "compressing")[1]), method, 24)
+
+
+def test_a_static_razor_kivi_step_replays_as_a_cuda_graph(quantized):
+    """The same for razor with 4-bit KIVI storage (``StaticRazorKiviLayer``), from a prompt long enough that its
+    windows slide over quantized blocks."""
+    _replays_as_a_cuda_graph(load_converted(quantized["razor + 4-bit, sink + rotation"]), "razor + 4-bit", 120)
+
+
+def _replays_as_a_cuda_graph(model, method: str, length: int) -> None:
     from bench.kernels_bench import captured_decode
     from kvconvert.eval.speed import _prefill
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_converted(converted(method, "compressing")[1]).to(device)
-    ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(3)).to(device)
+    model = model.to(device)
+    ids = torch.randint(3, 90, (2, length), generator=torch.Generator().manual_seed(3)).to(device)
     with torch.no_grad():
-        eager, logits = _prefill(model, ids, None, None, 40), []
+        eager, logits = _prefill(model, ids, None, None, length + 16), []
         for _ in range(6):
             logits.append(model(eager["token"], past_key_values=eager["cache"], use_cache=True).logits)
             eager["token"] = logits[-1][:, -1:].argmax(-1)
-        state = _prefill(model, ids, None, None, 40)
+        state = _prefill(model, ids, None, None, length + 16)
         run, last = captured_decode(model, state["cache"], state["token"])  # two steps run before the capture
         for step in range(2, 6):
             run(1)
