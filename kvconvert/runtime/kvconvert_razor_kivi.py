@@ -277,8 +277,7 @@ class StaticRazorKiviLayer(StaticRazorLayer):
             stored, start = max(0, seen - self.sink), int(self._window_start(torch.tensor(seen))) - self.sink
             load_store(self.window_keys, layer.recent_k, stored, start)
             load_store(self.window_values, layer.recent_v, stored, start)
-            layer.comp_k_sum, layer.comp_v_sum = self.comp_k_sum.clone(), self.comp_v_sum.clone()
-            layer.comp_count = self.comp_count.clone()
+            self._carry_compensation(layer, into_buffers=False)
         layer.seen = seen
 
     def _store(self, layer: RazorLayer) -> None:
@@ -293,7 +292,5 @@ class StaticRazorKiviLayer(StaticRazorLayer):
             stored = max(0, seen - self.sink)
             save_store(layer.recent_k, self.window_keys, stored)
             save_store(layer.recent_v, self.window_values, stored)
-            self.comp_k_sum.copy_(layer.comp_k_sum)
-            self.comp_v_sum.copy_(layer.comp_v_sum)
-            self.comp_count.copy_(layer.comp_count)
+            self._carry_compensation(layer, into_buffers=True)
         self.filled.fill_(seen)

@@ -253,9 +253,17 @@ class StaticRazorLayer(StaticKVLayer):
             slots = self._slot(torch.arange(start, seen, device=self.device))
             layer.recent_k.append(self.window_k.index_select(2, slots))
             layer.recent_v.append(self.window_v.index_select(2, slots))
-            layer.comp_k_sum, layer.comp_v_sum = self.comp_k_sum.clone(), self.comp_v_sum.clone()
-            layer.comp_count = self.comp_count.clone()
+            self._carry_compensation(layer, into_buffers=False)
         layer.seen = seen
+
+    def _carry_compensation(self, layer: RazorLayer, into_buffers: bool) -> None:
+        """The compensation sums and counts copied into the buffers from ``layer`` (in place: fixed addresses), or
+        into ``layer`` from the buffers (copies: the growing layer replaces its own)."""
+        for name in self._keep_in_fp32:
+            if into_buffers:
+                getattr(self, name).copy_(getattr(layer, name))
+            else:
+                setattr(layer, name, getattr(self, name).clone())
 
     def _store(self, layer: RazorLayer) -> None:
         """Write ``layer``'s state (after its step) into the buffers."""
@@ -275,7 +283,5 @@ class StaticRazorLayer(StaticKVLayer):
             self.window_k.index_copy_(2, slots, torch.cat(keys, dim=2))
             self.window_v.index_copy_(2, slots, torch.cat(values, dim=2))
             self.window_pos.index_copy_(0, slots, positions)
-            self.comp_k_sum.copy_(layer.comp_k_sum)
-            self.comp_v_sum.copy_(layer.comp_v_sum)
-            self.comp_count.copy_(layer.comp_count)
+            self._carry_compensation(layer, into_buffers=True)
         self.filled.fill_(seen)
