@@ -45,13 +45,10 @@ class RingTokenStore(StaticTokenStore):
 
 def _gather_blocks(static: StaticTokenStore, blocks: torch.Tensor) -> QuantizedBlock:
     """The codes of ``blocks`` (indices, in order) as the growing store concatenates them."""
-    group = static.quant.group
-    within = torch.arange(group, device=blocks.device)
     slots = static.block_slots(blocks)
     fields = {}
     for name, axis, per_token in static._fields():
-        rows = (slots[:, None] * group + within).flatten() if per_token else slots
-        fields[name] = getattr(static, name).index_select(axis, rows)
+        fields[name] = getattr(static, name).index_select(axis, static.field_rows(slots, per_token))
     return QuantizedBlock(fields["codes"], fields["scale"], fields["zero"], None)
 
 
@@ -96,11 +93,9 @@ def save_store(store: TokenStore, static: StaticTokenStore, stored: int) -> None
     if store.blocks is not None:
         first = (quantized - store.quantized_tokens) // group
         assert (quantized - store.quantized_tokens) % group == 0, "the store's blocks left its positions' grid"
-        within = torch.arange(group, device=device)
         slots = static.block_slots(torch.arange(first, quantized // group, device=device))
         for name, axis, per_token in static._fields():
-            rows = (slots[:, None] * group + within).flatten() if per_token else slots
-            getattr(static, name).index_copy_(axis, rows, getattr(store.blocks, name))
+            getattr(static, name).index_copy_(axis, static.field_rows(slots, per_token), getattr(store.blocks, name))
     static.ring.index_copy_(-2, torch.arange(quantized, stored, device=device).remainder(static.ring_len),
                             store.tail)  # fmt: skip
     if static.head is not None and store.head is not None:

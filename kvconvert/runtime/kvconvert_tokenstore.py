@@ -404,6 +404,12 @@ class StaticTokenStore:
         """Where blocks (by index) are held: block i in slot i (``RingTokenStore``: a ring of slots)."""
         return blocks
 
+    def field_rows(self, slots: torch.Tensor, per_token: bool) -> torch.Tensor:
+        """The rows of a buffer (``_fields``) that block ``slots`` occupy: each token's per token, else one a block."""
+        if not per_token:
+            return slots
+        return (slots[:, None] * self.quant.group + torch.arange(self.quant.group, device=slots.device)).flatten()
+
     # --- the codec: what a subclass in another layout replaces (``StaticTokenLayoutStore``)
     def _quantize(self, tokens: torch.Tensor) -> QuantizedBlock:
         spec = self.quant
@@ -425,10 +431,9 @@ class StaticTokenStore:
         spec = self.quant
         block = self._quantize(tokens)
         index = self.block_slots(torch.arange(tokens.shape[-2] // spec.group, device=tokens.device) + first_block)
-        within = torch.arange(spec.group, device=tokens.device)
         for name, axis, per_token in self._fields():
             held, new = getattr(self, name), getattr(block, name)
-            rows = (index[:, None] * spec.group + within).flatten() if per_token else index
+            rows = self.field_rows(index, per_token)
             if keep is not None:
                 new = torch.where(keep, held.index_select(axis, rows), new)
             held.index_copy_(axis, rows, new)
