@@ -22,6 +22,8 @@ from helpers import (
 )
 from transformers import CompileConfig, StaticCache
 
+from kvconvert.runtime.kvconvert_common import static_refusal
+
 STATIC = ("lorc", "slim", "zack", "quant", "razor")  # the methods with a static cache
 STATIC_LAYERS = {
     "StaticLatentLayer",
@@ -30,6 +32,7 @@ STATIC_LAYERS = {
     "StaticFp8Layer",
     "StaticRazorLayer",
     "StaticRazorKiviLayer",
+    "StaticSubspaceState",
 }  # kvconvert's
 SEARCHES = {
     "greedy": {"do_sample": False},
@@ -98,6 +101,8 @@ def test_methods_without_a_static_cache_say_so_and_decode_as_before(method, conv
         static = _generate(model, cache_implementation="static")
     said = [str(w.message) for w in caught if "kvconvert" in str(w.message)]
     assert len(said) == 1 and "the static cache asked for is not used" in said[0], said
+    reason = static_refusal(model.config.kvconvert)  # why, quoted (MiniCache's default merge: SLERP)
+    assert reason and reason in said[0], said
     assert torch.equal(static.sequences, dynamic.sequences)
     assert not static.past_key_values.is_compileable
 
@@ -163,6 +168,62 @@ def test_compiled_decode_from_a_static_quantized_cache(name, quantized):
     assert torch.equal(compiled.sequences, eager.sequences)
     for step, (a, b) in enumerate(zip(eager.logits, compiled.logits, strict=True)):
         assert_same_logits(a, b, f"{name} step {step}")
+
+
+# MiniCache's subspace pairs (the merge whose state has fixed shapes): 16-bit latents, and 4-bit ones whose blocks
+# fill during prefill and decode, with a sink of exact tokens
+SUBSPACE = {
+    "minicache subspace": ("--merge", "subspace", "--kv-budget", "0.6", "--calib-tokens", "256", "--sink", "3"),
+    "minicache subspace + 4-bit": ("--merge", "subspace", "--kv-budget", "0.5", "--calib-tokens", "256", "--kv-bits",
+                                   "4", "--kv-residual", "8", "--kv-group", "16", "--sink", "2"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def subspace(tokenized_model_dir, tmp_path_factory):
+    from helpers import convert
+
+    made = {}
+    for name, args in SUBSPACE.items():
+        made[name] = tmp_path_factory.mktemp("static-subspace") / "out"
+        convert("minicache", tokenized_model_dir("llama_gqa"), made[name], *args)
+    return made
+
+
+@pytest.mark.parametrize("name", SUBSPACE)
+def test_minicache_subspace_pairs_have_a_static_cache_that_decodes_as_the_growing_one(name, subspace):
+    """Prompts of 47 tokens (past the sink; 4-bit blocks quantized at prefill and one while decoding): every search
+    gives the growing pair's tokens, greedy its logits (scores over more, masked, slots: the same sums), and the static
+    layers are what generate used; the unpaired layers' static forms too."""
+    model = load_converted(subspace[name])
+    for search, kwargs in SEARCHES.items():
+        dynamic = _generate(model, 47, **kwargs)
+        static = _generate(model, 47, cache_implementation="static", **kwargs)
+        assert torch.equal(static.sequences, dynamic.sequences), f"{name}, {search}"
+        if search == "greedy":
+            for step, (a, b) in enumerate(zip(dynamic.logits, static.logits, strict=True)):
+                assert_same_logits(a, b, f"{name} step {step}")
+            layers = static.past_key_values.layers
+            assert static.past_key_values.is_compileable and "StaticSubspaceState" in _layer_classes(static)
+            assert int(layers[1].filled) == 47 + 9 and all(t.abs().sum() > 0 for t in layers[1].exact[0])
+
+
+@pytest.mark.parametrize("name", SUBSPACE)
+def test_compiled_decode_from_minicache_subspace_static_cache(name, subspace):
+    model = load_converted(subspace[name])
+    eager = _generate(model, 47)
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    compiled = _generate(model, 47, cache_implementation="static", compile_config=config)
+    assert getattr(model, "_compiled_call", None) is not None
+    assert torch.equal(compiled.sequences, eager.sequences)
+    for step, (a, b) in enumerate(zip(eager.logits, compiled.logits, strict=True)):
+        assert_same_logits(a, b, f"{name} step {step}")
+
+
+def test_a_static_minicache_subspace_step_replays_as_a_cuda_graph(subspace):
+    _replays_as_a_cuda_graph(load_converted(subspace["minicache subspace + 4-bit"]), "minicache subspace", 47)
 
 
 @pytest.mark.parametrize("per_channel", [True, False])

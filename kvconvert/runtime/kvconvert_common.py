@@ -200,9 +200,8 @@ def latent_layers(spec: dict[str, Any], compressed: Sequence[bool], max_cache_le
 
 
 def static_refusal(spec: dict[str, Any], static_windows: bool = False) -> str | None:
-    """Why a checkpoint cannot have a static cache, or None: razor's quantized windows only in KIVI's layout and
-    wide enough (``window_static_refusal``), sliding-window layers only where the caller gives those it keeps stock
-    transformers' own static window (``static_windows``; quant and razor do)."""
+    """Why a checkpoint has no static cache, or None. Refused: razor's quantized windows (``window_static_refusal``),
+    MiniCache but for subspace pairs, sliding-window layers unless the caller keeps them stock (``static_windows``)."""
     quant = QuantSpec.from_spec(spec)
     if spec.get("method") == "razor" and quant.quantized:
         from .kvconvert_razor_kivi import window_static_refusal  # razor's runtime builds on this module
@@ -211,6 +210,8 @@ def static_refusal(spec: dict[str, Any], static_windows: bool = False) -> str | 
         why = window_static_refusal(quant, len(razor["retrieval_kv_heads"]), int(razor["window"]))
         if why:
             return f"razor's windows: {why}"
+    if spec.get("minicache", {}).get("merge", "subspace") != "subspace":  # --merge subspace has one
+        return "MiniCache's SLERP and average merges keep as many tokens exact as the data asks for"
     stock_windows = static_windows and not (quant.include_local and quant.quantized)
     if spec.get("local_layers") and not stock_windows:
         return "its sliding-window layers have no static layer here yet"

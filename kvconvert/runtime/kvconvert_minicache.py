@@ -38,10 +38,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec
-from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows
+from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows, static_refusal
 from .kvconvert_kivi_kernel import folded_channel_mix, folded_scores, kivi_folded_fits
 from .kvconvert_merge import MergedStream, merged_decode, merged_reads_codes
-from .kvconvert_quant import kivi_stock_layer
+from .kvconvert_quant import kivi_stock_layer, static_quant_layer
 from .kvconvert_storage import KVLayer, select_rows_fn
 from .kvconvert_tokenstore import TokenStore
 
@@ -236,55 +236,22 @@ class SubspaceState(PairedLayer):
     def restore(self, member: int, module: Any = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.seen == 0:
             return None
-        restored = [_decode(module, side, store.read(), self.head_dim)
-                    for side, store in zip("kv", self.latents, strict=True)]  # fmt: skip
-        exact = self.exact[member]
-        if exact is not None and exact[0].shape[2]:
-            for states, kept in zip(restored, exact, strict=True):
-                states[:, :, : kept.shape[2]] = kept
-        return restored[0], restored[1]
+        return restored_states(module, [store.read() for store in self.latents], self.exact[member], self.head_dim)
 
     def attend_past(self, member: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:  # fmt: skip
-        """Scores and outputs computed from the latents, never restoring the past's states: for query head h
-        of KV group g, ``q·k̂ᵢ = q·μ_g + (q·D_gᵀ)·zᵢ`` and ``Σ pᵢ v̂ᵢ = (Σ pᵢ)·μ_g + (Σ pᵢ zᵢ)·D_g``, so a step
-        reads r numbers per past token and side instead of a layer's Hkv·dk (D_g: the decoder's columns of
-        group g); latents in quantized storage are read from their codes (``_latent_scores``, ``_latent_mix``).
-        Equal to restoring and attending (``PairedLayer.attend_past``) up to rounding; that path
-        serves longer query blocks (chunked prefill), where the ``[b, H, q, n]`` scores materialised here would
-        outweigh restoring the past once for SDPA."""
+        """Scores and outputs computed from the latents (``latent_attention``), quantized latents read from their
+        codes (``_latent_scores``, ``_latent_mix``). Equal to restoring and attending (``PairedLayer.attend_past``) up
+        to rounding; that path serves longer query blocks (chunked prefill), where the ``[b, H, q, n]`` scores
+        materialised here would outweigh restoring the past once for SDPA."""
         if self.seen == 0 or query.shape[2] > LATENT_MAX_QUERIES:
             return PairedLayer.attend_past(self, member, module, query, key, value, mask, **kwargs)
-        b, heads, q, dk = query.shape
-        kv_heads = key.shape[1]
-        group = heads // kv_heads
-        scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or dk**-0.5
-        d_k, mu_k = _group_decoder(module, "k", kv_heads, query.dtype)  # [Hkv, r_k, dk], [Hkv, dk]
-        d_v, mu_v = _group_decoder(module, "v", kv_heads, query.dtype)
-        grouped = query.view(b, kv_heads, group, q, dk)
-        q_latent = torch.einsum("bgjqd,grd->bgjqr", grouped, d_k).reshape(b, heads * q, -1)
-        past = _latent_scores(self.latents[0], q_latent).view(b, heads, q, -1)  # [b, H, q, n]
-        past = past + torch.einsum("bgjqd,gd->bgjq", grouped, mu_k).reshape(b, heads, q, 1)
-        exact = self.exact[member]
-        s = 0 if exact is None else exact[0].shape[2]
-        exact_k, exact_v = (key[:, :, :0], value[:, :, :0]) if exact is None else exact
-        # the first s past tokens are read exactly: their latent scores are replaced, their values added below
-        keys = torch.cat([exact_k, key], dim=2).repeat_interleave(group, dim=1)  # [b, H, s + q, dk]
-        direct = query @ keys.transpose(2, 3)
-        scores = torch.cat([direct[..., :s], past[..., s:], direct[..., s:]], dim=-1) * scaling
-        bias = additive_mask(mask, q, self.seen + q, scores.dtype, scores.device)
-        probs = softmax_rows(scores if bias is None else scores + bias, query.dtype)
-        p_latent = probs[..., : self.seen].clone()
-        p_latent[..., :s] = 0  # the exact tokens' values are added below
-        mixed = _latent_mix(self.latents[1], p_latent.reshape(b, heads * q, -1)).view(b, kv_heads, group, q, -1)
-        out = (
-            torch.einsum("bgjqr,grd->bgjqd", mixed, d_v)
-            + p_latent.sum(-1).view(b, kv_heads, group, q, 1) * mu_v[None, :, None, None]
-        )
-        p_direct = torch.cat([probs[..., :s], probs[..., self.seen :]], dim=-1)
-        values = torch.cat([exact_v, value], dim=2).repeat_interleave(group, dim=1)
-        out = out.reshape(b, heads, q, dk) + p_direct @ values
-        return out.transpose(1, 2).contiguous()
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        bias = additive_mask(mask, query.shape[2], self.seen + query.shape[2], query.dtype, query.device)
+        keys, values = self.latents
+        return latent_attention(module, query, key, value, bias, self.seen, self.exact[member],
+                                lambda x: _latent_scores(keys, x), lambda w: _latent_mix(values, w),
+                                scaling)  # fmt: skip
 
     def commit(self, member: int, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
                module: Any = None) -> None:  # fmt: skip
@@ -365,7 +332,59 @@ def _decode(module: torch.nn.Module, side: str, latent: torch.Tensor, head_dim: 
     """This layer's states ``μ + z·D`` ``[b, Hkv, n, dk]`` from the pair's latent ``[b, n, r]``."""
     mean, decoder = getattr(module, f"subspace_{side}_mean"), getattr(module, f"subspace_{side}_decoder")
     x = torch.addmm(mean.to(latent.dtype), latent.flatten(0, 1), decoder.to(latent.dtype))  # [b·n, Hkv·dk]
-    return x.view(*latent.shape[:2], -1, head_dim).transpose(1, 2)
+    return x.view(*latent.shape[:2], mean.shape[0] // head_dim, head_dim).transpose(1, 2)  # n may be 0
+
+
+def restored_states(
+    module: torch.nn.Module, latents: list[torch.Tensor], exact: list[torch.Tensor] | None, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A member's past keys and values ``[b, Hkv, n, dk]`` from the pair's latents ``[b, n, r]`` (keys', values'),
+    the first tokens replaced by the member's ``exact`` states ``[b, Hkv, s, dk]`` (the sink)."""
+    restored = [_decode(module, side, latent, head_dim) for side, latent in zip("kv", latents, strict=True)]
+    if exact is not None and exact[0].shape[2]:
+        for states, kept in zip(restored, exact, strict=True):
+            states[:, :, : kept.shape[2]] = kept
+    return restored[0], restored[1]
+
+
+def latent_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
+    past: int, exact: list[torch.Tensor] | None, scores: Any, mix: Any, scaling: float,
+) -> torch.Tensor:  # fmt: skip
+    """Attention ``[b, q, H, dk]`` of ``query`` over ``past`` tokens held as latents, then this step's exact states
+    ``key``/``value`` ``[b, Hkv, q, dk]`` (``bias``: additive ``[b|1, 1, q, past + q]``, or None), never restoring
+    the past's states: for query head h of KV group g, ``q·k̂ᵢ = q·μ_g + (q·D_gᵀ)·zᵢ`` and ``Σ pᵢ v̂ᵢ = (Σ pᵢ)·μ_g +
+    (Σ pᵢ zᵢ)·D_g``, so a step reads r numbers per past token and side instead of a layer's Hkv·dk (D_g: the
+    decoder's columns of group g). ``scores(x [b, R, r]) -> [b, R, past]`` and ``mix(weights [b, R, past]) -> [b, R,
+    r]`` read the keys' and values' latents (a growing store from its codes, a static one from its buffer); the
+    first ``s`` past tokens are read from ``exact`` (``[b, Hkv, s, dk]`` keys and values) instead."""
+    b, heads, q, dk = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    d_k, mu_k = _group_decoder(module, "k", kv_heads, query.dtype)  # [Hkv, r_k, dk], [Hkv, dk]
+    d_v, mu_v = _group_decoder(module, "v", kv_heads, query.dtype)
+    grouped = query.view(b, kv_heads, group, q, dk)
+    q_latent = torch.einsum("bgjqd,grd->bgjqr", grouped, d_k).reshape(b, heads * q, -1)
+    latent = scores(q_latent).view(b, heads, q, -1)  # [b, H, q, past]
+    latent = latent + torch.einsum("bgjqd,gd->bgjq", grouped, mu_k).reshape(b, heads, q, 1)
+    s = 0 if exact is None else exact[0].shape[2]
+    exact_k, exact_v = (key[:, :, :0], value[:, :, :0]) if exact is None else exact
+    # the first s past tokens are read exactly: their latent scores are replaced, their values added below
+    keys = torch.cat([exact_k, key], dim=2).repeat_interleave(group, dim=1)  # [b, H, s + q, dk]
+    direct = query @ keys.transpose(2, 3)
+    both = torch.cat([direct[..., :s], latent[..., s:], direct[..., s:]], dim=-1) * scaling
+    probs = softmax_rows(both if bias is None else both + bias, query.dtype)
+    p_latent = probs[..., :past].clone()
+    p_latent[..., :s] = 0  # the exact tokens' values are added below
+    mixed = mix(p_latent.reshape(b, heads * q, -1)).view(b, kv_heads, group, q, -1)
+    out = (
+        torch.einsum("bgjqr,grd->bgjqd", mixed, d_v)
+        + p_latent.sum(-1).view(b, kv_heads, group, q, 1) * mu_v[None, :, None, None]
+    )
+    p_direct = torch.cat([probs[..., :s], probs[..., past:]], dim=-1)
+    values = torch.cat([exact_v, value], dim=2).repeat_interleave(group, dim=1)
+    out = out.reshape(b, heads, q, dk) + p_direct @ values
+    return out.transpose(1, 2).contiguous()
 
 
 class PairFirst(PairedLayer):
@@ -424,9 +443,17 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: Any) -> None:
 
 
 def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerStateCache:
-    """``max_cache_len`` (a static cache asked for) is not honoured: this cache grows with the sequence."""
+    """Paired layers' states, stock (or quantized) layers elsewhere; preallocated for ``max_cache_len`` tokens (a
+    static cache asked for) unless ``static_refusal`` says why not (then it grows with the sequence, and the caller
+    says so)."""
     plan = spec["minicache"]
     quant = QuantSpec.from_spec(spec)
+    if max_cache_len is not None and static_refusal(spec) is None:
+        from .kvconvert_minicache_static import static_pair_layers  # which builds on this module
+
+        static = [static_quant_layer(quant, i, max_cache_len) for i in range(len(spec["attention_modules"]))]
+        static_pair_layers(plan, quant, static, max_cache_len)
+        return LayerStateCache(static)
     layers: list[DynamicLayer] = [kivi_stock_layer(quant, i) for i in range(len(spec["attention_modules"]))]
     for first, second in plan["pairs"]:
         state: PairedLayer

@@ -375,10 +375,20 @@ class StaticTokenStore:
     def extend_only(self, new: torch.Tensor, filled: torch.Tensor) -> None:
         """``extend``'s writes without its read (a step that read the codes itself: ``StaticKiviLayer``). Eagerly on a
         CPU, where the count is free to read, with Python counts: a step that fills no block quantizes none."""
-        if new.shape[-2] == 1 and not eager_on_cpu(new.device):
+        if self.ring is None or not self.quant.quantized:
+            self.extend(new, filled)  # allocates; at 16 bits only writes
+        elif new.shape[-2] == 1 and not eager_on_cpu(new.device):
             self._write_one(new, filled)
         else:
             self._write_many(new, int(filled))
+
+    def past(self, filled: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Every slot ``[..., max_len, w]`` as ``extend`` reads it before this step's tokens (``like``: ``[..., q, w]``
+        states of the step, shapes and dtype; allocates the buffers if nothing is stored yet)."""
+        if self.ring is None:
+            self._allocate(like)
+        assert self.ring is not None
+        return self.ring if not self.quant.quantized else self._read(like[..., :0, :], filled)
 
     def _read(self, new: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
         assert self.ring is not None and self.codes is not None and self.scale is not None and self.zero is not None
