@@ -168,6 +168,8 @@ CONVERSIONS: list[tuple[str, dict[str, Any]]] = [
     ("razor + 4-bit KIVI", {"method": "razor", "profile_tokens": 64, "kv_bits": 4, "kv_residual": 0, "kv_sink": 4,
                             "kv_rotate": True}),
     ("minicache", {"method": "minicache"}),
+    # one latent per pair, token and side: a static cache since the twenty-third session (SLERP's has none)
+    ("minicache subspace 0.5", {"method": "minicache", "merge": "subspace", "kv_budget": 0.5}),
     ("quant 4-bit KIVI", {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
     ("quant 4-bit token", {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
     ("zack 0.5", {"method": "zack", "kv_budget": 0.5}),
