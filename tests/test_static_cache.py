@@ -222,6 +222,19 @@ def test_compiled_decode_from_minicache_subspace_static_cache(name, subspace):
         assert_same_logits(a, b, f"{name} step {step}")
 
 
+def test_a_static_minicache_subspace_cache_too_short_is_one_clear_error(subspace):
+    model = load_converted(subspace["minicache subspace + 4-bit"])
+    ids, mask = left_padded()
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 2)
+    with torch.no_grad():
+        cache = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).past_key_values
+        assert "StaticSubspaceState" in {type(held).__name__ for held in cache.layers}
+        with pytest.raises(ValueError, match=r"holds 26 tokens and already has 24: 3 more do not fit"):
+            model(input_ids=ids[:, :3], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="cannot be cropped"):
+            cache.crop(-10)
+
+
 def test_a_static_minicache_subspace_step_replays_as_a_cuda_graph(subspace):
     _replays_as_a_cuda_graph(load_converted(subspace["minicache subspace + 4-bit"]), "minicache subspace", 47)
 
