@@ -80,16 +80,20 @@ def test_static_cache_at_lossless_settings_equals_the_stock_static_cache(method,
 def test_compiled_decode_from_the_static_cache(method, converted):
     """generate compiles the decode step (fullgraph: no graph break anywhere in the step) and decodes what the eager
     growing cache decodes."""
-    model = load_converted(converted(method, "compressing")[1])
-    eager = _generate(model)
+    _compiled_decodes_as_eager(load_converted(converted(method, "compressing")[1]), method)
+
+
+def _compiled_decodes_as_eager(model, name: str, length: int = 24) -> None:
+    """Greedy from a static cache through generate's compiled step: the eager growing cache's tokens and logits."""
+    eager = _generate(model, length)
     config = CompileConfig(fullgraph=True, mode="default")
     config._compile_all_devices = True  # transformers' switch to compile on CPU (its tests use it too)
     torch._dynamo.reset()
-    compiled = _generate(model, cache_implementation="static", compile_config=config)
+    compiled = _generate(model, length, cache_implementation="static", compile_config=config)
     assert getattr(model, "_compiled_call", None) is not None  # generate really took the compiled path
     assert torch.equal(compiled.sequences, eager.sequences)
     for step, (a, b) in enumerate(zip(eager.logits, compiled.logits, strict=True)):
-        assert_same_logits(a, b, f"{method} step {step}")
+        assert_same_logits(a, b, f"{name} step {step}")
 
 
 @pytest.mark.parametrize("method", sorted(set(COMPRESSING) - set(STATIC)))
@@ -158,16 +162,7 @@ def test_quantized_storage_has_a_static_cache_that_holds_what_the_growing_one_ho
 
 @pytest.mark.parametrize("name", ["quant 3-bit, sink + rotation, groups of 32", "razor + 4-bit, sink + rotation"])
 def test_compiled_decode_from_a_static_quantized_cache(name, quantized):
-    model = load_converted(quantized[name])
-    eager = _generate(model, 200)
-    config = CompileConfig(fullgraph=True, mode="default")
-    config._compile_all_devices = True
-    torch._dynamo.reset()
-    compiled = _generate(model, 200, cache_implementation="static", compile_config=config)
-    assert getattr(model, "_compiled_call", None) is not None
-    assert torch.equal(compiled.sequences, eager.sequences)
-    for step, (a, b) in enumerate(zip(eager.logits, compiled.logits, strict=True)):
-        assert_same_logits(a, b, f"{name} step {step}")
+    _compiled_decodes_as_eager(load_converted(quantized[name]), name, 200)
 
 
 # MiniCache's subspace pairs (the merge whose state has fixed shapes): 16-bit latents, and 4-bit ones whose blocks
@@ -210,16 +205,7 @@ def test_minicache_subspace_pairs_have_a_static_cache_that_decodes_as_the_growin
 
 @pytest.mark.parametrize("name", SUBSPACE)
 def test_compiled_decode_from_minicache_subspace_static_cache(name, subspace):
-    model = load_converted(subspace[name])
-    eager = _generate(model, 47)
-    config = CompileConfig(fullgraph=True, mode="default")
-    config._compile_all_devices = True
-    torch._dynamo.reset()
-    compiled = _generate(model, 47, cache_implementation="static", compile_config=config)
-    assert getattr(model, "_compiled_call", None) is not None
-    assert torch.equal(compiled.sequences, eager.sequences)
-    for step, (a, b) in enumerate(zip(eager.logits, compiled.logits, strict=True)):
-        assert_same_logits(a, b, f"{name} step {step}")
+    _compiled_decodes_as_eager(load_converted(subspace[name]), name, 47)
 
 
 def test_a_static_minicache_subspace_cache_too_short_is_one_clear_error(subspace):
