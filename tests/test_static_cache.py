@@ -166,11 +166,11 @@ def test_compiled_decode_from_a_static_quantized_cache(name, quantized):
 
 
 # MiniCache's subspace pairs (the merge whose state has fixed shapes): 16-bit latents, and 4-bit ones whose blocks
-# fill during prefill and decode, with a sink of exact tokens
+# fill during prefill and decode, with exact sinks both of the pair's states (--sink) and of the latents' store
 SUBSPACE = {
     "minicache subspace": ("--merge", "subspace", "--kv-budget", "0.6", "--calib-tokens", "256", "--sink", "3"),
     "minicache subspace + 4-bit": ("--merge", "subspace", "--kv-budget", "0.5", "--calib-tokens", "256", "--kv-bits",
-                                   "4", "--kv-residual", "8", "--kv-group", "16", "--sink", "2"),
+                                   "4", "--kv-residual", "8", "--kv-group", "16", "--sink", "2", "--kv-sink", "3"),
 }  # fmt: skip
 
 

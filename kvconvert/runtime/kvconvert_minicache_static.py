@@ -21,8 +21,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kvconvert_codec import QuantSpec, eager_on_cpu
 from .kvconvert_common import additive_mask
+from .kvconvert_kivi_kernel import folded_channel_mix, folded_scores, kivi_folded_fits
 from .kvconvert_minicache import LATENT_MAX_QUERIES, PairedLayer, PairFirst, _encode, latent_attention, restored_states
 from .kvconvert_storage import StaticKVLayer
+from .kvconvert_tokenstatic import written_blocks
 from .kvconvert_tokenstore import StaticTokenStore
 
 
@@ -88,22 +90,28 @@ class StaticSubspaceState(StaticKVLayer, PairedLayer):
         past = int(self.filled) if eager_on_cpu(query.device) else self.max_cache_len
         slots = self.slots(count)
         columns = _static_mask(mask, count, past, self.filled, slots)
-        latents = [store.past(self.filled, key.new_zeros(key.shape[0], 0, store.width))[:, :past]
-                   for store in self.latents]  # fmt: skip
         exact = [t[:, :, : min(self.sink, past)] for t in self.exact[member]]
         scaling = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
         if count > LATENT_MAX_QUERIES:  # a prefill: the past restored once for SDPA, as the growing pair does
-            past_k, past_v = restored_states(module, latents, exact, key.shape[-1])
+            floats = [self._floats(store, key, past) for store in self.latents]
+            past_k, past_v = restored_states(module, floats, exact, key.shape[-1])
             full_k, full_v = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)
             out = sdpa_attention_forward(module, query, full_k, full_v, columns, **kwargs)[0]
         else:
-            keys, values = latents
             bias = additive_mask(columns, count, past + count, query.dtype, query.device)
-            out = latent_attention(module, query, key, value, bias, past, exact,
-                                   lambda x: torch.bmm(x, keys.to(x.dtype).transpose(1, 2)),
-                                   lambda w: torch.bmm(w, values.to(w.dtype)), scaling)  # fmt: skip
+            keys, values = (self._reader(store, key, past) for store in self.latents)
+            out = latent_attention(module, query, key, value, bias, past, exact, keys.scores, values.mix, scaling)
         self._commit(member, module, key, value)
         return out, None
+
+    def _floats(self, store: StaticTokenStore, key: torch.Tensor, past: int) -> torch.Tensor:
+        """The store's first ``past`` slots ``[b, past, r]`` as a step reads them, dequantized."""
+        return store.past(self.filled, key.new_zeros(key.shape[0], 0, store.width))[:, :past]
+
+    def _reader(self, store: StaticTokenStore, key: torch.Tensor, past: int) -> _CodesReader | _BufferReader:
+        """How a decode step reads the store's latents: quantized ones from their codes, the rest as they are."""
+        return _CodesReader(store, self.filled, past) if _reads_codes(store) else _BufferReader(
+            self._floats(store, key, past))  # fmt: skip
 
     def _commit(self, member: int, module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor) -> None:
         shares = (_encode(module, "k", keys), _encode(module, "v", values))
@@ -118,6 +126,80 @@ class StaticSubspaceState(StaticKVLayer, PairedLayer):
             store.extend_only((first + second).to(keys.dtype), self.filled)
         self.pending = None
         self._advance(keys.shape[2])
+
+
+class _BufferReader:
+    """``latent_attention``'s reads of latents held in float ``[b, n, r]``."""
+
+    def __init__(self, latents: torch.Tensor):
+        self.latents = latents
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x, self.latents.to(x.dtype).transpose(1, 2))
+
+    def mix(self, weights: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(weights, self.latents.to(weights.dtype))
+
+
+def _reads_codes(store: StaticTokenStore) -> bool:
+    """A static store of quantized latents whose blocks ``folded_scores`` / ``folded_channel_mix`` read."""
+    return store.codes is not None and kivi_folded_fits(store.quant.bits, store.quant.group, store.quant.group)
+
+
+class _CodesReader:
+    """``latent_attention``'s reads of a static store's first ``past`` slots from its codes, as the growing pair reads
+    its blocks (``_latent_scores``, ``_latent_mix``), by position: slots below the quantized count from the blocks
+    (eagerly on a CPU only the blocks written so far), the ring's tokens not quantized yet and the sink exact. Slots
+    past the count hold what they held: the mask hides them. Dequantizing every slot instead costs a compiled CPU step
+    5× as much (4-bit, 4K slots of 192 channels: 4.4 ms against 0.9 ms for the scores, measured)."""
+
+    def __init__(self, store: StaticTokenStore, filled: torch.Tensor, past: int):
+        assert store.codes is not None and store.scale is not None and store.zero is not None
+        assert store.ring is not None
+        self.store, self.past, group = store, past, store.quant.group
+        blocks = written_blocks(store, filled) if eager_on_cpu(filled.device) else store.blocks
+        self.codes, self.scale, self.zero = store.codes[:, :blocks], store.scale[:, :blocks], store.zero[:, :blocks]
+        self.length = blocks * group
+        device = filled.device
+        quantized = store.quantized_count(filled)
+        sink = 0 if store.head is None else store.head.shape[-2]
+        columns = torch.arange(self.length, device=device)
+        self.from_codes = (columns < quantized) & (columns >= sink)  # the sink's blocks hold stand-ins
+        slots = torch.arange(store.ring_len, device=device)
+        positions = filled - 1 - (filled - 1 - slots).remainder(store.ring_len)  # slot s: the newest ≡ s
+        self.in_ring = (positions >= quantized) & (positions >= sink) & (positions >= 0)
+        self.ring_at = torch.where(self.in_ring, positions, past)  # past: a spare column
+        self.head_held = torch.arange(sink, device=device) < filled
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        store, past = self.store, self.past
+        assert store.ring is not None
+        codes = folded_scores(x[:, None], self.codes[:, None], self.scale[:, None], self.zero[:, None],
+                              store.quant.bits)[:, 0]  # fmt: skip
+        out = torch.zeros(*x.shape[:2], past + 1, device=x.device)
+        width = min(past, self.length)
+        out[..., :width] = codes[..., :width]
+        out.index_copy_(-1, self.ring_at, x.float() @ store.ring.float().transpose(1, 2))
+        if store.head is not None:
+            sink = self.head_held.shape[0]
+            out[..., :sink] = torch.where(self.head_held, x.float() @ store.head.float().transpose(1, 2),
+                                          out[..., :sink])  # fmt: skip
+        return out[..., :past].to(x.dtype)
+
+    def mix(self, weights: torch.Tensor) -> torch.Tensor:
+        store, past = self.store, self.past
+        assert store.ring is not None
+        w = torch.cat([weights.float(), weights.new_zeros(*weights.shape[:2], 1).float()], dim=-1)  # + the spare
+        in_blocks = w.new_zeros(*w.shape[:2], self.length)
+        width = min(past, self.length)
+        in_blocks[..., :width] = w[..., :width]
+        mixed = folded_channel_mix(torch.where(self.from_codes, in_blocks, 0.0), self.codes, self.scale, self.zero,
+                                   store.quant.bits)  # fmt: skip
+        mixed = mixed + torch.where(self.in_ring, w.index_select(-1, self.ring_at), 0.0) @ store.ring.float()
+        if store.head is not None:
+            sink = self.head_held.shape[0]
+            mixed = mixed + torch.where(self.head_held, w[..., :sink], 0.0) @ store.head.float()
+        return mixed.to(weights.dtype)
 
 
 class StaticPairFirst(PairFirst):
