@@ -460,6 +460,17 @@ def test_razor_with_quantized_storage_says_when_it_has_no_static_layer(storage, 
     assert static_refusal({**spec, "local_layers": [0]}) is not None
 
 
+@pytest.mark.parametrize("merge", ["slerp", "average", "subspace"])
+def test_minicache_has_a_static_cache_only_for_subspace_pairs(merge):
+    """SLERP and average pairs keep as many tokens exact as the data asks for: no fixed shapes, so the growing cache
+    and the reason; a subspace pair has one (and sliding-window layers still their own rule)."""
+    spec = {"method": "minicache", "minicache": {"merge": merge, "pairs": [[0, 1]]}}
+    said = static_refusal(spec)
+    assert (said is None) == (merge == "subspace"), said
+    assert merge == "subspace" or "keep as many tokens exact as the data asks for" in str(said)
+    assert static_refusal({**spec, "local_layers": [0]}) is not None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("method", STATIC)
 def test_static_cache_decodes_on_a_gpu(method, converted):
