@@ -208,6 +208,26 @@ def test_compiled_decode_from_minicache_subspace_static_cache(name, subspace):
     _compiled_decodes_as_eager(load_converted(subspace[name]), name, 47)
 
 
+@pytest.mark.parametrize("name", SUBSPACE)
+@torch.no_grad()
+def test_minicache_subspace_static_cache_takes_chunks_of_any_length(name, subspace):
+    """Chunks of 1–17 tokens, as chunked prefill and speculative steps feed them: a chunk of up to 16 queries reads
+    the latents (several new tokens at once, some into the sink), a longer one restores the past for SDPA; the
+    logits equal the growing cache's after every chunk."""
+    model = load_converted(subspace[name])
+    ids = torch.randint(3, 90, (2, 48), generator=torch.Generator().manual_seed(5))
+    caches = [None, StaticCache(config=model.config, max_cache_len=56)]
+    start = 0
+    for size in (2, 3, 17, 1, 5, 16, 1, 3):
+        outs = []
+        for i, cache in enumerate(caches):
+            out = model(input_ids=ids[:, start : start + size], past_key_values=cache, use_cache=True)
+            caches[i], _ = out.past_key_values, outs.append(out.logits)
+        assert_same_logits(outs[0], outs[1], f"{name}, chunk of {size} at {start}")
+        start += size
+    assert "StaticSubspaceState" in {type(layer).__name__ for layer in caches[1].layers}
+
+
 def test_a_static_minicache_subspace_cache_too_short_is_one_clear_error(subspace):
     model = load_converted(subspace["minicache subspace + 4-bit"])
     ids, mask = left_padded()

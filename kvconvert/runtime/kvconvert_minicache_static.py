@@ -181,9 +181,9 @@ class _CodesReader:
         out[..., :width] = codes[..., :width]
         out.index_copy_(-1, self.ring_at, x.float() @ store.ring.float().transpose(1, 2))
         if store.head is not None:
-            sink = self.head_held.shape[0]
-            out[..., :sink] = torch.where(self.head_held, x.float() @ store.head.float().transpose(1, 2),
-                                          out[..., :sink])  # fmt: skip
+            sink = min(self.head_held.shape[0], past)  # eagerly, a first step may have fewer slots before it
+            exact = x.float() @ store.head[:, :sink].float().transpose(1, 2)
+            out[..., :sink] = torch.where(self.head_held[:sink], exact, out[..., :sink])
         return out[..., :past].to(x.dtype)
 
     def mix(self, weights: torch.Tensor) -> torch.Tensor:
@@ -197,8 +197,8 @@ class _CodesReader:
                                    store.quant.bits)  # fmt: skip
         mixed = mixed + torch.where(self.in_ring, w.index_select(-1, self.ring_at), 0.0) @ store.ring.float()
         if store.head is not None:
-            sink = self.head_held.shape[0]
-            mixed = mixed + torch.where(self.head_held, w[..., :sink], 0.0) @ store.head.float()
+            sink = min(self.head_held.shape[0], past)
+            mixed = mixed + torch.where(self.head_held[:sink], w[..., :sink], 0.0) @ store.head[:, :sink].float()
         return mixed.to(weights.dtype)
 
 
