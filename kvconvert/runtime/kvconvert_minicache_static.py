@@ -150,8 +150,8 @@ class _CodesReader:
     """``latent_attention``'s reads of a static store's first ``past`` slots from its codes, as the growing pair reads
     its blocks (``_latent_scores``, ``_latent_mix``), by position: slots below the quantized count from the blocks
     (eagerly on a CPU only the blocks written so far), the ring's tokens not quantized yet and the sink exact. Slots
-    past the count hold what they held: the mask hides them. Dequantizing every slot instead costs a compiled CPU step
-    5× as much (4-bit, 4K slots of 192 channels: 4.4 ms against 0.9 ms for the scores, measured)."""
+    past the count hold what they held: the mask hides them. Dequantizing every slot instead made a compiled CPU step's
+    scores about 5× as slow (4-bit, 4K slots of 192 channels: 4.4 ms against 0.9 ms, a one-off measurement)."""
 
     def __init__(self, store: StaticTokenStore, filled: torch.Tensor, past: int):
         assert store.codes is not None and store.scale is not None and store.zero is not None
