@@ -25,7 +25,7 @@ from .kvconvert_kivi_kernel import folded_channel_mix, folded_scores, kivi_folde
 from .kvconvert_minicache import LATENT_MAX_QUERIES, PairedLayer, PairFirst, _encode, latent_attention, restored_states
 from .kvconvert_storage import StaticKVLayer
 from .kvconvert_tokenstatic import written_blocks
-from .kvconvert_tokenstore import StaticTokenStore
+from .kvconvert_tokenstore import StaticTokenStore, ring_positions
 
 
 class StaticSubspaceState(StaticKVLayer, PairedLayer):
@@ -165,8 +165,7 @@ class _CodesReader:
         sink = 0 if store.head is None else store.head.shape[-2]
         columns = torch.arange(self.length, device=device)
         self.from_codes = (columns < quantized) & (columns >= sink)  # the sink's blocks hold stand-ins
-        slots = torch.arange(store.ring_len, device=device)
-        positions = filled - 1 - (filled - 1 - slots).remainder(store.ring_len)  # slot s: the newest ≡ s
+        positions = ring_positions(filled, store.ring_len, device)
         self.in_ring = (positions >= quantized) & (positions >= sink) & (positions >= 0)
         self.ring_at = torch.where(self.in_ring, positions, past)  # past: a spare column
         self.head_held = torch.arange(sink, device=device) < filled

@@ -29,7 +29,7 @@ from .kvconvert_quant import static_kivi_decode, static_reads_codes
 from .kvconvert_razor import RazorLayer
 from .kvconvert_razor_ops import compensated_attention
 from .kvconvert_razor_static import StaticRazorLayer
-from .kvconvert_tokenstore import StaticTokenStore, TokenStore
+from .kvconvert_tokenstore import StaticTokenStore, TokenStore, ring_positions
 
 
 class RingTokenStore(StaticTokenStore):
@@ -217,11 +217,9 @@ class StaticRazorKiviLayer(StaticRazorLayer):
         # the store position each column holds: the ring's blocks (slot s: the newest block ≡ s below the count),
         # the float ring's slots (the newest position ≡ slot), the store's sink; then the column's validity
         count = quantized // group
-        slots = torch.arange(keys.blocks, device=device)
-        in_blocks = ((count - 1 - (count - 1 - slots).remainder(keys.blocks))[:, None] * group
+        in_blocks = (ring_positions(count, keys.blocks, device)[:, None] * group
                      + torch.arange(group, device=device)).flatten()  # fmt: skip
-        ring = torch.arange(keys.ring_len, device=device)
-        in_ring = stored - 1 - (stored - 1 - ring).remainder(keys.ring_len)
+        in_ring = ring_positions(stored, keys.ring_len, device)
         in_head = torch.arange(head, device=device)
         positions = torch.cat([in_blocks, in_ring, in_head])
         held = torch.cat([(in_blocks >= head) & (in_blocks < quantized), (in_ring >= quantized) & (in_ring >= head),

@@ -15,7 +15,7 @@ from .kvconvert_codec import QuantSpec, eager_on_cpu, rotation
 from .kvconvert_common import additive_mask
 from .kvconvert_storage import StaticStoreLayer
 from .kvconvert_tokenlayout import StaticTokenLayoutStore, code_outputs, code_scores
-from .kvconvert_tokenstore import StaticTokenStore
+from .kvconvert_tokenstore import StaticTokenStore, ring_positions
 
 
 def written_blocks(store: StaticTokenStore, filled: torch.Tensor) -> int:
@@ -45,8 +45,7 @@ def static_columns(
     bias_q[:, :max_cache_len] = bias
     bias_q = torch.where((positions < quantized) & (positions >= sink), bias_q, minimum)
     assert keys.ring is not None and values.ring is not None
-    slots = torch.arange(keys.ring_len, device=device)
-    ring = filled - 1 - (filled - 1 - slots).remainder(keys.ring_len)
+    ring = ring_positions(filled, keys.ring_len, device)
     where = [ring, filled.view(1)]
     valid = [(ring >= quantized) & (ring >= sink) & (ring >= 0), torch.ones(1, dtype=torch.bool, device=device)]
     exact_k, exact_v = [keys.ring, key], [values.ring, value]

@@ -188,12 +188,10 @@ class TokenStore:
     def _concat(self, old: QuantizedBlock, new: QuantizedBlock) -> QuantizedBlock:
         """``old`` followed by ``new`` (later tokens)."""
         code_dim, scale_dim = self._token_dims()
-        return QuantizedBlock(
-            torch.cat([old.codes, new.codes], dim=code_dim),
-            torch.cat([old.scale, new.scale], dim=scale_dim),
-            torch.cat([old.zero, new.zero], dim=scale_dim),
-            None if old.center is None or new.center is None else torch.cat([old.center, new.center], dim=-2),
-        )
+        centers = None if old.center is None or new.center is None else torch.cat([old.center, new.center], dim=-2)
+        return QuantizedBlock(torch.cat([old.codes, new.codes], dim=code_dim),
+                              torch.cat([old.scale, new.scale], dim=scale_dim),
+                              torch.cat([old.zero, new.zero], dim=scale_dim), centers)  # fmt: skip
 
     def _quantize(self, tokens: torch.Tensor) -> QuantizedBlock:
         spec = self.quant
@@ -211,11 +209,8 @@ class TokenStore:
         assert self.blocks is not None
         b, group = self.blocks, self.quant.group
         if self.per_channel:
-            return QuantizedBlock(
-                b.codes[..., start:stop, :, :],
-                b.scale[..., start:stop, :],
-                b.zero[..., start:stop, :],
-            )
+            return QuantizedBlock(b.codes[..., start:stop, :, :], b.scale[..., start:stop, :],
+                                  b.zero[..., start:stop, :])  # fmt: skip
         code_dim, scale_dim = self._token_dims()  # the token layout's scales are token-last
         first = start * group
         end = self.quantized_tokens if stop is None else min(stop * group, self.quantized_tokens)
@@ -295,6 +290,12 @@ class TokenStore:
 
 
 # --------------------------------------------------------------------------- the static store
+
+
+def ring_positions(count: Any, length: int, device: torch.device) -> torch.Tensor:
+    """The position each slot of a ring of ``length`` holds once ``count`` (a 0-d tensor) items went in at slot
+    position mod ``length``: the newest ≡ the slot (negative where none went yet)."""
+    return count - 1 - (count - 1 - torch.arange(length, device=device)).remainder(length)
 
 
 class StaticTokenStore:
@@ -399,8 +400,7 @@ class StaticTokenStore:
         out = self.ring.new_empty(*lead, length + 1, self.width)
         self._dequantize_into(QuantizedBlock(self.codes, self.scale, self.zero, self.center), out[..., :length, :])
         # ring slot s holds the newest position ≡ s (mod ring_len) before this step; exact where not quantized
-        slots = torch.arange(self.ring_len, device=new.device)
-        positions = filled - 1 - (filled - 1 - slots).remainder(self.ring_len)
+        positions = ring_positions(filled, self.ring_len, new.device)
         exact = (positions >= self.quantized_count(filled)) & (positions >= 0)
         out.index_copy_(-2, torch.where(exact, positions, length), self.ring)
         out.index_copy_(-2, steps, new)
