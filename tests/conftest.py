@@ -117,6 +117,31 @@ def _family_config(kind: str, common: dict):
     if kind == "phi3":  # one fused qkv_proj, MHA
         return Phi3Config(num_key_value_heads=4, **{k: v for k, v in heads.items() if k != "head_dim"}, **common,
                           **special)  # fmt: skip
+    return _llama_attention_config(kind, common, heads, interleaved, special)
+
+
+def _llama_attention_config(kind: str, common: dict, heads: dict, interleaved: dict, special: dict):
+    """Families whose attention is Llama's or Qwen3's / OLMo 2's under another name (arch/llama.py says which)."""
+    import transformers
+
+    gqa = dict(num_key_value_heads=2, **heads, **common, **special)
+    if kind == "gemma":  # Gemma 1: MQA, a (1 + w) RMSNorm and scaled embeddings around stock attention
+        return transformers.GemmaConfig(**{**gqa, "num_key_value_heads": 1})
+    if kind == "granite":  # scores scaled by attention_multiplier, not head_dim^-1/2
+        return transformers.GraniteConfig(attention_multiplier=0.3, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                          logits_scaling=2.0, **gqa)  # fmt: skip
+    if kind == "starcoder2":  # q/k/v/o biases, LayerNorms, MHA
+        return transformers.Starcoder2Config(use_bias=True, **{**gqa, "num_key_value_heads": 4})
+    if kind == "seed_oss":  # q/k/v and o biases
+        return transformers.SeedOssConfig(attention_bias=True, attention_out_bias=True, **gqa)
+    if kind == "olmo3":  # OLMo 2's QK-norm over all heads, sliding layers between global ones
+        return transformers.Olmo3Config(**{**gqa, "num_key_value_heads": 4}, **interleaved)
+    if kind == "granitemoe":  # Granite's scaled attention beside a sparse MoE MLP
+        return transformers.GraniteMoeConfig(attention_multiplier=0.3, num_local_experts=2, num_experts_per_tok=1,
+                                             **gqa)  # fmt: skip
+    configs = {"arcee": transformers.ArceeConfig, "apertus": transformers.ApertusConfig}
+    if kind in configs:  # Llama's attention (Apertus: Qwen3's QK-norm) beside another MLP or norm
+        return configs[kind](**gqa)
     raise ValueError(kind)
 
 

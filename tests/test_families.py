@@ -15,7 +15,8 @@ from test_cache_protocol import LOSSLESS
 from kvconvert.arch import FEATURES, adapter_for
 from kvconvert.methods import METHODS
 
-FAMILIES = ("qwen3", "qwen3_sliding", "olmo2", "gemma3", "gemma2", "phi3")
+FAMILIES = ("qwen3", "qwen3_sliding", "olmo2", "gemma3", "gemma2", "phi3", "gemma", "granite", "starcoder2",
+            "seed_oss", "olmo3", "arcee", "apertus")  # fmt: skip
 EXPECTED_FEATURES = {
     "qwen3": ("qk_norm",),
     "qwen3_sliding": ("qk_norm", "local_layers"),
@@ -23,13 +24,17 @@ EXPECTED_FEATURES = {
     "gemma3": ("qk_norm", "local_layers", "layer_rope"),
     "gemma2": ("local_layers", "softcap"),
     "phi3": (),
+    "olmo3": ("qk_norm", "local_layers"),
+    "apertus": ("qk_norm",),
+    **{kind: () for kind in ("gemma", "granite", "starcoder2", "seed_oss", "arcee")},
 }
 
 
 # families that bring no new attention feature (or Qwen3's, tested above): the methods that depend on
 # what they change (RoPE scaling: the methods that re-rotate keys; MoE: conversions next to expert MLPs)
 PLAIN = [("llama3_rope", "slim"), ("llama3_rope", "lorc"), ("mixtral", "lorc"),
-         ("mixtral", "razor"), ("qwen2_moe", "lorc"), ("qwen2_moe", "quant"), ("qwen3_moe", "quant")]  # fmt: skip
+         ("mixtral", "razor"), ("qwen2_moe", "lorc"), ("qwen2_moe", "quant"), ("qwen3_moe", "quant"),
+         ("granitemoe", "lorc"), ("granitemoe", "razor")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("kind", "method"), PLAIN)

@@ -14,7 +14,12 @@ from kvconvert.arch.base import ArchAdapter, AttentionLayout, AttentionWeights
 
 class LlamaAdapter(ArchAdapter):
     family = "llama"
-    model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe")
+    # Llama's attention as it is (q/k/v/o under model.layers.N.self_attn, rotate-half RoPE, head_dim^-1/2), whatever
+    # the rest of the block does: Gemma 1 (a (1 + w) RMSNorm, scaled embeddings), Arcee (ReLU² MLP), Seed-OSS and
+    # StarCoder2 (q/k/v biases; StarCoder2 an o bias and LayerNorms too). Not Helium, Cohere, GLM or ERNIE 4.5: their
+    # RoPE rotates interleaved pairs, which the methods that re-rotate keys (lorc, zack, slim) would get wrong.
+    model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "gemma", "arcee",
+                                              "seed_oss", "starcoder2")  # fmt: skip
     attention_name_pattern = re.compile(r"^(?P<prefix>(?:model\.)?layers\.(?P<layer>\d+)\.self_attn\.)(?P<local>.+)$")
     attention_module_template = "model.layers.{i}.self_attn"
     writes_values = True
@@ -47,7 +52,7 @@ class LlamaAdapter(ArchAdapter):
             context=c.max_position_embeddings,
             qk_norm=self.qk_norm(),
             qk_norm_eps=float(c.rms_norm_eps) if self.qk_norm() else None,
-            qk_norm_per_head=c.model_type != "olmo2",
+            qk_norm_per_head=c.model_type not in ("olmo2", "olmo3"),
             local_layers=local,
             sliding_window=window,
             softcap=getattr(c, "attn_logit_softcapping", None),
@@ -83,11 +88,12 @@ class LlamaAdapter(ArchAdapter):
 
 
 class QKNormAdapter(LlamaAdapter):
-    """Qwen3 (an RMSNorm per head) and OLMo 2 (one RMSNorm over all heads): same tensors as Llama,
-    plus q_norm/k_norm weights that methods keeping stock attention carry through unchanged."""
+    """Qwen3 and Apertus (an RMSNorm per head), OLMo 2 and 3 (one RMSNorm over all heads; OLMo 3 with sliding-window
+    layers between global ones): same tensors as Llama, plus q_norm/k_norm weights that methods keeping stock
+    attention carry through unchanged."""
 
     family = "qk_norm"
-    model_types = ("qwen3", "qwen3_moe", "olmo2")
+    model_types = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "apertus")
 
     def qk_norm(self) -> bool:
         return True
@@ -113,6 +119,17 @@ class GemmaAdapter(LlamaAdapter):
 
     def layer_rope(self) -> bool:
         return self.config.model_type == "gemma3_text"
+
+
+class GraniteAdapter(LlamaAdapter):
+    """IBM Granite 3.x (dense and MoE): Llama's attention scaled by ``attention_multiplier`` instead of
+    head_dim^-1/2 (its embedding, residual and logit multipliers act outside attention, in the stock model)."""
+
+    family = "granite"
+    model_types = ("granite", "granitemoe")
+
+    def softmax_scale(self) -> float:
+        return float(self.config.attention_multiplier)
 
 
 class Phi3Adapter(LlamaAdapter):
