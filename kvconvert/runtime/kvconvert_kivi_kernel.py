@@ -90,14 +90,16 @@ def kivi_decode_folded(
     # values: per channel group g, (p ⊙ s_g) against the group's byte columns in every plane; p·z_g for its zeros
     groups = value_scale.shape[-1]
     columns = math.ceil(dim / groups) // codes_per_unit(value_bits)  # packing units per group
-    scale_v, zero_v = value_scale.float(), value_zero.float()  # [b, Hkv, n, groups]
     planes = bit_planes(value_codes, value_bits)  # channels unit·i + k in plane k [b, Hkv, n, P/unit]
+    zeros = weights @ value_zero.float()  # [b, Hkv, G, groups]: Σ p·z of every group at once
     parts = []
     for g in range(groups):
-        weighted, at = weights * scale_v[..., g][:, :, None, :], slice(g * columns, (g + 1) * columns)
+        # a half-precision scale meets float32 weights in the product itself (promoted, exactly): no float copy
+        weighted = weights * value_scale[..., g][:, :, None, :]
+        at = slice(g * columns, (g + 1) * columns) if groups > 1 else slice(None)  # one group: no slicing
         group = torch.stack([weighted @ plane[..., at] for plane in planes], dim=-1).flatten(-2)
-        parts.append(group + (weights @ zero_v[..., g : g + 1]))
-    acc = torch.cat(parts, dim=-1)[..., :dim]
+        parts.append(group + zeros[..., g : g + 1])
+    acc = (parts[0] if groups == 1 else torch.cat(parts, dim=-1))[..., :dim]
     if value_rotation is not None:
         acc = unrotated(acc, value_rotation)
     if exact is not None:
@@ -121,9 +123,9 @@ def folded_scores(
     q = query.float()
     # [b, Hkv, nb, G, d] queries scaled per block, against each plane [b, Hkv, nb, d, B/unit]: tokens unit·j + k of
     # each block in plane k (unit: codes per packing unit)
-    scaled = q[:, :, None] * scale.float()[:, :, :, None, :]
+    scaled = q[:, :, None] * scale[:, :, :, None, :]  # a half-precision scale promoted in the product, exactly
     scores = torch.stack([scaled @ plane for plane in bit_planes(codes, bits)], dim=-1).flatten(-2)
-    scores = scores + torch.einsum("bhgd,bhnd->bhng", q, zero.float())[..., None]
+    scores = scores + (zero.float() @ q.transpose(-1, -2))[..., None]  # q·z per block [b, Hkv, nb, G, 1]
     return scores.transpose(2, 3).reshape(batch, kv_heads, query.shape[2], -1)
 
 
@@ -158,7 +160,9 @@ def bit_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
         octets = codes.view(*codes.shape[:-1], -1, 3).to(torch.int32)
         word = octets[..., 0] | (octets[..., 1] << 8) | (octets[..., 2] << 16)
         return [((word >> shift) & mask).float() for shift in range(0, 24, 3)]
-    return [(codes >> shift if shift + bits == 8 else (codes >> shift) & mask).float() for shift in range(0, 8, bits)]
+    # the lowest code needs no shift and the highest no mask: a pass over the codes fewer each
+    return [(codes & mask if not shift else codes >> shift if shift + bits == 8 else (codes >> shift) & mask).float()
+            for shift in range(0, 8, bits)]  # fmt: skip
 
 
 def kivi_folded_fits(bits: int, block: int, value_size: int) -> bool:
