@@ -7,11 +7,18 @@ from typing import Any
 from kvconvert.arch.base import FEATURES, ArchAdapter, AttentionLayout, AttentionTensorName, AttentionWeights
 from kvconvert.arch.gpt2 import GPT2Adapter
 from kvconvert.arch.gpt_neox import GPTNeoXAdapter
-from kvconvert.arch.llama import GemmaAdapter, GraniteAdapter, LlamaAdapter, Phi3Adapter, QKNormAdapter
+from kvconvert.arch.llama import (
+    GemmaAdapter,
+    GraniteAdapter,
+    LlamaAdapter,
+    Phi3Adapter,
+    QKNormAdapter,
+    SmolLM3Adapter,
+)
 from kvconvert.errors import KVConvertError
 
-ADAPTERS: tuple[type[ArchAdapter], ...] = (LlamaAdapter, QKNormAdapter, GemmaAdapter, GraniteAdapter, Phi3Adapter,
-                                           GPTNeoXAdapter, GPT2Adapter)  # fmt: skip
+ADAPTERS: tuple[type[ArchAdapter], ...] = (LlamaAdapter, QKNormAdapter, GemmaAdapter, GraniteAdapter, SmolLM3Adapter,
+                                           Phi3Adapter, GPTNeoXAdapter, GPT2Adapter)  # fmt: skip
 
 
 def supported_model_types() -> list[str]:

@@ -35,6 +35,7 @@ class AttentionLayout:
     sliding_window: int | None = None  # their window (tokens)
     softcap: float | None = None  # attention-logit soft-capping: scores = c·tanh(scores / c)
     layer_rope: bool = False  # RoPE tables differ between local and global layers
+    nope_layers: tuple[int, ...] = ()  # layers whose attention applies no RoPE (SmolLM3: every fourth)
     # serving engines (vLLM, SGLang) read static fp8 KV scales from ``k_scale`` / ``v_scale`` tensors inside
     # this model's attention blocks (llm-compressor's names); False where kvconvert knows no such place
     engine_kv_scales: bool = False
@@ -48,7 +49,8 @@ class AttentionLayout:
     def features(self) -> tuple[str, ...]:
         """The names (keys of ``FEATURES``) of the features this model's attention has."""
         present = {"qk_norm": self.qk_norm, "local_layers": bool(self.local_layers),
-                   "softcap": self.softcap is not None, "layer_rope": self.layer_rope}  # fmt: skip
+                   "softcap": self.softcap is not None, "layer_rope": self.layer_rope,
+                   "nope_layers": bool(self.nope_layers)}  # fmt: skip
         return tuple(name for name in FEATURES if present[name])
 
     @property
@@ -63,6 +65,7 @@ FEATURES = {
     "local_layers": "sliding-window layers interleaved with global ones (Gemma 2/3, Qwen3 with max_window_layers)",
     "softcap": "attention-logit soft-capping (Gemma 2)",
     "layer_rope": "RoPE tables that differ between local and global layers (Gemma 3)",
+    "nope_layers": "layers without RoPE between rotary ones (SmolLM3)",
 }
 
 

@@ -5,6 +5,7 @@ queries) and Phi-3 (one fused QKV projection)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -119,6 +120,21 @@ class GemmaAdapter(LlamaAdapter):
 
     def layer_rope(self) -> bool:
         return self.config.model_type == "gemma3_text"
+
+
+class SmolLM3Adapter(LlamaAdapter):
+    """SmolLM3: Llama's attention, but every fourth layer (``no_rope_layers[i] == 0``) applies no RoPE; its layer
+    types slide only with ``use_sliding_window``."""
+
+    family = "smollm3"
+    model_types = ("smollm3",)
+
+    def layout(self) -> AttentionLayout:
+        rope = getattr(self.config, "no_rope_layers", None) or []
+        return replace(super().layout(), nope_layers=tuple(i for i, used in enumerate(rope) if not used))
+
+    def local_layers(self) -> tuple[tuple[int, ...], int | None]:
+        return super().local_layers() if getattr(self.config, "use_sliding_window", False) else ((), None)
 
 
 class GraniteAdapter(LlamaAdapter):

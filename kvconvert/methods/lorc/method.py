@@ -217,6 +217,8 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
                         "lorc); use quant or razor",
         "softcap": "lorc's attention does not apply attention-logit soft-capping; use quant",
         "layer_rope": "lorc re-rotates rebuilt keys with one RoPE table, and this model has one per layer type",
+        "nope_layers": "lorc re-rotates rebuilt keys with RoPE in every layer, and this model has layers without it "
+                       "(not implemented); use quant, razor or minicache",
     }  # fmt: skip
 
     @classmethod

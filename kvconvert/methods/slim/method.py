@@ -27,6 +27,8 @@ class SlimMethod(Method[None]):
                         "token (not implemented); use quant or razor",
         "softcap": "slim's attention does not apply attention-logit soft-capping; use quant",
         "layer_rope": "slim re-rotates cached keys with one RoPE table, and this model has one per layer type",
+        "nope_layers": "slim re-rotates cached keys with RoPE in every layer, and this model has layers without it "
+                       "(not implemented); use quant, razor or minicache",
     }  # fmt: skip
 
     def __init__(self, config: SlimConfig | None = None):

@@ -220,6 +220,8 @@ class ZackMethod(Method[ZackPlan]):
                         "zack); use quant or razor",
         "softcap": "zack's attention does not apply attention-logit soft-capping; use quant",
         "layer_rope": "zack rotates keys with one RoPE table, and this model has one per layer type",
+        "nope_layers": "zack rotates keys with RoPE in every layer, and this model has layers without it "
+                       "(not implemented); use quant, razor or minicache",
     }  # fmt: skip
 
     @classmethod
