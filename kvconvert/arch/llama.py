@@ -1,6 +1,7 @@
-"""Llama family: Llama, Mistral, Mixtral, Qwen2 (separate q/k/v/o projections, rotate-half RoPE), and the
-families built on it since 2024: Qwen3 and OLMo 2 (QK-norm), Gemma 2/3 (local layers, soft-capping, scaled
-queries) and Phi-3 (one fused QKV projection)."""
+"""Llama family: Llama, Mistral, Mixtral, Qwen2 (separate q/k/v/o projections, rotate-half RoPE) and the blocks
+that keep its attention (Gemma 1, Arcee, Seed-OSS, StarCoder2), and the families built on it since 2024: Qwen3,
+Apertus and OLMo 2/3 (QK-norm), Gemma 2/3 (local layers, soft-capping, scaled queries), Granite (its own softmax
+scale), SmolLM3 (layers without RoPE) and Phi-3 (one fused QKV projection)."""
 
 from __future__ import annotations
 
