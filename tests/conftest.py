@@ -141,7 +141,10 @@ def _llama_attention_config(kind: str, common: dict, heads: dict, interleaved: d
                                              **gqa)  # fmt: skip
     if kind == "smollm3":  # Llama's attention, RoPE skipped in every fourth layer (here: the middle one of three)
         return transformers.SmolLM3Config(no_rope_layers=[1, 0, 1], **gqa)
-    configs = {"arcee": transformers.ArceeConfig, "apertus": transformers.ApertusConfig}
+    configs = {"arcee": transformers.ArceeConfig, "apertus": transformers.ApertusConfig,
+               "helium": transformers.HeliumConfig, "cohere": transformers.CohereConfig,
+               "glm": transformers.GlmConfig, "glm4": transformers.Glm4Config,
+               "ernie4_5": transformers.Ernie4_5Config}  # fmt: skip
     if kind in configs:  # Llama's attention (Apertus: Qwen3's QK-norm) beside another MLP or norm
         return configs[kind](**gqa)
     raise ValueError(kind)

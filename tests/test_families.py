@@ -16,7 +16,8 @@ from kvconvert.arch import FEATURES, adapter_for
 from kvconvert.methods import METHODS
 
 FAMILIES = ("qwen3", "qwen3_sliding", "olmo2", "gemma3", "gemma2", "phi3", "gemma", "granite", "starcoder2",
-            "seed_oss", "olmo3", "arcee", "apertus", "smollm3")  # fmt: skip
+            "seed_oss", "olmo3", "arcee", "apertus", "smollm3", "helium", "cohere", "glm", "glm4",
+            "ernie4_5")  # fmt: skip
 EXPECTED_FEATURES = {
     "qwen3": ("qk_norm",),
     "qwen3_sliding": ("qk_norm", "local_layers"),
@@ -27,6 +28,7 @@ EXPECTED_FEATURES = {
     "olmo3": ("qk_norm", "local_layers"),
     "apertus": ("qk_norm",),
     "smollm3": ("nope_layers",),
+    **{kind: ("interleaved_rope",) for kind in ("helium", "cohere", "glm", "glm4", "ernie4_5")},
     **{kind: () for kind in ("gemma", "granite", "starcoder2", "seed_oss", "arcee")},
 }
 

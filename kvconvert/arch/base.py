@@ -36,6 +36,7 @@ class AttentionLayout:
     softcap: float | None = None  # attention-logit soft-capping: scores = c·tanh(scores / c)
     layer_rope: bool = False  # RoPE tables differ between local and global layers
     nope_layers: tuple[int, ...] = ()  # layers whose attention applies no RoPE (SmolLM3: every fourth)
+    interleaved_rope: bool = False  # RoPE rotates channels (2i, 2i + 1), not (i, i + d/2) as rotate-half does
     # serving engines (vLLM, SGLang) read static fp8 KV scales from ``k_scale`` / ``v_scale`` tensors inside
     # this model's attention blocks (llm-compressor's names); False where kvconvert knows no such place
     engine_kv_scales: bool = False
@@ -50,7 +51,7 @@ class AttentionLayout:
         """The names (keys of ``FEATURES``) of the features this model's attention has."""
         present = {"qk_norm": self.qk_norm, "local_layers": bool(self.local_layers),
                    "softcap": self.softcap is not None, "layer_rope": self.layer_rope,
-                   "nope_layers": bool(self.nope_layers)}  # fmt: skip
+                   "nope_layers": bool(self.nope_layers), "interleaved_rope": self.interleaved_rope}  # fmt: skip
         return tuple(name for name in FEATURES if present[name])
 
     @property
@@ -66,6 +67,7 @@ FEATURES = {
     "softcap": "attention-logit soft-capping (Gemma 2)",
     "layer_rope": "RoPE tables that differ between local and global layers (Gemma 3)",
     "nope_layers": "layers without RoPE between rotary ones (SmolLM3)",
+    "interleaved_rope": "RoPE on interleaved channel pairs (Helium, Cohere, GLM, ERNIE 4.5)",
 }
 
 

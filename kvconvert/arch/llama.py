@@ -1,7 +1,8 @@
 """Llama family: Llama, Mistral, Mixtral, Qwen2 (separate q/k/v/o projections, rotate-half RoPE) and the blocks
 that keep its attention (Gemma 1, Arcee, Seed-OSS, StarCoder2), and the families built on it since 2024: Qwen3,
 Apertus and OLMo 2/3 (QK-norm), Gemma 2/3 (local layers, soft-capping, scaled queries), Granite (its own softmax
-scale), SmolLM3 (layers without RoPE) and Phi-3 (one fused QKV projection)."""
+scale), SmolLM3 (layers without RoPE), Helium, Cohere, GLM and ERNIE 4.5 (RoPE on interleaved pairs) and Phi-3
+(one fused QKV projection)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,19 @@ import torch
 
 from kvconvert.arch.base import ArchAdapter, AttentionLayout, AttentionWeights
 
+# Llama's layout whose RoPE rotates channel pairs (2i, 2i + 1) (their rotate_half interleaves): the methods that keep
+# the stock attention convert them, the ones that rotate keys themselves the rotate-half way refuse (a tiny Helium's
+# LoRC and ZACK conversions did not reproduce it)
+INTERLEAVED_ROPE = ("helium", "cohere", "glm", "glm4", "ernie4_5")
+
 
 class LlamaAdapter(ArchAdapter):
     family = "llama"
-    # Llama's attention as it is (q/k/v/o under model.layers.N.self_attn, rotate-half RoPE, head_dim^-1/2), whatever
-    # the rest of the block does: Gemma 1 (a (1 + w) RMSNorm, scaled embeddings), Arcee (ReLU² MLP), Seed-OSS and
-    # StarCoder2 (q/k/v biases; StarCoder2 an o bias and LayerNorms too). Not Helium, Cohere, GLM or ERNIE 4.5: their
-    # RoPE rotates interleaved pairs, which the methods that re-rotate keys (lorc, zack, slim) would get wrong.
+    # Llama's attention as it is (q/k/v/o under model.layers.N.self_attn, head_dim^-1/2), whatever the rest of the
+    # block does: Gemma 1 (a (1 + w) RMSNorm, scaled embeddings), Arcee (ReLU² MLP), Seed-OSS and StarCoder2 (q/k/v
+    # biases; StarCoder2 an o bias and LayerNorms too), and with RoPE on interleaved pairs (INTERLEAVED_ROPE)
     model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "gemma", "arcee",
-                                              "seed_oss", "starcoder2")  # fmt: skip
+                                              "seed_oss", "starcoder2", *INTERLEAVED_ROPE)  # fmt: skip
     attention_name_pattern = re.compile(r"^(?P<prefix>(?:model\.)?layers\.(?P<layer>\d+)\.self_attn\.)(?P<local>.+)$")
     attention_module_template = "model.layers.{i}.self_attn"
     writes_values = True
@@ -59,6 +64,7 @@ class LlamaAdapter(ArchAdapter):
             sliding_window=window,
             softcap=getattr(c, "attn_logit_softcapping", None),
             layer_rope=self.layer_rope(),
+            interleaved_rope=c.model_type in INTERLEAVED_ROPE,
             engine_kv_scales=True,
         )
 

@@ -219,6 +219,8 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         "layer_rope": "lorc re-rotates rebuilt keys with one RoPE table, and this model has one per layer type",
         "nope_layers": "lorc re-rotates rebuilt keys with RoPE in every layer, and this model has layers without it "
                        "(not implemented); use quant, razor or minicache",
+        "interleaved_rope": "lorc re-rotates rebuilt keys the rotate-half way, and this model's RoPE rotates "
+                            "interleaved channel pairs (not implemented); use quant, razor or minicache",
     }  # fmt: skip
 
     @classmethod

@@ -29,6 +29,8 @@ class SlimMethod(Method[None]):
         "layer_rope": "slim re-rotates cached keys with one RoPE table, and this model has one per layer type",
         "nope_layers": "slim re-rotates cached keys with RoPE in every layer, and this model has layers without it "
                        "(not implemented); use quant, razor or minicache",
+        "interleaved_rope": "slim re-rotates cached keys the rotate-half way, and this model's RoPE rotates "
+                            "interleaved channel pairs (not implemented); use quant, razor or minicache",
     }  # fmt: skip
 
     def __init__(self, config: SlimConfig | None = None):

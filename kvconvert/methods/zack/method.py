@@ -222,6 +222,8 @@ class ZackMethod(Method[ZackPlan]):
         "layer_rope": "zack rotates keys with one RoPE table, and this model has one per layer type",
         "nope_layers": "zack rotates keys with RoPE in every layer, and this model has layers without it "
                        "(not implemented); use quant, razor or minicache",
+        "interleaved_rope": "zack rotates keys the rotate-half way, and this model's RoPE rotates interleaved channel "
+                            "pairs (not implemented); use quant, razor or minicache",
     }  # fmt: skip
 
     @classmethod
