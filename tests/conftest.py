@@ -139,6 +139,8 @@ def _llama_attention_config(kind: str, common: dict, heads: dict, interleaved: d
     if kind == "granitemoe":  # Granite's scaled attention beside a sparse MoE MLP
         return transformers.GraniteMoeConfig(attention_multiplier=0.3, num_local_experts=2, num_experts_per_tok=1,
                                              **gqa)  # fmt: skip
+    if kind == "cohere2":  # interleaved RoPE in the sliding layers only, none in the global one
+        return transformers.Cohere2Config(**gqa, **interleaved)
     if kind == "smollm3":  # Llama's attention, RoPE skipped in every fourth layer (here: the middle one of three)
         return transformers.SmolLM3Config(no_rope_layers=[1, 0, 1], **gqa)
     configs = {"arcee": transformers.ArceeConfig, "apertus": transformers.ApertusConfig,

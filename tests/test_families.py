@@ -17,7 +17,7 @@ from kvconvert.methods import METHODS
 
 FAMILIES = ("qwen3", "qwen3_sliding", "olmo2", "gemma3", "gemma2", "phi3", "gemma", "granite", "starcoder2",
             "seed_oss", "olmo3", "arcee", "apertus", "smollm3", "helium", "cohere", "glm", "glm4",
-            "ernie4_5")  # fmt: skip
+            "ernie4_5", "cohere2")  # fmt: skip
 EXPECTED_FEATURES = {
     "qwen3": ("qk_norm",),
     "qwen3_sliding": ("qk_norm", "local_layers"),
@@ -28,6 +28,7 @@ EXPECTED_FEATURES = {
     "olmo3": ("qk_norm", "local_layers"),
     "apertus": ("qk_norm",),
     "smollm3": ("nope_layers",),
+    "cohere2": ("local_layers", "nope_layers", "interleaved_rope"),
     **{kind: ("interleaved_rope",) for kind in ("helium", "cohere", "glm", "glm4", "ernie4_5")},
     **{kind: () for kind in ("gemma", "granite", "starcoder2", "seed_oss", "arcee")},
 }

@@ -8,6 +8,7 @@ from kvconvert.arch.base import FEATURES, ArchAdapter, AttentionLayout, Attentio
 from kvconvert.arch.gpt2 import GPT2Adapter
 from kvconvert.arch.gpt_neox import GPTNeoXAdapter
 from kvconvert.arch.llama import (
+    Cohere2Adapter,
     GemmaAdapter,
     GraniteAdapter,
     LlamaAdapter,
@@ -18,7 +19,7 @@ from kvconvert.arch.llama import (
 from kvconvert.errors import KVConvertError
 
 ADAPTERS: tuple[type[ArchAdapter], ...] = (LlamaAdapter, QKNormAdapter, GemmaAdapter, GraniteAdapter, SmolLM3Adapter,
-                                           Phi3Adapter, GPTNeoXAdapter, GPT2Adapter)  # fmt: skip
+                                           Cohere2Adapter, Phi3Adapter, GPTNeoXAdapter, GPT2Adapter)  # fmt: skip
 
 
 def supported_model_types() -> list[str]:

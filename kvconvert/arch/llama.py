@@ -1,8 +1,8 @@
 """Llama family: Llama, Mistral, Mixtral, Qwen2 (separate q/k/v/o projections, rotate-half RoPE) and the blocks
 that keep its attention (Gemma 1, Arcee, Seed-OSS, StarCoder2), and the families built on it since 2024: Qwen3,
 Apertus and OLMo 2/3 (QK-norm), Gemma 2/3 (local layers, soft-capping, scaled queries), Granite (its own softmax
-scale), SmolLM3 (layers without RoPE), Helium, Cohere, GLM and ERNIE 4.5 (RoPE on interleaved pairs) and Phi-3
-(one fused QKV projection)."""
+scale), SmolLM3 (layers without RoPE), Helium, Cohere, GLM and ERNIE 4.5 (RoPE on interleaved pairs), Cohere 2
+(both) and Phi-3 (one fused QKV projection)."""
 
 from __future__ import annotations
 
@@ -142,6 +142,19 @@ class SmolLM3Adapter(LlamaAdapter):
 
     def local_layers(self) -> tuple[tuple[int, ...], int | None]:
         return super().local_layers() if getattr(self.config, "use_sliding_window", False) else ((), None)
+
+
+class Cohere2Adapter(LlamaAdapter):
+    """Cohere 2 (Command R7B, Command A): sliding-window layers with RoPE on interleaved pairs between global layers
+    that apply no RoPE at all."""
+
+    family = "cohere2"
+    model_types = ("cohere2",)
+
+    def layout(self) -> AttentionLayout:
+        layout = super().layout()
+        nope = tuple(i for i in range(layout.num_layers) if i not in layout.local_layers)
+        return replace(layout, nope_layers=nope if layout.local_layers else (), interleaved_rope=True)
 
 
 class GraniteAdapter(LlamaAdapter):
