@@ -64,7 +64,7 @@ class LlamaAdapter(ArchAdapter):
             sliding_window=window,
             softcap=getattr(c, "attn_logit_softcapping", None),
             layer_rope=self.layer_rope(),
-            interleaved_rope=c.model_type in INTERLEAVED_ROPE,
+            interleaved_rope=self.interleaved_rope(),
             engine_kv_scales=True,
         )
 
@@ -79,6 +79,10 @@ class LlamaAdapter(ArchAdapter):
     def layer_rope(self) -> bool:
         """RoPE tables that differ between local and global layers?"""
         return False
+
+    def interleaved_rope(self) -> bool:
+        """RoPE on channel pairs (2i, 2i + 1) rather than rotate-half's (i, i + d/2)?"""
+        return self.config.model_type in INTERLEAVED_ROPE
 
     def read_attention(self, tensors: dict[str, torch.Tensor]) -> AttentionWeights:
         return AttentionWeights(
@@ -151,10 +155,13 @@ class Cohere2Adapter(LlamaAdapter):
     family = "cohere2"
     model_types = ("cohere2",)
 
+    def interleaved_rope(self) -> bool:
+        return True
+
     def layout(self) -> AttentionLayout:
         layout = super().layout()
         nope = tuple(i for i in range(layout.num_layers) if i not in layout.local_layers)
-        return replace(layout, nope_layers=nope if layout.local_layers else (), interleaved_rope=True)
+        return replace(layout, nope_layers=nope if layout.local_layers else ())
 
 
 class GraniteAdapter(LlamaAdapter):
