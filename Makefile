@@ -22,12 +22,13 @@ demo: install
 	kvconvert eval --model $(DEMO)/aidreams260K-lorc --reference $(DEMO)/aidreams260K \
 		--data $(SHARED)/data/tinystories/tinystories_validation_head.txt --max-tokens 4096 --no-retrieval --quiet
 
+# one worker per core (pytest-xdist): most tests are Python-bound on tiny models, so workers beat BLAS threads
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n auto
 
 # everything but the tests marked slow (Triton's interpreter, wheel builds, subprocess CLIs, real-model recipes)
 test-fast:
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q -n auto -m "not slow"
 
 quality: install
 	ruff check kvconvert tests bench examples
