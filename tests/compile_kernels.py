@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
+# the working tree's kernels, whatever kvconvert is installed (a script's own folder, tests/, heads sys.path)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
