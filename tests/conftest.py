@@ -20,13 +20,12 @@ os.environ.setdefault("KVCONVERT_REBUILD", "exact")
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     # `make test` runs the suite in one worker per core (pytest-xdist): most tests are Python-bound on tiny models,
     # so each worker keeps its share of the cores rather than every worker's BLAS threads contending for all of them;
-    # the CLI subprocesses tests start inherit the same share
+    # the CLI subprocesses tests start inherit the same share, and so does Inductor's pool of C++ compile workers:
+    # on a fresh machine (CI) every compiled-decode test compiles its kernels cold, a minute or more each on 2 cores
     _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = _threads
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", _threads)
     torch.set_num_threads(int(_threads))
-# Inductor compiles the tests' tiny graphs in this process: its default pool of compile workers costs each test process
-# new Python interpreters that import torch, more than the graphs take to compile
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on CPU; read when the kernels are decorated (import time)
     os.environ.setdefault("TRITON_INTERPRET", "1")
