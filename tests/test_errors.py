@@ -62,12 +62,14 @@ def test_existing_output_is_refused_and_untouched(tiny_model_dir, tmp_path):
 
 
 def test_force_replaces_an_earlier_output(tiny_model_dir, tmp_path):
-    out = tmp_path / "slim"
-    assert run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--quiet").exit_code == 0
-    (out / "stale.txt").write_text("old")
-    result = run("slim", "--model", str(tiny_model_dir("llama")), "--out", str(out), "--force", "--quiet")
+    """The earlier output goes whole, files the new one does not write included (its shards here); a file the user
+    added is never among them (``test_force_keeps_what_a_user_added_to_an_output``)."""
+    out, model = tmp_path / "slim", str(tiny_model_dir("llama"))
+    assert run("slim", "--model", model, "--out", str(out), "--quiet", "--max-shard-size", "20KB").exit_code == 0
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    result = run("slim", "--model", model, "--out", str(out), "--force", "--quiet")
     assert result.exit_code == 0, result.output
-    assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
+    assert not list(out.glob("model-*")) and (out / "model.safetensors").exists()
 
 
 def test_missing_local_model(tmp_path):

@@ -104,6 +104,33 @@ def test_force_never_replaces_a_directory_kvconvert_did_not_write(command, tiny_
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("added", ["notes.txt", "plots/loss.png", "link"])
+def test_force_keeps_what_a_user_added_to_an_output(added, tiny_model_dir, tmp_path):
+    """A directory kvconvert wrote, with a file the user put there since: replacing the output would delete it, so
+    ``--force`` refuses, naming it. What kvconvert itself adds later (an ``eval --json`` result, bytecode caches) is
+    replaced with the output."""
+    model, out = str(tiny_model_dir("llama")), tmp_path / "out"
+    assert run("slim", "--model", model, "--out", str(out), "--quiet").exit_code == 0
+    (out / "eval.json").write_text(json.dumps({"ppl": 1.0, "kv_bytes_per_token": 2, "tokens": 3, "ctx": 4}))
+    (out / "__pycache__").mkdir()
+    (out / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    path = out / added
+    path.parent.mkdir(exist_ok=True)
+    if added == "link":
+        (tmp_path / "elsewhere.txt").write_text("mine")
+        path.symlink_to(tmp_path / "elsewhere.txt")
+    else:
+        path.write_text("mine")
+    before = snapshot(tmp_path)
+    result = run("quant", "--model", model, "--out", str(out), "--kv-bits", "4", "--force")
+    assert_user_error(result, "holds files kvconvert did not write", added, "--force replaces only")
+    assert snapshot(tmp_path) == before
+    path.unlink()
+    result = run("quant", "--model", model, "--out", str(out), "--kv-bits", "4", "--force", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert not (out / "eval.json").exists() and json.loads((out / "kvconvert.json").read_text())["method"] == "quant"
+
+
 def test_force_never_replaces_a_file_or_the_current_directory(tiny_model_dir, tmp_path, monkeypatch):
     model = str(tiny_model_dir("llama"))
     (tmp_path / "notes.txt").write_text("mine")

@@ -40,6 +40,34 @@ def is_kvconvert_output(directory: Path) -> bool:
     return read_marker(directory) is not None or any((directory / name).is_file() for name in _LEGACY_MARKERS)
 
 
+def foreign_files(directory: Path) -> list[str]:
+    """Files in a directory kvconvert wrote that it did not write: not in its marker's list, and not what kvconvert
+    itself adds to an output later (``eval --json``'s eval.json, ``push``'s card) or Python's bytecode caches. A user's
+    notes, plots or links there: ``--force`` would delete them with the output, so it refuses instead. An output from
+    before the marker (a legacy report file only) records no list: nothing is reported for it."""
+    from kvconvert.io.model_card import is_eval_result
+
+    marker = read_marker(directory)
+    if marker is None:
+        return []
+    ours = {str(name) for name in marker.get("files", [])} | {MARKER, "README.md"}
+    found = []
+    for path in sorted(directory.rglob("*")):
+        relative = path.relative_to(directory)
+        if (path.is_dir() and not path.is_symlink()) or "__pycache__" in relative.parts:
+            continue
+        if relative.as_posix() in ours:
+            continue
+        if relative.as_posix() == "eval.json" and not path.is_symlink():
+            try:
+                if is_eval_result(json.loads(path.read_text(encoding="utf-8"))):
+                    continue
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                pass
+        found.append(relative.as_posix())
+    return found
+
+
 def _write_marker(directory: Path, command: str) -> None:
     from kvconvert import __version__
 
@@ -166,6 +194,13 @@ def refuse_existing(out: Path, replace: bool, option: str = "--out") -> None:
         raise KVConvertError(
             f"{option} {where} exists and was not written by kvconvert; --force replaces only kvconvert's own "
             f"outputs: choose another {option} or remove it yourself"
+        )
+    extra = foreign_files(where)
+    if extra:
+        shown = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+        raise KVConvertError(
+            f"{option} {where} holds files kvconvert did not write ({shown}); --force replaces only kvconvert's own "
+            f"files: move them away or choose another {option}"
         )
 
 
