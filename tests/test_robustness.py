@@ -329,6 +329,27 @@ def test_import_llama2c_refuses_garbage(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_an_import_never_replaces_the_directory_its_input_lies_in(tmp_path):
+    """The checkpoint to import (and its tokenizer) kept inside an earlier output: ``--force`` on that output would
+    delete the input with it; refused before anything is read."""
+    shared = ROOT.parent / "shared" / "models" / "stories260K"
+    if not shared.is_dir():
+        pytest.skip("../shared/models/stories260K not present")
+    out = tmp_path / "imported"
+    assert run("import-llama2c", str(shared / "stories260K.bin"), "--out", str(out)).exit_code == 0
+    for name in ("stories260K.bin", "tok512.bin"):
+        shutil.copy(shared / name, out / name)
+    before = snapshot(tmp_path)
+    result = run("import-llama2c", str(out / "stories260K.bin"), "--out", str(out), "--force")
+    assert_user_error(result, "contains the input", "stories260K.bin")
+    result = run("import-llama2c", str(shared / "stories260K.bin"), "--tokenizer", str(out / "tok512.bin"), "--out",
+                 str(out), "--force")  # fmt: skip
+    assert_user_error(result, "contains the input", "tok512.bin")
+    result = run("import-gguf", str(out / "stories260K.bin"), "--out", str(out), "--force")
+    assert_user_error(result, "contains the input")
+    assert snapshot(tmp_path) == before
+
+
 # -------------------------------------------------------------------------- silent or misleading
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from kvconvert.cli.common import main, silence_libraries, user_errors
-from kvconvert.io.outdir import refuse_existing
+from kvconvert.io.outdir import refuse_existing, refuse_overlap
 
 
 @main.command("import-llama2c")
@@ -20,6 +20,8 @@ def import_llama2c(checkpoint: Path, tokenizer: Path | None, out: Path, force: b
     """Import a llama2.c (v0 .bin) model, and optionally its tok*.bin vocab, as an HF Llama directory."""
     from kvconvert.io.llama2c import import_llama2c as run_import
 
+    refuse_overlap(out, [checkpoint, *([tokenizer] if tokenizer else [])])  # the input's own message first
+    refuse_existing(out, force)
     run_import(checkpoint, out, tokenizer=tokenizer, replace=force)
     click.echo(f"wrote {out}")
 
@@ -34,6 +36,7 @@ def import_gguf(gguf_file: Path, out: Path, force: bool) -> None:
     safetensors HF directory: weights dequantized, tokenizer included. Needs `pip install 'kvconvert[gguf]'`."""
     from kvconvert.io.gguf_import import import_gguf as run_import
 
+    refuse_overlap(out, [gguf_file])
     refuse_existing(out, force)
     silence_libraries()
     run_import(gguf_file, out, replace=force)

@@ -36,7 +36,7 @@ def import_gguf(gguf_file: Path, out: Path, replace: bool = False) -> Path:
     state = model.state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied to the embedding; transformers re-ties on load
-    with atomic_output_dir(out, replace, command="import-gguf") as tmp:
+    with atomic_output_dir(out, replace, sources=[gguf_file], command="import-gguf") as tmp:
         # save_pretrained refuses GGUF-quantised models even though the weights are already
         # dequantised float32 tensors in memory; write them ourselves.
         config.save_pretrained(tmp)

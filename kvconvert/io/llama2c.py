@@ -177,7 +177,9 @@ def import_llama2c(checkpoint: Path, out: Path, tokenizer: Path | None = None, r
         pad_token_id=2,
         dtype="float32",
     )
-    with atomic_output_dir(out, replace, command="import-llama2c") as tmp:
+    with atomic_output_dir(
+        out, replace, sources=[checkpoint, *([tokenizer] if tokenizer else [])], command="import-llama2c"
+    ) as tmp:
         config.save_pretrained(tmp)
         writer = ShardedSafetensorsWriter(tmp)
         for name in sorted(tensors):

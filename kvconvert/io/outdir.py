@@ -129,8 +129,8 @@ def refuse_foreign_file(path: Path, option: str, ours: Callable[[Any], bool], wh
 
 
 def refuse_overlap(out: Path, sources: Sequence[Path]) -> None:
-    """``out`` must not be, contain or lie inside an input directory: replacing it would destroy the
-    input (``--force`` does not change that)."""
+    """``out`` must not be, contain or lie inside an input (a directory, or a file such as an imported checkpoint):
+    replacing it would destroy the input (``--force`` does not change that)."""
     out = out.resolve()
     for source in sources:
         source = source.resolve()
