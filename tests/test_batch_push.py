@@ -219,6 +219,30 @@ def test_push_uploads_directory_with_model_card(tiny_model_dir, tmp_path, hub):
     assert 'from_pretrained("org/name", trust_remote_code=True)' in card and "kvconvert.load" in card
 
 
+def _uploaded_card() -> str:
+    body = [b for method, path, _, b in HubStandIn.requests if method == "POST" and "/commit/" in path][-1]
+    lines = [json.loads(line) for line in body.decode().splitlines()]
+    return next(base64.b64decode(e["value"]["content"]).decode() for e in lines
+                if e["key"] == "file" and e["value"]["path"] == "README.md")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_push_uploads_an_edited_model_card_as_it_is(tiny_model_dir, tmp_path, hub):
+    """push refreshes kvconvert's own card (here and on the Hub) but never replaces a card the user edited."""
+    dst = tmp_path / "d"
+    assert run_cli("slim", "--model", str(tiny_model_dir("llama")), "--out", str(dst), "--quiet").exit_code == 0
+    for _ in range(2):  # the refreshed card is kvconvert's too: the second push refreshes it again, silently
+        result = push_cmd(hub, str(dst), "--repo-id", "org/name")
+        assert result.returncode == 0 and "edited" not in result.stderr, result.stderr
+        assert _uploaded_card() == (dst / "README.md").read_text() and "org/name" in _uploaded_card()
+    edited = (dst / "README.md").read_text() + "\n## My own notes\n"
+    (dst / "README.md").write_text(edited)
+    result = push_cmd(hub, str(dst), "--repo-id", "org/other")
+    assert result.returncode == 0, result.stderr
+    assert "README.md was edited since kvconvert wrote it: uploaded as it is" in result.stderr
+    assert _uploaded_card() == edited and (dst / "README.md").read_text() == edited
+
+
 @pytest.mark.slow
 def test_push_dry_run_contacts_nobody(tiny_model_dir, tmp_path, hub):
     dst = tmp_path / "d"

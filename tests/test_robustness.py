@@ -104,7 +104,7 @@ def test_force_never_replaces_a_directory_kvconvert_did_not_write(command, tiny_
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("added", ["notes.txt", "plots/loss.png", "link"])
+@pytest.mark.parametrize("added", ["notes.txt", "plots/loss.png", "link", "README.md"])
 def test_force_keeps_what_a_user_added_to_an_output(added, tiny_model_dir, tmp_path):
     """A directory kvconvert wrote, with a file the user put there since: replacing the output would delete it, so
     ``--force`` refuses, naming it. What kvconvert itself adds later (an ``eval --json`` result, bytecode caches) is
@@ -116,16 +116,17 @@ def test_force_keeps_what_a_user_added_to_an_output(added, tiny_model_dir, tmp_p
     (out / "__pycache__" / "x.pyc").write_bytes(b"\0")
     path = out / added
     path.parent.mkdir(exist_ok=True)
+    card = (out / "README.md").read_text()
     if added == "link":
         (tmp_path / "elsewhere.txt").write_text("mine")
         path.symlink_to(tmp_path / "elsewhere.txt")
-    else:
+    else:  # README.md: the model card kvconvert wrote, edited
         path.write_text("mine")
     before = snapshot(tmp_path)
     result = run("quant", "--model", model, "--out", str(out), "--kv-bits", "4", "--force")
     assert_user_error(result, "holds files kvconvert did not write", added, "--force replaces only")
     assert snapshot(tmp_path) == before
-    path.unlink()
+    path.write_text(card) if added == "README.md" else path.unlink()  # the card as kvconvert wrote it goes too
     result = run("quant", "--model", model, "--out", str(out), "--kv-bits", "4", "--force", "--quiet")
     assert result.exit_code == 0, result.output
     assert not (out / "eval.json").exists() and json.loads((out / "kvconvert.json").read_text())["method"] == "quant"

@@ -86,10 +86,15 @@ def batch(
 @user_errors
 def push(directory: Path, repo_id: str, private: bool, revision: str | None, dry_run: bool) -> None:
     """Upload a converted directory to the Hub: the files kvconvert wrote there, with the model card
-    refreshed from kvconvert.json / eval.json (written locally too once the upload succeeded)."""
+    refreshed from kvconvert.json / eval.json (written locally too once the upload succeeded); a card you edited
+    goes up as it is."""
     from kvconvert.io.hub import publish
+    from kvconvert.io.outdir import card_edited
 
     url, files, skipped = publish(directory, repo_id, private=private, revision=revision, dry_run=dry_run)
+    if card_edited(directory):
+        click.echo("README.md was edited since kvconvert wrote it: uploaded as it is (not refreshed from "
+                   "kvconvert.json / eval.json)", err=True)  # fmt: skip
     if skipped:
         shown = ", ".join(skipped[:8]) + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else "")
         click.echo(f"not uploading {len(skipped)} file(s) kvconvert did not write: {shown}", err=True)

@@ -109,13 +109,18 @@ def publish(
 ) -> tuple[str | None, list[tuple[str, int]], list[str]]:  # fmt: skip
     """``kvconvert push``: (commit URL or None for a dry run, files with their bytes, files left out).
     The model card is refreshed from kvconvert.json and eval.json and uploaded; the local README.md is
-    rewritten only after the upload succeeded."""
+    rewritten only after the upload succeeded. A card the user edited since kvconvert wrote it
+    (``card_edited``) is uploaded as it is and left alone."""
     from kvconvert.io.model_card import is_eval_result, model_card
-    from kvconvert.io.outdir import write_text_atomic
+    from kvconvert.io.outdir import card_edited, record_card, write_text_atomic
     from kvconvert.io.source import read_json
 
     check_repo_id(repo_id)
     files, skipped = upload_plan(directory)
+    if card_edited(directory):
+        if dry_run:
+            return None, files, skipped
+        return push(directory, repo_id, [name for name, _ in files], None, private, revision), files, skipped
     report = read_json(directory / "kvconvert.json", "conversion report")
     evaluation = read_json(directory / "eval.json", "eval result") if (directory / "eval.json").is_file() else None
     if evaluation is not None and not is_eval_result(evaluation):
@@ -128,4 +133,5 @@ def publish(
         return None, listed, skipped
     url = push(directory, repo_id, [name for name, _ in listed], card, private=private, revision=revision)
     write_text_atomic(directory / "README.md", card)
+    record_card(directory)
     return url, listed, skipped

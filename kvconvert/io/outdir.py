@@ -5,6 +5,7 @@ a command refuses an existing ``--out`` before it loads torch, transformers or t
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -42,9 +43,10 @@ def is_kvconvert_output(directory: Path) -> bool:
 
 def foreign_files(directory: Path) -> list[str]:
     """Files in a directory kvconvert wrote that it did not write: not in its marker's list, and not what kvconvert
-    itself adds to an output later (``eval --json``'s eval.json, ``push``'s card) or Python's bytecode caches. A user's
-    notes, plots or links there: ``--force`` would delete them with the output, so it refuses instead. An output from
-    before the marker (a legacy report file only) records no list: nothing is reported for it."""
+    itself adds to an output later (``eval --json``'s eval.json, ``push``'s card) or Python's bytecode caches; and its
+    model card if the user edited it (``card_edited``). A user's notes, plots, links or card edits there: ``--force``
+    would delete them with the output, so it refuses instead. An output from before the marker (a legacy report file
+    only) records no list: nothing is reported for it."""
     from kvconvert.io.model_card import is_eval_result
 
     marker = read_marker(directory)
@@ -65,7 +67,7 @@ def foreign_files(directory: Path) -> list[str]:
             except (OSError, UnicodeDecodeError, json.JSONDecodeError):
                 pass
         found.append(relative.as_posix())
-    return found
+    return found + (["README.md (edited since kvconvert wrote it)"] if card_edited(directory) else [])
 
 
 def _write_marker(directory: Path, command: str) -> None:
@@ -73,7 +75,34 @@ def _write_marker(directory: Path, command: str) -> None:
 
     files = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
     marker = {"tool": "kvconvert", "version": __version__, "command": command, "files": files}
+    if (digest := _card_digest(directory)) is not None:
+        marker["card_sha256"] = digest
     (directory / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+
+
+# The model card kvconvert writes (README.md) is its own file, but a user may edit it before ``push``; the marker
+# keeps the digest of the card as kvconvert last wrote it, so that push uploads an edited card as it is instead of
+# replacing it with a fresh one (here and on the Hub).
+def _card_digest(directory: Path) -> str | None:
+    card = directory / "README.md"
+    if card.is_symlink() or not card.is_file():
+        return None
+    return hashlib.sha256(card.read_bytes()).hexdigest()
+
+
+def card_edited(directory: Path) -> bool:
+    """README.md differs from the card kvconvert last wrote there (False for an output whose marker predates the
+    digest: its card cannot be told from an edited one, and is treated as kvconvert's)."""
+    marker = read_marker(directory)
+    recorded = None if marker is None else marker.get("card_sha256")
+    return isinstance(recorded, str) and _card_digest(directory) not in (recorded, None)
+
+
+def record_card(directory: Path) -> None:
+    """After kvconvert rewrote README.md (``push``'s refreshed card): the marker's digest follows it."""
+    marker = read_marker(directory)
+    if marker is not None and (digest := _card_digest(directory)) is not None:
+        write_text_atomic(directory / MARKER, json.dumps({**marker, "card_sha256": digest}, indent=1) + "\n")
 
 
 _SIZE_UNITS = {"KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4, "KIB": 1024, "MIB": 1024**2,
