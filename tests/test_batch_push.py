@@ -239,7 +239,7 @@ def test_push_uploads_an_edited_model_card_as_it_is(tiny_model_dir, tmp_path, hu
     (dst / "README.md").write_text(edited)
     result = push_cmd(hub, str(dst), "--repo-id", "org/other")
     assert result.returncode == 0, result.stderr
-    assert "README.md was edited since kvconvert wrote it: uploaded as it is" in result.stderr
+    assert "README.md was edited since kvconvert wrote it: it goes up as it is" in result.stderr
     assert _uploaded_card() == edited and (dst / "README.md").read_text() == edited
 
 

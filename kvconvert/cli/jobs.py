@@ -93,7 +93,7 @@ def push(directory: Path, repo_id: str, private: bool, revision: str | None, dry
 
     url, files, skipped = publish(directory, repo_id, private=private, revision=revision, dry_run=dry_run)
     if card_edited(directory):
-        click.echo("README.md was edited since kvconvert wrote it: uploaded as it is (not refreshed from "
+        click.echo("README.md was edited since kvconvert wrote it: it goes up as it is (not refreshed from "
                    "kvconvert.json / eval.json)", err=True)  # fmt: skip
     if skipped:
         shown = ", ".join(skipped[:8]) + (f" and {len(skipped) - 8} more" if len(skipped) > 8 else "")
