@@ -7,13 +7,11 @@ import stat
 from pathlib import Path
 
 from kvconvert.errors import KVConvertError
-from kvconvert.io.outdir import read_marker
+from kvconvert.io.outdir import ADDED_LATER, read_marker
 
 # what a conversion directory holds besides its weights, runtime and tokenizer (for outputs written
 # before the marker listed its files)
 _LEGACY_NAMES = ("config.json", "kvconvert.json", "recipe.yaml", "README.md", "model.safetensors.index.json")
-# written into a kvconvert directory after the conversion by kvconvert itself: eval --json, push's card
-_ADDED_LATER = ("eval.json", "README.md")
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -50,7 +48,7 @@ def upload_plan(directory: Path) -> tuple[list[tuple[str, int]], list[str]]:
     out: everything else in the directory (stray files, caches, links), for the user to see."""
     if not (directory / "kvconvert.json").is_file():
         raise KVConvertError(f"{directory} is not a kvconvert output directory (no kvconvert.json)")
-    ours = {*_written_by_kvconvert(directory), *_ADDED_LATER}
+    ours = {*_written_by_kvconvert(directory), *ADDED_LATER}
     files, skipped = [], []
     for path in sorted(directory.rglob("*")):
         relative = path.relative_to(directory).as_posix()

@@ -22,6 +22,9 @@ from kvconvert.errors import KVConvertError
 MARKER = ".kvconvert-output.json"
 # What marked a kvconvert directory before MARKER existed (conversions, analyses, plans).
 _LEGACY_MARKERS = ("kvconvert.json", "analysis.json", "frontier.json")
+# Written into a kvconvert directory after the conversion by kvconvert itself: eval --json, push's card. ``push``
+# uploads them, and ``--force`` replaces them with the output.
+ADDED_LATER = ("eval.json", "README.md")
 
 
 def read_marker(directory: Path) -> dict[str, Any] | None:
@@ -55,18 +58,12 @@ def foreign_files(directory: Path) -> list[str]:
     ours = {str(name) for name in marker.get("files", [])} | {MARKER, "README.md"}
     found = []
     for path in sorted(directory.rglob("*")):
-        relative = path.relative_to(directory)
-        if (path.is_dir() and not path.is_symlink()) or "__pycache__" in relative.parts:
+        relative = path.relative_to(directory).as_posix()
+        if (path.is_dir() and not path.is_symlink()) or "__pycache__" in relative.split("/") or relative in ours:
             continue
-        if relative.as_posix() in ours:
+        if relative == "eval.json" and not path.is_symlink() and is_eval_result(_json_or_none(path)):
             continue
-        if relative.as_posix() == "eval.json" and not path.is_symlink():
-            try:
-                if is_eval_result(json.loads(path.read_text(encoding="utf-8"))):
-                    continue
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-                pass
-        found.append(relative.as_posix())
+        found.append(relative)
     return found + (["README.md (edited since kvconvert wrote it)"] if card_edited(directory) else [])
 
 
@@ -139,6 +136,14 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
+def _json_or_none(path: Path) -> Any:
+    """``path`` parsed as JSON, or None where it is not readable JSON text."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
 def refuse_foreign_file(path: Path, option: str, ours: Callable[[Any], bool], what: str) -> None:
     """A file ``option`` would write may replace only a file of the same kind that kvconvert wrote
     (``ours(parsed JSON)``): never a directory, another program's file, or a checkpoint's own config."""
@@ -148,11 +153,7 @@ def refuse_foreign_file(path: Path, option: str, ours: Callable[[Any], bool], wh
         raise KVConvertError(f"{option} {path}: the directory {path.parent} does not exist")
     if not path.exists():
         return
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        data = None
-    if not ours(data):
+    if not ours(_json_or_none(path)):
         raise KVConvertError(f"{option} {path} exists and is not {what}; kvconvert replaces only its own: choose "
                              "another path")  # fmt: skip
 
