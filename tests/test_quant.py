@@ -254,6 +254,23 @@ def test_dropping_a_token_at_a_time_returns_what_was_stored(bits, per_channel):
 
 
 @pytest.mark.parametrize("per_channel", [True, False])
+def test_dropping_without_reading_leaves_what_taking_leaves(per_channel):
+    """A sliding-window layer drops its oldest tokens without reading them (``drop_front``): the store left holds
+    what ``take_front`` leaves, token for token, across blocks, the sink and the float tail."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 150, 40)
+    spec = QuantSpec(3, group=32, residual=8, sink=2, rotate=True)
+    taking, dropping = TokenStore(spec, per_channel), TokenStore(spec, per_channel)
+    for store in (taking, dropping):
+        store.append(x)
+    for count in (1, 40, 3, 90, 10):  # across blocks, then into the float tail
+        taking.take_front(count)
+        dropping.drop_front(count)
+        assert len(dropping) == len(taking) and dropping.offset == taking.offset
+        assert torch.equal(dropping.read(), taking.read())
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
 @pytest.mark.parametrize("width", [64, 37])
 def test_reading_the_cache_into_one_tensor_is_reading_and_concatenating(per_channel, width):
     """A decode step reads the whole cache with this step's tokens behind it into one new tensor

@@ -268,7 +268,8 @@ def test_static_store_holds_what_the_growing_store_holds(bits, group, residual, 
     A decode token is written with the count read (eagerly on a CPU) or with tensor ops only (what a compiled or
     captured step runs: taken here by reporting a compile)."""
     from kvconvert.runtime.kvconvert_codec import QuantSpec
-    from kvconvert.runtime.kvconvert_tokenstore import StaticTokenStore, TokenStore
+    from kvconvert.runtime.kvconvert_staticstore import StaticTokenStore
+    from kvconvert.runtime.kvconvert_tokenstore import TokenStore
 
     if writes == "tensor ops":
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)

@@ -306,6 +306,12 @@ def quantize_groups(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Ten
     return codes.to(torch.uint8), scale, zero
 
 
+def codes_per_unit(bits: int) -> int:
+    """Codes in one packing unit of ``pack``: a byte at 2, 4 and 8 bits, three bytes (a 24-bit word) at 3. A range
+    of whole units is a byte range of the packed codes."""
+    return 8 if bits == 3 else 8 // bits
+
+
 def packed_width(width: int, bits: int) -> int:
     """Bytes that ``pack`` makes of ``width`` codes."""
     return 3 * math.ceil(width / 8) if bits == 3 else math.ceil(width / (8 // bits))

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from .kvconvert_codec import codes_per_unit
 from .kvconvert_kernels import _pow2, _split_len, combine_partials, sixteen_bit_products, split_count, triton
 
 if triton is not None:
@@ -57,7 +58,7 @@ def kivi_decode_folded(
     scale: float, key_bits: int = 4, value_bits: int = 4, key_factor: torch.Tensor | None = None,
     value_factor: torch.Tensor | None = None,
     exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
-    value_rotation: torch.Tensor | None = None,
+    value_rotation: torch.Tensor | None = None, skip: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``kivi_decode_reference``'s partial from the codes in torch, the kernel's algebra without a float copy of the
     cache: keys' per-channel scales fold into the query per block (``q·k = Σ (q⊙s)·code + q·z``), values' per-token
@@ -73,9 +74,14 @@ def kivi_decode_folded(
     token) and their additive bias broadcasting to ``[b, Hkv, G, t]`` (or None), attended in the same softmax: the
     partial then covers both, where a second partial merged with this one would cost a CPU a dozen more small ops
     per layer and step. ``value_rotation``: the ``[size, size]`` rotation the stored values went through per channel
-    group, undone on the codes' weighted sum (it is linear in the values) before the exact values join it."""
+    group, undone on the codes' weighted sum (it is linear in the values) before the exact values join it.
+    ``skip``: the first tokens held are left out (a sliding window dropped them from the front of its first block):
+    cheaper than masking them, and ``bias`` and the factors then cover only the tokens after them."""
     dim, n = key_codes.shape[3], value_codes.shape[2]
-    scores = folded_scores(query, key_codes, key_scale, key_zero, key_bits)[..., :n] * scale
+    scores = folded_scores(query, key_codes, key_scale, key_zero, key_bits)[..., skip:n] * scale
+    if skip:
+        value_codes, value_scale, value_zero = (t[:, :, skip:] for t in (value_codes, value_scale, value_zero))
+        n -= skip
     if key_factor is not None:
         scores = scores * key_factor.float()[:, None, None, :]
     if bias is not None:
@@ -145,11 +151,6 @@ def folded_channel_mix(
     summed = sum(p[:, :, k] @ plane.transpose(-1, -2) for k, plane in enumerate(bit_planes(codes, bits)))
     mixed = (summed * scale.float()[:, :, None]).sum(1)  # [b, R, w]
     return mixed + p.sum((2, 4)).transpose(1, 2) @ zero.float()
-
-
-def codes_per_unit(bits: int) -> int:
-    """Codes in one packing unit of the codec: a byte at 2 and 4 bits, three bytes (a 24-bit word) at 3."""
-    return 8 if bits == 3 else 8 // bits
 
 
 def bit_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:

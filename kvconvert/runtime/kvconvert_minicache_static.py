@@ -23,9 +23,9 @@ from .kvconvert_codec import QuantSpec, eager_on_cpu
 from .kvconvert_common import additive_mask
 from .kvconvert_kivi_kernel import folded_channel_mix, folded_scores, kivi_folded_fits
 from .kvconvert_minicache import LATENT_MAX_QUERIES, PairedLayer, PairFirst, _encode, latent_attention, restored_states
+from .kvconvert_staticstore import StaticTokenStore, ring_positions
 from .kvconvert_storage import StaticKVLayer
 from .kvconvert_tokenstatic import written_blocks
-from .kvconvert_tokenstore import StaticTokenStore, ring_positions
 
 
 class StaticSubspaceState(StaticKVLayer, PairedLayer):

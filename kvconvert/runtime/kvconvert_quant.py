@@ -40,6 +40,7 @@ from .kvconvert_kivi_kernel import (
     merge_partials,
     unrotated,
 )
+from .kvconvert_staticstore import StaticTokenStore
 from .kvconvert_storage import (
     Fp8Layer,
     QuantizedLayer,
@@ -52,7 +53,7 @@ from .kvconvert_storage import (
 )
 from .kvconvert_tokenlayout import TokenLayoutStore, code_outputs, code_scores, cpu_int4_rows
 from .kvconvert_tokenstatic import StaticTokenLayoutLayer, static_columns, written_blocks
-from .kvconvert_tokenstore import StaticTokenStore, TokenStore
+from .kvconvert_tokenstore import TokenStore
 
 IMPLEMENTATION = "kvconvert_quant"
 
@@ -155,9 +156,11 @@ def kivi_decode(
     held = n_q - dropped  # quantized tokens still in the window
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
     bias_q = None if bias is None else bias[:, 0, 0, :held].float().expand(batch, held)
-    if sink or dropped:  # the sink's stand-ins (its exact copies are attended below instead) and the dropped tokens
-        bias_q = torch.zeros(batch, n_q, device=query.device) if bias_q is None else F.pad(bias_q, (dropped, 0))
-        bias_q[:, : dropped + sink] = torch.finfo(torch.float32).min
+    skip = 0 if kernel else dropped  # the torch reader leaves the dropped tokens out; the kernel masks them
+    if sink or dropped > skip:  # the sink's stand-ins (its exact copies are attended below instead), dropped tokens
+        pad = dropped - skip
+        bias_q = torch.zeros(batch, n_q - skip, device=query.device) if bias_q is None else F.pad(bias_q, (pad, 0))
+        bias_q[:, : pad + sink] = torch.finfo(torch.float32).min
     codes = (kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero)
     exact_k = torch.cat([t for t in (extra and extra[0], keys.head, keys.tail, key) if t is not None], dim=-2)
     exact_v = torch.cat([t for t in (extra and extra[1], values.head, values.tail, value) if t is not None], dim=-2)
@@ -168,7 +171,7 @@ def kivi_decode(
         exact_bias = torch.cat([logits, others.expand(*logits.shape[:-1], rest)], dim=-1)
     rotated = value_rotation(values, dim, query.device)
     if not kernel:  # the exact tokens in the reader's own softmax
-        acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits,
+        acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits, skip=skip,
                                      exact=(exact_k, exact_v, exact_bias), value_rotation=rotated)  # fmt: skip
         return (acc / ml[..., 1:]).view(batch, heads, 1, dim)
     acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32)

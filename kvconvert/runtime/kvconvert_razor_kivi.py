@@ -29,7 +29,8 @@ from .kvconvert_quant import static_kivi_decode, static_reads_codes
 from .kvconvert_razor import RazorLayer
 from .kvconvert_razor_ops import compensated_attention
 from .kvconvert_razor_static import StaticRazorLayer
-from .kvconvert_tokenstore import StaticTokenStore, TokenStore, ring_positions
+from .kvconvert_staticstore import StaticTokenStore, ring_positions
+from .kvconvert_tokenstore import TokenStore
 
 
 class RingTokenStore(StaticTokenStore):

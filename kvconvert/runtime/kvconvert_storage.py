@@ -19,7 +19,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .kvconvert_codec import FP8, QuantSpec, fp8_read, fp8_store
 from .kvconvert_fp8_kernel import fp8_decode_triton
 from .kvconvert_kernels import use_kernels
-from .kvconvert_tokenstore import StaticTokenStore, TokenStore
+from .kvconvert_staticstore import StaticTokenStore
+from .kvconvert_tokenstore import TokenStore
 
 
 def select_rows_fn(index: torch.Tensor) -> Any:
@@ -446,8 +447,8 @@ class QuantizedSlidingLayer(QuantizedLayer):
         self.cumulative_length += key_states.shape[-2]
         excess = len(self.key_store) - (self.sliding_window - 1)
         if excess > 0:
-            self.key_store.take_front(excess)
-            self.value_store.take_front(excess)
+            self.key_store.drop_front(excess)
+            self.value_store.drop_front(excess)
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

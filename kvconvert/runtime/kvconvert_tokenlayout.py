@@ -21,7 +21,8 @@ from .kvconvert_codec import (
     round_up,
     token_group_size,
 )
-from .kvconvert_tokenstore import StaticTokenStore, TokenStore
+from .kvconvert_staticstore import StaticTokenStore
+from .kvconvert_tokenstore import TokenStore
 
 # --------------------------------------------------------------------------- the token layout
 #
@@ -273,6 +274,9 @@ class TokenLayoutStore(TokenStore):
 
     def _dequantize_into(self, blocks: QuantizedBlock, out: torch.Tensor) -> None:
         out.copy_(self._dequantize(blocks, out.dtype))
+
+    def _front_quantized(self, count: int) -> torch.Tensor:
+        return self._front_blocks(count)  # its rows pair across tokens; it drops whole units anyway (``whole_front``)
 
     def _front_unit(self) -> int:
         # key rows are packed in blocks of up to 64 tokens (AVX-512 pairs rows j and j + 32): a cut falls on

@@ -13,9 +13,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kvconvert_codec import QuantSpec, eager_on_cpu, rotation
 from .kvconvert_common import additive_mask
+from .kvconvert_staticstore import StaticTokenStore, ring_positions
 from .kvconvert_storage import StaticStoreLayer
 from .kvconvert_tokenlayout import StaticTokenLayoutStore, code_outputs, code_scores
-from .kvconvert_tokenstore import StaticTokenStore, ring_positions
 
 
 def written_blocks(store: StaticTokenStore, filled: torch.Tensor) -> int:
