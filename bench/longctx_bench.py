@@ -29,6 +29,11 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
      {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
     ("quant 3-bit, sink 4 + rotated values (ext.)",
      {"method": "quant", "kv_bits": 3, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
+    # keys at 4 bits where 3-bit keys lost the multikey needles at 8K (longctx-8k-quant3-15), values at 3, groups of
+    # 128 so that both fit 0.25 of the cache (4.25 + 3.25 bits of 32)
+    ("quant keys 4-bit, values 3-bit, groups of 128, sink 4 + rotated values (ext.)",
+     {"method": "quant", "kv_bits": 4, "kv_value_bits": 3, "kv_group": 128, "kv_residual": 0, "kv_sink": 4,
+      "kv_rotate": True}),
     ("razor (paper)", {"method": "razor", "profile_tokens": 256}),
     ("razor, induction share 0.5 (paper 0.14) + 3-bit, sink 4 + rotated values (ext.)",
      {"method": "razor", "profile_tokens": 256, "induction_frac": 0.5, "kv_bits": 3, "kv_residual": 32, "kv_sink": 4,
