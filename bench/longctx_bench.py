@@ -34,7 +34,7 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("quant keys 4-bit, values 3-bit, groups of 128, sink 4 + rotated values (ext.)",
      {"method": "quant", "kv_bits": 4, "kv_value_bits": 3, "kv_group": 128, "kv_residual": 0, "kv_sink": 4,
       "kv_rotate": True}),
-    # widths per layer and side by measured loss (--kv-budget): the sensitive stores at 8 bits, the rest at 3 or 4
+    # widths per layer and side by measured loss (--kv-budget), 3 to 8 bits: measured at 8K, 3 or 4 bits everywhere
     ("quant 3-8 bits by measured loss at 0.24, sink 4 + rotated values (ext.)",
      {"method": "quant", "kv_budget": 0.24, "min_bits": 3, "max_bits": 8, "kv_residual": 0, "kv_sink": 4,
       "kv_rotate": True}),

@@ -171,15 +171,15 @@ class RazorLayer(KVLayer):
         if drop:
             first = self.seen - len(self.recent_k)  # logical index of the oldest recent token
             dropped_k, dropped_v = self.recent_k.take_front(drop), self.recent_v.take_front(drop)
-            if valid is None:  # no padding: every dropped token counts (a decode step's ops are its cost at batch 1)
-                self.comp_k_sum = self.comp_k_sum + dropped_k.float().sum(2, keepdim=True)
-                self.comp_v_sum = self.comp_v_sum + dropped_v.float().sum(2, keepdim=True)
-                self.comp_count = self.comp_count + drop
+            keys, values = dropped_k.float(), dropped_v.float()
+            if valid is None:  # no padding: every dropped token counts, nothing to weigh (ops are a step's cost)
+                count: Any = drop
             else:
                 weight = valid[:, first : first + drop].to(torch.float32)[:, None, :, None]  # [b, 1, drop, 1]
-                self.comp_k_sum = self.comp_k_sum + (dropped_k.float() * weight).sum(2, keepdim=True)
-                self.comp_v_sum = self.comp_v_sum + (dropped_v.float() * weight).sum(2, keepdim=True)
-                self.comp_count = self.comp_count + weight.sum((1, 2, 3))
+                keys, values, count = keys * weight, values * weight, weight.sum((1, 2, 3))
+            self.comp_k_sum = self.comp_k_sum + keys.sum(2, keepdim=True)
+            self.comp_v_sum = self.comp_v_sum + values.sum(2, keepdim=True)
+            self.comp_count = self.comp_count + count
             self._stale()
 
     def derived(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
