@@ -38,6 +38,14 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("quant 3-8 bits by measured loss at 0.24, sink 4 + rotated values (ext.)",
      {"method": "quant", "kv_budget": 0.24, "min_bits": 3, "max_bits": 8, "kv_residual": 0, "kv_sink": 4,
       "kv_rotate": True}),
+    # where the multikey needles go at 8K (longctx-8k-multikey-diag): the newest 128 tokens (the question) exact as
+    # in KIVI's paper (0.016 of an 8K cache), 8-bit storage, 8-bit keys with 3-bit values, and razor's heads alone
+    ("quant 3-bit, sink 4 + rotated values, newest 128 exact (ext.)",
+     {"method": "quant", "kv_bits": 3, "kv_residual": 128, "kv_sink": 4, "kv_rotate": True}),
+    ("quant 8-bit, sink 4", {"method": "quant", "kv_bits": 8, "kv_residual": 0, "kv_sink": 4}),
+    ("quant keys 8-bit, values 3-bit, sink 4 + rotated values (ext.)",
+     {"method": "quant", "kv_bits": 8, "kv_value_bits": 3, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
+    ("razor, induction share 0.5, 16-bit", {"method": "razor", "profile_tokens": 256, "induction_frac": 0.5}),
     ("razor (paper)", {"method": "razor", "profile_tokens": 256}),
     ("razor, induction share 0.5 (paper 0.14) + 3-bit, sink 4 + rotated values (ext.)",
      {"method": "razor", "profile_tokens": 256, "induction_frac": 0.5, "kv_bits": 3, "kv_residual": 32, "kv_sink": 4,

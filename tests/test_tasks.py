@@ -82,6 +82,11 @@ def test_eval_tasks_scores_model_and_reference_on_the_same_samples(aidreams_dir,
     data = json.loads(out.read_text())
     assert data["tasks"] == ["niah_single", "fwe"] and data["lengths"] == [512]
     assert data["accuracy"]["model"] == data["accuracy"]["reference"]  # the same model, the same samples
+    assert data["answers"]["model"] == data["answers"]["reference"]
+    for task in data["tasks"]:  # every sample's score and text, and the accuracy is their mean
+        kept = data["answers"]["model"][task]["512"]
+        assert len(kept) == 2 and all(isinstance(text, str) and got in (0, 1) for got, text in kept)
+        assert data["accuracy"]["model"][task]["512"] == pytest.approx(100 * sum(got for got, _ in kept) / 2)
     assert "average" in result.output
 
 

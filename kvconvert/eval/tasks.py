@@ -357,13 +357,14 @@ def task_accuracy(
 def checked_accuracy(
     model: Any, tokenizer: Any, batches: Batches, chunk: int = 512, progress: str | None = None,
     floor: float | None = None, order: list[SampleKey] | None = None, scores: dict[SampleKey, float] | None = None,
+    answers: dict[SampleKey, str] | None = None,
 ) -> tuple[dict[str, dict[str, float]], bool]:  # fmt: skip
     """``task_accuracy`` that may stop early: with ``floor``, as soon as some length's average accuracy (the mean
     over tasks) could no longer reach ``floor`` even if every sample left were answered right, the rest are not
     run (each costs a long prefill) and count as right, so the accuracies returned are upper bounds. Returns them
     and whether every sample was scored. A check against a bound gives the same pass / fail either way.
     ``order``: every sample's key, in the order to answer them (default: as batched); ``scores``: receives each
-    answered sample's score (0 or 1) by its key."""
+    answered sample's score (0 or 1) by its key; ``answers``: its generated text."""
     from tqdm import tqdm
 
     right = {key: 0.0 for key in batches}
@@ -381,9 +382,12 @@ def checked_accuracy(
     shared = SharedPrefixes([batches[key][i].prompt for key, i in keys], chunk)
     for j, (key, i) in enumerate(keys):
         s = batches[key][i]
-        got = score(answer(model, tokenizer, s, chunk, functools.partial(shared.prefill, index=j)), s.answers)
+        text = answer(model, tokenizer, s, chunk, functools.partial(shared.prefill, index=j))
+        got = score(text, s.answers)
         if scores is not None:
             scores[key, i] = got
+        if answers is not None:
+            answers[key, i] = text
         right[key] += got
         left[key] -= 1
         bar.update()
@@ -404,10 +408,21 @@ def run_tasks(
     seed: int = 0, chunk: int = 512, progress: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Accuracy (0–100) per model, task and length on the same samples: ``{"accuracy": {model: {task:
-    {length: acc}}}, "average": {model: {length: acc}}, "samples": samples}``."""
+    {length: acc}}}, "average": {model: {length: acc}}, "samples": samples, "answers": {model: {task: {length:
+    [[score, text], ...]}}}}``: every sample's score and generated text too, so that two models' misses can be told
+    apart (the same samples lost, or others; a distractor's value answered, or nothing)."""
     batches = make_batches(tokenizer, tasks, lengths, samples, seed)
-    accuracy = {name: task_accuracy(model, tokenizer, batches, chunk, f"tasks: {name}" if progress else None)
-                for name, model in models.items()}  # fmt: skip
+    accuracy, answers = {}, {}
+    for name, model in models.items():
+        scores: dict[SampleKey, float] = {}
+        texts: dict[SampleKey, str] = {}
+        accuracy[name] = checked_accuracy(model, tokenizer, batches, chunk, f"tasks: {name}" if progress else None,
+                                          scores=scores, answers=texts)[0]  # fmt: skip
+        by_task: dict[str, dict[str, list[list[Any]]]] = {}
+        for (task, length), batch in batches.items():
+            by_task.setdefault(task, {})[str(length)] = [[scores[(task, length), i], texts[(task, length), i]]
+                                                         for i in range(len(batch))]  # fmt: skip
+        answers[name] = by_task
     average = {name: average_accuracy(by_task) for name, by_task in accuracy.items()}
     return {"tasks": list(tasks), "lengths": list(lengths), "samples": samples, "seed": seed,
-            "accuracy": accuracy, "average": average}  # fmt: skip
+            "accuracy": accuracy, "average": average, "answers": answers}  # fmt: skip
