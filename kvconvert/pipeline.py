@@ -7,7 +7,7 @@ import json
 import shutil
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,10 +114,13 @@ def storage_report(storage: QuantSpec) -> dict[str, int] | None:
     return storage.to_spec() if storage.quantized else None
 
 
-def storage_factor(storage: QuantSpec, layout: Any, tokens: int | None = None, compressed: float = 1.0) -> float:
+def storage_factor(
+    storage: QuantSpec, layout: Any, tokens: int | None = None, compressed: float | Sequence[tuple[float, float]] = 1.0
+) -> float:  # fmt: skip
     """The bytes a converted cache holds ÷ a 16-bit stock cache's: accounted bytes per stored value ÷ 2 for every
     layer's keys and values (local layers stay 16-bit unless included), the global layers' times ``compressed``
-    (the method's own budget: local layers keep a stock window with every method that supports them).
+    (the method's own budget: local layers keep a stock window with every method that supports them), or per
+    layer (keys' share, values' share) where a method's sides differ (``Method.side_budgets``).
 
     Each layer weighs the tokens it holds, in both caches alike: at ``tokens`` a sliding-window layer holds at
     most its window. Without ``tokens``, the long-context limit (the sink's and the newest unquantized tokens'
@@ -137,7 +140,8 @@ def storage_factor(storage: QuantSpec, layout: Any, tokens: int | None = None, c
             stock = local and not storage.include_local
             side = (storage.for_local() if local else storage).side(layer, keys)
             factor = 1.0 if stock else side.bytes_per_value(layout.head_dim, per_channel=keys) / 2
-            factors.append(held * factor * (1.0 if local else compressed))
+            share = compressed if isinstance(compressed, float | int) else compressed[layer][0 if keys else 1]
+            factors.append(held * factor * (1.0 if local else share))
             weights.append(held)
     return sum(factors) / sum(weights)
 
@@ -336,7 +340,7 @@ def convert(
             report["plan"] = summary
         if refit:
             report["refit"] = refit
-        compressed = method.expected_kv_budget(plan, layout)
+        compressed = method.side_budgets(plan, layout) or method.expected_kv_budget(plan, layout)
         if storage is not None:
             report["kv_storage"] = storage
             # what the user asked for: the method's budget with the storage on top, against a 16-bit cache

@@ -87,6 +87,33 @@ def test_its_cache_holds_fewer_bytes(method, converted):
     assert measured <= expected + 0.01, f"{method}: measured {measured:.4f} > promised {expected:.4f}"
 
 
+@pytest.mark.parametrize(("method", "kind", "options"), [
+    ("lorc", "llama_gqa", ("--kv-budget", "0.75", "--schedule", "uniform", "--compress", "k")),
+    ("lorc", "llama_gqa", ("--kv-budget", "0.5", "--schedule", "auto", "--latent", "joint", "--calib-tokens", "2048")),
+    ("slim", "llama", ()),
+])  # fmt: skip
+@torch.no_grad()
+def test_storage_of_unequal_sides_is_accounted_side_by_side(method, kind, options, tokenized_model_dir, tmp_path):
+    """Keys factored and values kept, one joint latent held in the keys' store, or keys alone (slim), with 8-bit
+    keys and 4-bit values (``--kv-value-bits``): the budget the report promises weighs each side's share by its
+    own width and is what the cache holds per token. A uniform budget times the two widths' mean misstated it
+    both ways (0.281 promised for 0.242 held by SmolLM2's keys at rank 0.5, 8 / 3 bits; too little for slim)."""
+    from kvconvert.eval.memory import kv_bytes_per_token
+
+    src = tokenized_model_dir(kind)
+    storage = ("--kv-bits", "8", "--kv-value-bits", "4", "--kv-group", "16", "--kv-residual", "0")
+    result = run_cli(method, "--model", str(src), "--out", str(tmp_path / "out"), *options, *storage, "--quiet")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "kvconvert.json").read_text())
+    ids = _ids(96, rows=1)
+    converted, reference = load_converted(tmp_path / "out"), load_reference(src)
+    measured = kv_bytes_per_token(converted, ids, 32, 96) / kv_bytes_per_token(reference, ids, 32, 96)
+    promised = report["kv_budget_expected_vs_16bit"] / 2  # the tiny source caches float32
+    assert promised - 0.005 <= measured <= promised + 0.01, (measured, promised)  # (+ positions, a few bytes)
+    uniform = report["kv_budget_expected"] * (10 + 6) / 32  # 8 + 32/16 and 4 + 32/16 bits a value
+    assert abs(promised * 2 - uniform) > 0.02
+
+
 def _comparable(value: Any) -> Any:
     """``value`` as plain data, tensors by their contents: what ``==`` can compare before and after."""
     if isinstance(value, torch.Tensor):

@@ -116,6 +116,12 @@ class Method(Generic[P]):
     def expected_kv_budget(self, plan: P, layout: AttentionLayout) -> float:
         raise NotImplementedError
 
+    def side_budgets(self, plan: P, layout: AttentionLayout) -> list[tuple[float, float]] | None:
+        """Per layer, the shares of the source's keys and of its values that the cache holds before storage, for a
+        method whose two sides differ: storage may then give them different widths (``--kv-value-bits``), and a
+        budget that weighs both alike misstates the bytes. None (default): ``expected_kv_budget`` for both."""
+        return None
+
     def engine_config(self, plan: P) -> dict[str, Any]:
         """What ``config.json`` says to serving engines besides kvconvert's runtime spec (quant's fp8
         ``quantization_config``; lorc's MLA export: a whole DeepSeek-V3 config, ``model_type`` and

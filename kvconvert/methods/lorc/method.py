@@ -296,6 +296,18 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
             return (plan.kv_lora_rank + plan.rope_dim) / (2 * layout.kv_width)
         return plan.ranks.budget
 
+    def side_budgets(self, plan: LorcPlan | MlaPlan, layout: AttentionLayout) -> list[tuple[float, float]] | None:
+        if isinstance(plan, MlaPlan):
+            return None  # engines cache it in their own format: no storage to weigh
+        width, joint = layout.kv_width, plan.ranks.joint_scales is not None
+        shares = []
+        for rank_k, rank_v in zip(plan.ranks.rank_k, plan.ranks.rank_v, strict=True):
+            if joint and rank_k is not None:  # one latent, held in the keys' store (the runtime's LorcAttention)
+                shares.append((rank_k / width, 0.0))
+            else:
+                shares.append((1.0 if rank_k is None else rank_k / width, 1.0 if rank_v is None else rank_v / width))
+        return shares
+
     def params(self) -> dict[str, Any]:
         params = super().params()
         for key in ("mla_distance", "mla_rope_dim"):

@@ -69,6 +69,9 @@ class SlimMethod(Method[None]):
     def expected_kv_budget(self, plan: None, layout: AttentionLayout) -> float:
         return 0.5
 
+    def side_budgets(self, plan: None, layout: AttentionLayout) -> list[tuple[float, float]]:
+        return [(1.0, 0.0)] * layout.num_layers  # the keys alone: values are rebuilt from them
+
     def convert_layer(self, plan: None, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         w = weights
         # float64 copies made once: the solve, κ and the error check all read them (a no-op for float64 input)
