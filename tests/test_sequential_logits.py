@@ -18,7 +18,7 @@ from kvconvert.methods.quant.bits import log_probs, mean_kl, simulated_storage
 from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 
-@pytest.mark.parametrize("kind", ["llama_gqa", "gpt2", "gemma3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "gpt2", "gemma3", "qwen2", "gpt_neox"])
 def test_layer_by_layer_logits_equal_the_whole_model(kind, tiny_model_dir):
     src = tiny_model_dir(kind)
     chunks = torch.randint(3, 90, (3, 40), generator=torch.Generator().manual_seed(1))
@@ -87,3 +87,50 @@ def test_repeat_reruns_a_layer_and_passes_the_second_run_on(tiny_model_dir):
             torch.testing.assert_close(got[c], whole(row[None], use_cache=False).logits[0], rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         assert (got[0] - whole(chunks[:1], use_cache=False).logits[0]).abs().max() > 1e-3  # the change mattered
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "gpt2", "gemma3", "gpt_neox"])
+def test_tail_branches_read_the_prefix_as_a_decode_reads_its_cache(kind, tiny_model_dir):
+    """``tail``: a branch re-runs only the last positions, attending to the unmodified stream's keys and values
+    before them. Reference: the whole model prefilled on the prefix with transformers' own cache, one layer's
+    cached keys halved, then the tail forwarded through that cache. A branch that changes nothing gives the
+    whole model's logits; Gemma 3's sliding-window layers (window 8, prefix 40) see their window only."""
+    from transformers import DynamicCache
+
+    from kvconvert.calib.hooks import observed_attention
+    from kvconvert.calib.sequential import active_branch
+
+    src = tiny_model_dir(kind)
+    tail, changed = 6, 1  # layer 1: global in the tiny Gemma 3 (sliding, full, sliding)
+    chunks = torch.randint(3, 90, (2, 46), generator=torch.Generator().manual_seed(4))
+    starts = [0, changed, 0]  # unchanged; prefix keys of layer 1 halved; prefix keys of layer 0 halved
+
+    def halve_prefix(module, query, key, value, scaling):
+        branch = active_branch()
+        if branch in (1, 2) and module.layer_idx == (changed if branch == 1 else 0):
+            assert key.shape[-2] == chunks.shape[1] and query.shape[-2] == tail
+            key = key.clone()
+            key[..., :-tail, :] /= 2
+            return query, key, value
+        return None
+
+    source = open_source(str(src))
+    main: dict[int, torch.Tensor] = {}
+    got: dict[tuple[int, int], torch.Tensor] = {}
+    run_layer_by_layer(source, adapter_for(source.config), chunks,
+                       lambda model: observed_attention(model, halve_prefix), progress=False,
+                       logits=lambda c, logits: main.__setitem__(c, logits), branches=starts,
+                       branch_logits=lambda b, c, logits: got.__setitem__((b, c), logits), tail=tail)  # fmt: skip
+    whole = load_reference(src)
+    with torch.no_grad():
+        for c, row in enumerate(chunks):
+            full = whole(row[None], use_cache=False).logits[0, -tail:]
+            torch.testing.assert_close(main[c], full, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got[0, c], full, rtol=1e-4, atol=1e-4)
+            for branch, layer in ((1, changed), (2, 0)):
+                cache = DynamicCache(config=whole.config)
+                whole(row[None, :-tail], past_key_values=cache, use_cache=True)
+                cache.layers[layer].keys /= 2
+                expected = whole(row[None, -tail:], past_key_values=cache, use_cache=True).logits[0]
+                torch.testing.assert_close(got[branch, c], expected, rtol=1e-4, atol=1e-4)
+                assert (expected - full).abs().max() > 1e-3  # the change mattered

@@ -111,6 +111,10 @@ class ArchAdapter:
     attention_name_pattern: ClassVar[re.Pattern[str]]
     # Attribute path of layer i's attention module inside the transformers model.
     attention_module_template: ClassVar[str]
+    # The decoder layer's argument that takes a KV cache (``update(key, value, layer_idx)``).
+    layer_cache_argument: ClassVar[str] = "past_key_values"
+    # The output head's checkpoint name where transformers renames it while loading (else the module's own).
+    stored_head: ClassVar[str | None] = None
 
     def __init__(self, config: Any):
         self.config = config

@@ -26,27 +26,34 @@ def top1(source: Any, chunks: torch.Tensor, observe: Any = contextlib.nullcontex
 
 
 def branch_kls(
-    source: Any, chunks: torch.Tensor, starts: list[int], observe: Any, progress: bool = True
+    source: Any, chunks: torch.Tensor, starts: list[int], observe: Any, progress: bool = True, tail: int = 0,
+    scored: list[list[int]] | None = None,
 ) -> list[float]:
     """Mean KL(source ‖ branch b) per token over ``chunks [n, T]`` for every branch of one
     ``run_layer_by_layer(branches=starts)`` pass; ``observe(model)`` changes what each branch computes
-    (it reads ``calib.sequential.active_branch()``). The unmodified stream is the reference."""
+    (it reads ``calib.sequential.active_branch()``). The unmodified stream is the reference.
+    ``tail``: the branches change only each chunk's last ``tail`` positions (``run_layer_by_layer``'s);
+    ``scored[c]``: the positions (of the tail, when there is one) whose KL counts, else all of them."""
     from kvconvert.arch import adapter_for
     from kvconvert.calib.sequential import run_layer_by_layer
 
-    reference: list[torch.Tensor] = []  # [T, vocab] log-probabilities per chunk
+    reference: list[torch.Tensor] = []  # [positions, vocab] log-probabilities per chunk
     totals = [0.0] * len(starts)
 
+    def kept(c: int, logits: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax((logits if scored is None else logits[scored[c]]).float(), dim=-1)
+
     def keep(c: int, logits: torch.Tensor) -> None:
-        reference.append(torch.log_softmax(logits.float(), dim=-1))
+        reference.append(kept(c, logits))
 
     def add(branch: int, c: int, logits: torch.Tensor) -> None:
         ref = reference[c]
-        totals[branch] += float((ref.exp() * (ref - torch.log_softmax(logits.float(), dim=-1))).sum())
+        totals[branch] += float((ref.exp() * (ref - kept(c, logits))).sum())
 
     run_layer_by_layer(source, adapter_for(source.config), chunks, observe, progress=progress, logits=keep,
-                       branches=starts, branch_logits=add)  # fmt: skip
-    return [total / chunks.numel() for total in totals]
+                       branches=starts, branch_logits=add, tail=tail)  # fmt: skip
+    count = sum(len(positions) for positions in scored) if scored is not None else tail * len(chunks) or chunks.numel()
+    return [total / count for total in totals]
 
 
 def active_job(jobs: list[tuple[int, str]]) -> tuple[int, str] | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import warnings
 from collections.abc import Callable
 from itertools import chain
@@ -128,6 +129,7 @@ def run_layer_by_layer(
     branches: list[int] | None = None,
     branch_logits: Callable[[int, int, torch.Tensor], Any] | None = None,
     repeat: Callable[[int], bool] | None = None,
+    tail: int = 0,
 ) -> None:
     """Feed ``chunks [n, T]`` through the model layer by layer.
 
@@ -149,6 +151,12 @@ def run_layer_by_layer(
     ``repeat(l)``, asked after layer l has run every chunk of every stream: True runs the layer again
     on the same inputs and passes that run's outputs on (an observer that fitted something to the first
     run applies it in the second, so later layers see the changed stream; GPTQ's sequential order).
+
+    ``tail`` > 0 (with ``branches``): a branch forks only the last ``tail`` positions of each chunk, and they
+    attend to the unmodified stream's keys and values of every position before them, as a decode step reads
+    the cache a prefill wrote (an observer sees those keys and values with the tail's own behind them). The
+    prefix never changes, so probing what a cache costs the question at the end of a long prompt costs a
+    tail's forward per branch, not the prompt's. ``logits`` and ``branch_logits`` then get ``[tail, vocab]``.
     """
     import transformers
 
@@ -173,7 +181,7 @@ def run_layer_by_layer(
             "(e.g. MoE experts): calibration loads the whole model in float32 instead of one layer at a time",
             stacklevel=2,
         )
-        if branches or repeat:
+        if branches or repeat or tail:
             raise KVConvertError(f"{type(model).__name__}: layer-by-layer fitting needs a checkpoint stored as built")
         model = cls.from_pretrained(str(source.path), dtype=torch.float32).eval().to(device)
         with observe(model):
@@ -196,6 +204,8 @@ def run_layer_by_layer(
             continue
         _materialize(child, name + ".", source, base_prefix, model._init_weights)
         child.to(device)
+    if tail and (repeat is not None or not 0 < tail < chunks.shape[1]):
+        raise ValueError(f"a tail of {tail} positions needs branches without repeat and chunks longer than it")
     inboxes: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = [[] for _ in layers]
     skeleton = list(layers)
     with observe(model):  # entered while the model holds its own layers: observers may hook their modules
@@ -214,17 +224,19 @@ def run_layer_by_layer(
             layer = layers[index] = skeleton[index]
             _materialize(layer, f"{layers_prefix}{index}.", source, base_prefix, model._init_weights)
             layer.to(device)
-            streams.update({b: list(hidden) for b, start in enumerate(branches or []) if start == index})
+            streams.update({b: [h[:, -tail:] if tail else h for h in hidden]
+                            for b, start in enumerate(branches or []) if start == index})  # fmt: skip
             inputs = {b: list(states) for b, states in streams.items()} if repeat is not None else {}
+            prefixes: list[_Prefix] = [_Prefix(tail) for _ in inboxes[index]] if tail else []
             for branch, states in streams.items():
-                _run_layer(layer, branch, states, states, inboxes[index])
+                _run_layer(layer, branch, states, states, inboxes[index], adapter.layer_cache_argument, prefixes)
             if repeat is not None and repeat(index):
                 for branch, states in streams.items():
                     _run_layer(layer, branch, inputs[branch], states, inboxes[index])
             layers[index] = layer.to("meta")  # frees this layer's weights
         if logits is None and branch_logits is None:
             return
-        _materialize_head(model, head, source, base_prefix)
+        _materialize_head(model, head, source, base_prefix, adapter.stored_head)
         head.to(device)
         feeder = _Feeder()
         for index in range(len(layers)):
@@ -233,8 +245,9 @@ def run_layer_by_layer(
             if (logits if branch is None else branch_logits) is None:
                 continue
             for c, row in enumerate(chunks):
-                feeder.value = states[c]
-                out = model(input_ids=row[None].to(device), use_cache=False).logits[0].cpu()
+                feeder.value = states[c][:, -tail:] if tail else states[c]
+                ids = row[-tail:] if tail else row  # the feeder stands for every layer: only the length matters
+                out = model(input_ids=ids[None].to(device), use_cache=False).logits[0].cpu()
                 if branch is None:
                     assert logits is not None
                     logits(c, out)
@@ -243,23 +256,77 @@ def run_layer_by_layer(
                     branch_logits(branch, c, out)
 
 
+class _Prefix:
+    """Stands in for a layer's KV cache (``update`` is all attention calls) in a ``tail`` run: on the unmodified
+    stream it keeps the keys and values of the positions before the tail, and on a branch's tail it puts them in
+    front of the tail's own."""
+
+    def __init__(self, tail: int):
+        self.tail = tail
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if self.kv is None:  # the unmodified stream, which runs first
+            self.kv = key[..., : -self.tail, :], value[..., : -self.tail, :]
+            return key, value
+        return torch.cat([self.kv[0], key], dim=-2), torch.cat([self.kv[1], value], dim=-2)
+
+
+def _by_name(layer: nn.Module, hidden: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A layer call's arguments by name (some models pass the mask or cache by position), ``**kwargs`` merged in."""
+    bound = inspect.signature(layer.forward).bind(hidden, *args, **kwargs)
+    extra = next((p.name for p in bound.signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    named = {k: v for k, v in bound.arguments.items() if k != extra}
+    return {**named, **(bound.arguments.get(extra, {}) if extra else {})}
+
+
+def _tail_arguments(arguments: dict[str, Any], tail: int, total: int) -> None:
+    """Cut a layer call's per-position arguments to the last ``tail`` of ``total`` positions, the attention
+    mask to the tail's rows over every position (causal: the tail sees all of the prefix)."""
+    for name, value in arguments.items():
+        if name == "attention_mask":
+            full = torch.ones(tail, total, dtype=torch.bool).tril(total - tail)[None, None]
+            arguments[name] = full if value is None else value[..., -tail:, :]
+        elif name == "position_embeddings" and value is not None:
+            arguments[name] = tuple(t[..., -tail:, :] for t in value)
+        elif name == "position_ids" and value is not None:
+            arguments[name] = value[..., -tail:]
+        elif name == "cache_position" and value is not None:
+            arguments[name] = value[-tail:]
+
+
 def _run_layer(layer: nn.Module, branch: int | None, states: list[torch.Tensor], out: list[torch.Tensor],
-               inbox: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:  # fmt: skip
-    """``out[c] = layer(states[c])`` for every chunk, with ``active_branch() == branch``."""
+               inbox: list[tuple[tuple[Any, ...], dict[str, Any]]], cache_argument: str = "past_key_values",
+               prefixes: list[_Prefix] | None = None) -> None:  # fmt: skip
+    """``out[c] = layer(states[c])`` for every chunk, with ``active_branch() == branch``; with ``prefixes``
+    (a ``tail`` run) the layer's cache argument is chunk c's ``_Prefix``."""
     token = _BRANCH.set(branch)
     try:
         for c, (args, kwargs) in enumerate(inbox):
-            result = layer(states[c], *args[1:], **kwargs)
+            if not prefixes:
+                result = layer(states[c], *args[1:], **kwargs)
+            else:
+                arguments = _by_name(layer, states[c], args[1:], kwargs)
+                arguments[cache_argument] = prefixes[c]
+                if branch is not None:
+                    kv = prefixes[c].kv
+                    assert kv is not None, "the unmodified stream runs a layer before its branches"
+                    _tail_arguments(arguments, prefixes[c].tail, kv[0].shape[-2] + prefixes[c].tail)
+                result = layer(**arguments)
             out[c] = result[0] if isinstance(result, tuple) else result
     finally:
         _BRANCH.reset(token)
 
 
-def _materialize_head(model: Any, head: nn.Module, source: SourceCheckpoint, base_prefix: str) -> None:
-    """Load the output head: the input embedding's weight where the two are tied, else its own tensors."""
+def _materialize_head(model: Any, head: nn.Module, source: SourceCheckpoint, base_prefix: str,
+                      stored_as: str | None = None) -> None:  # fmt: skip
+    """Load the output head: the input embedding's weight where the two are tied, else its own tensors (under
+    ``stored_as`` where the checkpoint names the head apart from the model's module)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(config, "tie_word_embeddings", False):
         head.weight = model.get_input_embeddings().weight
         return
     name = next(n for n, m in model.named_modules() if m is head)
+    if stored_as and f"{name}.weight" not in set(source.tensor_names()):
+        name = stored_as
     _materialize(head, name + ".", source, base_prefix, model._init_weights)
