@@ -26,7 +26,12 @@ def top1(source: Any, chunks: torch.Tensor, observe: Any = contextlib.nullcontex
 
 
 def branch_kls(
-    source: Any, chunks: torch.Tensor, starts: list[int], observe: Any, progress: bool = True, tail: int = 0,
+    source: Any,
+    chunks: torch.Tensor,
+    starts: list[int],
+    observe: Any,
+    progress: bool = True,
+    tail: int = 0,
     scored: list[list[int]] | None = None,
 ) -> list[float]:
     """Mean KL(source ‖ branch b) per token over ``chunks [n, T]`` for every branch of one
