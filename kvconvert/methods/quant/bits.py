@@ -158,10 +158,13 @@ def measure_allocation(
     head_dim: int,
     progress: bool = True,
     stock: frozenset[int] = frozenset(),
+    recall: Sequence[Sequence[dict[int, float]]] | None = None,
 ) -> tuple[Allocation, float]:
     """Measure every store's sensitivity on ``chunks``, allocate, and measure the allocation;
     ``storage`` gives everything but the widths (group, residual, sink, rotation); ``stock`` layers attend
-    unquantized, as the runtime keeps them; layers of width 0 are not probed. Every probe runs
+    unquantized, as the runtime keeps them; layers of width 0 are not probed. ``recall[layer][side][bits]``
+    (``quant.recall``'s answer-token KL) is added to each store's text loss before allocating: the predicted
+    and measured KLs stay the text's. Every probe runs
     ``source`` (a ``SourceCheckpoint``) layer by layer: memory stays at about one layer.
     Returns (allocation, measured KL of the allocation)."""
     top = max(choices)
@@ -180,7 +183,11 @@ def measure_allocation(
         per_layer = [(top, top)] * layers
         per_layer[i] = (b, top) if s == 0 else (top, b)
         sensitivity[i][s][b] = kl_of(per_layer) - baseline
-    chosen, used = allocate(sensitivity, widths, choices, budget, storage, head_dim)
+    weighed = sensitivity if recall is None else [
+        [{b: side[b] + recall[i][s][b] for b in side} for s, side in enumerate(layer)]
+        for i, layer in enumerate(sensitivity)
+    ]  # fmt: skip
+    chosen, used = allocate(weighed, widths, choices, budget, storage, head_dim)
     predicted = baseline + sum(sensitivity[i][s][chosen[i][s]] for i in range(layers) for s in (0, 1))
     report = [[{str(b): round(v, 6) for b, v in side.items()} for side in layer] for layer in sensitivity]
     return Allocation(chosen, used, predicted, report), kl_of(list(chosen))

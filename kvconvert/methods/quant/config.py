@@ -18,6 +18,10 @@ class QuantConfig:
     kv_budget: float | None = option(None, help="Bytes ÷ a 16-bit cache; widths per layer chosen by measured loss.")
     min_bits: Width = option(2, help="With --kv-budget.")
     max_bits: Width = option(4, help="With --kv-budget.")
+    recall_context: int = option(0, help="With --kv-budget: also weigh each width by what it costs recalling a fact "
+                                 "from prompts this many tokens long made of the calibration text (your serving "
+                                 "length, e.g. 8192; 0: plain-text loss only).")
+    recall_prompts: int = option(8, help="With --recall-context: how many prompts.")
     calib: str | None = calib_option("With --kv-budget: calibration text (default: the shipped calib_data/).")
     calib_tokens: int = calib_tokens_option(2048)  # the sensitivities need far less text than a fit
     seed: int = seed_option()
@@ -25,6 +29,11 @@ class QuantConfig:
     def __post_init__(self) -> None:
         if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
             raise KVConvertError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
+        if self.recall_context < 0 or self.recall_prompts < 1:
+            raise KVConvertError(f"recall_context must be >= 0 and recall_prompts >= 1, got {self.recall_context}, "
+                                 f"{self.recall_prompts}")  # fmt: skip
+        if self.recall_context and self.kv_budget is None:
+            raise KVConvertError("--recall-context weighs the widths --kv-budget chooses: give --kv-budget too")
         if self.min_bits not in (2, 3, 4, 8) or self.max_bits not in (2, 3, 4, 8) or self.min_bits > self.max_bits:
             raise KVConvertError(f"min_bits and max_bits must be 8, 4, 3 or 2 with min ≤ max, got {self.min_bits}, "
                                  f"{self.max_bits}")  # fmt: skip

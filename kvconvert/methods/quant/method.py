@@ -147,9 +147,23 @@ class QuantMethod(Method[QuantPlan | None]):
         local = frozenset(layout.local_layers) if layout.sliding_window else frozenset()
         widths = [0 if i in local else layout.num_kv_heads * layout.head_dim for i in range(layout.num_layers)]
         stock = frozenset() if storage.include_local else local
+        recall, recall_loss = None, None
+        if config.recall_context:
+            from kvconvert.methods.quant.recall import recall_sensitivity, recall_set
+
+            if config.recall_context > layout.context:
+                raise KVConvertError(f"--recall-context {config.recall_context} exceeds the model's context of "
+                                     f"{layout.context} tokens")  # fmt: skip
+            recall = recall_set(source.path, config.calib, config.recall_context, config.recall_prompts, config.seed)
+            recall_loss = recall_sensitivity(source, recall, widths, config.choices, storage, ctx.progress)
         allocation, measured = measure_allocation(source, chunks.chunks, widths, config.choices, budget, storage,
-                                                  layout.head_dim, ctx.progress, stock)  # fmt: skip
+                                                  layout.head_dim, ctx.progress, stock, recall_loss)  # fmt: skip
         top = max(b for pair in allocation.layers for b in pair)
+        recall_report = {} if recall is None else {"recall": {
+            "context": config.recall_context, "prompts": config.recall_prompts, "source": recall.source,
+            "sensitivity": [[{str(b): round(v, 6) for b, v in side.items()} for side in layer]
+                            for layer in recall_loss or []],
+        }}  # fmt: skip
         return QuantPlan(dataclasses.replace(storage, bits=top, layers=allocation.layers), {
             "kv_budget": allocation.budget,
             "layers": [list(pair) for pair in allocation.layers],
@@ -158,6 +172,7 @@ class QuantMethod(Method[QuantPlan | None]):
             "calibration": {"source": chunks.source, "tokens": chunks.tokens},
             "sensitivity": allocation.sensitivity,
             **({"window_layers": sorted(local)} if local else {}),
+            **recall_report,
         })  # fmt: skip
 
     def _plan_fp8(self, ctx: PlanContext) -> QuantPlan:
