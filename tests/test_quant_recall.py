@@ -14,7 +14,7 @@ from kvconvert.calib.text import read_calibration_text
 from kvconvert.errors import KVConvertError
 from kvconvert.io.source import open_source
 from kvconvert.methods.quant.bits import stored_after_prefill
-from kvconvert.methods.quant.recall import FACTS, RecallSet, recall_prompts, recall_sensitivity
+from kvconvert.methods.quant.recall import FACTS, RecallSet, floor_width, recall_prompts, recall_sensitivity
 from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 
@@ -55,29 +55,24 @@ def test_recall_prompts_hold_the_facts_and_score_the_answer():
 
 
 def test_recall_sensitivity_is_the_answer_kl_of_one_store_read_through_the_cache(tiny_model_dir):
-    """Reference: the whole model prefilled on each prompt but its tail with transformers' own cache, then the
-    tail forwarded with that one layer's keys (or values) as the store holds them, KL at the scored positions."""
+    """Reference: the whole model prefilled on each prompt but its tail with transformers' own cache, every
+    layer's cached keys and values replaced by what its store holds (the probed one at its width, the others at
+    the floor, layer 1 of width 0 exact), then the tail forwarded through that cache; KL at the scored positions."""
     from transformers import DynamicCache
-
-    from kvconvert.calib.hooks import observed_attention
 
     src = tiny_model_dir("llama_gqa")
     chunks = torch.randint(3, 90, (2, 80), generator=torch.Generator().manual_seed(7))
     recall = RecallSet(chunks, tail=5, scored=[[2, 3], [1, 2, 3]], source="random")
     storage = QuantSpec(16, group=16, residual=0, sink=2)
-    got = recall_sensitivity(open_source(str(src)), recall, [32, 0, 32], [8, 2], storage, progress=False)
-    assert got[1] == [{8: 0.0, 2: 0.0}, {8: 0.0, 2: 0.0}]  # width 0: not probed
+    got = recall_sensitivity(open_source(str(src)), recall, [32, 0, 32], [8, 3, 2], storage, floor=3,
+                             progress=False)  # fmt: skip
+    assert got[1] == [{8: 0.0, 3: 0.0, 2: 0.0}, {8: 0.0, 3: 0.0, 2: 0.0}]  # width 0: not probed
     whole = load_reference(src)
 
-    def kl_of(layer: int, keys: bool, bits: int) -> float:
-        spec = QuantSpec(bits, group=16, residual=0, sink=2)
-
-        def store(module, query, key, value, scaling):
-            if module.layer_idx != layer:
-                return None
-            if keys:
-                return query, stored_after_prefill(key, spec, per_channel=True), value
-            return query, key, stored_after_prefill(value, spec, per_channel=False)
+    def kl_of(probed: int, keys: bool, bits: int) -> float:
+        def spec(layer: int, side_is_keys: bool) -> QuantSpec:
+            width = bits if (layer, side_is_keys) == (probed, keys) else 3
+            return QuantSpec(width, group=16, residual=0, sink=2)
 
         total = 0.0
         with torch.no_grad():
@@ -85,15 +80,30 @@ def test_recall_sensitivity_is_the_answer_kl_of_one_store_read_through_the_cache
                 exact = torch.log_softmax(whole(row[None], use_cache=False).logits[0, -5:][recall.scored[c]], -1)
                 cache = DynamicCache(config=whole.config)
                 whole(row[None, :-5], past_key_values=cache, use_cache=True)
-                with observed_attention(whole, store):
-                    probe = whole(row[None, -5:], past_key_values=cache, use_cache=True).logits[0][recall.scored[c]]
+                for layer in (0, 2):
+                    held = cache.layers[layer]
+                    held.keys = stored_after_prefill(held.keys, spec(layer, True), per_channel=True)
+                    held.values = stored_after_prefill(held.values, spec(layer, False), per_channel=False)
+                probe = whole(row[None, -5:], past_key_values=cache, use_cache=True).logits[0][recall.scored[c]]
                 total += float((exact.exp() * (exact - torch.log_softmax(probe, -1))).sum())
         return total / 5
 
     for layer, side in ((0, 0), (2, 1)):
-        expected = kl_of(layer, side == 0, 2) - kl_of(layer, side == 0, 8)
-        assert expected > 1e-5 and got[layer][side][2] == pytest.approx(expected, rel=1e-3, abs=1e-7)
+        for bits in (3, 2):
+            expected = kl_of(layer, side == 0, bits) - kl_of(layer, side == 0, 8)
+            assert abs(expected) > 1e-5 and got[layer][side][bits] == pytest.approx(expected, rel=1e-3, abs=1e-7)
         assert got[layer][side][8] == 0.0
+
+
+def test_floor_is_the_widest_uniform_width_within_the_budget():
+    storage = QuantSpec(16, group=64, residual=0)
+    widths, choices = [192] * 4, [8, 4, 3, 2]
+    # of a 16-bit cache, groups of 64 (codes, fp16 scale, zero): 8 bits 0.531, 4 bits 0.281, 3 0.219, 2 0.156
+    assert floor_width(widths, choices, 0.6, storage, 64) == 8
+    assert floor_width(widths, choices, 0.3, storage, 64) == 4
+    assert floor_width(widths, choices, 0.25, storage, 64) == 3
+    assert floor_width(widths, choices, 0.2, storage, 64) == 2
+    assert floor_width(widths, choices, 0.01, storage, 64) == 2  # none fits: the narrowest
 
 
 @pytest.mark.slow

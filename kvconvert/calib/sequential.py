@@ -118,6 +118,14 @@ def active_branch() -> int | None:
     return _BRANCH.get()
 
 
+# Which chunk the running layer computes: observers that keep something per chunk across branches read it.
+_CHUNK: contextvars.ContextVar[int] = contextvars.ContextVar("kvconvert_chunk", default=0)
+
+
+def active_chunk() -> int:
+    return _CHUNK.get()
+
+
 @torch.no_grad()
 def run_layer_by_layer(
     source: SourceCheckpoint,
@@ -224,7 +232,7 @@ def run_layer_by_layer(
             layer = layers[index] = skeleton[index]
             _materialize(layer, f"{layers_prefix}{index}.", source, base_prefix, model._init_weights)
             layer.to(device)
-            streams.update({b: [h[:, -tail:] if tail else h for h in hidden]
+            streams.update({b: [h[:, -tail:].clone() if tail else h for h in hidden]
                             for b, start in enumerate(branches or []) if start == index})  # fmt: skip
             inputs = {b: list(states) for b, states in streams.items()} if repeat is not None else {}
             prefixes: list[_Prefix] = [_Prefix(tail) for _ in inboxes[index]] if tail else []
@@ -303,6 +311,7 @@ def _run_layer(layer: nn.Module, branch: int | None, states: list[torch.Tensor],
     token = _BRANCH.set(branch)
     try:
         for c, (args, kwargs) in enumerate(inbox):
+            _CHUNK.set(c)
             if not prefixes:
                 result = layer(states[c], *args[1:], **kwargs)
             else:

@@ -149,18 +149,20 @@ class QuantMethod(Method[QuantPlan | None]):
         stock = frozenset() if storage.include_local else local
         recall, recall_loss = None, None
         if config.recall_context:
-            from kvconvert.methods.quant.recall import recall_sensitivity, recall_set
+            from kvconvert.methods.quant.recall import floor_width, recall_sensitivity, recall_set
 
             if config.recall_context > layout.context:
                 raise KVConvertError(f"--recall-context {config.recall_context} exceeds the model's context of "
                                      f"{layout.context} tokens")  # fmt: skip
             recall = recall_set(source.path, config.calib, config.recall_context, config.recall_prompts, config.seed)
-            recall_loss = recall_sensitivity(source, recall, widths, config.choices, storage, ctx.progress)
+            floor = floor_width(widths, config.choices, budget, storage, layout.head_dim)
+            recall_loss = recall_sensitivity(source, recall, widths, config.choices, storage, floor, ctx.progress)
         allocation, measured = measure_allocation(source, chunks.chunks, widths, config.choices, budget, storage,
                                                   layout.head_dim, ctx.progress, stock, recall_loss)  # fmt: skip
         top = max(b for pair in allocation.layers for b in pair)
         recall_report = {} if recall is None else {"recall": {
             "context": config.recall_context, "prompts": config.recall_prompts, "source": recall.source,
+            "others_at": floor,
             "sensitivity": [[{str(b): round(v, 6) for b, v in side.items()} for side in layer]
                             for layer in recall_loss or []],
         }}  # fmt: skip

@@ -86,6 +86,20 @@ def recall_prompts(tokenizer: Any, text: str, source: str, length: int, count: i
     return RecallSet(torch.tensor(prompts, dtype=torch.long), tail, scored, source)
 
 
+def floor_width(widths: Sequence[int], choices: Sequence[int], budget: float, storage: QuantSpec,
+                head_dim: int) -> int:  # fmt: skip
+    """The widest of ``choices`` that every (non-window) store could take within ``budget``: the width most
+    stores end up near, where the recall probes measure (the narrowest when none fits)."""
+    from kvconvert.methods.quant.bits import stored_bytes
+
+    full = sum(2 * 2 * w for w in widths)
+    for bits in sorted(choices, reverse=True):
+        used = sum(stored_bytes(bits, w, s == 0, storage, head_dim) for w in widths for s in (0, 1))
+        if used <= budget * full + 1e-9:
+            return bits
+    return min(choices)
+
+
 @torch.no_grad()
 def recall_sensitivity(
     source: Any,
@@ -93,30 +107,52 @@ def recall_sensitivity(
     widths: Sequence[int],
     choices: Sequence[int],
     storage: QuantSpec,
+    floor: int,
     progress: bool = True,
 ) -> list[list[dict[int, float]]]:
-    """``[layer][side][bits]``: the KL of the answer tokens (vs the source's) when that one store holds the
-    prompt at ``bits``, less its KL at ``max(choices)`` (so 0 there, as the text probes'); layers of width 0
-    are not probed (0 everywhere)."""
+    """``[layer][side][bits]``: the KL of the answer tokens (vs the source's) with that store at ``bits`` and
+    every other store at ``floor``, less the same with that store at ``max(choices)`` (so 0 there, as the text
+    probes'). Measured with the others narrow because that is where a retrieval breaks: with one store at 3 bits
+    and the rest exact no lookup fails (SmolLM2 at 8K), with all at 3 bits most do, and the bits that mend it
+    are what the allocation must find. Layers of width 0 (sliding windows) stay exact and are not probed."""
     from kvconvert.calib.hooks import observed_attention
     from kvconvert.calib.probes import branch_kls
-    from kvconvert.calib.sequential import active_branch
+    from kvconvert.calib.sequential import active_branch, active_chunk
+    from kvconvert.devices import return_large_frees_to_the_os
     from kvconvert.methods.quant.bits import stored_after_prefill
 
+    return_large_frees_to_the_os()
     probes = [(i, s, b) for i in range(len(widths)) if widths[i] for s in (0, 1) for b in choices]
+    spec = dataclasses.replace(storage, layers=None)
+    # (layer, chunk, side, bits) -> the prompt before the tail as that store holds it; the floor's is the same for
+    # every branch, so it is quantized once per layer and chunk (only the running layer's are kept)
+    stored: dict[tuple[int, int, int, int], torch.Tensor] = {}
+
+    def held(prefix: torch.Tensor, layer: int, side: int, bits: int) -> torch.Tensor:
+        key = (layer, active_chunk(), side, bits)
+        if key not in stored:
+            if any(k[0] != layer for k in stored):
+                stored.clear()
+            side_spec = dataclasses.replace(spec, bits=bits).side(layer, keys=side == 0)
+            stored[key] = stored_after_prefill(prefix, side_spec, per_channel=side == 0)
+        return stored[key]
 
     def store(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Any) -> Any:
-        branch = active_branch()
-        if branch is None or probes[branch][0] != module.layer_idx:
+        branch, layer = active_branch(), module.layer_idx
+        if branch is None or not widths[layer]:
             return None
-        layer, side, bits = probes[branch]
-        spec = dataclasses.replace(storage, bits=bits, layers=None).side(layer, keys=side == 0)
-        if side == 0:
-            return query, stored_after_prefill(key, spec, per_channel=True), value
-        return query, key, stored_after_prefill(value, spec, per_channel=False)
+        probed, probed_side, bits = probes[branch]
+        # the tail reads the prompt from the store and its own tokens exact, as a prefill chunk reads itself
+        before = key.shape[-2] - query.shape[-2]
+        out = []
+        for side, states in enumerate((key, value)):
+            width = bits if (probed, probed_side) == (layer, side) else floor
+            out.append(torch.cat([held(states[..., :before, :], layer, side, width), states[..., before:, :]], -2))
+        return query, out[0], out[1]
 
-    kls = branch_kls(source, recall.chunks, [layer for layer, _, _ in probes],
-                     lambda model: observed_attention(model, store), progress, recall.tail, recall.scored)  # fmt: skip
+    # every branch re-runs every layer (the others' stores change too), on the question and answer alone
+    kls = branch_kls(source, recall.chunks, [0] * len(probes), lambda model: observed_attention(model, store),
+                     progress, recall.tail, recall.scored)  # fmt: skip
     measured = dict(zip(probes, kls, strict=True))
     top = max(choices)
     return [[{b: measured[i, s, b] - measured[i, s, top] if widths[i] else 0.0 for b in choices} for s in (0, 1)]
