@@ -7,7 +7,9 @@ The bytes of float results differ between CPU families (their BLAS kernels sum i
 calibration passes end in other last bits), so each recipe and model keeps one set of digests per family it was
 recorded on — AMD EPYC (AVX-512) on 2026-11-25, Intel Xeon (AMX) on 2026-11-26, both with the code of b707c38 —
 and an output must equal one of them, byte for byte. The two quant recipes with ``kv_rotate`` were recorded again
-(once: a quant conversion computes nothing else in floats) when their rotation moved into W_V / W_O (2026-11-26).
+(once: a quant conversion computes nothing else in floats) when their rotation moved into W_V / W_O (2026-11-26);
+every quant recipe's report and recipe digests when ``quant`` gained ``recall_context`` / ``recall_prompts``
+(2026-11-29: two more options spelled out; every other file's digest asserted unchanged).
 
 Record this machine's digests with ``python -m tests.test_recipe_outputs`` (added beside the others: run it on the
 code whose outputs are the reference); ``--replace`` starts over (a change of output on purpose)."""
