@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import warnings
 from collections.abc import Callable
@@ -288,13 +289,18 @@ def _by_name(layer: nn.Module, hidden: torch.Tensor, args: tuple[Any, ...], kwar
     return {**named, **(bound.arguments.get(extra, {}) if extra else {})}
 
 
-def _tail_arguments(arguments: dict[str, Any], tail: int, total: int) -> None:
+@functools.lru_cache(maxsize=4)
+def _tail_mask(tail: int, total: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, tail, total]``: the last ``tail`` positions see every position before them and themselves."""
+    return torch.ones(tail, total, dtype=torch.bool, device=device).tril(total - tail)[None, None]
+
+
+def _tail_arguments(arguments: dict[str, Any], tail: int, total: int, device: torch.device) -> None:
     """Cut a layer call's per-position arguments to the last ``tail`` of ``total`` positions, the attention
     mask to the tail's rows over every position (causal: the tail sees all of the prefix)."""
     for name, value in arguments.items():
         if name == "attention_mask":
-            full = torch.ones(tail, total, dtype=torch.bool).tril(total - tail)[None, None]
-            arguments[name] = full if value is None else value[..., -tail:, :]
+            arguments[name] = _tail_mask(tail, total, device) if value is None else value[..., -tail:, :]
         elif name == "position_embeddings" and value is not None:
             arguments[name] = tuple(t[..., -tail:, :] for t in value)
         elif name == "position_ids" and value is not None:
@@ -320,7 +326,7 @@ def _run_layer(layer: nn.Module, branch: int | None, states: list[torch.Tensor],
                 if branch is not None:
                     kv = prefixes[c].kv
                     assert kv is not None, "the unmodified stream runs a layer before its branches"
-                    _tail_arguments(arguments, prefixes[c].tail, kv[0].shape[-2] + prefixes[c].tail)
+                    _tail_arguments(arguments, prefixes[c].tail, kv[0].shape[-2] + prefixes[c].tail, states[c].device)
                 result = layer(**arguments)
             out[c] = result[0] if isinstance(result, tuple) else result
     finally:
