@@ -18,12 +18,10 @@ class QuantConfig:
     kv_budget: float | None = option(None, help="Bytes ÷ a 16-bit cache; widths per layer chosen by measured loss.")
     min_bits: Width = option(2, help="With --kv-budget.")
     max_bits: Width = option(4, help="With --kv-budget.")
-    recall_context: int = option(
-        0,
-        help="With --kv-budget: also weigh each width by what it costs recalling a fact "
-        "from prompts this many tokens long made of the calibration text (your serving "
-        "length, e.g. 8192; 0: plain-text loss only).",
-    )
+    recall_context: int = option(0, help="Experimental, with --kv-budget: also weigh each width by what it costs "
+                                 "recalling a fact from prompts this many tokens long made of the calibration text "
+                                 "(0: off). On SmolLM2 at 8K it kept no more needles than without it "
+                                 "(docs/quant.md).")  # fmt: skip
     recall_prompts: int = option(8, help="With --recall-context: how many prompts.")
     calib: str | None = calib_option("With --kv-budget: calibration text (default: the shipped calib_data/).")
     calib_tokens: int = calib_tokens_option(2048)  # the sensitivities need far less text than a fit
