@@ -57,7 +57,7 @@ def branch_kls(
 
     run_layer_by_layer(source, adapter_for(source.config), chunks, observe, progress=progress, logits=keep,
                        branches=starts, branch_logits=add, tail=tail)  # fmt: skip
-    count = sum(len(positions) for positions in scored) if scored is not None else tail * len(chunks) or chunks.numel()
+    count = sum(ref.shape[0] for ref in reference)  # every position scored, whichever were asked for
     return [total / count for total in totals]
 
 

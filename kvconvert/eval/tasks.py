@@ -125,24 +125,24 @@ def _fit(
     return best, fitted
 
 
-def _number(rng: random.Random) -> str:
+def random_number(rng: random.Random) -> str:
     return str(rng.randint(1_000_000, 9_999_999))
 
 
-def _word(rng: random.Random, size: int = 6) -> str:
+def random_word(rng: random.Random, size: int = 6) -> str:
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(size))
 
 
 def _niah(task: str, tokens: _Tokens, length: int, rng: random.Random, sentences: list[str], start: int) -> Sample:
-    keys = [f"{_word(rng)}-{_word(rng)}" for _ in range(4)]
+    keys = [f"{random_word(rng)}-{random_word(rng)}" for _ in range(4)]
     if task == "niah_single":
-        needles, asked = [(keys[0], _number(rng))], [keys[0]]
+        needles, asked = [(keys[0], random_number(rng))], [keys[0]]
     elif task == "niah_multikey":  # distractors: other keys' numbers
-        needles, asked = [(k, _number(rng)) for k in keys], [keys[0]]
+        needles, asked = [(k, random_number(rng)) for k in keys], [keys[0]]
     elif task == "niah_multivalue":
-        needles, asked = [(keys[0], _number(rng)) for _ in range(4)], [keys[0]]
+        needles, asked = [(keys[0], random_number(rng)) for _ in range(4)], [keys[0]]
     else:  # niah_multiquery
-        needles, asked = [(k, _number(rng)) for k in keys], keys
+        needles, asked = [(k, random_number(rng)) for k in keys], keys
     rng.shuffle(needles)
     depths = sorted(rng.random() for _ in needles)
     query = ", ".join(asked)
@@ -199,7 +199,7 @@ def _cwe(tokens: _Tokens, length: int, rng: random.Random, vocabulary: list[str]
 
 
 def _fwe(tokens: _Tokens, length: int, rng: random.Random) -> Sample:
-    vocabulary = list(dict.fromkeys(_word(rng, rng.randint(3, 5)) for _ in range(2000)))
+    vocabulary = list(dict.fromkeys(random_word(rng, rng.randint(3, 5)) for _ in range(2000)))
     weights = [1 / (rank + 1) ** 2.0 for rank in range(len(vocabulary))]
     stream = rng.choices(vocabulary, weights, k=4 * length)  # more words than any prompt of ``length`` holds
 

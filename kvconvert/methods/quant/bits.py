@@ -89,6 +89,15 @@ def stored_bytes(bits: int, width: int, per_channel: bool, storage: QuantSpec, h
     return width * spec.bytes_per_value(head_dim, per_channel)
 
 
+def accounted_budget(bits: Sequence[tuple[int, int]], widths: Sequence[int], storage: QuantSpec,
+                     head_dim: int) -> float:  # fmt: skip
+    """Bytes of stores ``widths[layer]`` wide at ``bits[layer]`` (keys, values) ÷ a 16-bit cache's."""
+    full = sum(2 * 2 * w for w in widths)  # 16-bit K and V
+    held = sum(stored_bytes(b, w, s == 0, storage, head_dim) for (k, v), w in zip(bits, widths, strict=True)
+               for s, b in enumerate((k, v)))  # fmt: skip
+    return held / full
+
+
 @dataclass(frozen=True)
 class Allocation:
     """Per layer (key bits, value bits), the accounted budget vs a 16-bit cache, the KL predicted by
@@ -117,13 +126,12 @@ def allocate(
     Returns (per layer (key bits, value bits), accounted budget)."""
     ordered = sorted(choices, reverse=True)
     bits = [[ordered[0], ordered[0]] for _ in widths]
-    full = sum(2 * 2 * w for w in widths)  # 16-bit K and V
 
     def bytes_of(bits: int, width: int, per_channel: bool) -> float:
         return stored_bytes(bits, width, per_channel, storage, head_dim)
 
     def used() -> float:
-        return sum(bytes_of(bits[i][s], w, s == 0) for i, w in enumerate(widths) for s in (0, 1)) / full
+        return accounted_budget([(k, v) for k, v in bits], widths, storage, head_dim)
 
     while used() > budget + 1e-12:
         best: tuple[float, int, int, int] | None = None

@@ -96,6 +96,9 @@ class QuantMethod(Method[QuantPlan | None]):
                     "those layers too, and kvconvert's runtime keeps them stock"
                 )
             return
+        if self.config.recall_context > layout.context:
+            raise KVConvertError(f"--recall-context {self.config.recall_context} exceeds the model's context of "
+                                 f"{layout.context} tokens")  # fmt: skip
         if self.config.kv_budget is not None:
             if self.storage.bits != 16 or self.storage.local_bits is not None or self.storage.value_bits is not None:
                 raise KVConvertError("give --kv-bits / --kv-local-bits / --kv-value-bits (widths) or --kv-budget "
@@ -151,9 +154,6 @@ class QuantMethod(Method[QuantPlan | None]):
         if config.recall_context:
             from kvconvert.methods.quant.recall import floor_width, recall_sensitivity, recall_set
 
-            if config.recall_context > layout.context:
-                raise KVConvertError(f"--recall-context {config.recall_context} exceeds the model's context of "
-                                     f"{layout.context} tokens")  # fmt: skip
             recall = recall_set(source.path, config.calib, config.recall_context, config.recall_prompts, config.seed)
             floor = floor_width(widths, config.choices, budget, storage, layout.head_dim)
             recall_loss = recall_sensitivity(source, recall, widths, config.choices, storage, floor, ctx.progress)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from kvconvert.errors import KVConvertError
+from kvconvert.eval.tasks import random_number, random_word
 from kvconvert.runtime.kvconvert_codec import QuantSpec
 
 FACTS = 4  # needles per prompt: the question's and three distractors that a wrong lookup finds instead
@@ -42,10 +42,6 @@ class RecallSet:
     source: str
 
 
-def _word(rng: random.Random) -> str:
-    return "".join(rng.choice(string.ascii_lowercase) for _ in range(5))
-
-
 def recall_prompts(tokenizer: Any, text: str, source: str, length: int, count: int, seed: int) -> RecallSet:
     """``count`` prompts of exactly ``length`` tokens of ``text`` (each from a seeded sentence start) with
     ``FACTS`` facts after sentence ends at random depths and one of them asked at the end."""
@@ -60,8 +56,8 @@ def recall_prompts(tokenizer: Any, text: str, source: str, length: int, count: i
     tails: list[tuple[int, int]] = []  # (question + answer tokens, answer tokens) per prompt
     for c in range(count):
         rng = random.Random(f"{seed}/recall/{length}/{c}")
-        keys = [f"{_word(rng)}-{_word(rng)}" for _ in range(FACTS)]
-        numbers = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
+        keys = [f"{random_word(rng, 5)}-{random_word(rng, 5)}" for _ in range(FACTS)]
+        numbers = [random_number(rng) for _ in keys]
         facts = [tokenizer(f" Note: the passcode of {k} is {n}.", add_special_tokens=False).input_ids
                  for k, n in zip(keys, numbers, strict=True)]  # fmt: skip
         asked = keys[rng.randrange(FACTS)]
@@ -90,12 +86,10 @@ def floor_width(widths: Sequence[int], choices: Sequence[int], budget: float, st
                 head_dim: int) -> int:  # fmt: skip
     """The widest of ``choices`` that every (non-window) store could take within ``budget``: the width most
     stores end up near, where the recall probes measure (the narrowest when none fits)."""
-    from kvconvert.methods.quant.bits import stored_bytes
+    from kvconvert.methods.quant.bits import accounted_budget
 
-    full = sum(2 * 2 * w for w in widths)
     for bits in sorted(choices, reverse=True):
-        used = sum(stored_bytes(bits, w, s == 0, storage, head_dim) for w in widths for s in (0, 1))
-        if used <= budget * full + 1e-9:
+        if accounted_budget([(bits, bits)] * len(widths), widths, storage, head_dim) <= budget + 1e-12:
             return bits
     return min(choices)
 
