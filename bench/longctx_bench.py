@@ -46,6 +46,11 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("quant keys 8-bit, values 3-bit, sink 4 + rotated values (ext.)",
      {"method": "quant", "kv_bits": 8, "kv_value_bits": 3, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
     ("razor, induction share 0.5, 16-bit", {"method": "razor", "profile_tokens": 256, "induction_frac": 0.5}),
+    # keys 4-bit in blocks of 32 tokens (4× finer channel ranges than the 4-bit keys of groups of 128 that lost four of
+    # the seven multikey needles), values 2-bit in groups of 32 channels: 5 + 3 bits of 32 with the scales
+    ("quant keys 4-bit, values 2-bit, groups of 32, sink 4 + rotated values (ext.)",
+     {"method": "quant", "kv_bits": 4, "kv_value_bits": 2, "kv_group": 32, "kv_residual": 0, "kv_sink": 4,
+      "kv_rotate": True}),
     ("razor (paper)", {"method": "razor", "profile_tokens": 256}),
     ("razor, induction share 0.5 (paper 0.14) + 3-bit, sink 4 + rotated values (ext.)",
      {"method": "razor", "profile_tokens": 256, "induction_frac": 0.5, "kv_bits": 3, "kv_residual": 32, "kv_sink": 4,
