@@ -285,6 +285,26 @@ def test_folded_reader_is_attention_over_the_dequantized_codes(bits, dim, block,
     torch.testing.assert_close(merge_partials([got]), attention(query, plain_k, plain_v, bias, 0.3), **TOL)
 
 
+def test_folded_reader_of_a_peaked_head_is_attention():
+    """Scores hundreds apart (a peaked head: most tokens far below the largest, where ``torch.exp`` underflows and the
+    reader floors its argument at ``EXP_FLOOR``) and padding: still attention over the dequantized cache, the far
+    tokens weighing nothing that shows."""
+    from kvconvert.runtime.kvconvert_kivi_kernel import EXP_FLOOR
+
+    torch.manual_seed(3)
+    block, dim = 32, 64
+    keys, values = (torch.randn(2, 2, 4 * block, dim) for _ in range(2))
+    k, v = quantize_tokens(keys, 4, block, True), quantize_tokens(values, 4, dim, False)
+    plain_k = dequantize_tokens(k, 4, block, dim, True, torch.float32)
+    plain_v = dequantize_tokens(v, 4, dim, dim, False, torch.float32)
+    query, bias = 40 * torch.randn(2, 2, 3, dim), torch.zeros(2, 4 * block)
+    bias[-1, : block + 5] = NEG
+    scores = torch.einsum("bhgd,bhnd->bhgn", query, plain_k) * 0.3
+    assert ((scores - scores.amax(-1, keepdim=True)) < EXP_FLOOR).float().mean() > 0.5  # most of them floored
+    got = kivi_decode_folded(query, k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, bias, 0.3)
+    torch.testing.assert_close(merge_partials([got]), attention(query, plain_k, plain_v, bias, 0.3), **TOL)
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_folded_reads_take_per_token_factors_and_per_channel_values(bits):
     """What MiniCache reads folded: per-token factors on the stored keys and values (``kivi_decode_folded``'s
