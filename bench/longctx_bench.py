@@ -46,6 +46,10 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("quant keys 8-bit, values 3-bit, sink 4 + rotated values (ext.)",
      {"method": "quant", "kv_bits": 8, "kv_value_bits": 3, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
     ("razor, induction share 0.5, 16-bit", {"method": "razor", "profile_tokens": 256, "induction_frac": 0.5}),
+    # keys rotated per channel group and quantized per token around their block's channel means (the token layout):
+    # do 4-bit keys quantized this way keep the multikey needles that 4-bit keys per channel lose?
+    ("quant 4-bit token layout, sink 4 (ext.)",
+     {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
     # keys 4-bit in blocks of 32 tokens (4× finer channel ranges than the 4-bit keys of groups of 128 that lost four of
     # the seven multikey needles), values 2-bit in groups of 32 channels: 5 + 3 bits of 32 with the scales
     ("quant keys 4-bit, values 2-bit, groups of 32, sink 4 + rotated values (ext.)",
@@ -99,8 +103,6 @@ LOCAL_CANDIDATES: list[tuple[str, dict[str, Any]]] = [
 # long-document perplexity (``--ppl``): a recipe per method and budget class, compositions with storage included
 PPL_CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     *CANDIDATES,
-    ("quant 4-bit token layout, sink 4 (ext.)",
-     {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
     ("quant 2-bit, sink 4 + rotated values (ext.)",
      {"method": "quant", "kv_bits": 2, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
     ("razor + 2-bit, sink 4 + rotated values (ext.)",
