@@ -50,6 +50,9 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     # do 4-bit keys quantized this way keep the multikey needles that 4-bit keys per channel lose?
     ("quant 4-bit token layout, sink 4 (ext.)",
      {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
+    # the token layout's keys beside 2-bit values (stored per token, rotated, as KIVI's): 4.75 + 2.5 bits of 32
+    ("quant token-layout keys 4-bit, values 2-bit, sink 4 (ext.)",
+     {"method": "quant", "kv_bits": 4, "kv_value_bits": 2, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
     # keys 4-bit in blocks of 32 tokens (4× finer channel ranges than the 4-bit keys of groups of 128 that lost four of
     # the seven multikey needles), values 2-bit in groups of 32 channels: 5 + 3 bits of 32 with the scales
     ("quant keys 4-bit, values 2-bit, groups of 32, sink 4 + rotated values (ext.)",

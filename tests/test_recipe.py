@@ -51,7 +51,7 @@ def test_lorc_recipe_types():
         ({"method": "slim", "kv_bits": 5}, "kv bits must be one of"),
         ({"method": "slim", "kv_group": "big"}, "'kv_group' must be int"),
         ({"method": "quant", "kv_bits": 4, "kv_value_bits": 16}, "kv value bits .* are 8, 4, 3 or 2"),
-        ({"method": "quant", "kv_bits": 4, "kv_value_bits": 2, "kv_layout": "token"}, "KIVI's layout"),
+        ({"method": "quant", "kv_bits": 3, "kv_value_bits": 2, "kv_layout": "token"}, "token layout is 4-bit"),
         ({"method": "quant", "kv_format": "fp8", "kv_value_bits": 4}, "--kv-value-bits"),
     ],
 )

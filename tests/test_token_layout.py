@@ -22,6 +22,7 @@ from kvconvert.eval.memory import kv_bytes_per_token
 from kvconvert.runtime import kvconvert_quant, kvconvert_razor, kvconvert_tokenlayout
 from kvconvert.runtime.kvconvert_codec import QuantSpec, rotation, token_group_size
 from kvconvert.runtime.kvconvert_tokenlayout import INT4_ROW_LAYOUTS, Int4Rows, TokenLayoutStore, cpu_int4_rows
+from kvconvert.runtime.kvconvert_tokenstore import TokenStore
 
 MACHINE = cpu_int4_rows()
 needs_kernel = pytest.mark.skipif(MACHINE is None, reason="this torch has no CPU int4 kernel whose layout we know")
@@ -356,6 +357,48 @@ def test_generate_and_measured_bytes(tokenized_model_dir, tmp_path):
     accounted = values * (spec.bytes_per_value(64, per_channel=True) + spec.bytes_per_value(64, per_channel=False))
     assert measured == pytest.approx(accounted)
     assert measured < 0.3 * kv_bytes_per_token(load_reference(src), tokens, 72, 168)
+
+
+def test_token_keys_beside_values_of_their_own_width(tokenized_model_dir, tmp_path):
+    """``--kv-layout token --kv-value-bits 2`` (quant): keys stored as the token layout stores them (layer 0 of one
+    prefill sees the same states as the 4-bit token layout's), values as a KIVI store of 2-bit rotated values holds
+    transformers' own layer-0 values; it generates in every mode and holds the bytes its spec accounts."""
+    src = tokenized_model_dir("llama_gqa64")
+    convert("quant", src, tmp_path / "mixed", *TOKEN, "--kv-value-bits", "2")
+    convert("quant", src, tmp_path / "token", *TOKEN)
+    models = {name: kvconvert.load(tmp_path / name) for name in ("mixed", "token")}
+    tokens = torch.randint(3, 90, (1, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        layers = {name: model(tokens, use_cache=True).past_key_values.layers[0] for name, model in models.items()}
+        values = load_reference(src)(tokens, use_cache=True).past_key_values.layers[0].values
+    mixed = layers["mixed"]
+    assert isinstance(mixed.key_store, TokenLayoutStore) and not isinstance(mixed.value_store, TokenLayoutStore)
+    torch.testing.assert_close(mixed.key_store.read(), layers["token"].key_store.read(), rtol=0, atol=0)
+    kivi = TokenStore(QuantSpec(2, 32, 8, rotate=True), per_channel=False)
+    kivi.append(values)
+    torch.testing.assert_close(mixed.value_store.read(), kivi.read(), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(mixed.value_store.read(), layers["token"].value_store.read(), atol=1e-3)
+    loaded = load_converted(tmp_path / "mixed")  # through AutoModelForCausalLM, trust_remote_code
+    generate_in_every_mode(loaded)
+    ids, mask = left_padded()
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with warnings.catch_warnings(record=True) as caught:  # no static layer yet: said once, the growing cache used
+        warnings.simplefilter("always")
+        static = loaded.generate(**common, cache_implementation="static")
+    said = [str(w.message) for w in caught if "kvconvert" in str(w.message)]
+    assert len(said) == 1 and "token-layout keys beside values of another width" in said[0], said
+    assert torch.equal(static, loaded.generate(**common))
+    tokens = torch.randint(3, 90, (1, 168), generator=torch.Generator().manual_seed(0))
+    measured = kv_bytes_per_token(models["mixed"], tokens, 72, 168)
+    spec = QuantSpec(4, 32, 8, layout="token", value_bits=2)
+    keys, values = spec.side(0, keys=True), spec.side(0, keys=False)
+    assert values.layout == "kivi" and values.bits == 2 and values.rotate
+    per_value = keys.bytes_per_value(64, per_channel=True) + values.bytes_per_value(64, per_channel=False)
+    accounted = 3 * 2 * 64 * per_value  # layers × KV heads × head width
+    assert measured == pytest.approx(accounted)
+    assert measured < kv_bytes_per_token(models["token"], tokens, 72, 168)
+    result = run_cli("razor", "--model", str(src), "--out", str(tmp_path / "r"), *TOKEN, "--kv-value-bits", "2")
+    assert result.exit_code == 2 and "is quant's" in result.output and not (tmp_path / "r").exists()
 
 
 def test_token_layout_refusals(tiny_model_dir, tokenized_model_dir, tmp_path):

@@ -110,9 +110,9 @@ class QuantSpec:
         if self.local_bits is not None and not (self.include_local and self.layers is None and self.layout == "kivi"):
             raise ValueError("kv local bits (the sliding-window layers' width) need --kv-include-local, one width for "
                              "the other layers and KIVI's layout")  # fmt: skip
-        if self.value_bits is not None and (self.value_bits == 16 or self.layers is not None or self.layout != "kivi"):
+        if self.value_bits is not None and (self.value_bits == 16 or self.layers is not None):
             raise ValueError("kv value bits (the values' width apart from the keys') are 8, 4, 3 or 2, with one width "
-                             "per side for every layer and KIVI's layout")  # fmt: skip
+                             "per side for every layer")  # fmt: skip
         if self.local_bits == 3 and self.group % 8:
             raise ValueError(f"3-bit keys pack 8 tokens in 3 bytes: kv group must be a multiple of 8, got {self.group}")
         if self.group < 1 or self.residual < 0 or self.sink < 0:
@@ -156,6 +156,10 @@ class QuantSpec:
         if self.layers is None:
             if self.value_bits is None:
                 return self
+            if self.layout == "token" and not keys:
+                # token-layout keys beside values of their own width: the values per token as KIVI stores them,
+                # rotated as the token layout's are (torch's int4 kernel reads 4 bits only)
+                return dataclasses.replace(self, bits=self.value_bits, value_bits=None, layout="kivi", rotate=True)
             return dataclasses.replace(self, bits=self.bits if keys else self.value_bits, value_bits=None)
         return dataclasses.replace(self, bits=self.layers[layer][0 if keys else 1], layers=None)
 

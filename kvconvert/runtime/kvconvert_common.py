@@ -200,16 +200,16 @@ def latent_layers(spec: dict[str, Any], compressed: Sequence[bool], max_cache_le
 
 
 def static_refusal(spec: dict[str, Any], static_windows: bool = False) -> str | None:
-    """Why a checkpoint has no static cache, or None. Refused: razor's quantized windows (``window_static_refusal``),
-    MiniCache but for subspace pairs, sliding-window layers unless the caller keeps them stock (``static_windows``)."""
+    """Why a checkpoint has no static cache, or None (``static_windows``: the caller keeps sliding windows stock)."""
     quant = QuantSpec.from_spec(spec)
     if spec.get("method") == "razor" and quant.quantized:
         from .kvconvert_razor_kivi import window_static_refusal  # razor's runtime builds on this module
 
-        razor = spec["razor"]
-        why = window_static_refusal(quant, len(razor["retrieval_kv_heads"]), int(razor["window"]))
+        why = window_static_refusal(quant, len(spec["razor"]["retrieval_kv_heads"]), int(spec["razor"]["window"]))
         if why:
             return f"razor's windows: {why}"
+    if quant.layout == "token" and quant.value_bits is not None:
+        return "token-layout keys beside values of another width have no static layer yet"
     if spec.get("minicache", {}).get("merge", "subspace") != "subspace":  # --merge subspace has one
         return "MiniCache's SLERP and average merges keep as many tokens exact as the data asks for"
     stock_windows = static_windows and not (quant.include_local and quant.quantized)

@@ -64,8 +64,10 @@ def int4_kernel_available(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_int4_rows() is not None
 
 
-def decodes_from_codes(keys: TokenLayoutStore, values: TokenLayoutStore, device: torch.device) -> bool:
-    """A decode step can be computed from the stores' codes (``token_decode``)."""
+def decodes_from_codes(keys: TokenStore, values: TokenStore, device: torch.device) -> bool:
+    """A decode step can be computed from the stores' codes (``token_decode``): both in the token layout."""
+    if not (isinstance(keys, TokenLayoutStore) and isinstance(values, TokenLayoutStore)):
+        return False
     return keys.blocks is not None and int4_kernel_available(device) and keys.kernel_reads() and values.kernel_reads()
 
 
@@ -363,12 +365,14 @@ class TokenLayoutLayer(QuantizedLayer):
     step's states; ``quant_attention`` reads the stores and commits the step (like razor's layers)."""
 
     key_store: TokenLayoutStore
-    value_store: TokenLayoutStore
+    value_store: TokenStore
 
     def reset(self) -> None:
         super().reset()
         self.key_store = TokenLayoutStore(self.quant, keys=True)
-        self.value_store = TokenLayoutStore(self.quant, keys=False)
+        # values of their own width (``value_bits``): KIVI's per-token codes, read back dequantized
+        self.value_store = (TokenLayoutStore(self.quant, keys=False) if self.quant.value_bits is None else
+                            TokenStore(self.quant.side(self.layer, keys=False), per_channel=False))  # fmt: skip
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
@@ -383,6 +387,7 @@ class TokenLayoutLayer(QuantizedLayer):
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
         keys, values = self.key_store, self.value_store
         if query.shape[2] == 1 and decodes_from_codes(keys, values, query.device):
+            assert isinstance(values, TokenLayoutStore)  # what decodes_from_codes checked
             total = len(keys) + 1
             bias = additive_mask(attention_mask, 1, total, torch.float32, query.device)
             out = token_decode(query, key, value, bias, keys, values, scaling).to(query.dtype)
