@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, markdown_table, save_calib_tokenizer, write_results  # noqa: E402
 from kvconvert.runtime import kvconvert_kernels as kernels  # noqa: E402
 from kvconvert.runtime import kvconvert_kivi_kernel as kivi_kernel  # noqa: E402
+from kvconvert.runtime.kvconvert_folded import merge_partials  # noqa: E402
 
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # HBM bytes/s (SXM datasheets)
 
@@ -145,7 +146,7 @@ def kernel_cases(batch: int, n: int, device: str, dtype: torch.dtype, small: boo
         store = (kq.codes, kq.scale, kq.zero, vq.codes, vq.scale, vq.zero)
         qq = rand(batch, kv_heads, group, width)
         kivi = kivi_kernel.kivi_decode_triton if qq.is_cuda else kivi_kernel.kivi_decode_reference
-        merge, reference = kivi_kernel.merge_partials, kivi_kernel.kivi_decode_reference
+        merge, reference = merge_partials, kivi_kernel.kivi_decode_reference
         cases.append({"kernel": "quant 4-bit KIVI (codes)", "bytes": sum(t.numel() * t.element_size() for t in store),
                       "run": lambda: merge([kivi(qq, *store, None, width**-0.5)]),
                       "ref": lambda: merge([reference(qq.float(), *store, None, width**-0.5)])})  # fmt: skip

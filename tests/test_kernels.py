@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvconvert.runtime.kvconvert_codec import QuantSpec, dequantize_tokens, quantize_tokens
+from kvconvert.runtime.kvconvert_folded import kivi_decode_folded, merge_partials
 from kvconvert.runtime.kvconvert_fp8_kernel import fp8_decode_reference, fp8_decode_triton
 from kvconvert.runtime.kvconvert_kernels import (
     HeadColumns,
@@ -19,12 +20,7 @@ from kvconvert.runtime.kvconvert_kernels import (
     razor_decode_triton,
     triton_available,
 )
-from kvconvert.runtime.kvconvert_kivi_kernel import (
-    kivi_decode_folded,
-    kivi_decode_reference,
-    kivi_decode_triton,
-    merge_partials,
-)
+from kvconvert.runtime.kvconvert_kivi_kernel import kivi_decode_reference, kivi_decode_triton
 
 pytestmark = pytest.mark.slow  # Triton's interpreter / wheel builds: minutes; `make test-fast` skips them
 
@@ -269,13 +265,19 @@ def test_fp8_decode_matches_reference(batch, kv_heads, group, dim, tokens, per_h
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("dim,block,value_group", [(64, 32, 64), (32, 64, 16), (128, 32, 64), (48, 32, 32)])
 @pytest.mark.parametrize("peak", [1.0, 40.0], ids=["plain", "peaked"])
-def test_folded_reader_is_attention_over_the_dequantized_codes(bits, dim, block, value_group, peak):
+@pytest.mark.parametrize("piece_bytes", [None, 1, 6000], ids=["whole", "single", "pieces"])
+def test_folded_reader_is_attention_over_the_dequantized_codes(bits, dim, block, value_group, peak, piece_bytes,
+                                                               monkeypatch):  # fmt: skip
     """``kivi_decode_folded`` at 2, 3 and 4 bits (4 codes a byte, 8 in three bytes, 2 a byte), heads that are not a
     power of two (48: value groups padded), left padding: attention over the codec's own dequantized cache. A peaked
     query (scores hundreds apart: most of them more than ``EXP_FLOOR`` below their row's largest, where the reader
-    floors them before ``torch.exp``) too: the far tokens weigh nothing that shows."""
-    from kvconvert.runtime.kvconvert_kivi_kernel import EXP_FLOOR, kivi_folded_fits
+    floors them before ``torch.exp``) too: the far tokens weigh nothing that shows. Codes widened whole, a block or
+    token at a time, or in pieces of a few (``PLANE_BYTES``; the last one short): the same attention."""
+    from kvconvert.runtime import kvconvert_folded
+    from kvconvert.runtime.kvconvert_folded import EXP_FLOOR, kivi_folded_fits
 
+    if piece_bytes is not None:
+        monkeypatch.setattr(kvconvert_folded, "PLANE_BYTES", piece_bytes)
     torch.manual_seed(dim + bits)
     keys, values = (torch.randn(2, 2, 3 * block, dim) for _ in range(2))
     k, v = quantize_tokens(keys, bits, block, True), quantize_tokens(values, bits, value_group, False)
@@ -299,7 +301,7 @@ def test_folded_reads_take_per_token_factors_and_per_channel_values(bits):
     ``key_factor`` / ``value_factor``: merged directions times a layer's norms) against attention over the scaled
     dequantized cache, and a store quantized per channel mixed by weights (``folded_channel_mix``: subspace
     latents) and scored (``folded_scores``) against plain products with its dequantized tokens."""
-    from kvconvert.runtime.kvconvert_kivi_kernel import folded_channel_mix, folded_scores
+    from kvconvert.runtime.kvconvert_folded import folded_channel_mix, folded_scores
 
     torch.manual_seed(bits)
     block, dim, n = 32, 64, 96

@@ -1,6 +1,6 @@
-"""Decode over quantized storage in KIVI's layout: a Triton kernel that reads 4-bit codes as stored, its plain-torch
-reference, and the merge of partial softmaxes the runtimes use to join it with the exact tokens they attend to
-themselves. Copied verbatim into every output directory; Triton is optional (see ``kvconvert_kernels``).
+"""Decode over quantized storage in KIVI's layout: a Triton kernel that reads 4-bit codes as stored and its plain-torch
+reference (the torch reader a CPU decodes with: ``kvconvert_folded``). Copied verbatim into every output directory;
+Triton is optional (see ``kvconvert_kernels``).
 """
 
 from __future__ import annotations
@@ -9,18 +9,10 @@ import math
 
 import torch
 
-from .kvconvert_codec import codes_per_unit
 from .kvconvert_kernels import _pow2, _split_len, combine_partials, sixteen_bit_products, split_count, triton
 
 if triton is not None:
     import triton.language as tl
-
-# Scores more than 87 below a row's largest weigh less than exp(-87) ≈ 1.6e-38 (the smallest normal float32 is
-# 1.2e-38) and are floored there before ``torch.exp``: its CPU code takes a slow path for every argument whose result
-# underflows (measured on 2 AMD EPYC cores: 8 rows × 1K scores of a decode step 26 µs, 275-700 µs when they lie
-# below -88, as a padded batch's masked positions and a peaked head's far tokens do). A weight of 1.6e-38 instead
-# of 0 changes no float32 sum it joins.
-EXP_FLOOR = -87.0
 
 # ``kivi_decode`` reads a 4-bit cache in KIVI's layout as it is stored (``kvconvert_codec``): keys per channel, in
 # blocks of B tokens (``key_codes [b, Hkv, nb, d, B/2]``: channel c's B codes two per byte, token 2j in the low
@@ -57,147 +49,6 @@ def kivi_decode_reference(
     p = torch.exp(scores - m[..., None])
     acc = torch.einsum("bhgn,bhnd->bhgd", p, values)
     return acc, torch.stack([m, p.sum(-1)], dim=-1)
-
-
-def kivi_decode_folded(
-    query: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor, key_zero: torch.Tensor,
-    value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
-    scale: float, key_bits: int = 4, value_bits: int = 4, key_factor: torch.Tensor | None = None,
-    value_factor: torch.Tensor | None = None,
-    exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
-    value_rotation: torch.Tensor | None = None, skip: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``kivi_decode_reference``'s partial from the codes in torch, the kernel's algebra without a float copy of the
-    cache: keys' per-channel scales fold into the query per block (``q·k = Σ (q⊙s)·code + q·z``), values' per-token
-    scales into the probabilities (``Σ p·v = Σ (p·s)·code + Σ p·z`` per channel group); each bit plane of the codes
-    (the k-th code of every packing unit: 2 planes at 4 bits, 4 at 2, 8 at 3) is widened to float32 once and meets
-    the G query rows of its KV head in one product. What a CPU decodes with: on 2 cores 1.0 ms against 2.1 ms for
-    dequantize-then-SDPA per layer of SmolLM2 at 4K, 4-bit (3 KV heads × 3 query rows, measured). A packing unit's
-    codes must share a value group (``kivi_folded_fits``). ``key_factor`` / ``value_factor`` ``[b, n]`` (or None):
-    each token's stored key / value stands for itself times this number (MiniCache's merged directions times a
-    layer's norms), applied to its score and to its weight in the values' sum, not to the cache.
-
-    ``exact``: ``(keys, values, bias)``, exact tokens ``[b, Hkv, t, d]`` (a sink's copies, a float tail, this step's
-    token) and their additive bias broadcasting to ``[b, Hkv, G, t]`` (or None), attended in the same softmax: the
-    partial then covers both, where a second partial merged with this one would cost a CPU a dozen more small ops
-    per layer and step. ``value_rotation``: the ``[size, size]`` rotation the stored values went through per channel
-    group, undone on the codes' weighted sum (it is linear in the values) before the exact values join it.
-    ``skip``: the first tokens held are left out (a sliding window dropped them from the front of its first block):
-    cheaper than masking them, and ``bias`` and the factors then cover only the tokens after them."""
-    dim, n = key_codes.shape[3], value_codes.shape[2]
-    scores = folded_scores(query, key_codes, key_scale, key_zero, key_bits)[..., skip:n] * scale
-    if skip:
-        value_codes, value_scale, value_zero = (t[:, :, skip:] for t in (value_codes, value_scale, value_zero))
-        n -= skip
-    if key_factor is not None:
-        scores = scores * key_factor.float()[:, None, None, :]
-    if bias is not None:
-        scores = scores + bias.float()[:, None, None, :]
-    if exact is not None:
-        direct = torch.matmul(query.float(), exact[0].float().transpose(-1, -2)) * scale
-        scores = torch.cat([scores, direct if exact[2] is None else direct + exact[2].float()], dim=-1)
-    top = scores.amax(-1)
-    every = torch.exp((scores - top[..., None]).clamp_(min=EXP_FLOOR))  # [b, Hkv, G, n (+ t)]
-    probs = every[..., :n]
-    weights = probs if value_factor is None else probs * value_factor.float()[:, None, None, :]
-    # values: per channel group g, (p ⊙ s_g) against the group's byte columns in every plane; p·z_g for its zeros
-    groups = value_scale.shape[-1]
-    columns = math.ceil(dim / groups) // codes_per_unit(value_bits)  # packing units per group
-    planes = bit_planes(value_codes, value_bits)  # channels unit·i + k in plane k [b, Hkv, n, P/unit]
-    zeros = weights @ value_zero.float()  # [b, Hkv, G, groups]: Σ p·z of every group at once
-    parts = []
-    for g in range(groups):
-        # a half-precision scale meets float32 weights in the product itself (promoted, exactly): no float copy
-        weighted = weights * value_scale[..., g][:, :, None, :]
-        at = slice(g * columns, (g + 1) * columns) if groups > 1 else slice(None)  # one group: no slicing
-        group = torch.stack([weighted @ plane[..., at] for plane in planes], dim=-1).flatten(-2)
-        parts.append(group + zeros[..., g : g + 1])
-    acc = (parts[0] if groups == 1 else torch.cat(parts, dim=-1))[..., :dim]
-    if value_rotation is not None:
-        acc = unrotated(acc, value_rotation)
-    if exact is not None:
-        acc = acc + torch.matmul(every[..., n:], exact[1].float())
-    return acc, torch.stack([top, every.sum(-1)], dim=-1)
-
-
-def unrotated(acc: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """A weighted sum of values ``[..., d]`` stored rotated by ``rotation [size, size]`` per channel group, rotated
-    back (the sum is linear in the values, so the rotation is undone on it, not on the cache)."""
-    return (acc.view(*acc.shape[:-1], -1, rotation.shape[0]) @ rotation.T).flatten(-2)
-
-
-def folded_scores(
-    query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
-) -> torch.Tensor:  # fmt: skip
-    """``query [b, Hkv, G, d]`` times the keys of per-channel blocks (``codes [b, Hkv, nb, d, ·]``, ``scale/zero
-    [b, Hkv, nb, d]``) without dequantizing them: ``q·k = Σ (q⊙s)·code + q·z`` per block, the query scaled per
-    block against each bit plane (``bit_planes``). Returns ``[b, Hkv, G, nb·B]`` float32 (unscaled scores)."""
-    batch, kv_heads, _, _, _ = codes.shape
-    q = query.float()
-    # [b, Hkv, nb, G, d] queries scaled per block, against each plane [b, Hkv, nb, d, B/unit]: tokens unit·j + k of
-    # each block in plane k (unit: codes per packing unit)
-    scaled = q[:, :, None] * scale[:, :, :, None, :]  # a half-precision scale promoted in the product, exactly
-    scores = torch.stack([scaled @ plane for plane in bit_planes(codes, bits)], dim=-1).flatten(-2)
-    scores = scores + (zero.float() @ q.transpose(-1, -2))[..., None]  # q·z per block [b, Hkv, nb, G, 1]
-    return scores.transpose(2, 3).reshape(batch, kv_heads, query.shape[2], -1)
-
-
-def folded_channel_mix(
-    weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
-) -> torch.Tensor:  # fmt: skip
-    """``weights [b, R, nb·B]`` times the tokens of per-channel blocks (``codes [b, nb, w, ·]``, ``scale/zero
-    [b, nb, w]``: a store quantized per channel, as MiniCache's subspace latents are) without dequantizing them:
-    ``Σᵢ pᵢ·xᵢ = Σ_blocks s ⊙ (Σᵢ pᵢ·codeᵢ) + z·Σᵢ pᵢ``, each bit plane meeting the weights of its tokens.
-    Returns ``[b, R, w]`` float32."""
-    batch, rows = weights.shape[:2]
-    blocks, unit = codes.shape[1], codes_per_unit(bits)
-    # [b, nb, unit, R, B/unit], contiguous: the weights of plane k's tokens are one dense matrix per block (a strided
-    # operand sends CPU bmm into a loop over its batch)
-    p = weights.float().view(batch, rows, blocks, -1, unit).permute(0, 2, 4, 1, 3).contiguous()
-    # plane k holds tokens unit·j + k of each block [b, nb, w, B/unit]
-    summed = sum(p[:, :, k] @ plane.transpose(-1, -2) for k, plane in enumerate(bit_planes(codes, bits)))
-    mixed = (summed * scale.float()[:, :, None]).sum(1)  # [b, R, w]
-    return mixed + p.sum((2, 4)).transpose(1, 2) @ zero.float()
-
-
-def bit_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """The k-th code of every packing unit, for each k, widened to float32 (the codec packs consecutive codes lowest
-    first: ``pack``, and at 3 bits ``_pack3``'s little-endian 24-bit words)."""
-    mask = 2**bits - 1
-    if bits == 3:
-        octets = codes.view(*codes.shape[:-1], -1, 3).to(torch.int32)
-        word = octets[..., 0] | (octets[..., 1] << 8) | (octets[..., 2] << 16)
-        return [((word >> shift) & mask).float() for shift in range(0, 24, 3)]
-    # the lowest code needs no shift and the highest no mask: a pass over the codes fewer each
-    return [(codes & mask if not shift else codes >> shift if shift + bits == 8 else (codes >> shift) & mask).float()
-            for shift in range(0, 8, bits)]  # fmt: skip
-
-
-def kivi_folded_fits(bits: int, block: int, value_size: int) -> bool:
-    """What ``kivi_decode_folded`` reads: 2-, 3- or 4-bit codes, blocks and value channel groups of whole packing
-    units (``codes_per_unit``)."""
-    unit = codes_per_unit(bits) if bits in (2, 3, 4) else 0
-    return unit > 0 and block % unit == 0 and value_size % unit == 0
-
-
-def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Softmax attention over the union of disjoint token sets from their partials (``combine_partials``)."""
-    acc, ml = combine_partials(torch.stack([a for a, _ in parts]), torch.stack([m for _, m in parts]))
-    return acc / ml[..., 1:]
-
-
-def exact_partial(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The softmax partial (``merge_partials``) of query rows ``q [b, Hkv, G, d]`` over exact ``keys``/``values``
-    ``[b, Hkv, t, d]`` with an additive ``bias`` broadcasting to ``[b, Hkv, G, t]`` (or None): the weighted sum
-    ``[b, Hkv, G, d]`` and (max, sum of weights) ``[b, Hkv, G, 2]``, float32."""
-    scores = torch.einsum("bhgd,bhnd->bhgn", q, keys.float()) * scaling
-    if bias is not None:
-        scores = scores + bias.float()
-    top = scores.amax(-1)
-    probs = torch.exp((scores - top[..., None]).clamp_(min=EXP_FLOOR))
-    return torch.einsum("bhgn,bhnd->bhgd", probs, values.float()), torch.stack([top, probs.sum(-1)], dim=-1)
 
 
 def kivi_kernel_fits(bits: int, block: int, dim: int) -> bool:

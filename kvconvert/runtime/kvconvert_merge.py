@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .kvconvert_codec import QuantSpec
-from .kvconvert_kivi_kernel import kivi_decode_folded
+from .kvconvert_folded import kivi_decode_folded
 from .kvconvert_quant import kivi_kernel_reads, value_rotation
 from .kvconvert_storage import select_rows_fn
 from .kvconvert_tokenstore import TokenStore

@@ -30,16 +30,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec, channel_groups, eager_on_cpu, rotation
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, static_refusal
-from .kvconvert_kernels import use_kernels
-from .kvconvert_kivi_kernel import (
-    exact_partial,
-    kivi_decode_folded,
-    kivi_decode_triton,
-    kivi_folded_fits,
-    kivi_kernel_fits,
-    merge_partials,
-    unrotated,
-)
+from .kvconvert_folded import exact_partial, kivi_decode_folded, kivi_folded_fits, merge_partials, unrotated
+from .kvconvert_kernels import kernels_requested, use_kernels
+from .kvconvert_kivi_kernel import kivi_decode_triton, kivi_kernel_fits
 from .kvconvert_staticstore import StaticTokenStore
 from .kvconvert_storage import (
     Fp8Layer,
@@ -51,7 +44,15 @@ from .kvconvert_storage import (
     static_stock_layer,
     stock_layer,
 )
-from .kvconvert_tokenlayout import TokenLayoutStore, code_outputs, code_scores, cpu_int4_rows
+from .kvconvert_tokenlayout import (
+    KiviInt4Values,
+    TokenLayoutStore,
+    code_outputs,
+    code_scores,
+    cpu_int4_rows,
+    kivi_int4_fits,
+    kivi_int4_values,
+)
 from .kvconvert_tokenstatic import StaticTokenLayoutLayer, static_columns, written_blocks
 from .kvconvert_tokenstore import TokenStore
 
@@ -173,14 +174,24 @@ def kivi_decode(
         exact_bias = torch.cat([logits, others.expand(*logits.shape[:-1], rest)], dim=-1)
     rotated = value_rotation(values, dim, query.device)
     if not kernel:  # the exact tokens in the reader's own softmax
+        value_sum = (lambda w: kivi_int4_values(values, w)) if isinstance(values, KiviInt4Values) else None
         acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits, skip=skip,
-                                     exact=(exact_k, exact_v, exact_bias), value_rotation=rotated)  # fmt: skip
+                                     exact=(exact_k, exact_v, exact_bias), value_rotation=rotated,
+                                     value_sum=value_sum)  # fmt: skip
         return (acc / ml[..., 1:]).view(batch, heads, 1, dim)
     acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32)
     if rotated is not None:
         acc = unrotated(acc, rotated)
     exact = exact_partial(q, exact_k, exact_v, exact_bias, scaling)
     return merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
+
+
+def int4_values_read(quant: QuantSpec, values: torch.Tensor) -> bool:
+    """A ``KiviLayer``'s values go into ``KiviInt4Values`` (decided at its first states, when their device and width
+    are known): on a CPU whose int4 kernel reads them (``kivi_int4_fits``), unless the Triton kernels are asked for
+    (they read KIVI's own packing; ``KVCONVERT_KERNELS=triton`` under ``TRITON_INTERPRET=1``, tests)."""
+    on_cpu = values.device.type == "cpu" and kernels_requested() != "triton"
+    return on_cpu and quant.quantized and not quant.fp8 and kivi_int4_fits(quant, values.shape[-1])
 
 
 def value_rotation(values: Any, dim: int, device: torch.device) -> torch.Tensor | None:
@@ -205,6 +216,7 @@ def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int, kernel: bo
         return False
     if kernel:
         fits = all(kivi_kernel_fits(store.quant.bits, keys.quant.group, dim) for store in (keys, values))
+        fits = fits and not isinstance(values, KiviInt4Values)  # its codes are the int4 kernel's to read
     else:
         fits = folded_fits(keys, values, dim)
     layout = keys.per_channel and not isinstance(keys, TokenLayoutStore)
@@ -222,6 +234,8 @@ class KiviLayer(RoutedLayer, QuantizedLayer):
     (the torch reader is not measured on a GPU)."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized and int4_values_read(self.value_store.quant, value_states):
+            self.value_store = KiviInt4Values(self.value_store.quant)
         if not self.routed:
             return super().update(key_states, value_states, *args, **kwargs)
         return key_states, value_states

@@ -17,9 +17,14 @@ import torch
 from .kvconvert_codec import (
     QuantizedBlock,
     QuantSpec,
+    channel_groups,
+    dequantize_tokens,
+    pack,
+    quantize_tokens,
     rotation,
     round_up,
     token_group_size,
+    unpack,
 )
 from .kvconvert_staticstore import StaticTokenStore
 from .kvconvert_tokenstore import TokenStore
@@ -295,6 +300,57 @@ class TokenLayoutStore(TokenStore):
             return count
         unit = self._front_unit()
         return max(0, (self.offset + count) // unit * unit - self.offset)
+
+
+class KiviInt4Values(TokenLayoutStore):
+    """Values quantized as KIVI's layout quantizes them (``quantize_tokens``: 4-bit, per token in groups of at most
+    ``group`` channels, rotated with ``--kv-rotate``), the codes kept where the token layout keeps its values': Vᵀ's
+    int4 rows per channel group, scales and zeros token-last. The numbers are ``TokenStore``'s to the bit; a CPU decode
+    step then weighs them with torch's int4 kernel (``kivi_int4_values``) instead of widening every code to float32
+    (measured on 2 AMD EPYC cores, a layer's values at 8 rows × 4K tokens of SmolLM2: 0.37 ms against 1.8 ms).
+    ``kivi_int4_fits`` says which widths it holds; elsewhere, reads dequantize."""
+
+    def __init__(self, quant: QuantSpec):
+        super().__init__(quant, keys=False)
+        self.rotate = quant.rotates_values
+
+    def group_size(self) -> int:
+        return channel_groups(self.width, self.quant.group)[1]
+
+    def _quantize(self, tokens: torch.Tensor) -> QuantizedBlock:
+        size, rows = self.group_size(), self._layout()
+        held = quantize_tokens(tokens, 4, self.quant.group, False, self.rotate)
+        codes = unpack(held.codes, 4, tokens.shape[-1]).unflatten(-1, (-1, size))  # [..., n, G, size]
+        packed = rows.pack(codes.permute(*range(codes.dim() - 3), -2, -1, -3))  # Vᵀ per group: [..., G, size, n/2]
+        codes = packed.reshape(*packed.shape[:-3], -1, tokens.shape[-2], self._value_block(size) // 2)
+        scale, zero = (side.transpose(-1, -2).contiguous() for side in (held.scale, held.zero))  # token-last
+        return QuantizedBlock(codes, scale, zero)
+
+    def _dequantize(self, blocks: QuantizedBlock, dtype: torch.dtype) -> torch.Tensor:
+        size, rows = self.group_size(), self._layout()
+        *lead, groups, n = blocks.scale.shape
+        codes = rows.unpack(blocks.codes.reshape(*lead, groups, size, n // 2))  # [..., G, size, n]
+        kivi = QuantizedBlock(pack(codes.permute(*range(len(lead)), -1, -3, -2).flatten(-2), 4),
+                              blocks.scale.transpose(-1, -2), blocks.zero.transpose(-1, -2))  # fmt: skip
+        return dequantize_tokens(kivi, 4, self.quant.group, self.width, False, dtype, self.rotate)
+
+
+def kivi_int4_fits(quant: QuantSpec, width: int) -> bool:
+    """``KiviInt4Values`` holds values of this width: 4-bit, channel groups of whole 32-row int4 matrices, none
+    padded, and this machine's int4 kernel reads them (``cpu_int4_rows``)."""
+    groups, size = channel_groups(width, quant.group)
+    return quant.bits == 4 and size % 32 == 0 and groups * size == width and cpu_int4_rows() is not None
+
+
+def kivi_int4_values(values: KiviInt4Values, weights: torch.Tensor) -> torch.Tensor:
+    """``Σ p·v`` over the quantized values of ``values`` (still rotated, as stored) for ``weights [b, Hkv, G, n]``:
+    ``(p⊙s)·(code − 8)`` per channel group through the int4 kernel (``code_outputs``), plus ``p·(z + 8s)`` (KIVI's
+    codes stand for ``code·s + z``). ``[b, Hkv, G, groups·size]`` float32."""
+    held = values.blocks
+    assert held is not None
+    zero = held.zero.float().add_(held.scale.float(), alpha=8)
+    out = code_outputs(weights.flatten(0, 1), held.scale, zero, values.kernel_operands(), values.group_size())
+    return out.view(*weights.shape[:-1], -1)
 
 
 class StaticTokenLayoutStore(StaticTokenStore):
