@@ -10,13 +10,13 @@ from helpers import convert, generate_in_every_mode, left_padded
 
 import kvconvert
 from kvconvert.eval.memory import cache_nbytes
-from kvconvert.runtime import kvconvert_quant, kvconvert_tokenlayout
+from kvconvert.runtime import kvconvert_quant, kvconvert_razor, kvconvert_tokenlayout
 from kvconvert.runtime.kvconvert_codec import QuantSpec
 from kvconvert.runtime.kvconvert_quant import kivi_decode
 from kvconvert.runtime.kvconvert_tokenlayout import KiviInt4Values, cpu_int4_rows, kivi_int4_fits
 from kvconvert.runtime.kvconvert_tokenstore import TokenStore
 
-pytestmark = pytest.mark.skipif(cpu_int4_rows() is None, reason="this torch has no CPU int4 kernel whose layout we know")
+pytestmark = pytest.mark.skipif(cpu_int4_rows() is None, reason="no CPU int4 kernel of a known layout")
 
 
 def _stores(width: int, group: int, sink: int, rotate: bool, seed: int, lengths=(150, 1, 1, 33, 1)):
@@ -97,32 +97,44 @@ def test_decode_over_int4_values_is_the_folded_readers(width, group, sink, rotat
     assert (got - expected).abs().mean() < 4e-3
 
 
-def test_a_converted_model_decodes_through_int4_values(tokenized_model_dir, tmp_path, monkeypatch):
+KIVI = ("--kv-bits", "4", "--kv-group", "32", "--kv-residual", "8", "--kv-sink", "2", "--kv-rotate")
+RAZOR = ("--kv-budget", "0.5", "--profile-tokens", "16", "--window", "40")
+
+
+@pytest.mark.parametrize("method", ["quant", "razor"])
+def test_a_converted_model_decodes_through_int4_values(method, tokenized_model_dir, tmp_path, monkeypatch):
     """A KIVI-layout checkpoint of 64-wide heads keeps its values in int4 rows on a CPU and decodes through the int4
     kernel: the tokens of the same model whose values stay in KIVI's packing, logits within bfloat16's rounding;
-    every generation mode runs (beams reorder the rows)."""
+    razor's windows (40 tokens) slide a token a step out of the int4 rows, freeing whole blocks; every generation
+    mode runs (beams reorder the rows)."""
     src = tokenized_model_dir("llama_gqa64")
-    convert("quant", src, tmp_path / "q", "--kv-bits", "4", "--kv-group", "32", "--kv-residual", "8", "--kv-sink", "2",
-            "--kv-rotate")  # fmt: skip
-    ids, mask = left_padded(40)
+    convert(method, src, tmp_path / "q", *KIVI, *(RAZOR if method == "razor" else ()))
+    ids, mask = left_padded(100)
     calls = []
     original = kvconvert_tokenlayout.code_outputs
     monkeypatch.setattr(kvconvert_tokenlayout, "code_outputs", lambda *a: calls.append(1) or original(*a))
 
     def run():
         model = kvconvert.load(tmp_path / "q").eval()
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24,
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40,
                              do_sample=False, return_dict_in_generate=True, output_logits=True,
                              pad_token_id=0)  # fmt: skip
-        layers = out.past_key_values.layers
-        return torch.stack(out.logits), out.sequences, [type(layer.value_store).__name__ for layer in layers]
+        stores = [
+            store
+            for layer in out.past_key_values.layers
+            for store in ((layer.full_v, layer.recent_v) if method == "razor" else (layer.value_store,))
+        ]
+        return torch.stack(out.logits), out.sequences, stores  # fmt: skip
 
     logits, tokens, stores = run()
-    assert calls and set(stores) == {"KiviInt4Values"}
+    assert calls and {type(store).__name__ for store in stores} == {"KiviInt4Values"}
+    if method == "razor":  # the windows slid out of their quantized blocks and freed the first ones
+        assert any(store.offset > 0 or store.front_dropped and store.quantized_tokens for store in stores[1::2])
     monkeypatch.setattr(kvconvert_quant, "int4_values_read", lambda quant, values: False)
+    monkeypatch.setattr(kvconvert_razor, "int4_values_read", lambda quant, values: False)
     calls.clear()
     plain_logits, plain_tokens, stores = run()
-    assert not calls and set(stores) == {"TokenStore"}
+    assert not calls and {type(store).__name__ for store in stores} == {"TokenStore"}
     assert torch.equal(tokens, plain_tokens)
     assert (logits - plain_logits).abs().max() < 2e-2 * plain_logits.abs().max()
     monkeypatch.undo()

@@ -327,12 +327,20 @@ class KiviInt4Values(TokenLayoutStore):
         return QuantizedBlock(codes, scale, zero)
 
     def _dequantize(self, blocks: QuantizedBlock, dtype: torch.dtype) -> torch.Tensor:
-        size, rows = self.group_size(), self._layout()
-        *lead, groups, n = blocks.scale.shape
-        codes = rows.unpack(blocks.codes.reshape(*lead, groups, size, n // 2))  # [..., G, size, n]
-        kivi = QuantizedBlock(pack(codes.permute(*range(len(lead)), -1, -3, -2).flatten(-2), 4),
+        # each token's bytes are its own (a byte pairs two channels of one token): any run of tokens unpacks alone
+        rows, r = self._layout(), self._value_block(self.group_size())
+        low, high = blocks.codes & 15, blocks.codes >> 4  # [..., d/r, n, r/2]
+        halves = rows.halves and r == rows.block  # byte j: rows (j, j + r/2); a short block pairs (2j, 2j + 1)
+        codes = torch.cat([low, high], dim=-1) if halves else torch.stack([low, high], dim=-1).flatten(-2)
+        kivi = QuantizedBlock(pack(codes.transpose(-2, -3).flatten(-2), 4),  # [..., n, d] in KIVI's packing
                               blocks.scale.transpose(-1, -2), blocks.zero.transpose(-1, -2))  # fmt: skip
         return dequantize_tokens(kivi, 4, self.quant.group, self.width, False, dtype, self.rotate)
+
+    def _front_quantized(self, count: int) -> torch.Tensor:
+        return TokenStore._front_quantized(self, count)  # per token: only the tokens leaving are read
+
+    def _front_unit(self) -> int:
+        return TokenStore._front_unit(self)  # whole blocks, as the keys beside it (KIVI's layout) free theirs
 
 
 def kivi_int4_fits(quant: QuantSpec, width: int) -> bool:
