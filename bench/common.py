@@ -23,6 +23,8 @@ def machine() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        # glibc's allocator settings move the source's speed most (its dynamic cache copies itself every step)
+        "allocator_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"},
     }
 
 

@@ -3,8 +3,9 @@ storage (``kvconvert_codec``, ``kvconvert_tokenlayout``).
 
 KIVI's layout (the default): keys per channel, values per token, recent tokens exact. Routed through
 ``quant_attention``, its decode steps read the codes (``KiviLayer``, ``StaticKiviLayer`` for a static cache: the
-Triton kernel when asked for, else on a CPU ``kivi_decode_folded``); elsewhere a step reads the whole cache
-dequantized and stock attention runs on it (``QuantizedLayer``).
+Triton kernel when asked for, else on a CPU ``kivi_decode_folded``, a growing cache's 4-bit values through torch's
+int4 kernel: ``KiviInt4Values``); elsewhere a step reads the whole cache dequantized and stock attention runs on it
+(``QuantizedLayer``).
 
 The token layout (``--kv-layout token``, a kvconvert extension): keys and values per token, rotated,
 stored as torch's int4 matrix layout (``TokenLayoutStore``). A registered attention function then
@@ -231,7 +232,8 @@ class KiviLayer(RoutedLayer, QuantizedLayer):
     from the codes (``kivi_decode``) through
     the kernel when it reads them (4-bit) and is asked for (``use_kernels``: by default only in captured CUDA graphs,
     which a growing cache never is), else on a CPU through the torch reader (2 to 4 bits), else dequantize-then-SDPA
-    (the torch reader is not measured on a GPU)."""
+    (the torch reader is not measured on a GPU). On a CPU 4-bit values go into the int4 kernel's rows
+    (``int4_values_read``: ``KiviInt4Values``), which the torch reader weighs with that kernel."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized and int4_values_read(self.value_store.quant, value_states):
