@@ -447,6 +447,7 @@ def test_decode_with_the_kivi_kernel_matches_the_torch_runtime(name, static, tok
         return kivi_decode_triton(*a, **k)
 
     monkeypatch.setattr(runtime, "kivi_decode_triton", counted)
+    kivi_packed_values(monkeypatch)  # the torch path's values as the kernel reads them: float32 products both ways
     outputs = {}
     for choice in ("torch", "triton", *(("auto",) if DEVICE == "cuda" else ())):
         monkeypatch.setenv("KVCONVERT_KERNELS", choice)
@@ -514,6 +515,17 @@ def test_decode_with_the_fp8_kernel_matches_the_torch_runtime(static, tokenized_
         assert_same_generation(outputs["torch"], outputs[choice], f"fp8 {choice}")
 
 
+def kivi_packed_values(monkeypatch) -> None:
+    """Growing KIVI-layout caches keep their 4-bit values in KIVI's own packing on a CPU too, not in the int4
+    kernel's rows (``KiviInt4Values``, whose bfloat16 products have their own tests), so that the readers compared
+    here compute in float32."""
+    import kvconvert.runtime.kvconvert_quant as runtime
+    import kvconvert.runtime.kvconvert_razor as razor_runtime
+
+    for module in (runtime, razor_runtime):
+        monkeypatch.setattr(module, "int4_values_read", lambda quant, values: False)
+
+
 # (recipe, static cache)
 FROM_CODES = [(name, static) for name in (*KIVI_RECIPES, *FOLDED_RECIPES) for static in (False, True)
               if not static or name in STATIC_KIVI or name in FOLDED_RECIPES]  # fmt: skip
@@ -546,6 +558,7 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, static, to
         return kivi_decode_folded(*a, **k)
 
     monkeypatch.setattr(runtime, "kivi_decode_folded", counted)
+    kivi_packed_values(monkeypatch)  # float32 products (4-bit values in int4 rows: tests/test_kivi_int4.py)
     from_codes = greedy_twelve(model, **options)
     read = len(calls)
     # razor's growing windows read their codes too; its static windows are dequantized (retrieval heads only)
