@@ -65,6 +65,7 @@ def test_only_widths_of_whole_int4_matrices_fit():
     assert not kivi_int4_fits(QuantSpec(4, 16), 64)  # 16-channel groups: no int4 matrix
     assert not kivi_int4_fits(QuantSpec(4, 32), 48)  # padded groups
     assert not kivi_int4_fits(QuantSpec(2, 64), 64)  # 2-bit codes
+    assert not kivi_int4_fits(QuantSpec(4, 40), 64)  # 32-channel groups, but blocks of 40 tokens
     assert kivi_int4_fits(QuantSpec(4, 32), 96)
 
 

@@ -345,9 +345,11 @@ class KiviInt4Values(TokenLayoutStore):
 
 def kivi_int4_fits(quant: QuantSpec, width: int) -> bool:
     """``KiviInt4Values`` holds values of this width: 4-bit, channel groups of whole 32-row int4 matrices, none
-    padded, and this machine's int4 kernel reads them (``cpu_int4_rows``)."""
+    padded, blocks of a multiple of 32 tokens (the kernel reduces over the tokens in groups of 32), and this machine's
+    int4 kernel reads them (``cpu_int4_rows``)."""
     groups, size = channel_groups(width, quant.group)
-    return quant.bits == 4 and size % 32 == 0 and groups * size == width and cpu_int4_rows() is not None
+    whole = size % 32 == 0 and groups * size == width and quant.group % 32 == 0
+    return quant.bits == 4 and whole and cpu_int4_rows() is not None
 
 
 def kivi_int4_values(values: KiviInt4Values, weights: torch.Tensor) -> torch.Tensor:
