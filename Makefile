@@ -66,8 +66,13 @@ bench-quant: install
 # figure (as many rows as fit in the memory of the source's cache for 4 rows of 1K). Batch 8 at 16K is left out: the
 # source's float32 cache alone is 6 GB there and every step copies it. Hours on 2 cores, not run whole yet (the first
 # line for 8 of the 15 candidates and slim took 37 minutes on 2026-11-27; all candidates at 1K-16K, batch 1: ~50).
+# The grid twice: with glibc's defaults, then with glibc keeping freed memory. The source's dynamic cache copies itself
+# every step, and with the defaults whether those copies fault in fresh pages depends on the process's history (its
+# speed at 8 × 4K moved 2× between runs): the second grid is the fair baseline.
 bench-speed: install
 	$(PYTHON) bench/speed_bench.py --contexts 1024,4096 --batches 1,8 --steps 16 --name speed
+	MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=1073741824 \
+		$(PYTHON) bench/speed_bench.py --contexts 1024,4096 --batches 1,8 --steps 16 --name speed-tuned-malloc
 	$(PYTHON) bench/speed_bench.py --contexts 16384 --steps 16 --name speed-16k
 	$(PYTHON) bench/speed_bench.py --contexts 4096 --compiled --steps 16 --name speed-compiled
 	$(PYTHON) bench/speed_bench.py --contexts 1024 --serving 1024:4 --only "quant 4-bit|zack 0.5|razor 0.5" \
