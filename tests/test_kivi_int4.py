@@ -10,7 +10,7 @@ from helpers import convert, generate_in_every_mode, left_padded
 
 import kvconvert
 from kvconvert.eval.memory import cache_nbytes
-from kvconvert.runtime import kvconvert_quant, kvconvert_razor, kvconvert_tokenlayout
+from kvconvert.runtime import kvconvert_merge, kvconvert_quant, kvconvert_razor, kvconvert_tokenlayout
 from kvconvert.runtime.kvconvert_codec import QuantSpec
 from kvconvert.runtime.kvconvert_quant import kivi_decode
 from kvconvert.runtime.kvconvert_tokenlayout import KiviInt4Values, cpu_int4_rows, kivi_int4_fits
@@ -100,16 +100,28 @@ def test_decode_over_int4_values_is_the_folded_readers(width, group, sink, rotat
 
 KIVI = ("--kv-bits", "4", "--kv-group", "32", "--kv-residual", "8", "--kv-sink", "2", "--kv-rotate")
 RAZOR = ("--kv-budget", "0.5", "--profile-tokens", "16", "--window", "40")
+EXTRA = {"quant": (), "razor": RAZOR, "minicache": ("--start-layer", "1", "--gamma", "0.1")}
 
 
-@pytest.mark.parametrize("method", ["quant", "razor"])
+def _value_stores(layer) -> list:
+    """The value stores of a cache layer: quant's, razor's retrieval heads' and windows', MiniCache's merged pair's
+    (its first member holds none) or unpaired layer's."""
+    if hasattr(layer, "full_v"):
+        return [layer.full_v, layer.recent_v]
+    if hasattr(layer, "values_merged"):
+        return [layer.values_merged.direction]
+    return [layer.value_store] if hasattr(layer, "value_store") else []
+
+
+@pytest.mark.parametrize("method", sorted(EXTRA))
 def test_a_converted_model_decodes_through_int4_values(method, tokenized_model_dir, tmp_path, monkeypatch):
     """A KIVI-layout checkpoint of 64-wide heads keeps its values in int4 rows on a CPU and decodes through the int4
     kernel: the tokens of the same model whose values stay in KIVI's packing, logits within bfloat16's rounding;
-    razor's windows (40 tokens) slide a token a step out of the int4 rows, freeing whole blocks; every generation
-    mode runs (beams reorder the rows)."""
+    razor's windows (40 tokens) slide a token a step out of the int4 rows, freeing whole blocks; MiniCache's merged
+    directions weigh the norms in and read their retained tokens from the rows; every generation mode runs (beams
+    reorder the rows)."""
     src = tokenized_model_dir("llama_gqa64")
-    convert(method, src, tmp_path / "q", *KIVI, *(RAZOR if method == "razor" else ()))
+    convert(method, src, tmp_path / "q", *KIVI, *EXTRA[method])
     ids, mask = left_padded(100)
     calls = []
     original = kvconvert_tokenlayout.code_outputs
@@ -120,11 +132,7 @@ def test_a_converted_model_decodes_through_int4_values(method, tokenized_model_d
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40,
                              do_sample=False, return_dict_in_generate=True, output_logits=True,
                              pad_token_id=0)  # fmt: skip
-        stores = [
-            store
-            for layer in out.past_key_values.layers
-            for store in ((layer.full_v, layer.recent_v) if method == "razor" else (layer.value_store,))
-        ]
+        stores = [store for layer in out.past_key_values.layers for store in _value_stores(layer)]
         return torch.stack(out.logits), out.sequences, stores  # fmt: skip
 
     logits, tokens, stores = run()
@@ -133,6 +141,7 @@ def test_a_converted_model_decodes_through_int4_values(method, tokenized_model_d
         assert any(store.offset > 0 or store.front_dropped and store.quantized_tokens for store in stores[1::2])
     monkeypatch.setattr(kvconvert_quant, "int4_values_read", lambda quant, values: False)
     monkeypatch.setattr(kvconvert_razor, "int4_values_read", lambda quant, values: False)
+    monkeypatch.setattr(kvconvert_merge, "int4_values_read", lambda quant, values: False)
     calls.clear()
     plain_logits, plain_tokens, stores = run()
     assert not calls and {type(store).__name__ for store in stores} == {"TokenStore"}

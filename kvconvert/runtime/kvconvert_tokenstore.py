@@ -119,8 +119,10 @@ class TokenStore:
                 block = at // group
                 one = QuantizedBlock(*(t[r, :, block].unsqueeze(2) for t in (b.codes, b.scale, b.zero)))
                 states = self._dequantize(one, out.dtype)[torch.arange(r.shape[0]), :, at % group]
-            else:  # per token: the token's own codes [N, H, 1, ·]
-                one = QuantizedBlock(*(t[r, :, at].unsqueeze(2) for t in (b.codes, b.scale, b.zero)))
+            else:  # per token: the token's own codes, its token axis kept (1 long) where the store keeps it
+                code_dim, scale_dim = self._token_dims()
+                one = QuantizedBlock(*(t.movedim(dim, 2)[r, :, at].unsqueeze(dim) for t, dim in
+                                       ((b.codes, code_dim), (b.scale, scale_dim), (b.zero, scale_dim))))  # fmt: skip
                 states = self._dequantize(one, out.dtype)[:, :, 0]
             out[in_blocks] = states
         in_tail = positions >= quantized
