@@ -13,7 +13,7 @@ from kvconvert.eval.memory import cache_nbytes
 from kvconvert.runtime import kvconvert_merge, kvconvert_quant, kvconvert_razor, kvconvert_tokenlayout
 from kvconvert.runtime.kvconvert_codec import QuantSpec
 from kvconvert.runtime.kvconvert_quant import kivi_decode
-from kvconvert.runtime.kvconvert_tokenlayout import KiviInt4Values, cpu_int4_rows, kivi_int4_fits
+from kvconvert.runtime.kvconvert_tokenlayout import Int4Rows, KiviInt4Values, cpu_int4_rows, kivi_int4_fits
 from kvconvert.runtime.kvconvert_tokenstore import TokenStore
 
 pytestmark = pytest.mark.skipif(cpu_int4_rows() is None, reason="no CPU int4 kernel of a known layout")
@@ -59,6 +59,16 @@ def test_int4_values_hold_kivis_codes(width, group, rotate):
     plain.append(extra)
     int4.append(extra)
     check()
+
+
+@pytest.mark.parametrize("machine", [Int4Rows(64, True), Int4Rows(32, True), Int4Rows(32, False)])
+def test_groups_fit_the_machines_row_blocks(monkeypatch, machine):
+    """96-channel groups are one and a half AVX-512 row blocks: that packing is none the kernel reads, so such values
+    stay in KIVI's packing there; AVX2's 32-row blocks hold them."""
+    monkeypatch.setattr(kvconvert_tokenlayout, "cpu_int4_rows", lambda: machine)
+    assert kivi_int4_fits(QuantSpec(4, 96), 96) == (machine.block == 32)
+    assert kivi_int4_fits(QuantSpec(4, 64), 128)
+    assert kivi_int4_fits(QuantSpec(4, 32), 64)  # a group shorter than a block: one pairwise block
 
 
 def test_only_widths_of_whole_int4_matrices_fit():

@@ -346,10 +346,12 @@ class KiviInt4Values(TokenLayoutStore):
 def kivi_int4_fits(quant: QuantSpec, width: int) -> bool:
     """``KiviInt4Values`` holds values of this width: 4-bit, channel groups of whole 32-row int4 matrices, none
     padded, blocks of a multiple of 32 tokens (the kernel reduces over the tokens in groups of 32), and this machine's
-    int4 kernel reads them (``cpu_int4_rows``)."""
+    int4 kernel reads them (``cpu_int4_rows``): a group of whole row blocks of its layout, or one short block (else
+    ``_layout`` would pick a packing the kernel does not read)."""
     groups, size = channel_groups(width, quant.group)
     whole = size % 32 == 0 and groups * size == width and quant.group % 32 == 0
-    return quant.bits == 4 and whole and cpu_int4_rows() is not None
+    machine = cpu_int4_rows()
+    return quant.bits == 4 and whole and machine is not None and (size % machine.block == 0 or size < machine.block)
 
 
 def kivi_int4_values(values: KiviInt4Values, weights: torch.Tensor) -> torch.Tensor:
@@ -357,7 +359,7 @@ def kivi_int4_values(values: KiviInt4Values, weights: torch.Tensor) -> torch.Ten
     ``(p⊙s)·(code − 8)`` per channel group through the int4 kernel (``code_outputs``), plus ``p·(z + 8s)`` (KIVI's
     codes stand for ``code·s + z``). ``[b, Hkv, G, groups·size]`` float32."""
     held = values.blocks
-    assert held is not None
+    assert held is not None and values.kernel_reads()
     zero = held.zero.float().add_(held.scale.float(), alpha=8)
     out = code_outputs(weights.flatten(0, 1), held.scale, zero, values.kernel_operands(), values.group_size())
     return out.view(*weights.shape[:-1], -1)
