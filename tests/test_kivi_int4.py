@@ -10,7 +10,7 @@ from helpers import convert, generate_in_every_mode, left_padded
 
 import kvconvert
 from kvconvert.eval.memory import cache_nbytes
-from kvconvert.runtime import kvconvert_merge, kvconvert_quant, kvconvert_razor, kvconvert_tokenlayout
+from kvconvert.runtime import kvconvert_quant, kvconvert_tokenlayout
 from kvconvert.runtime.kvconvert_codec import QuantSpec
 from kvconvert.runtime.kvconvert_quant import kivi_decode
 from kvconvert.runtime.kvconvert_tokenlayout import Int4Rows, KiviInt4Values, cpu_int4_rows, kivi_int4_fits
@@ -149,9 +149,7 @@ def test_a_converted_model_decodes_through_int4_values(method, tokenized_model_d
     assert calls and {type(store).__name__ for store in stores} == {"KiviInt4Values"}
     if method == "razor":  # the windows slid out of their quantized blocks and freed the first ones
         assert any(store.offset > 0 or store.front_dropped and store.quantized_tokens for store in stores[1::2])
-    monkeypatch.setattr(kvconvert_quant, "int4_values_read", lambda quant, values: False)
-    monkeypatch.setattr(kvconvert_razor, "int4_values_read", lambda quant, values: False)
-    monkeypatch.setattr(kvconvert_merge, "int4_values_read", lambda quant, values: False)
+    monkeypatch.setattr(kvconvert_quant, "int4_values_read", lambda quant, values: False)  # every layer asks it
     calls.clear()
     plain_logits, plain_tokens, stores = run()
     assert not calls and {type(store).__name__ for store in stores} == {"TokenStore"}

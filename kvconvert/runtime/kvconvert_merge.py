@@ -13,9 +13,8 @@ import torch
 
 from .kvconvert_codec import QuantSpec
 from .kvconvert_folded import kivi_decode_folded
-from .kvconvert_quant import int4_values_read, kivi_kernel_reads, value_rotation
+from .kvconvert_quant import int4_value_sum, int4_values_or, kivi_kernel_reads, value_rotation
 from .kvconvert_storage import select_rows_fn
-from .kvconvert_tokenlayout import KiviInt4Values, kivi_int4_values
 from .kvconvert_tokenstore import TokenStore
 
 # Below this sin Ω, SLERP's weights sin((1-t)Ω)/sin Ω and sin(tΩ)/sin Ω are replaced by their
@@ -123,10 +122,8 @@ class MergedStream:
             where = torch.stack([rows, cols + seen], dim=1).to(torch.int32)
             self.retained = torch.cat([self.retained, exact])
             self.retained_at = torch.cat([self.retained_at, where])
-        # at the first tokens (device and width known): 4-bit values in the int4 kernel's rows where it reads them
-        first_values = self.direction.tail is None and not self.direction.per_channel
-        if first_values and int4_values_read(self.direction.quant, merged.direction):
-            self.direction = KiviInt4Values(self.direction.quant)
+        if self.direction.tail is None:  # the first tokens: values in the int4 kernel's rows where it reads them
+            self.direction = int4_values_or(self.direction, merged.direction)
         self.direction.append(merged.direction)
         self.norms = None if merged.norms is None else _cat(self.norms, merged.norms, dim=2)
 
@@ -214,11 +211,11 @@ def merged_decode(
     exact_v += [v_union, value.float()]
     exact_bias += [union_bias, full[:, seen:]]
     exact = (torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2), torch.cat(exact_bias, dim=-1)[:, None, None])
-    value_sum = (lambda w: kivi_int4_values(vd, w)) if isinstance(vd, KiviInt4Values) else None
     acc, ml = kivi_decode_folded(q, kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero, bias_q, scaling,
                                  kd.quant.bits, vd.quant.bits, None if k_norms is None else k_norms[:, :n_q],
                                  None if v_norms is None else v_norms[:, :n_q], exact=exact,
-                                 value_rotation=value_rotation(vd, dim, query.device), value_sum=value_sum)  # fmt: skip
+                                 value_rotation=value_rotation(vd, dim, query.device),
+                                 value_sum=int4_value_sum(vd))  # fmt: skip
     return (acc / ml[..., 1:]).view(batch, heads, 1, dim)
 
 

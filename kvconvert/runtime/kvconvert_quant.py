@@ -175,10 +175,9 @@ def kivi_decode(
         exact_bias = torch.cat([logits, others.expand(*logits.shape[:-1], rest)], dim=-1)
     rotated = value_rotation(values, dim, query.device)
     if not kernel:  # the exact tokens in the reader's own softmax
-        value_sum = (lambda w: kivi_int4_values(values, w)) if isinstance(values, KiviInt4Values) else None
         acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits, skip=skip,
                                      exact=(exact_k, exact_v, exact_bias), value_rotation=rotated,
-                                     value_sum=value_sum)  # fmt: skip
+                                     value_sum=int4_value_sum(values))  # fmt: skip
         return (acc / ml[..., 1:]).view(batch, heads, 1, dim)
     acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32)
     if rotated is not None:
@@ -188,11 +187,25 @@ def kivi_decode(
 
 
 def int4_values_read(quant: QuantSpec, values: torch.Tensor) -> bool:
-    """A ``KiviLayer``'s values go into ``KiviInt4Values`` (decided at its first states, when their device and width
-    are known): on a CPU whose int4 kernel reads them (``kivi_int4_fits``), unless the Triton kernels are asked for
-    (they read KIVI's own packing; ``KVCONVERT_KERNELS=triton`` under ``TRITON_INTERPRET=1``, tests)."""
+    """Values of this width and device go into ``KiviInt4Values``: on a CPU whose int4 kernel reads them
+    (``kivi_int4_fits``), unless the Triton kernels are asked for (they read KIVI's own packing;
+    ``KVCONVERT_KERNELS=triton`` under ``TRITON_INTERPRET=1``, tests)."""
     on_cpu = values.device.type == "cpu" and kernels_requested() != "triton"
     return on_cpu and quant.quantized and not quant.fp8 and kivi_int4_fits(quant, values.shape[-1])
+
+
+def int4_values_or(store: TokenStore, values: torch.Tensor) -> TokenStore:
+    """An empty KIVI-layout ``store``, or where it holds values per token that ``int4_values_read`` allows, a
+    ``KiviInt4Values`` in its place. The layers ask at their first states, when device and width are known (quant's
+    ``KiviLayer``, razor's retrieval and window stores, MiniCache's merged directions)."""
+    per_token = not store.per_channel and not isinstance(store, TokenLayoutStore)
+    return KiviInt4Values(store.quant) if per_token and int4_values_read(store.quant, values) else store
+
+
+def int4_value_sum(values: TokenStore) -> Any:
+    """``kivi_decode_folded``'s ``value_sum`` for a value store: the int4 kernel's weighted sum over a
+    ``KiviInt4Values`` (``kivi_int4_values``), None over KIVI's own packing."""
+    return (lambda weights: kivi_int4_values(values, weights)) if isinstance(values, KiviInt4Values) else None
 
 
 def value_rotation(values: Any, dim: int, device: torch.device) -> torch.Tensor | None:
@@ -233,11 +246,11 @@ class KiviLayer(RoutedLayer, QuantizedLayer):
     the kernel when it reads them (4-bit) and is asked for (``use_kernels``: by default only in captured CUDA graphs,
     which a growing cache never is), else on a CPU through the torch reader (2 to 4 bits), else dequantize-then-SDPA
     (the torch reader is not measured on a GPU). On a CPU 4-bit values go into the int4 kernel's rows
-    (``int4_values_read``: ``KiviInt4Values``), which the torch reader weighs with that kernel."""
+    (``int4_values_or``: ``KiviInt4Values``), which the torch reader weighs with that kernel."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        if not self.is_initialized and int4_values_read(self.value_store.quant, value_states):
-            self.value_store = KiviInt4Values(self.value_store.quant)
+        if not self.is_initialized:
+            self.value_store = int4_values_or(self.value_store, value_states)
         if not self.routed:
             return super().update(key_states, value_states, *args, **kwargs)
         return key_states, value_states

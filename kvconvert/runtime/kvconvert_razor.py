@@ -20,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .kvconvert_codec import QuantSpec
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows, static_refusal
 from .kvconvert_kernels import razor_decode_triton, use_kernels
-from .kvconvert_quant import decodes_from_codes, int4_values_read, kivi_decode, kivi_kernel_reads, token_decode
+from .kvconvert_quant import decodes_from_codes, int4_values_or, kivi_decode, kivi_kernel_reads, token_decode
 from .kvconvert_razor_ops import (
     compensated_attention,
     count_logit,
@@ -34,7 +34,7 @@ from .kvconvert_razor_ops import (
     window_budget,
 )
 from .kvconvert_storage import KVLayer, sliding_layer, static_sliding_layer
-from .kvconvert_tokenlayout import KiviInt4Values, TokenLayoutStore
+from .kvconvert_tokenlayout import TokenLayoutStore
 from .kvconvert_tokenstore import TokenStore
 
 IMPLEMENTATION = "kvconvert_razor"
@@ -88,8 +88,7 @@ class RazorLayer(KVLayer):
         """Called by the stock attention module; the attention function reads the cache itself."""
         if not self.is_initialized:
             self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-            if self.quant.layout != "token" and int4_values_read(self.full_v.quant, value_states):
-                self.full_v, self.recent_v = KiviInt4Values(self.full_v.quant), KiviInt4Values(self.recent_v.quant)
+            self.full_v, self.recent_v = (int4_values_or(store, value_states) for store in (self.full_v, self.recent_v))
         return key_states, value_states
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
