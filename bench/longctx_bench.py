@@ -97,6 +97,14 @@ LOCAL_CANDIDATES: list[tuple[str, dict[str, Any]]] = [
      {"method": "quant", "kv_bits": 3, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True, "kv_local_bits": 4}),
     ("quant 3-bit, sink 4 + rotated values, local layers at 8 bits (ext.)",
      {"method": "quant", "kv_bits": 3, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True, "kv_local_bits": 8}),
+    # the token layout's keys beside 2-bit values on the global layers (the SmolLM2 8K recipe that kept the source's
+    # needles, longctx-8k-token-keys-v2), the windows in KIVI's layout at their own width
+    ("quant token-layout keys 4-bit, values 2-bit, sink 4, local layers at 4 bits (ext.)",
+     {"method": "quant", "kv_bits": 4, "kv_value_bits": 2, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token",
+      "kv_local_bits": 4}),
+    ("quant token-layout keys 4-bit, values 2-bit, sink 4, local layers at 8 bits (ext.)",
+     {"method": "quant", "kv_bits": 4, "kv_value_bits": 2, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token",
+      "kv_local_bits": 8}),
     ("quant 2-bit, groups of 128, sink 4 + rotated values, local layers too (ext.)",
      {"method": "quant", "kv_bits": 2, "kv_group": 128, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True,
       "kv_include_local": True}),

@@ -104,6 +104,9 @@ def _family_config(kind: str, common: dict):
     if kind == "gemma3":  # QK-norm, local/global layers with their own RoPE tables, MQA, scaled queries
         return Gemma3TextConfig(num_key_value_heads=1, query_pre_attn_scalar=24, **heads, **interleaved, **common,
                                 **special)  # fmt: skip
+    if kind == "gemma3_64":  # the same, head width 64: what the token layout's int4 rows need (a multiple of 32)
+        return Gemma3TextConfig(num_key_value_heads=1, query_pre_attn_scalar=24, **{**heads, "head_dim": 64},
+                                **interleaved, **common, **special)  # fmt: skip
     if kind == "gemma2":  # soft-capped logits, local/global layers
         return Gemma2Config(num_key_value_heads=2, query_pre_attn_scalar=24, attn_logit_softcapping=20.0, **heads,
                             **interleaved, **common, **special)  # fmt: skip

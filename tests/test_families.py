@@ -156,6 +156,36 @@ def test_sliding_window_layers_take_their_own_width(tokenized_model_dir, tmp_pat
 
 
 @torch.no_grad()
+def test_token_layout_keys_beside_windows_in_kivis_layout(tokenized_model_dir, tmp_path):
+    """``--kv-layout token --kv-value-bits 2 --kv-local-bits 8`` (Gemma 3 at long contexts: the global layers' keys in
+    the token layout, the sliding windows at their own width): the windows go to KIVI's layout at 8 bits (a window is
+    read whole by stock attention), the global layer keeps token-layout keys and 2-bit values, the cache grows by the
+    global layer's bytes only, and the model generates."""
+    from kvconvert.eval.memory import kv_bytes_per_token
+
+    src = tokenized_model_dir("gemma3_64")  # layers: sliding, global, sliding
+    storage = ("--kv-bits", "4", "--kv-value-bits", "2", "--kv-local-bits", "8", "--kv-layout", "token",
+               "--kv-group", "32", "--kv-residual", "0", "--kv-sink", "4")  # fmt: skip
+    result = run_cli("quant", "--model", str(src), "--out", str(tmp_path / "q"), "--quiet", *storage)
+    assert result.exit_code == 0, result.output
+    converted = load_converted(tmp_path / "q")
+    ids = torch.randint(3, 90, (1, 96), generator=torch.Generator().manual_seed(0))
+    cache = converted(input_ids=ids, use_cache=True).past_key_values
+    sides = {getattr(layer, "is_sliding", False): (layer.key_store.quant, layer.value_store.quant)
+             for layer in cache.layers}  # fmt: skip
+    assert [(s.layout, s.bits) for s in sides[True]] == [("kivi", 8), ("kivi", 8)]
+    assert [(s.layout, s.bits) for s in sides[False]] == [("token", 4), ("kivi", 2)]
+    assert [type(layer.key_store).__name__ for layer in cache.layers] == ["TokenStore", "TokenLayoutStore", "TokenStore"]
+    # the global layer's 64 keys in 4-bit codes with a scale, zero per 32 and their block's center, 64 values in 2-bit
+    # codes with a scale and zero per group of 32 channels (float16 each)
+    per_token = 64 * 0.5 + 2 * 2 * 2 + 64 * 2 / 32 + 64 * 0.25 + 2 * 2 * 2
+    assert kv_bytes_per_token(converted, ids, 32, 96) == pytest.approx(per_token)
+    ids, mask = left_padded()
+    out = converted.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == 28
+
+
+@torch.no_grad()
 def test_the_budget_of_a_model_with_windows_counts_them_as_held(tokenized_model_dir, tmp_path):
     """On a model that interleaves sliding-window and global layers the report's long-context budget is the
     global layers' (the windows stay bounded while the context grows), and at a given length each window counts

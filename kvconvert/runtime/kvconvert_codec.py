@@ -107,9 +107,9 @@ class QuantSpec:
         for bits in (self.bits, *extra, *(b for pair in self.layers or () for b in pair)):
             if bits not in BITS:
                 raise ValueError(f"kv bits must be one of {BITS}, got {bits}")
-        if self.local_bits is not None and not (self.include_local and self.layers is None and self.layout == "kivi"):
-            raise ValueError("kv local bits (the sliding-window layers' width) need --kv-include-local, one width for "
-                             "the other layers and KIVI's layout")  # fmt: skip
+        if self.local_bits is not None and not (self.include_local and self.layers is None):
+            raise ValueError("kv local bits (the sliding-window layers' width) need --kv-include-local and one width "
+                             "for the other layers")  # fmt: skip
         if self.value_bits is not None and (self.value_bits == 16 or self.layers is not None):
             raise ValueError("kv value bits (the values' width apart from the keys') are 8, 4, 3 or 2, with one width "
                              "per side for every layer")  # fmt: skip
@@ -149,7 +149,8 @@ class QuantSpec:
         """The storage of a sliding-window layer's cache when it is quantized (``include_local``)."""
         if self.local_bits is None:
             return self
-        return dataclasses.replace(self, bits=self.local_bits, local_bits=None, value_bits=None)
+        # windows of a few hundred tokens, read whole by stock attention: KIVI's layout whatever the other layers'
+        return dataclasses.replace(self, bits=self.local_bits, local_bits=None, value_bits=None, layout="kivi")
 
     def side(self, layer: int, keys: bool) -> QuantSpec:
         """The uniform storage of one layer's keys (or values)."""
