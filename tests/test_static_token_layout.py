@@ -16,6 +16,7 @@ import kvconvert
 from kvconvert.runtime import kvconvert_tokenlayout
 from kvconvert.runtime.kvconvert_codec import QuantSpec, token_group_size
 from kvconvert.runtime.kvconvert_tokenlayout import Int4Rows, StaticTokenLayoutStore, TokenLayoutStore, cpu_int4_rows
+from kvconvert.runtime.kvconvert_tokenstore import TokenStore
 
 SEARCHES = {
     "greedy": {"do_sample": False},
@@ -28,6 +29,8 @@ SEARCHES = {
 TOKEN = {
     "groups of 64, residual 16": ("--kv-group", "64", "--kv-residual", "16"),
     "groups of 64, no residual, sink 4": ("--kv-group", "64", "--kv-residual", "0", "--kv-sink", "4"),
+    # values of their own width (per token in KIVI's packing, rotated), read from their codes beside the keys'
+    "values 2-bit, sink 4": ("--kv-group", "64", "--kv-residual", "0", "--kv-sink", "4", "--kv-value-bits", "2"),
 }
 
 
@@ -106,12 +109,14 @@ def _same_logits(expected, got, tolerance: float) -> None:
         assert diff <= tolerance * scale, f"step {step}: max |Δlogit| {diff:.3g} > {tolerance} × {scale:.3g}"
 
 
-@pytest.mark.parametrize("group, residual, sink", [(64, 16, 0), (64, 0, 4), (128, 8, 2)])
+@pytest.mark.parametrize("group, residual, sink, value_bits", [(64, 16, 0, None), (64, 0, 4, None), (128, 8, 2, None),
+                                                               (64, 0, 4, 2), (128, 8, 2, 3)])  # fmt: skip
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tensor ops"])
-def test_a_static_token_layout_step_attends_as_token_decode(group, residual, sink, compiled, monkeypatch):
+def test_a_static_token_layout_step_attends_as_token_decode(group, residual, sink, value_bits, compiled, monkeypatch):
     """Independent of the model: ``StaticTokenLayoutLayer``'s decode step (every block's room, masked by position;
     eagerly the blocks written so far) equals ``token_decode`` over growing stores fed the same tokens, step by step
-    across block boundaries, with a left-padded row and the sink's stand-ins."""
+    across block boundaries, with a left-padded row and the sink's stand-ins; values of their own width
+    (``value_bits``) stored per token in KIVI's packing on both sides."""
     from kvconvert.runtime.kvconvert_quant import token_decode
     from kvconvert.runtime.kvconvert_storage import StaticStoreLayer
     from kvconvert.runtime.kvconvert_tokenstatic import StaticTokenLayoutLayer
@@ -121,14 +126,15 @@ def test_a_static_token_layout_step_attends_as_token_decode(group, residual, sin
         pytest.skip("this machine's int4 kernel does not read these stores")
     if compiled:
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    spec = QuantSpec(bits=4, group=group, residual=residual, sink=sink, layout="token")
+    spec = QuantSpec(bits=4, group=group, residual=residual, sink=sink, layout="token", value_bits=value_bits)
     g = torch.Generator().manual_seed(0)
     batch, heads, kv_heads, width, prompt, steps, room = 2, 4, 2, 64, 150, 80, 260
     k = torch.randn(batch, kv_heads, prompt + steps, width, generator=g) * torch.linspace(0.5, 4, width)
     v, q = torch.randn(batch, kv_heads, prompt + steps, width, generator=g), torch.randn(batch, heads, steps, width)
     attend = torch.ones(batch, room, dtype=torch.bool)
     attend[1, :9] = False  # a left-padded row
-    growing_k, growing_v = TokenLayoutStore(spec, True), TokenLayoutStore(spec, False)
+    growing_k = TokenLayoutStore(spec, True)
+    growing_v = TokenLayoutStore(spec, False) if value_bits is None else TokenStore(spec.side(0, False), False)
     growing_k.append(k[..., :prompt, :])
     growing_v.append(v[..., :prompt, :])
     layer = StaticTokenLayoutLayer(spec, 0, room)
@@ -150,12 +156,13 @@ def test_a_static_token_layout_step_attends_as_token_decode(group, residual, sin
     assert int(layer.filled) == prompt + steps
 
 
-def test_compiled_decode_from_the_static_token_layout(token_layout):
+@pytest.mark.parametrize("name", ["groups of 64, residual 16", "values 2-bit, sink 4"])
+def test_compiled_decode_from_the_static_token_layout(name, token_layout):
     """generate compiles the decode step (fullgraph: the int4 kernel calls and the block writes in one graph) and
     decodes what the eager growing cache decodes: the same tokens; the same logits until a block is quantized inside
     the compiled graph (step 8), then within what Inductor's own rounding of that block moves them on this tiny
     random model (``test_a_compiled_block_write_quantizes_as_the_eager_one``)."""
-    model = load_converted(token_layout["groups of 64, residual 16"])
+    model = load_converted(token_layout[name])
     eager = _generate(model, new=12)
     config = CompileConfig(fullgraph=True, mode="default")
     config._compile_all_devices = True  # transformers' switch to compile on CPU (its tests use it too)

@@ -223,10 +223,14 @@ def test_windows_slide_by_whole_units():
     assert store.quantized_tokens == 96 and store.offset == 0 and store.whole_front(70) == 64
 
 
-def _filled(batch: int, kv_heads: int, n: int, width: int, group: int, sink: int, seed: int):
+def _filled(batch: int, kv_heads: int, n: int, width: int, group: int, sink: int, seed: int,
+            value_bits: int | None = None):  # fmt: skip
+    """Token-layout stores holding ``n`` random tokens; with ``value_bits``, the values per token in KIVI's packing at
+    that width, rotated (``--kv-value-bits``: ``QuantSpec.side``)."""
     generator = torch.Generator().manual_seed(seed)
-    spec = QuantSpec(4, group, residual=0, sink=sink, layout="token")
-    keys, values = TokenLayoutStore(spec, keys=True), TokenLayoutStore(spec, keys=False)
+    spec = QuantSpec(4, group, residual=0, sink=sink, layout="token", value_bits=value_bits)
+    keys = TokenLayoutStore(spec, keys=True)
+    values = TokenLayoutStore(spec, keys=False) if value_bits is None else TokenStore(spec.side(0, False), False)
     k = torch.randn(batch, kv_heads, n, width, generator=generator)
     k[..., 5] += 4.0
     v = torch.randn(batch, kv_heads, n, width, generator=generator)
@@ -236,11 +240,17 @@ def _filled(batch: int, kv_heads: int, n: int, width: int, group: int, sink: int
 
 
 @needs_kernel
-@pytest.mark.parametrize("width, group, sink", [(64, 64, 0), (64, 32, 3), (128, 64, 4)])
+@pytest.mark.parametrize("width, group, sink, value_bits", [(64, 64, 0, None), (64, 32, 3, None), (128, 64, 4, None),
+                                                            (64, 32, 3, 2), (128, 64, 0, 2), (64, 32, 2, 3),
+                                                            (128, 32, 4, 4)])  # fmt: skip
 @pytest.mark.parametrize("padded", [False, True])
-def test_kernel_decode_equals_float_attention_over_the_dequantized_cache(width, group, sink, padded):
+def test_kernel_decode_equals_float_attention_over_the_dequantized_cache(width, group, sink, value_bits, padded):
+    """``token_decode`` from the codes equals float attention over ``read()``'s dequantized cache: the token layout's
+    values through the int4 kernel, or values of their own width per token in KIVI's packing (``value_bits``, rotated)
+    weighed from their codes (``folded_value_sum``)."""
     batch, kv_heads, heads, n = 2, 2, 6, 5 * group + 9
-    keys, values, generator = _filled(batch, kv_heads, n, width, group, sink, seed=width + sink)
+    keys, values, generator = _filled(batch, kv_heads, n, width, group, sink, width + sink, value_bits)
+    assert kvconvert_quant.decodes_from_codes(keys, values, torch.device("cpu"))
     query = torch.randn(batch, heads, 1, width, generator=generator)
     key, value = torch.randn(batch, kv_heads, 1, width, generator=generator), torch.randn(batch, kv_heads, 1, width)
     bias = None
@@ -373,6 +383,7 @@ def test_token_keys_beside_values_of_their_own_width(tokenized_model_dir, tmp_pa
         values = load_reference(src)(tokens, use_cache=True).past_key_values.layers[0].values
     mixed = layers["mixed"]
     assert isinstance(mixed.key_store, TokenLayoutStore) and not isinstance(mixed.value_store, TokenLayoutStore)
+    assert kvconvert_quant.decodes_from_codes(mixed.key_store, mixed.value_store, torch.device("cpu")) == bool(MACHINE)
     torch.testing.assert_close(mixed.key_store.read(), layers["token"].key_store.read(), rtol=0, atol=0)
     kivi = TokenStore(QuantSpec(2, 32, 8, rotate=True), per_channel=False)
     kivi.append(values)
@@ -382,12 +393,12 @@ def test_token_keys_beside_values_of_their_own_width(tokenized_model_dir, tmp_pa
     generate_in_every_mode(loaded)
     ids, mask = left_padded()
     common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    with warnings.catch_warnings(record=True) as caught:  # no static layer yet: said once, the growing cache used
+    with warnings.catch_warnings(record=True) as caught:  # a static layer of its own: nothing said
         warnings.simplefilter("always")
-        static = loaded.generate(**common, cache_implementation="static")
-    said = [str(w.message) for w in caught if "kvconvert" in str(w.message)]
-    assert len(said) == 1 and "token-layout keys beside values of another width" in said[0], said
-    assert torch.equal(static, loaded.generate(**common))
+        static = loaded.generate(**common, cache_implementation="static", return_dict_in_generate=True)
+    assert not [str(w.message) for w in caught if "kvconvert" in str(w.message)]
+    assert {type(layer).__name__ for layer in static.past_key_values.layers} == {"StaticTokenLayoutLayer"}
+    assert torch.equal(static.sequences, loaded.generate(**common))
     tokens = torch.randint(3, 90, (1, 168), generator=torch.Generator().manual_seed(0))
     measured = kv_bytes_per_token(models["mixed"], tokens, 72, 168)
     spec = QuantSpec(4, 32, 8, layout="token", value_bits=2)
@@ -399,6 +410,15 @@ def test_token_keys_beside_values_of_their_own_width(tokenized_model_dir, tmp_pa
     assert measured < kv_bytes_per_token(models["token"], tokens, 72, 168)
     result = run_cli("razor", "--model", str(src), "--out", str(tmp_path / "r"), *TOKEN, "--kv-value-bits", "2")
     assert result.exit_code == 2 and "is quant's" in result.output and not (tmp_path / "r").exists()
+
+
+@needs_kernel
+def test_token_keys_beside_2bit_values_decode_from_the_codes(tokenized_model_dir, tmp_path, monkeypatch):
+    """``--kv-layout token --kv-value-bits 2``: decode steps read the keys' int4 codes and the values' 2-bit codes
+    (``token_decode``) and generate what the dequantizing path does, sink and left padding included."""
+    src = tokenized_model_dir("llama_gqa64")
+    convert("quant", src, tmp_path / "mixed", *TOKEN, "--kv-value-bits", "2", "--kv-sink", "2")
+    decode_both_ways(kvconvert_quant, tmp_path / "mixed", monkeypatch, new_tokens=40)
 
 
 def test_token_layout_refusals(tiny_model_dir, tokenized_model_dir, tmp_path):
@@ -447,7 +467,7 @@ def test_decode_from_the_codes_under_another_cpu_capability():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
                             env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "12 passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
+    assert "20 passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
 
 
 def test_the_token_layout_says_once_that_off_a_cpu_it_dequantizes_every_step():

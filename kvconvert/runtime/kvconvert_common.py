@@ -208,8 +208,6 @@ def static_refusal(spec: dict[str, Any], static_windows: bool = False) -> str | 
         why = window_static_refusal(quant, len(spec["razor"]["retrieval_kv_heads"]), int(spec["razor"]["window"]))
         if why:
             return f"razor's windows: {why}"
-    if quant.layout == "token" and quant.value_bits is not None:
-        return "token-layout keys beside values of another width have no static layer yet"
     if spec.get("minicache", {}).get("merge", "subspace") != "subspace":  # --merge subspace has one
         return "MiniCache's SLERP and average merges keep as many tokens exact as the data asks for"
     stock_windows = static_windows and not (quant.include_local and quant.quantized)

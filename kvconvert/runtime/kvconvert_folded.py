@@ -6,11 +6,12 @@ softmaxes the runtimes merge with exact tokens. Copied verbatim into every outpu
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .kvconvert_codec import codes_per_unit
+from .kvconvert_codec import channel_groups, codes_per_unit, rotation
 from .kvconvert_kernels import combine_partials
 
 # Scores more than 87 below a row's largest weigh less than exp(-87) ≈ 1.6e-38 (the smallest normal float32 is
@@ -77,18 +78,48 @@ def kivi_decode_folded(
     if value_sum is not None:  # the values' codes are another store's to read (the dropped tokens weigh 0)
         acc = value_sum(F.pad(weights, (skip, 0)) if skip else weights)[..., :dim]
     else:
-        zeros = weights @ value_zero.float()  # [b, Hkv, G, groups]: Σ p·z of every group at once
-        summed = None
-        for at in _pieces(value_codes, 2, value_bits):  # tokens a few at a time, their partial sums added up
-            piece = _folded_values(weights[..., at], value_codes[:, :, at], value_scale[:, :, at], value_bits)
-            summed = piece if summed is None else summed + piece
-        assert summed is not None
-        acc = (summed.unflatten(-1, (zeros.shape[-1], -1)) + zeros[..., None]).flatten(-2)[..., :dim]
+        acc = folded_value_sum(weights, value_codes, value_scale, value_zero, value_bits)[..., :dim]
     if value_rotation is not None:
         acc = unrotated(acc, value_rotation)
     if exact is not None:
         acc = acc + torch.matmul(every[..., n:], exact[1].float())
     return acc, torch.stack([top, every.sum(-1)], dim=-1)
+
+
+def folded_value_sum(
+    weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
+) -> torch.Tensor:  # fmt: skip
+    """``Σ p·v`` for weights ``[b, Hkv, G, n]`` over values quantized per token in KIVI's packing (``codes [b, Hkv,
+    n, P]``, ``scale/zero [b, Hkv, n, groups]``) without a float copy of them: ``(p⊙s_g)·code + p·z_g`` per channel
+    group g. ``[b, Hkv, G, groups·size]`` float32, rotated as stored."""
+    zeros = weights @ zero.float()  # [b, Hkv, G, groups]: Σ p·z of every group at once
+    summed = None
+    for at in _pieces(codes, 2, bits):  # tokens a few at a time, their partial sums added up
+        piece = _folded_values(weights[..., at], codes[:, :, at], scale[:, :, at], bits)
+        summed = piece if summed is None else summed + piece
+    assert summed is not None
+    return (summed.unflatten(-1, (zeros.shape[-1], -1)) + zeros[..., None]).flatten(-2)
+
+
+def token_values_sum(probs: torch.Tensor, held: tuple[torch.Tensor, ...], values: Any, batch: int,
+                     dim: int) -> torch.Tensor:  # fmt: skip
+    """``Σ p·v`` for probabilities ``[b·Hkv, G, n]`` over the first n tokens of values stored per token in KIVI's
+    packing (``held``: codes, scales, zeros token-major, a ``TokenStore``'s blocks or a ``StaticTokenStore``'s
+    buffers), rotated back: ``[b·Hkv, G, d]`` float32. How the token layout's keys read ``--kv-value-bits`` values
+    (``token_decode``, ``StaticTokenLayoutLayer``)."""
+    codes, scale, zero = (t[:, :, : probs.shape[-1]] for t in held)
+    summed = folded_value_sum(probs.unflatten(0, (batch, -1)), codes, scale, zero, values.quant.bits)
+    back = value_rotation(values, dim, probs.device)
+    summed = summed[..., :dim].flatten(0, 1)
+    return summed if back is None else unrotated(summed, back)
+
+
+def value_rotation(values: Any, dim: int, device: torch.device) -> torch.Tensor | None:
+    """The ``[size, size]`` rotation ``values`` (a ``TokenStore`` or ``StaticTokenStore``) applied per channel group
+    (``--kv-rotate`` where the weights could not take it), or None: undone on a codes reader's weighted sum."""
+    if not values.rotate:
+        return None
+    return rotation(channel_groups(dim, values.quant.group)[1], device)
 
 
 def _folded_values(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:

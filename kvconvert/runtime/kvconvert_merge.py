@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from .kvconvert_codec import QuantSpec
-from .kvconvert_folded import kivi_decode_folded
-from .kvconvert_quant import int4_value_sum, int4_values_or, kivi_kernel_reads, value_rotation
+from .kvconvert_folded import kivi_decode_folded, value_rotation
+from .kvconvert_quant import int4_value_sum, int4_values_or, kivi_kernel_reads
 from .kvconvert_storage import select_rows_fn
 from .kvconvert_tokenstore import TokenStore
 

@@ -31,7 +31,15 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec, channel_groups, eager_on_cpu, rotation
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, static_refusal
-from .kvconvert_folded import exact_partial, kivi_decode_folded, kivi_folded_fits, merge_partials, unrotated
+from .kvconvert_folded import (
+    exact_partial,
+    kivi_decode_folded,
+    kivi_folded_fits,
+    merge_partials,
+    token_values_sum,
+    unrotated,
+    value_rotation,
+)
 from .kvconvert_kernels import kernels_requested, use_kernels
 from .kvconvert_kivi_kernel import kivi_decode_triton, kivi_kernel_fits
 from .kvconvert_staticstore import StaticTokenStore
@@ -67,18 +75,22 @@ def int4_kernel_available(device: torch.device) -> bool:
 
 
 def decodes_from_codes(keys: TokenStore, values: TokenStore, device: torch.device) -> bool:
-    """A decode step can be computed from the stores' codes (``token_decode``): both in the token layout."""
-    if not (isinstance(keys, TokenLayoutStore) and isinstance(values, TokenLayoutStore)):
+    """A decode step can be computed from the stores' codes (``token_decode``): keys in the token layout, values
+    too, or per token in KIVI's packing at a width the torch reader weighs from its codes (``--kv-value-bits``)."""
+    if not (isinstance(keys, TokenLayoutStore) and keys.blocks is not None and int4_kernel_available(device)):
         return False
-    return keys.blocks is not None and int4_kernel_available(device) and keys.kernel_reads() and values.kernel_reads()
+    if isinstance(values, TokenLayoutStore):
+        return keys.kernel_reads() and values.kernel_reads()
+    fits = kivi_folded_fits(values.quant.bits, values.quant.group, channel_groups(values.width, values.quant.group)[1])
+    return keys.kernel_reads() and not values.per_channel and fits
 
 
 def token_decode(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
-    keys: TokenLayoutStore, values: TokenLayoutStore, scaling: float,
+    keys: TokenLayoutStore, values: TokenStore, scaling: float,
     extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """One decode step over a token-layout cache, from the codes.
+    """One decode step over a token-layout cache, from the codes (values in KIVI's packing: ``folded_value_sum``).
 
     ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]`` (exact), ``bias [b|1, 1, 1, n]``
     additive or None; the stores hold the ``n − 1`` earlier tokens, at least one block quantized.
@@ -132,6 +144,10 @@ def token_decode(
         by_head[..., first + sink :] += bias[..., held:]
     probs = torch.softmax(scores, dim=-1)
     out = torch.bmm(probs[..., n_q:], v_exact)  # [b·Hkv, G, d]
+    if not isinstance(values, TokenLayoutStore):  # per token in KIVI's packing, the same tokens quantized as the keys
+        assert values.quantized_tokens == n_q and values.offset == dropped
+        out = out + token_values_sum(probs[..., :n_q], (vb.codes, vb.scale, vb.zero), values, batch, dim)
+        return out.view(batch, heads, 1, dim)
     out_rot = code_outputs(probs[..., :n_q], vb.scale, vb.zero, values.kernel_operands(), size)
     out = torch.addmm(out.view(-1, size), out_rot.view(-1, size), rot.T)  # rotated back, added to the exact part
     return out.view(batch, heads, 1, dim)
@@ -206,14 +222,6 @@ def int4_value_sum(values: TokenStore) -> Any:
     """``kivi_decode_folded``'s ``value_sum`` for a value store: the int4 kernel's weighted sum over a
     ``KiviInt4Values`` (``kivi_int4_values``), None over KIVI's own packing."""
     return (lambda weights: kivi_int4_values(values, weights)) if isinstance(values, KiviInt4Values) else None
-
-
-def value_rotation(values: Any, dim: int, device: torch.device) -> torch.Tensor | None:
-    """The ``[size, size]`` rotation ``values`` (a ``TokenStore`` or ``StaticTokenStore``) applied per channel group
-    (``--kv-rotate`` where the weights could not take it), or None: undone on a codes reader's weighted sum."""
-    if not values.rotate:
-        return None
-    return rotation(channel_groups(dim, values.quant.group)[1], device)
 
 
 def folded_fits(keys: Any, values: Any, dim: int) -> bool:
@@ -416,7 +424,6 @@ class TokenLayoutLayer(QuantizedLayer):
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
         keys, values = self.key_store, self.value_store
         if query.shape[2] == 1 and decodes_from_codes(keys, values, query.device):
-            assert isinstance(values, TokenLayoutStore)  # what decodes_from_codes checked
             total = len(keys) + 1
             bias = additive_mask(attention_mask, 1, total, torch.float32, query.device)
             out = token_decode(query, key, value, bias, keys, values, scaling).to(query.dtype)

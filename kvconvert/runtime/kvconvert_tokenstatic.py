@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .kvconvert_codec import QuantSpec, eager_on_cpu, rotation
+from .kvconvert_codec import QuantSpec, channel_groups, eager_on_cpu, rotation
 from .kvconvert_common import additive_mask
+from .kvconvert_folded import kivi_folded_fits, token_values_sum
 from .kvconvert_staticstore import StaticTokenStore, ring_positions
 from .kvconvert_storage import StaticStoreLayer
 from .kvconvert_tokenlayout import StaticTokenLayoutStore, code_outputs, code_scores
@@ -64,15 +65,24 @@ class StaticTokenLayoutLayer(StaticStoreLayer):
     and writes. A decode step on a CPU whose int4 kernel reads the stores runs ``token_decode``'s two halves over every
     block's room (``code_scores``, ``code_outputs``), the blocks not quantized yet and the sink's stand-ins masked by
     position (``static_columns``), then stores the token; elsewhere (a prefill, another device or layout) the
-    stores are dequantized whole and SDPA attends, as ``StaticStoreLayer`` does."""
+    stores are dequantized whole and SDPA attends, as ``StaticStoreLayer`` does. Values of their own width
+    (``--kv-value-bits``) are stored per token in KIVI's packing and weighed from their codes (``token_values_sum``)."""
 
     key_store: StaticTokenLayoutStore
-    value_store: StaticTokenLayoutStore
+    value_store: StaticTokenStore
 
     def __init__(self, quant: QuantSpec, layer: int, max_cache_len: int):
         super().__init__(max_cache_len, quant, layer)
         self.key_store = StaticTokenLayoutStore(quant, True, max_cache_len)
-        self.value_store = StaticTokenLayoutStore(quant, False, max_cache_len)
+        self.value_store = (StaticTokenLayoutStore(quant, False, max_cache_len) if quant.value_bits is None else
+                            StaticTokenStore(quant.side(layer, keys=False), False, max_cache_len))  # fmt: skip
+
+    def _reads_codes(self, dim: int) -> bool:
+        values = self.value_store
+        if isinstance(values, StaticTokenLayoutStore):
+            return self.key_store.reads_codes and values.reads_codes
+        size = channel_groups(dim, values.quant.group)[1]
+        return self.key_store.reads_codes and kivi_folded_fits(values.quant.bits, values.quant.group, size)
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
@@ -81,8 +91,7 @@ class StaticTokenLayoutLayer(StaticStoreLayer):
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
-        keys, values = self.key_store, self.value_store
-        if query.shape[2] == 1 and query.device.type == "cpu" and keys.reads_codes and values.reads_codes:
+        if query.shape[2] == 1 and query.device.type == "cpu" and self._reads_codes(query.shape[-1]):
             out = self._decode(query, key, value, attention_mask, scaling).to(query.dtype)
             return out.transpose(1, 2).contiguous(), None
         k, v = StaticStoreLayer.update(self, key, value)
@@ -101,14 +110,14 @@ class StaticTokenLayoutLayer(StaticStoreLayer):
         rot = rotation(size, query.device)
         bias_q, (k_exact, v_exact, exact_bias) = static_columns(keys, values, key, value, attention_mask, filled,
                                                                 self.max_cache_len)  # fmt: skip
-        center, scale, zero = keys.center, values.scale, values.zero
-        assert center is not None and scale is not None and zero is not None
+        center, codes, scale, zero = keys.center, values.codes, values.scale, values.zero
+        assert center is not None and codes is not None and scale is not None and zero is not None
         held = None  # every block's room (fixed shapes: a compiled step)
         if eager_on_cpu(query.device):  # the count is free to read: the blocks written so far, not every one held
             blocks = written_blocks(keys, filled)
             held = blocks * keys.quant.group
-            center, scale, zero, bias_q = center[..., :blocks, :], scale[..., :held], zero[..., :held], bias_q[:, :held]
-        key_ops, value_ops = keys.kernel_operands(held), values.kernel_operands(held)
+            center, bias_q = center[..., :blocks, :], bias_q[:, :held]
+        key_ops = keys.kernel_operands(held)
         length = bias_q.shape[-1]
         q = query.reshape(rows, group, dim).float() * scaling  # [b·Hkv, G, d]
         q_rot = torch.mm(q.view(-1, size), rot).to(torch.bfloat16).view(rows, group, dim)
@@ -120,8 +129,12 @@ class StaticTokenLayoutLayer(StaticStoreLayer):
         by_head[..., length:] += exact_bias
         probs = torch.softmax(scores, dim=-1)
         out = torch.bmm(probs[..., length:], v_exact.flatten(0, 1).float())  # [b·Hkv, G, d]
-        out_rot = code_outputs(probs[..., :length], scale, zero, value_ops, size)
-        out = torch.addmm(out.view(-1, size), out_rot.view(-1, size), rot.T)  # rotated back, added to the exact part
+        if isinstance(values, StaticTokenLayoutStore):  # scales and zeros token-last
+            scale, zero = (t if held is None else t[..., :held] for t in (scale, zero))
+            out_rot = code_outputs(probs[..., :length], scale, zero, values.kernel_operands(held), size)
+            out = torch.addmm(out.view(-1, size), out_rot.view(-1, size), rot.T)  # rotated back, added to the exact
+        else:  # per token in KIVI's packing, token-major: the first ``length`` tokens read
+            out = out + token_values_sum(probs[..., :length], (codes, scale, zero), values, batch, dim)
         keys.extend_only(key, filled)
         values.extend_only(value, filled)
         self._advance(1)
