@@ -114,6 +114,13 @@ def token_values_sum(probs: torch.Tensor, held: tuple[torch.Tensor, ...], values
     return summed if back is None else unrotated(summed, back)
 
 
+def token_values_fit(values: Any, dim: int) -> bool:
+    """``values`` (a ``TokenStore`` or ``StaticTokenStore`` of width ``dim``) are what ``token_values_sum`` reads:
+    per token, at a width and channel groups the torch reader folds (``kivi_folded_fits``)."""
+    size = channel_groups(dim, values.quant.group)[1]
+    return not values.per_channel and kivi_folded_fits(values.quant.bits, values.quant.group, size)
+
+
 def value_rotation(values: Any, dim: int, device: torch.device) -> torch.Tensor | None:
     """The ``[size, size]`` rotation ``values`` (a ``TokenStore`` or ``StaticTokenStore``) applied per channel group
     (``--kv-rotate`` where the weights could not take it), or None: undone on a codes reader's weighted sum."""

@@ -36,6 +36,7 @@ from .kvconvert_folded import (
     kivi_decode_folded,
     kivi_folded_fits,
     merge_partials,
+    token_values_fit,
     token_values_sum,
     unrotated,
     value_rotation,
@@ -81,8 +82,7 @@ def decodes_from_codes(keys: TokenStore, values: TokenStore, device: torch.devic
         return False
     if isinstance(values, TokenLayoutStore):
         return keys.kernel_reads() and values.kernel_reads()
-    fits = kivi_folded_fits(values.quant.bits, values.quant.group, channel_groups(values.width, values.quant.group)[1])
-    return keys.kernel_reads() and not values.per_channel and fits
+    return keys.kernel_reads() and token_values_fit(values, values.width)
 
 
 def token_decode(
@@ -90,7 +90,7 @@ def token_decode(
     keys: TokenLayoutStore, values: TokenStore, scaling: float,
     extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """One decode step over a token-layout cache, from the codes (values in KIVI's packing: ``folded_value_sum``).
+    """One decode step over a token-layout cache, from the codes (values in KIVI's packing: ``token_values_sum``).
 
     ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]`` (exact), ``bias [b|1, 1, 1, n]``
     additive or None; the stores hold the ``n − 1`` earlier tokens, at least one block quantized.

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .kvconvert_codec import QuantSpec, channel_groups, eager_on_cpu, rotation
+from .kvconvert_codec import QuantSpec, eager_on_cpu, rotation
 from .kvconvert_common import additive_mask
-from .kvconvert_folded import kivi_folded_fits, token_values_sum
+from .kvconvert_folded import token_values_fit, token_values_sum
 from .kvconvert_staticstore import StaticTokenStore, ring_positions
 from .kvconvert_storage import StaticStoreLayer
 from .kvconvert_tokenlayout import StaticTokenLayoutStore, code_outputs, code_scores
@@ -81,8 +81,7 @@ class StaticTokenLayoutLayer(StaticStoreLayer):
         values = self.value_store
         if isinstance(values, StaticTokenLayoutStore):
             return self.key_store.reads_codes and values.reads_codes
-        size = channel_groups(dim, values.quant.group)[1]
-        return self.key_store.reads_codes and kivi_folded_fits(values.quant.bits, values.quant.group, size)
+        return self.key_store.reads_codes and token_values_fit(values, dim)
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
