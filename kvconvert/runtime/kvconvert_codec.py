@@ -146,10 +146,9 @@ class QuantSpec:
         return self.bits < 16 or any(b < 16 for b in extra) or any(b < 16 for pair in self.layers or () for b in pair)
 
     def for_local(self) -> QuantSpec:
-        """The storage of a sliding-window layer's cache when it is quantized (``include_local``)."""
+        """A sliding-window layer's storage if quantized (``include_local``): KIVI's layout (SDPA reads it whole)."""
         if self.local_bits is None:
             return self
-        # windows of a few hundred tokens, read whole by stock attention: KIVI's layout whatever the other layers'
         return dataclasses.replace(self, bits=self.local_bits, local_bits=None, value_bits=None, layout="kivi")
 
     def side(self, layer: int, keys: bool) -> QuantSpec:
