@@ -80,9 +80,8 @@ def decodes_from_codes(keys: TokenStore, values: TokenStore, device: torch.devic
     too, or per token in KIVI's packing at a width the torch reader weighs from its codes (``--kv-value-bits``)."""
     if not (isinstance(keys, TokenLayoutStore) and keys.blocks is not None and int4_kernel_available(device)):
         return False
-    if isinstance(values, TokenLayoutStore):
-        return keys.kernel_reads() and values.kernel_reads()
-    return keys.kernel_reads() and token_values_fit(values, values.width)
+    reads = values.kernel_reads() if isinstance(values, TokenLayoutStore) else token_values_fit(values, values.width)
+    return keys.kernel_reads() and reads
 
 
 def token_decode(

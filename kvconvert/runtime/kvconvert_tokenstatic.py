@@ -79,9 +79,8 @@ class StaticTokenLayoutLayer(StaticStoreLayer):
 
     def _reads_codes(self, dim: int) -> bool:
         values = self.value_store
-        if isinstance(values, StaticTokenLayoutStore):
-            return self.key_store.reads_codes and values.reads_codes
-        return self.key_store.reads_codes and token_values_fit(values, dim)
+        reads = values.reads_codes if isinstance(values, StaticTokenLayoutStore) else token_values_fit(values, dim)
+        return self.key_store.reads_codes and reads
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
