@@ -75,7 +75,8 @@ bench-speed: install
 		$(PYTHON) bench/speed_bench.py --contexts 1024,4096 --batches 1,8 --steps 16 --name speed-tuned-malloc
 	$(PYTHON) bench/speed_bench.py --contexts 16384 --steps 16 --name speed-16k
 	$(PYTHON) bench/speed_bench.py --contexts 4096 --compiled --steps 16 --name speed-compiled
-	$(PYTHON) bench/speed_bench.py --contexts 1024 --serving 1024:4 --only "quant 4-bit|zack 0.5|razor 0.5" \
+	MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=1073741824 \
+		$(PYTHON) bench/speed_bench.py --contexts "" --serving 4096:4 --only "quant 4-bit|quant token-layout|zack 0.5|razor 0.5" \
 		--name speed-serving
 
 # `kvconvert plan` on SmolLM2-135M, wikitext-2 and TinyStories: every method's frontier (about 55 minutes)

@@ -184,11 +184,12 @@ def _mb(value: int | None) -> str:
 PRESSES = ("StreamingLLM", "SnapKV", "ExpectedAttention", "TOVA", "KVzip", "AdaKV + ExpectedAttention")
 
 
-def kvpress_accuracy(args: argparse.Namespace, source: Path, batches: dict) -> dict[str, dict[str, dict[str, float]]]:
+def kvpress_accuracy(args: argparse.Namespace, source: Path, batches: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     """kvpress's presses on the very same samples (``bench/kvpress_engine.py`` in kvpress's own virtualenv): the
     context compressed to each budget (kvpress's compression ratio = 1 − budget: it drops tokens of a 16-bit
-    cache), then the question read through it. ``{"press@budget": {task: {length: accuracy}}}``; the
-    uncompressed source run the same way is ``"kvpress, no press@1"``, a check of the two protocols."""
+    cache), then the question read through it. ``{"press@budget": {task: {length: accuracy}}}`` and, as
+    ``run_tasks`` gives them, every sample's ``[score, text]``; the uncompressed source run the same way is
+    ``"kvpress, no press@1"``, a check of the two protocols."""
     import json
     import subprocess
 
@@ -207,6 +208,7 @@ def kvpress_accuracy(args: argparse.Namespace, source: Path, batches: dict) -> d
         subprocess.run([args.kvpress_python, str(engine), str(job), str(out)], check=True)
         answers = json.loads(out.read_text())["answers"]
     result: dict[str, dict[str, dict[str, float]]] = {}
+    scored: dict[str, dict[str, dict[str, list[list[Any]]]]] = {}
     for (name, ratio), texts in zip(presses, answers.values(), strict=True):
         label = "kvpress, no press@1" if name == "none" else f"kvpress {name}@{1 - ratio:g}"
         start = 0
@@ -214,8 +216,10 @@ def kvpress_accuracy(args: argparse.Namespace, source: Path, batches: dict) -> d
             got = [score(t, s.answers) for t, s in zip(texts[start : start + len(batches[task, length])],
                                                        batches[task, length], strict=True)]  # fmt: skip
             result.setdefault(label, {}).setdefault(task, {})[str(length)] = 100 * sum(got) / len(got)
+            scored.setdefault(label, {}).setdefault(task, {})[str(length)] = [
+                [g, t] for g, t in zip(got, texts[start : start + len(got)], strict=True)]  # fmt: skip
             start += len(got)
-    return result
+    return result, scored
 
 
 def main() -> None:
@@ -235,6 +239,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "gemma3-270m"))
     parser.add_argument("--name", default=None, help="results file stem (default longctx / longdoc)")
     parser.add_argument("--seed", type=int, default=0, help="the task samples' seed (another seed: fresh samples)")
+    parser.add_argument("--no-source", action="store_true", help="leave out kvconvert's run of the source")
     args = parser.parse_args()
     started = time.time()
     if args.ppl:
@@ -255,8 +260,10 @@ def main() -> None:
     source = _source(args)
     layout = adapter_for(open_source(str(source)).config).layout()
     reference, tokenizer = load_for_eval(str(source))
-    models: dict[str, Any] = {"source": reference}
-    budgets: dict[str, float] = {"source": 1.0}
+    # --no-source: the source's answers on these samples come from an earlier run (kvpress's no-press run still
+    # checks its protocol against them)
+    models: dict[str, Any] = {} if args.no_source else {"source": reference}
+    budgets: dict[str, float] = {} if args.no_source else {"source": 1.0}
     candidates = CANDIDATES + (LOCAL_CANDIDATES if args.model == "gemma3-270m" else [])
     wanted = [c for c in candidates if args.only is None or any(p in c[0] for p in args.only.split("|"))]
     with tempfile.TemporaryDirectory() as tmp:
@@ -275,7 +282,9 @@ def main() -> None:
     labels = list(models)
     if args.kvpress_python:
         batches = make_batches(tokenizer, config.tasks, config.lengths, config.samples, args.seed)  # run_tasks'
-        for label, accuracy in kvpress_accuracy(args, source, batches).items():
+        pressed, scored = kvpress_accuracy(args, source, batches)
+        outcome["answers"].update(scored)
+        for label, accuracy in pressed.items():
             labels.append(label)
             budgets[label] = float(label.rsplit("@", 1)[1])
             outcome["accuracy"][label] = accuracy
