@@ -164,9 +164,11 @@ def _serving(models: dict[str, Any], context: int, rows: int, steps: int, rounds
     # each model at its own batch: timed one after another, the source first and last (its best counts)
     # prefill chunks of at most ~16K row-tokens: a chunk's scores are [rows, H, chunk, context] wherever a runtime
     # materializes them (28 GB for 95 rows of 2048 against 4K tokens in float32)
-    speed = {name: side_by_side({name: model}, context, steps, rounds, chunk=_chunk(fits[name]),
-                                batch=fits[name])[name]["decode_tokens_per_s"]
-             for name, model in models.items()}  # fmt: skip
+    speed = {}
+    for name, model in models.items():
+        measured = side_by_side({name: model}, context, steps, rounds, chunk=_chunk(fits[name]), batch=fits[name])
+        speed[name] = measured[name]["decode_tokens_per_s"]
+        print({"model": name, "rows": fits[name], "decode_tokens_per_s": speed[name]}, flush=True)
     again = side_by_side({"source": models["source"]}, context, steps, rounds, chunk=_chunk(rows), batch=rows)
     speed["source"] = max(speed["source"], again["source"]["decode_tokens_per_s"])
     return [{"model": name, "rows": fits[name], "cache_bytes_per_row": per_row[name],
