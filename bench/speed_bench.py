@@ -6,13 +6,12 @@ the models take turns decoding ``--steps`` greedy tokens from where they are, ``
 Reported: decode tokens/s, the ratio to the source measured in the same process, and the bytes the
 cache holds after the prefill. ``--batches 1,8``: each context at each batch size, the rows left-padded to
 different lengths (``eval.speed.ragged_batch``: from the context down to a little over half of it).
-``--serving C:B``: the serving figure: the memory the source's cache takes for B rows of C tokens is the
-budget; each model decodes the most rows of C tokens whose cache fits it, and its tokens/s (all rows) is
-compared with the source's at B rows. The source runs as users run it: transformers' default dynamic cache
-in the checkpoint's dtype (float32 for the GGUF-imported SmolLM2). SmolLM2 shares each KV head by
-3 query heads, which slim cannot use; slim is timed against its own source, a random-weight MHA
-Llama (8 layers × 1024, 16 heads; random weights time the same as trained ones). Writes
-bench/results/speed-<date>.{json,md}.
+``--serving C:B``: the serving figure: the memory the source's cache takes for B rows of C tokens is the budget;
+each model decodes the most rows of C tokens whose cache fits it, and its tokens/s (all rows) is compared with the
+source's at B rows (``--contexts ""``: that figure alone, no grid). The source runs as users run it: transformers'
+default dynamic cache in the checkpoint's dtype (float32 for the GGUF-imported SmolLM2). SmolLM2 shares each KV
+head by 3 query heads, which slim cannot use; slim is timed against its own source, a random-weight MHA Llama (8
+layers × 1024, 16 heads; random weights time the same as trained ones). Writes bench/results/speed-<date>.{json,md}.
 """
 
 from __future__ import annotations
