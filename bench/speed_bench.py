@@ -76,7 +76,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batches", default="1", help="comma-separated batch sizes (rows of different lengths)")
-    parser.add_argument("--serving", default=None, help="CONTEXT:ROWS: tokens/s within the source's cache memory")
+    parser.add_argument("--serving", default=None, type=_context_rows,
+                        help="CONTEXT:ROWS: tokens/s within the source's cache memory")  # fmt: skip
     parser.add_argument("--only", default=None, help="candidates whose label contains this text ('|': any of several; "
                                                      "'=LABEL': that label exactly)")  # fmt: skip
     parser.add_argument("--name", default="speed", help="results file stem (bench/results/NAME-<date>.*)")
@@ -106,7 +107,7 @@ def main() -> None:
         rows += _measure("smollm2-135m (fp32)", models, recipes, contexts, args.steps, args.rounds, batches,
                          args.compiled, args.static)  # fmt: skip
         if args.serving:
-            context, rows_ = (int(x) for x in args.serving.split(":"))
+            context, rows_ = args.serving
             serving = _serving(models, context, rows_, args.steps, args.rounds)
         if args.only is None or "slim" in args.only.split("|"):
             mha = Path(tmp) / "mha"
@@ -128,7 +129,7 @@ def main() -> None:
     payload: dict[str, Any] = {"machine": machine(), "steps": args.steps, "rounds": args.rounds, "rows": rows}
     if args.serving:
         payload["serving"] = serving
-        within = args.serving.replace(":", " tokens × ")
+        within = f"{args.serving[0]} tokens × {args.serving[1]}"
         table += ("\n\n" if table else "") + f"Serving within the source's cache memory at {within} rows:\n\n"
         table += markdown_table(
             ["model", "rows that fit", "decode tok/s (all rows)", "× source"],
@@ -173,6 +174,14 @@ def _serving(models: dict[str, Any], context: int, rows: int, steps: int, rounds
     return [{"model": name, "rows": fits[name], "cache_bytes_per_row": per_row[name],
              "decode_tokens_per_s": speed[name], "ratio_to_source": speed[name] / speed["source"]}
             for name in models]  # fmt: skip
+
+
+def _context_rows(text: str) -> tuple[int, int]:
+    """``--serving``'s ``CONTEXT:ROWS``, both positive integers (else argparse's one-line error)."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected CONTEXT:ROWS (e.g. 4096:4), got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def _chunk(rows: int) -> int:
