@@ -14,7 +14,9 @@
 # bound the sweep, the end-to-end bench and the tests (seconds; 0: skip the sweep or the tests); SHAPES picks the end-to-end context:batch pairs,
 # ONLY the conversions, SWEEP_KERNELS the kernels whose launches are swept (default kivi; fp8,kivi both), COMPILED
 # the runs also decoded compiled by Inductor and captured (run labels, comma-separated; empty: none; each compile
-# took 13-65 s on an H200), STATIC_TESTS=1 also the static caches' GPU tests. The defaults' timeouts sum to 570 s (30 + 180 + 280 + 80), under
+# took 13-65 s on an H200), STATIC_TESTS=1 also the static caches' GPU tests, TESTS other pytest arguments instead of the
+# kernels' tests, QUICK=1 one launch per kernel in the sweep, KERNEL_PATHS_ONLY=1 the conversions with a kernel timed
+# with it alone. The defaults' timeouts sum to 570 s (30 + 180 + 280 + 80), under
 # the device tool's 600 s a call with the wheel's install: give it timeout_s=600.
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/kvconvert-gpu-check}
@@ -34,8 +36,9 @@ python3 -c "import torch, transformers, triton; print(torch.__version__, transfo
 timeout 30 python3 bench/sdpa_precision.py 2>&1 | tee -a "$OUT/env.txt"
 start=$(date +%s)
 if [ "${SWEEP_S:-180}" != 0 ]; then  # SWEEP_S=0: no sweep (the kernels' module launches)
+  # shellcheck disable=SC2086
   timeout "${SWEEP_S:-180}" python3 bench/kernel_sweep.py --shapes 16:8192,1:32768 --kernels "${SWEEP_KERNELS:-kivi}" \
-    --copy-to "$OUT" > "$OUT/bench.log" 2>&1
+    ${QUICK:+--quick} --copy-to "$OUT" > "$OUT/bench.log" 2>&1
   echo "sweep rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
   grep "^|" "$OUT/bench.log" | head -12
 fi
@@ -44,11 +47,19 @@ launch=()
 start=$(date +%s)
 timeout "${BENCH_S:-280}" python3 bench/kernels_bench.py --contexts 8192 --batches 16 --shapes "${SHAPES:-8192:16,32768:1}" \
   --graphs --no-growing --no-probe --serving none --steps 16 --only "${ONLY:-quant fp8,quant 4-bit KIVI}" \
-  --compiled "${COMPILED-quant 4-bit KIVI [Triton kernels]}" "${launch[@]}" --copy-to "$OUT" >> "$OUT/bench.log" 2>&1
+  --compiled "${COMPILED-quant 4-bit KIVI [Triton kernels]}" "${launch[@]}" ${KERNEL_PATHS_ONLY:+--kernel-paths-only} \
+  --copy-to "$OUT" >> "$OUT/bench.log" 2>&1
 echo "bench rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 grep "^|" "$OUT/bench.log" | tail -24
 [ "${TEST_S:-80}" = 0 ] && exit 0  # TEST_S=0: no tests
 start=$(date +%s)
+if [ -n "${TESTS:-}" ]; then  # TESTS: these pytest arguments instead of the kernels' default selection below
+  # shellcheck disable=SC2086
+  timeout "${TEST_S:-80}" python3 -m pytest -q -x -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
+  echo "tests ($TESTS) rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+  tail -5 "$OUT/tests.log"
+  exit 0
+fi
 # first whether generate's compiled static steps take the KIVI kernel (a run of its own: pytest runs tests in file
 # order, and in one run with the others it came after 48 parametrisations of the kernel's test, past the time), then
 # the KIVI and fp8 kernels natively in the time left (the first failure stops them: their parametrisations each

@@ -23,8 +23,10 @@ from bench.common import machine, markdown_table, write_results  # noqa: E402
 from bench.kernels_bench import PEAK_BANDWIDTH, relative_error, sdpa_backends, timed  # noqa: E402
 from kvconvert.runtime import kvconvert_fp8_kernel as fp8  # noqa: E402
 from kvconvert.runtime import kvconvert_kivi_kernel as kivi  # noqa: E402
-from kvconvert.runtime.kvconvert_codec import fp8_read, quantize_tokens  # noqa: E402
+from kvconvert.runtime import kvconvert_token_kernel as token_kernel  # noqa: E402
+from kvconvert.runtime.kvconvert_codec import QuantSpec, fp8_read, quantize_tokens, rotation  # noqa: E402
 from kvconvert.runtime.kvconvert_kernels import split_count  # noqa: E402
+from kvconvert.runtime.kvconvert_tokenlayout import KERNEL_ROWS, TokenLayoutStore  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 LAUNCH_KEYS = ("tile", "split", "magic", "warps", "stages", "programs_per_sm", "splits")
@@ -110,7 +112,51 @@ def sweep_shape(
             return a / m[..., 1:]
 
         record("quant 4-bit KIVI kernel", config, nbytes(*store), run, ref)
+    if "token" in kernels:
+        token_sweep(q, k, v, quick, record)
     return rows
+
+
+def token_sweep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quick: bool, record: Any) -> None:
+    """The 4-bit token layout (key blocks of 64 tokens, channel groups of 64, packed as the GPU kernel reads) through
+    ``token_decode_triton``: tokens an iteration, warps, stages, programs per multiprocessor. Each launch's output
+    (still rotated, as the kernel leaves it) is checked against SDPA over what the stores read back."""
+    quant = QuantSpec(bits=4, group=64, residual=0)
+    keys, values = TokenLayoutStore(quant, keys=True), TokenLayoutStore(quant, keys=False)
+    keys.rows = values.rows = KERNEL_ROWS
+    keys.append(k)
+    values.append(v)
+    kb, vb = keys.blocks, values.blocks
+    assert kb is not None and kb.center is not None and vb is not None
+    batch = q.shape[0]
+    size = keys.group_size()
+    rot = rotation(size, q.device)
+    with sdpa_backends():
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.reshape(batch, HEADS, 1, DIM).float(), keys.read().float(), values.read().float(), enable_gqa=True
+        ).reshape(q.shape)  # fmt: skip
+    ref = (ref.unflatten(-1, (-1, size)) @ rot).flatten(-2)  # rotated, as the kernel's sums
+    scaled = q.float() * DIM**-0.5
+    q_rot = (scaled.unflatten(-1, (-1, size)) @ rot).flatten(-2).to(q.dtype)
+    offsets = torch.einsum("bhgd,bhcd->bhgc", scaled, kb.center.float())
+    layouts = token_kernel._layouts(keys, values)
+    store = (kb.codes, kb.scale, vb.codes, vb.scale, vb.zero)
+    size_bytes = nbytes(*store, kb.center)
+    tiles, warps, stages, per_sm = ([64, 128, 256], [4, 8], [2, 3], [4, 8, 16])
+    if quick:  # the runtime's launch
+        t = token_kernel
+        tiles, warps, stages, per_sm = [t.TOKEN_TILE], [t.TOKEN_WARPS], [t.TOKEN_STAGES], [t.TOKEN_PROGRAMS_PER_SM]
+    n = k.shape[-2]
+    for tile, warp, stage, pps in itertools.product(tiles, warps, stages, per_sm):
+        split = split_count(batch * KV_HEADS, n // (4 * tile), q.device, pps)
+        config = {"tile": tile, "warps": warp, "stages": stage, "programs_per_sm": pps, "splits": split}
+
+        def run(t: int = tile, w: int = warp, s: int = stage, sp: int = split) -> torch.Tensor:
+            a, m = token_kernel.token_decode_triton(q_rot, offsets, store[0], store[1], *store[2:], None, splits=sp,
+                                                    tile=t, num_warps=w, num_stages=s, **layouts)  # fmt: skip
+            return a / m[..., 1:]
+
+        record("quant 4-bit token kernel", config, size_bytes, run, ref)
 
 
 def best(rows: list[dict[str, Any]], kernel: str) -> dict[str, Any] | None:
@@ -145,7 +191,8 @@ def main() -> None:
     launch: dict[str, Any] = {}
     kivi_keys = ("tile", "split", "magic", "warps", "stages", "programs_per_sm")
     for kernel, keys in (("fp8 kernel", ("tile", "warps", "stages", "programs_per_sm")),
-                         ("quant 4-bit KIVI kernel", kivi_keys)):  # fmt: skip
+                         ("quant 4-bit KIVI kernel", kivi_keys),
+                         ("quant 4-bit token kernel", ("tile", "warps", "stages", "programs_per_sm"))):  # fmt: skip
         totals: dict[tuple, float] = {}
         for batch, n in shapes:
             base = sdpa_us(rows, batch, n)
@@ -163,7 +210,8 @@ def main() -> None:
           f"{r['gb_per_s'] * 1e9 / peak:.0%}" if "us" in r and peak else "-",
           f"{r['relative_error']:.1e}" if "us" in r else r.get("error", "")[:80]] for r in rows],
     )  # fmt: skip
-    kernels = ("sdpa (16-bit cache)", "fp8 read back + sdpa", "fp8 kernel", "quant 4-bit KIVI kernel")
+    kernels = ("sdpa (16-bit cache)", "fp8 read back + sdpa", "fp8 kernel", "quant 4-bit KIVI kernel",
+               "quant 4-bit token kernel")  # fmt: skip
     fastest = [best([r for r in rows if (r["batch"], r["context"]) == s], k) for s in shapes for k in kernels]
     summary = markdown_table(
         ["kernel", "batch", "context", "µs", "× SDPA's time", "of peak"],

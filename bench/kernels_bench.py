@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, markdown_table, save_calib_tokenizer, write_results  # noqa: E402
 from kvconvert.runtime import kvconvert_kernels as kernels  # noqa: E402
 from kvconvert.runtime import kvconvert_kivi_kernel as kivi_kernel  # noqa: E402
+from kvconvert.runtime import kvconvert_token_kernel as token_kernel  # noqa: E402
 from kvconvert.runtime.kvconvert_folded import merge_partials  # noqa: E402
 
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # HBM bytes/s (SXM datasheets)
@@ -184,7 +185,8 @@ KERNEL_USERS = {"slim", "lorc 0.5", "razor", "quant fp8"}  # also timed with KVC
 def end_to_end(shapes: list[tuple[int, int]], device: str, small: bool, new_tokens: int,
                serving: tuple[int, int] | None = None, graphs: bool = False, growing: bool = True,
                only: set[str] | None = None, probe: bool = True,
-               compiled: set[str] | None = None) -> tuple[list[dict], list[dict], list[dict], list[dict]]:  # fmt: skip
+               compiled: set[str] | None = None,
+               kernel_paths_only: bool = False) -> tuple[list[dict], list[dict], list[dict], list[dict]]:  # fmt: skip
     """Decode tokens/s of a random MHA Llama and its conversions at each (context, batch) of ``shapes``; prompts
     prefilled in 512-token chunks. With ``serving`` (context, rows) also the serving figure (``serving_rows``); with
     ``graphs`` also each static cache's decode through CUDA graphs (``graph_rows``) and whether its step traces whole
@@ -225,10 +227,11 @@ def end_to_end(shapes: list[tuple[int, int]], device: str, small: bool, new_toke
         models = {name: (LlamaForCausalLM.from_pretrained(path) if name == "original" else kvconvert.load(path))
                   .to(device=device, dtype=dtype).eval() for name, path in paths.items()}  # fmt: skip
         # (label, model, KVCONVERT_KERNELS): the torch paths (the default), kernel users also with kernels
-        runs = [(name, model, "torch") for name, model in models.items()]
-        if device == "cuda":  # (a quant checkpoint's attention is routed to its codes' readers at load)
-            users = (*KERNEL_USERS, "quant 4-bit KIVI")
-            runs += [(f"{name} [Triton kernels]", models[name], "triton") for name in models if name in users]
+        users = (*KERNEL_USERS, "quant 4-bit KIVI", "quant 4-bit token") if device == "cuda" else ()
+        # (``kernel_paths_only``: a model with a kernel timed with it alone)
+        runs = [(name, model, "torch") for name, model in models.items() if not (kernel_paths_only and name in users)]
+        # (a quant checkpoint's attention is routed to its codes' readers at load)
+        runs += [(f"{name} [Triton kernels]", models[name], "triton") for name in models if name in users]
         for context, batch in shapes if growing else []:  # every model at one shape before the next
             ids = torch.randint(3, 32000, (batch, context + new_tokens + 1), device=device)
             original = float("nan")
@@ -475,6 +478,10 @@ def apply_launch(launch: dict[str, dict[str, int]]) -> None:
         kivi_kernel.KIVI_TILE = k.get("tile", kivi_kernel.KIVI_TILE)  # (launch files before the tile kernel)
         kivi_kernel.KIVI_SPLIT = k.get("split", kivi_kernel.KIVI_SPLIT)
         kivi_kernel.KIVI_MAGIC = k.get("magic", kivi_kernel.KIVI_MAGIC)
+    if "quant 4-bit token kernel" in launch:
+        t = launch["quant 4-bit token kernel"]
+        token_kernel.TOKEN_TILE, token_kernel.TOKEN_WARPS = t["tile"], t["warps"]
+        token_kernel.TOKEN_STAGES, token_kernel.TOKEN_PROGRAMS_PER_SM = t["stages"], t["programs_per_sm"]
     print("launch:", launch_now(), flush=True)
 
 
@@ -483,7 +490,9 @@ def launch_now() -> dict[str, Any]:
 
     return {"fp8": [fp8.FP8_TILE, fp8.FP8_WARPS, fp8.FP8_STAGES, fp8.FP8_PROGRAMS_PER_SM],
             "kivi": [kivi_kernel.KIVI_TILE, kivi_kernel.KIVI_SPLIT, kivi_kernel.KIVI_MAGIC, kivi_kernel.KIVI_WARPS,
-                     kivi_kernel.KIVI_STAGES, kivi_kernel.KIVI_PROGRAMS_PER_SM]}  # fmt: skip
+                     kivi_kernel.KIVI_STAGES, kivi_kernel.KIVI_PROGRAMS_PER_SM],
+            "token": [token_kernel.TOKEN_TILE, token_kernel.TOKEN_WARPS, token_kernel.TOKEN_STAGES,
+                      token_kernel.TOKEN_PROGRAMS_PER_SM]}  # fmt: skip
 
 
 def _num(value: float | None, digits: int = 1) -> str:
@@ -502,6 +511,11 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true",
                         help="also decode each static cache eagerly and as replayed CUDA graphs")  # fmt: skip
     parser.add_argument("--kernels-only", action="store_true", help="skip the end-to-end decode")
+    parser.add_argument(
+        "--kernel-paths-only",
+        action="store_true",
+        help="time a conversion that has a GPU kernel with the kernel alone, not also its torch path",
+    )
     parser.add_argument("--copy-to", default=None, help="also write the results into this folder")
     parser.add_argument("--only", default=None, help="comma-separated conversion labels (default: all)")
     parser.add_argument("--no-probe", action="store_true", help="skip the torch.compile trace probe (--graphs)")
@@ -547,7 +561,8 @@ def main() -> None:
         shapes, device, args.smoke, new_tokens=args.steps or (4 if args.smoke else 32),
         serving=None if serving == "none" else (context, rows), graphs=args.graphs,
         growing=not args.no_growing, only=None if args.only is None else set(args.only.split(",")),
-        probe=not args.no_probe, compiled=set(args.compiled.split(",")) if args.compiled else None)  # fmt: skip
+        probe=not args.no_probe, compiled=set(args.compiled.split(",")) if args.compiled else None,
+        kernel_paths_only=args.kernel_paths_only)  # fmt: skip
     payload = {"benchmark": "kernels", "device": gpu, "launch": launch_now(), "dtype": str(dtype),
                "kernels": kernel_rows,
                "end_to_end": e2e, "serving": served, "graphs": graphed, "compile_probe": probed,

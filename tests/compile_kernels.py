@@ -18,6 +18,7 @@ from triton.compiler import ASTSource  # noqa: E402
 import kvconvert.runtime.kvconvert_fp8_kernel as fp8_kernel  # noqa: E402
 import kvconvert.runtime.kvconvert_kernels as kernels  # noqa: E402
 import kvconvert.runtime.kvconvert_kivi_kernel as kivi_kernel  # noqa: E402
+import kvconvert.runtime.kvconvert_token_kernel as token_kernel  # noqa: E402
 
 # lengths and strides; everything else not listed is a pointer to the input dtype
 INTS = {"n", "n_full", "n_short", "sqb", "skb", "skn", "svb", "svn", "sbb", "sob", "sqh", "sfb", "sfh", "sfn", "sfbb",
@@ -100,6 +101,18 @@ def main() -> None:
             consts = {"G": 4, "D": 128, "G_PAD": 16, "TILE": 64, "HAS_BIAS": True, "HAS_LENGTH": half, "HALF": half,
                       "DOT": "tf32" if half else "ieee", "NATIVE": capability >= 89}  # fmt: skip
             source = ASTSource(fp8, fp8_signature(fp8, query, consts), constexprs=consts)
+            assert triton.compile(source, target=target).asm["cubin"]
+        # the token layout: uint8 codes, bfloat16 key (scale, zero) pairs, float16 value scales, float32 offsets,
+        # bias and partials, the query in the model's dtype; Llama 3's heads (two channel groups of 64)
+        token = token_kernel._token_decode_kernel
+        for query in ("fp32", "bf16", "fp16"):
+            consts = {"G": 4, "G_PAD": 16, "D": 128, "SIZE": 64, "BLK": 32, "NB": 4, "HALVES": True, "CENTER": 64,
+                      "R": 32, "HAS_BIAS": True, "HAS_LENGTH": query != "fp32",
+                      "DOT": "ieee" if query == "fp32" else "tf32"}  # fmt: skip
+            pointers = {"query": query, "key_codes": "u8", "value_codes": "u8", "key_pairs": "bf16", "length": "i64",
+                        **dict.fromkeys(("value_scale", "value_zero"), "fp16"),
+                        **dict.fromkeys(("offsets", "bias", "part_acc", "part_ml"), "fp32")}  # fmt: skip
+            source = ASTSource(token, typed_signature(token, consts, pointers), constexprs=consts)
             assert triton.compile(source, target=target).asm["cubin"]
     print("compiled")
 

@@ -24,7 +24,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -32,6 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .kvconvert_codec import QuantSpec, channel_groups, eager_on_cpu, rotation
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, static_refusal
 from .kvconvert_folded import (
+    decode_columns,
     exact_partial,
     kivi_decode_folded,
     kivi_folded_fits,
@@ -54,6 +54,7 @@ from .kvconvert_storage import (
     static_stock_layer,
     stock_layer,
 )
+from .kvconvert_token_kernel import token_decode_kernel, token_kernel_reads
 from .kvconvert_tokenlayout import (
     KiviInt4Values,
     TokenLayoutStore,
@@ -171,23 +172,10 @@ def kivi_decode(
     kv_heads = key.shape[1]
     kb, vb = keys.blocks, values.blocks
     assert kb is not None and vb is not None and keys.tail is not None and values.tail is not None
-    n_q, sink, dropped = keys.quantized_tokens, (0 if keys.head is None else keys.head.shape[-2]), keys.offset
-    held = n_q - dropped  # quantized tokens still in the window
+    skip = 0 if kernel else keys.offset  # the torch reader leaves the dropped tokens out; the kernel masks them
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
-    bias_q = None if bias is None else bias[:, 0, 0, :held].float().expand(batch, held)
-    skip = 0 if kernel else dropped  # the torch reader leaves the dropped tokens out; the kernel masks them
-    if sink or dropped > skip:  # the sink's stand-ins (its exact copies are attended below instead), dropped tokens
-        pad = dropped - skip
-        bias_q = torch.zeros(batch, n_q - skip, device=query.device) if bias_q is None else F.pad(bias_q, (pad, 0))
-        bias_q[:, : pad + sink] = torch.finfo(torch.float32).min
+    bias_q, exact_k, exact_v, exact_bias = decode_columns(bias, keys, values, key, value, extra, skip)
     codes = (kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero)
-    exact_k = torch.cat([t for t in (extra and extra[0], keys.head, keys.tail, key) if t is not None], dim=-2)
-    exact_v = torch.cat([t for t in (extra and extra[1], values.head, values.tail, value) if t is not None], dim=-2)
-    exact_bias = None if bias is None else torch.cat([bias[..., :sink], bias[..., held:]], dim=-1)  # [b|1, 1, 1, ·]
-    if extra is not None:  # [b, Hkv, 1, t + ·]: the extra tokens' logits before the others' mask
-        rest, logits = exact_k.shape[-2] - extra[0].shape[-2], extra[2].float()
-        others = logits.new_zeros(1, 1, 1, rest) if exact_bias is None else exact_bias.float()
-        exact_bias = torch.cat([logits, others.expand(*logits.shape[:-1], rest)], dim=-1)
     rotated = value_rotation(values, dim, query.device)
     if not kernel:  # the exact tokens in the reader's own softmax
         acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits, skip=skip,
@@ -422,10 +410,12 @@ class TokenLayoutLayer(QuantizedLayer):
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
         keys, values = self.key_store, self.value_store
-        if query.shape[2] == 1 and decodes_from_codes(keys, values, query.device):
-            total = len(keys) + 1
-            bias = additive_mask(attention_mask, 1, total, torch.float32, query.device)
-            out = token_decode(query, key, value, bias, keys, values, scaling).to(query.dtype)
+        step = query.shape[2] == 1
+        kernel = step and token_kernel_reads(keys, values, query.shape[-1]) and use_kernels(query, default="gpu")
+        if kernel or (step and decodes_from_codes(keys, values, query.device)):
+            bias = additive_mask(attention_mask, 1, len(keys) + 1, torch.float32, query.device)
+            decode = token_decode_kernel if kernel else token_decode
+            out = decode(query, key, value, bias, keys, values, scaling).to(query.dtype)  # type: ignore[arg-type]
             result = out.transpose(1, 2).contiguous(), None
         else:
             past_k = keys.read() if len(keys) else key[..., :0, :]

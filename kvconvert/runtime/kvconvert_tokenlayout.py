@@ -26,6 +26,7 @@ from .kvconvert_codec import (
     token_group_size,
     unpack,
 )
+from .kvconvert_kernels import kernels_requested, triton_available
 from .kvconvert_staticstore import StaticTokenStore
 from .kvconvert_tokenstore import TokenStore
 
@@ -94,11 +95,12 @@ def _unpack_blocks(packed: torch.Tensor, block: int, halves: bool) -> torch.Tens
 
 @functools.cache
 def _warn_off_cpu(device: str) -> None:
-    """Once per device type: off a CPU nothing reads the codes, every decode step dequantizes the whole cache."""
+    """Once per device type: neither a CPU's int4 kernel nor the GPU kernel reads the codes, every decode step
+    dequantizes the whole cache."""
     warnings.warn(
-        f"kvconvert: the 4-bit token layout is read by a CPU int4 kernel; on {device} every decode step dequantizes "
-        "the whole cache (0.01x the original measured on an H200). For a GPU convert with --kv-layout kivi "
-        "(its Triton kernel reads the codes) or --kv-format fp8",
+        f"kvconvert: on {device} without the Triton kernel (not installed, or KVCONVERT_KERNELS=torch) every decode "
+        "step of the 4-bit token layout dequantizes the whole cache (0.01x the original measured on an H200); "
+        "pip install triton, or leave KVCONVERT_KERNELS unset",
         stacklevel=2,
     )
 
@@ -107,6 +109,20 @@ def _warn_off_cpu(device: str) -> None:
 # the first is the one stores use where the machine's kernel cannot read them (dequantized anyway).
 INT4_ROW_LAYOUTS = (Int4Rows(32, True), Int4Rows(64, True), Int4Rows(32, False), Int4Rows(16, False),
                     Int4Rows(64, False))  # fmt: skip
+
+
+# The rows the GPU decode kernel reads (``kvconvert_token_kernel``): AVX2's, blocks of 32 tokens. A store packs in them
+# wherever that kernel may read it (``kernel_rows_wanted``); elsewhere it keeps the rows its CPU's int4 kernel reads.
+KERNEL_ROWS = INT4_ROW_LAYOUTS[0]
+
+
+def kernel_rows_wanted(quant: QuantSpec, device: torch.device) -> bool:
+    """A store of tokens on ``device`` packs in ``KERNEL_ROWS``: the GPU kernel may read it (a CUDA device with
+    Triton, ``KVCONVERT_KERNELS`` not ``torch``; or the kernels asked for: tests under the interpreter) and its
+    blocks hold whole packing blocks."""
+    choice = kernels_requested()
+    wanted = choice == "triton" or (choice == "auto" and device.type == "cuda" and triton_available())
+    return wanted and quant.group % KERNEL_ROWS.block == 0
 
 
 @functools.cache
@@ -219,7 +235,9 @@ class TokenLayoutStore(TokenStore):
         return min(self._layout().block, size)
 
     def _quantize(self, tokens: torch.Tensor) -> QuantizedBlock:
-        if tokens.device.type != "cpu" and not torch.compiler.is_compiling():
+        if self.rows is None and kernel_rows_wanted(self.quant, tokens.device):
+            self.rows = KERNEL_ROWS
+        if tokens.device.type != "cpu" and self.rows != KERNEL_ROWS and not torch.compiler.is_compiling():
             _warn_off_cpu(tokens.device.type)
         size, rows = self.group_size(), self._layout()
         if not self.keys:
@@ -384,7 +402,9 @@ class StaticTokenLayoutStore(StaticTokenStore):
         codec = self.codec
         if codec.rows is None:
             codec.width = tokens.shape[-1]
-            if self.quant.group % codec._layout().block and self.keys:
+            if kernel_rows_wanted(self.quant, tokens.device):
+                codec.rows = KERNEL_ROWS
+            elif self.quant.group % codec._layout().block and self.keys:
                 codec.rows = Int4Rows(32, False)
             self.reads_codes = codec.kernel_reads()
         return codec._quantize(tokens)

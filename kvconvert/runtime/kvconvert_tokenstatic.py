@@ -14,8 +14,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .kvconvert_codec import QuantSpec, eager_on_cpu, rotation
 from .kvconvert_common import additive_mask
 from .kvconvert_folded import token_values_fit, token_values_sum
+from .kvconvert_kernels import use_kernels
 from .kvconvert_staticstore import StaticTokenStore, ring_positions
 from .kvconvert_storage import StaticStoreLayer
+from .kvconvert_token_kernel import static_token_kernel_decode, static_token_kernel_reads
 from .kvconvert_tokenlayout import StaticTokenLayoutStore, code_outputs, code_scores
 
 
@@ -89,7 +91,20 @@ class StaticTokenLayoutLayer(StaticStoreLayer):
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
-        if query.shape[2] == 1 and query.device.type == "cpu" and self._reads_codes(query.shape[-1]):
+        step = query.shape[2] == 1
+        if step and static_token_kernel_reads(self.key_store, self.value_store, query.shape[-1]) and use_kernels(
+            query, default="gpu"
+        ):  # fmt: skip
+            self._check_room(1)
+            columns = static_columns(self.key_store, self.value_store, key, value, attention_mask, self.filled,
+                                     self.max_cache_len)  # fmt: skip
+            assert isinstance(self.value_store, StaticTokenLayoutStore)
+            out = static_token_kernel_decode(query, scaling, self.key_store, self.value_store, self.filled, columns)
+            self.key_store.extend_only(key, self.filled)
+            self.value_store.extend_only(value, self.filled)
+            self._advance(1)
+            return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        if step and query.device.type == "cpu" and self._reads_codes(query.shape[-1]):
             out = self._decode(query, key, value, attention_mask, scaling).to(query.dtype)
             return out.transpose(1, 2).contiguous(), None
         k, v = StaticStoreLayer.update(self, key, value)
