@@ -221,7 +221,9 @@ def use_kernels(tensor: torch.Tensor, default: str = "off") -> bool:
     1 × 32K); "graphs": the 4-bit KIVI kernel (0.19× → 0.59×, 0.66× → 2.97× through CUDA graphs; eagerly 0.20× →
     0.17× at 16 × 8K, 0.40× → 0.44× at 1 × 32K). Each reads codes the torch path reads back whole in 16 bits first.
     With the step compiled by Inductor, then captured (kernels-h200-compiled-2026-11-27.md, × the original compiled so
-    too, 16 × 8K): KIVI's kernel 1.00× (its torch path 0.36×), fp8's 3.13×.
+    too, 16 × 8K): KIVI's kernel 1.00× (its torch path 0.36×), fp8's 3.13×. "gpu" too: the 4-bit token layout's kernel
+    (``kvconvert_token_kernel``; H200, 16 × 8K, bench/results/kernels-h200-token-2026-11-29.md): eagerly 0.10× →
+    0.18×, captured 0.085× → 0.64×, compiled then captured 0.19× → 1.12× (its torch path dequantizes the whole cache).
 
     "off" for the others: measured end to end on an H100 (``make bench-kernels``, bf16, a
     12-layer MHA Llama; bench/results/kernels-h100-2026-11-23.md), every runtime's torch path decoded
