@@ -119,3 +119,40 @@ def test_decode_with_the_token_kernel_matches_the_torch_runtime(static, tokenize
     dequantized = greedy_twelve(model, **options)
     assert not launches
     assert_same_generation(dequantized, with_kernel, "token layout, static" if static else "token layout")
+
+
+@torch.no_grad()
+def test_razor_in_the_token_layout_decodes_through_the_kernel(tokenized_model_dir, tmp_path, monkeypatch):
+    """Razor with token-layout storage and windows of 40 tokens in 32-token blocks: its retrieval heads' stores and,
+    once they hold a quantized block, its windows (with razor's sink and compensation token as exact extras, the
+    front they dropped masked) are read through the kernel; greedy decoding of a left-padded batch gives the tokens
+    and logits of reading the same stores dequantized."""
+    import kvconvert
+    import kvconvert.runtime.kvconvert_razor as razor_runtime
+    from tests.helpers import convert
+    from tests.test_kernels import assert_same_generation, greedy_twelve
+
+    out = tmp_path / "r"
+    convert("razor", tokenized_model_dir("llama_gqa64"), out, "--kv-budget", "0.5", "--profile-tokens", "16",
+            "--window", "40", "--kv-bits", "4", "--kv-group", "32", "--kv-residual", "8", "--kv-layout", "token",
+            "--kv-sink", "2")  # fmt: skip
+    model = kvconvert.load(out).eval().to(DEVICE)
+    extras = []
+    real = token_kernel.token_decode_kernel
+
+    def counted(*args, **kwargs):
+        extras.append(len(args) > 7 or "extra" in kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(token_kernel, "token_decode_kernel", counted)
+    import kvconvert.runtime.kvconvert_quant as runtime
+
+    monkeypatch.setattr(runtime, "token_decode_kernel", counted)  # what ``token_reader`` hands out
+    monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
+    with_kernel = greedy_twelve(model)
+    assert any(extras) and not all(extras), "retrieval heads and windows both through the kernel"
+    monkeypatch.setattr(razor_runtime, "token_reader", lambda *a: None)
+    extras.clear()
+    dequantized = greedy_twelve(model)
+    assert not extras
+    assert_same_generation(dequantized, with_kernel, "razor, token layout")

@@ -324,7 +324,7 @@ def test_razor_retrieval_heads_decode_from_the_codes(tokenized_model_dir, tmp_pa
     src = tokenized_model_dir("llama_gqa64")
     convert("razor", src, tmp_path / "r", "--kv-budget", "0.5", "--profile-tokens", "16", "--window", "8", *TOKEN,
             "--kv-sink", "2")  # fmt: skip
-    decode_both_ways(kvconvert_razor, tmp_path / "r", monkeypatch, new_tokens=40)
+    decode_both_ways(kvconvert_quant, tmp_path / "r", monkeypatch, new_tokens=40)
     generate_in_every_mode(load_converted(tmp_path / "r"))
 
 
@@ -337,7 +337,7 @@ def test_razor_windows_decode_from_the_codes_while_they_slide(tokenized_model_di
     convert("razor", src, tmp_path / "r", "--kv-budget", "0.5", "--profile-tokens", "16", "--window", "40", *TOKEN,
             "--kv-sink", "2")  # fmt: skip
     windows, freed, lengths = [], [], []
-    original, evict = kvconvert_razor.token_decode, kvconvert_razor.RazorLayer.evict
+    original, evict = kvconvert_quant.token_decode, kvconvert_razor.RazorLayer.evict
 
     def recorded(*args, **kwargs):
         windows.append(len(args) > 7 or "extra" in kwargs)
@@ -349,9 +349,9 @@ def test_razor_windows_decode_from_the_codes_while_they_slide(tokenized_model_di
         freed.append(before > layer.recent_k.quantized_tokens)
         lengths.append(len(layer.recent_k) - layer.recent_budget(layer.seen))
 
-    monkeypatch.setattr(kvconvert_razor, "token_decode", recorded)
+    monkeypatch.setattr(kvconvert_quant, "token_decode", recorded)  # what razor's ``token_reader`` hands out
     monkeypatch.setattr(kvconvert_razor.RazorLayer, "evict", counted)
-    decode_both_ways(kvconvert_razor, tmp_path / "r", monkeypatch, new_tokens=40, length=100)
+    decode_both_ways(kvconvert_quant, tmp_path / "r", monkeypatch, new_tokens=40, length=100)
     assert any(windows) and any(freed) and min(lengths) >= 0 and max(lengths) < 64
 
 

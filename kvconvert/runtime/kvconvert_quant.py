@@ -21,6 +21,7 @@ Copied verbatim into every output directory; imports only torch and transformers
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,6 +84,15 @@ def decodes_from_codes(keys: TokenStore, values: TokenStore, device: torch.devic
         return False
     reads = values.kernel_reads() if isinstance(values, TokenLayoutStore) else token_values_fit(values, values.width)
     return keys.kernel_reads() and reads
+
+
+def token_reader(keys: TokenStore, values: TokenStore, query: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """How a decode step of ``query [b, H, 1, d]`` reads these stores from their codes, with ``token_decode``'s
+    arguments: the GPU kernel (``token_decode_kernel``) where it reads them and runs by default or when asked, torch's
+    CPU int4 kernel (``token_decode``) where that reads them; None: read them back dequantized."""
+    if token_kernel_reads(keys, values, query.shape[-1]) and use_kernels(query, default="gpu"):
+        return token_decode_kernel
+    return token_decode if decodes_from_codes(keys, values, query.device) else None
 
 
 def token_decode(
@@ -410,12 +420,10 @@ class TokenLayoutLayer(QuantizedLayer):
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
         keys, values = self.key_store, self.value_store
-        step = query.shape[2] == 1
-        kernel = step and token_kernel_reads(keys, values, query.shape[-1]) and use_kernels(query, default="gpu")
-        if kernel or (step and decodes_from_codes(keys, values, query.device)):
+        reader = token_reader(keys, values, query) if query.shape[2] == 1 else None
+        if reader is not None:
             bias = additive_mask(attention_mask, 1, len(keys) + 1, torch.float32, query.device)
-            decode = token_decode_kernel if kernel else token_decode
-            out = decode(query, key, value, bias, keys, values, scaling).to(query.dtype)  # type: ignore[arg-type]
+            out = reader(query, key, value, bias, keys, values, scaling).to(query.dtype)
             result = out.transpose(1, 2).contiguous(), None
         else:
             past_k = keys.read() if len(keys) else key[..., :0, :]

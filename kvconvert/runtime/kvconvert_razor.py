@@ -10,6 +10,7 @@ attends over the compressed cache. Copied verbatim into every razor output direc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .kvconvert_codec import QuantSpec
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows, static_refusal
 from .kvconvert_kernels import razor_decode_triton, use_kernels
-from .kvconvert_quant import decodes_from_codes, int4_values_or, kivi_decode, kivi_kernel_reads, token_decode
+from .kvconvert_quant import int4_values_or, kivi_decode, kivi_kernel_reads, token_reader
 from .kvconvert_razor_ops import (
     compensated_attention,
     count_logit,
@@ -112,12 +113,13 @@ class RazorLayer(KVLayer):
             values.append(self.recent_v.read())
         return keys, values
 
-    def reads_codes(self, device: torch.device, full: bool = True) -> bool:
-        """A decode step can attend over the retrieval heads' past (``full``; else the other heads' windows)
-        from its 4-bit codes (``token_decode``)."""
+    def token_reader(self, query: torch.Tensor, full: bool = True) -> Callable[..., torch.Tensor] | None:
+        """How a decode step attends over the retrieval heads' past (``full``; else the other heads' windows) from
+        its 4-bit codes in the token layout (``token_reader``: the GPU kernel or torch's CPU int4 kernel), or None."""
         keys, values = (self.full_k, self.full_v) if full else (self.recent_k, self.recent_v)
-        return isinstance(keys, TokenLayoutStore) and isinstance(values, TokenLayoutStore) and (
-            decodes_from_codes(keys, values, device))  # fmt: skip
+        if not (isinstance(keys, TokenLayoutStore) and isinstance(values, TokenLayoutStore)):
+            return None
+        return token_reader(keys, values, query)
 
     def extend(self, new_k: torch.Tensor, new_v: torch.Tensor, read_full: bool = True,
                read_short: bool = True) -> tuple[Any, Any]:  # fmt: skip
@@ -280,7 +282,8 @@ def attend_state(
     # bias None: a decode step without padding, every held token visible. valid [b, total]: the tokens
     # the last query sees (None: every token; no padding)
     valid = None if bias is None else (bias[:, 0, -1, :] == 0).expand(batch, total)
-    if q_len == 1 and layer is not None and use_kernels(query):
+    # the head-wise kernel reads stores dequantized: token-layout stores go to their own kernel below instead
+    if q_len == 1 and layer is not None and not isinstance(layer.full_k, TokenLayoutStore) and use_kernels(query):
         if bias is None:
             bias = torch.zeros(1, 1, 1, total, dtype=query.dtype, device=query.device)
         out = _decode_with_kernel(layer, query, key, value, bias, group, scale)
@@ -301,7 +304,8 @@ def attend_state(
         kept_bias = bias.index_select(-1, _kept_index(layer, total, query.device))
     # retrieval heads read from their codes: in the token layout (torch's int4 kernel), or 2- to 4-bit in KIVI's
     # layout on a CPU (``kivi_decode`` in torch, as quant does)
-    token_codes = q_len == 1 and layer.reads_codes(query.device)
+    full_reader = layer.token_reader(query) if q_len == 1 else None
+    token_codes = full_reader is not None
     kivi_codes = not token_codes and q_len == 1 and bool(layer.retrieval) and query.device.type == "cpu" and (
         kivi_kernel_reads(layer.full_k, layer.full_v, dim, kernel=False))  # fmt: skip
     from_codes = token_codes or kivi_codes
@@ -309,9 +313,10 @@ def attend_state(
         r = layer.retrieval
         at, heads_at = head_span(r), head_span(query_heads(r, group))
         read = (query[:, heads_at], key[:, at], value[:, at], bias, layer.full_k, layer.full_v, scale)
-        decoded = token_decode(*read) if token_codes else kivi_decode(*read, kernel=False)
+        decoded = full_reader(*read) if full_reader is not None else kivi_decode(*read, kernel=False)
         out[:, at] = decoded.to(query.dtype).view(batch, len(r), group, dim)  # q_len 1: [b, R, G, d]
-    window_codes = q_len == 1 and bool(layer.others) and layer.reads_codes(query.device, full=False)
+    window_reader = layer.token_reader(query, full=False) if q_len == 1 and layer.others else None
+    window_codes = window_reader is not None
     # or the windows in KIVI's layout on a CPU, the dropped front of their first block masked
     window_kivi = not window_codes and q_len == 1 and bool(layer.others) and query.device.type == "cpu" and (
         layer.sink_k is not None and kivi_kernel_reads(layer.recent_k, layer.recent_v, dim, kernel=False))  # fmt: skip
@@ -324,7 +329,8 @@ def attend_state(
         window_bias = None if kept_bias is None else kept_bias[..., sink:]
         at, heads_at = head_span(o), head_span(query_heads(o, group))
         read = (query[:, heads_at], key[:, at], value[:, at], window_bias, layer.recent_k, layer.recent_v, scale)
-        decoded = token_decode(*read, extra) if window_codes else kivi_decode(*read, kernel=False, extra=extra)
+        decoded = window_reader(*read, extra) if window_reader is not None else kivi_decode(*read, kernel=False,
+                                                                                           extra=extra)  # fmt: skip
         out[:, at] = decoded.to(query.dtype).view(batch, len(o), group, dim)
     full, short = layer.extend(key, value, read_full=not from_codes, read_short=not (window_codes or window_kivi))
     # chunks (prefill): SDPA's fused kernel, 4x faster on CPU at 4K than scores in float32 (the compensation token's
