@@ -139,7 +139,7 @@ def token_sweep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quick: bool, 
     scaled = q.float() * DIM**-0.5
     q_rot = (scaled.unflatten(-1, (-1, size)) @ rot).flatten(-2).to(q.dtype)
     offsets = torch.einsum("bhgd,bhcd->bhgc", scaled, kb.center.float())
-    layouts = token_kernel._layouts(keys, values)
+    layouts = {**token_kernel._key_layout(keys), **token_kernel._value_layout(values, DIM, q.device)[0]}
     store = (kb.codes, kb.scale, vb.codes, vb.scale, vb.zero)
     size_bytes = nbytes(*store, kb.center)
     tiles, warps, stages, per_sm = ([64, 128, 256], [4, 8], [2, 3], [4, 8, 16])

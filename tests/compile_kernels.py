@@ -105,10 +105,11 @@ def main() -> None:
         # the token layout: uint8 codes, bfloat16 key (scale, zero) pairs, float16 value scales, float32 offsets,
         # bias and partials, the query in the model's dtype; Llama 3's heads (two channel groups of 64)
         token = token_kernel._token_decode_kernel
-        for query in ("fp32", "bf16", "fp16"):
+        # values in the layout (VBITS 0) or per token in KIVI's packing at 2 and 4 bits (``--kv-value-bits``)
+        for query, vbits in (("fp32", 0), ("bf16", 0), ("fp16", 0), ("bf16", 2), ("fp32", 4)):
             consts = {"G": 4, "G_PAD": 16, "D": 128, "SIZE": 64, "BLK": 32, "NB": 4, "HALVES": True, "CENTER": 64,
                       "R": 32, "HAS_BIAS": True, "HAS_LENGTH": query != "fp32",
-                      "DOT": "ieee" if query == "fp32" else "tf32"}  # fmt: skip
+                      "DOT": "ieee" if query == "fp32" else "tf32", "VBITS": vbits, "GS": 64}  # fmt: skip
             pointers = {"query": query, "key_codes": "u8", "value_codes": "u8", "key_pairs": "bf16", "length": "i64",
                         **dict.fromkeys(("value_scale", "value_zero"), "fp16"),
                         **dict.fromkeys(("offsets", "bias", "part_acc", "part_ml"), "fp32")}  # fmt: skip

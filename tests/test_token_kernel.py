@@ -66,10 +66,42 @@ def test_token_decode_step_is_attention_over_the_stores(dim, group, kv_heads, he
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+@pytest.mark.parametrize(("value_bits", "dim", "group"), [(2, 64, 64), (4, 64, 32), (2, 128, 64)],
+                         ids=["2bit-d64", "4bit-d64-groups2", "2bit-d128-groups2"])  # fmt: skip
+@torch.no_grad()
+def test_token_keys_with_value_bits_decode_step_is_attention_over_the_stores(value_bits, dim, group, rotate,
+                                                                             monkeypatch):  # fmt: skip
+    """``--kv-value-bits``: token-layout keys beside values per token in KIVI's packing (2 or 4 bits, one or two
+    channel groups, rotated or not). One decode step through the kernel equals SDPA over what the stores read back,
+    with left padding into the quantized blocks and the sink exact."""
+    from kvconvert.runtime.kvconvert_tokenstore import TokenStore
+
+    monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
+    monkeypatch.setattr(token_kernel, "TOKEN_TILE", 32)  # several splits
+    torch.manual_seed(value_bits + dim)
+    keys = TokenLayoutStore(QuantSpec(bits=4, group=group, residual=8, sink=3), keys=True)
+    # (channel groups of at most ``group``, as ``quant.side`` gives a layer's values)
+    values = TokenStore(QuantSpec(bits=value_bits, group=group, residual=8, sink=3, rotate=rotate), False)
+    keys.append(torch.randn(2, 2, 301, dim, device=DEVICE) + 3 * torch.randn(dim, device=DEVICE))
+    values.append(torch.randn(2, 2, 301, dim, device=DEVICE))
+    assert keys.rows == KERNEL_ROWS and values.quantized_tokens == keys.quantized_tokens == 293 // group * group
+    assert token_kernel.token_kernel_reads(keys, values, dim) and values.rotate == rotate
+    query = torch.randn(2, 4, 1, dim, device=DEVICE)
+    key, value = torch.randn(2, 2, 2, 1, dim, device=DEVICE)
+    bias = torch.zeros(2, 1, 1, len(keys) + 1, device=DEVICE)
+    bias[0, ..., :50] = NEG
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.read(then=key), values.read(then=value), attn_mask=bias, scale=dim**-0.5, enable_gqa=True
+    )
+    got = token_kernel.token_decode_kernel(query, key, value, bias, keys, values, dim**-0.5)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
 @torch.no_grad()
 def test_the_kernel_reads_only_the_stores_it_was_built_for(monkeypatch):
-    """``token_kernel_reads``: stores packed in ``KERNEL_ROWS`` with a quantized block, not a CPU's other packings,
-    not values of their own width (``--kv-value-bits``: KIVI's packing)."""
+    """``token_kernel_reads``: keys packed in ``KERNEL_ROWS`` with a quantized block, not a CPU's other packings;
+    values of their own width (``--kv-value-bits``) per token at 2 or 4 bits, not 3, not per channel."""
     from kvconvert.runtime.kvconvert_tokenstore import TokenStore
 
     monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
@@ -78,21 +110,24 @@ def test_the_kernel_reads_only_the_stores_it_was_built_for(monkeypatch):
     assert token_kernel.token_kernel_reads(keys, values, 64)
     other, _ = stores(quant, Int4Rows(64, True), 64, 64, 2, seed=0)
     assert not token_kernel.token_kernel_reads(other, values, 64)
-    kivi_values = TokenStore(quant, per_channel=False)
-    kivi_values.append(torch.randn(2, 2, 64, 64, device=DEVICE))
-    assert not token_kernel.token_kernel_reads(keys, kivi_values, 64)
+    for bits, per_channel, read in ((4, False, True), (2, False, True), (3, False, False), (4, True, False)):
+        kivi_values = TokenStore(QuantSpec(bits=bits, group=32, residual=0), per_channel=per_channel)
+        kivi_values.append(torch.randn(2, 2, 64, 64, device=DEVICE))
+        assert token_kernel.token_kernel_reads(keys, kivi_values, 64) == read, (bits, per_channel)
     monkeypatch.setenv("KVCONVERT_KERNELS", "torch")  # a store made where the kernel may not read keeps the CPU's rows
     cpu_keys, _ = stores(quant, None, 64, 64, 2, seed=0)
     assert DEVICE != "cpu" or cpu_keys.rows != KERNEL_ROWS or cpu_keys.kernel_reads()
 
 
+@pytest.mark.parametrize("value_bits", [None, 2], ids=["token-values", "value-bits-2"])
 @pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
 @torch.no_grad()
-def test_decode_with_the_token_kernel_matches_the_torch_runtime(static, tokenized_model_dir, tmp_path, monkeypatch):
-    """A 4-bit token-layout checkpoint with KVCONVERT_KERNELS=triton: every decode step of every layer is one kernel
-    launch, from a growing cache or a static one (blocks filling while it decodes, the count read on the device),
-    and greedy decoding of a left-padded batch gives the tokens and logits of the torch runtime reading the same
-    stores dequantized."""
+def test_decode_with_the_token_kernel_matches_the_torch_runtime(static, value_bits, tokenized_model_dir, tmp_path,
+                                                                monkeypatch):  # fmt: skip
+    """A 4-bit token-layout checkpoint (values in the layout too, or 2-bit per token: ``--kv-value-bits``) with
+    KVCONVERT_KERNELS=triton: every decode step of every layer is one kernel launch, from a growing cache or a
+    static one (blocks filling while it decodes, the count read on the device), and greedy decoding of a left-padded
+    batch gives the tokens and logits of the torch runtime reading the same stores dequantized."""
     import kvconvert
     import kvconvert.runtime.kvconvert_quant as runtime
     import kvconvert.runtime.kvconvert_tokenstatic as static_runtime
@@ -100,8 +135,9 @@ def test_decode_with_the_token_kernel_matches_the_torch_runtime(static, tokenize
     from tests.test_kernels import assert_same_generation, greedy_twelve
 
     out = tmp_path / "m"
+    bits = () if value_bits is None else ("--kv-value-bits", str(value_bits))
     convert("quant", tokenized_model_dir("llama_gqa64"), out, "--kv-bits", "4", "--kv-group", "32", "--kv-residual",
-            "8", "--kv-sink", "4", "--kv-layout", "token")  # fmt: skip
+            "8", "--kv-sink", "4", "--kv-layout", "token", *bits)  # fmt: skip
     model = kvconvert.load(out).eval().to(DEVICE)
     layers = model.config.num_hidden_layers
     launches = []

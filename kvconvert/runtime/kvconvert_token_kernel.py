@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from .kvconvert_codec import rotation
-from .kvconvert_folded import decode_columns, exact_partial, merge_partials, unrotated
+from .kvconvert_codec import channel_groups, rotation
+from .kvconvert_folded import decode_columns, exact_partial, merge_partials, unrotated, value_rotation
 from .kvconvert_kernels import _pow2, _split_len, combine_partials, sixteen_bit_products, split_count, triton
 from .kvconvert_staticstore import StaticTokenStore
 from .kvconvert_tokenlayout import KERNEL_ROWS, StaticTokenLayoutStore, TokenLayoutStore
@@ -61,18 +61,41 @@ if triton is not None:
         return tl.reshape(tl.join(low, high), (tokens.shape[0], D)).to(dtype)
 
     @triton.jit
+    def _kivi_token_values(codes, scales, zeros, tokens, inside, sgt, svt, D: tl.constexpr, GS: tl.constexpr,
+                           VBITS: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+        """``--kv-value-bits`` values (KIVI's per-token packing: channel c of a token in bits (c mod 8/b)·b of its
+        byte c·b/8, ``code·s + z`` per group of GS channels) of ``tokens [T]``: ``[T, D]`` in ``dtype``, channel
+        order."""
+        groups = tl.arange(0, D // GS)
+        pieces = tl.arange(0, GS * VBITS // 8)
+        ok = inside[:, None, None]
+        v = tl.load(codes + tokens[:, None, None] * svt + groups[None, :, None] * (GS * VBITS // 8)
+                    + pieces[None, None, :], mask=ok, other=0)  # [T, groups, bytes a group]  # fmt: skip
+        at = tokens[:, None, None] * sgt + groups[None, :, None]
+        s = tl.load(scales + at, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(zeros + at, mask=ok, other=0.0).to(tl.float32)
+        if VBITS == 4:  # channels 2j and 2j + 1 of a byte j
+            planes = tl.join(v & 15, v >> 4)
+        else:  # 2 bits: channels 4j … 4j + 3, the lowest bits first (a join appends its axis last: [.., i, j] is
+            # plane 2i + j)
+            planes = tl.join(tl.join(v & 3, (v >> 4) & 3), tl.join((v >> 2) & 3, v >> 6))
+        vals = tl.reshape(planes, (tokens.shape[0], D // GS, GS)).to(tl.float32) * s + z
+        return tl.reshape(vals, (tokens.shape[0], D)).to(dtype)
+
+    @triton.jit
     def _token_decode_kernel(
         query, offsets, key_codes, key_pairs, value_codes, value_scale, value_zero, bias, length, part_acc, part_ml,
         kv_heads, n, split_len,
-        sqr, sor, sog, skr, spr, spg, svr, svc, sgr, sgg, sbb, sar, sas, smr, sms,
+        sqr, sor, sog, skr, spr, spg, svr, svc, svt, sgr, sgg, sgt, sbb, sar, sas, smr, sms,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SIZE: tl.constexpr, BLK: tl.constexpr,
         NB: tl.constexpr, HALVES: tl.constexpr, CENTER: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_LENGTH: tl.constexpr, DOT: tl.constexpr,
+        HAS_LENGTH: tl.constexpr, DOT: tl.constexpr, VBITS: tl.constexpr, GS: tl.constexpr,
     ):  # fmt: skip
         """Program (row × KV head r, split j): the G query rows of KV head r (``query``: scaled, rotated per key
         group; its dtype is the products') over the tokens of split j, NB packing blocks at a time. Writes the
-        unnormalised weighted sum (rotated, columns in the bytes' order) and (max, denominator) per query row.
-        ``HAS_LENGTH``: only the first ``length`` tokens (read on the device) are read."""
+        unnormalised weighted sum (rotated as the values are stored, columns in the bytes' order) and (max,
+        denominator) per query row. ``HAS_LENGTH``: only the first ``length`` tokens (read on the device) are read.
+        ``VBITS``: 0, values in the token layout; 2 or 4, in KIVI's per-token packing, groups of ``GS`` channels."""
         r = tl.program_id(0)
         split = tl.program_id(1)
         row = r // kv_heads
@@ -136,8 +159,12 @@ if triton is not None:
             p_lo = tl.exp(s_lo - m_new[:, None])
             p_hi = tl.exp(s_hi - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p_lo, axis=1) + tl.sum(p_hi, axis=1)
-            v_lo = _token_values(codes_r, scales_r, zeros_r, t_lo, in_lo, sgg, svc, SIZE, D, R, dtype)
-            v_hi = _token_values(codes_r, scales_r, zeros_r, t_hi, in_hi, sgg, svc, SIZE, D, R, dtype)
+            if VBITS == 0:
+                v_lo = _token_values(codes_r, scales_r, zeros_r, t_lo, in_lo, sgg, svc, SIZE, D, R, dtype)
+                v_hi = _token_values(codes_r, scales_r, zeros_r, t_hi, in_hi, sgg, svc, SIZE, D, R, dtype)
+            else:
+                v_lo = _kivi_token_values(codes_r, scales_r, zeros_r, t_lo, in_lo, sgt, svt, D, GS, VBITS, dtype)
+                v_hi = _kivi_token_values(codes_r, scales_r, zeros_r, t_hi, in_hi, sgt, svt, D, GS, VBITS, dtype)
             acc = acc * alpha[:, None] + tl.dot(p_lo.to(dtype), v_lo, input_precision=DOT)
             acc += tl.dot(p_hi.to(dtype), v_hi, input_precision=DOT)
             m_i = m_new
@@ -158,8 +185,8 @@ def _unpermuted(acc: torch.Tensor, block: int, halves: bool) -> torch.Tensor:
 def token_decode_triton(
     query: torch.Tensor, offsets: torch.Tensor, key_codes: torch.Tensor, key_pairs: torch.Tensor,
     value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
-    *, block: int, halves: bool, center: int, value_block: int, value_halves: bool, size: int,
-    length: torch.Tensor | None = None, splits: int | None = None, tile: int | None = None,
+    *, block: int, halves: bool, center: int, value_block: int, value_halves: bool, size: int, value_bits: int = 0,
+    value_group: int = 0, length: torch.Tensor | None = None, splits: int | None = None, tile: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The partial ``(acc [b, Hkv, G, d], ml [b, Hkv, G, 2])`` float32 of the query rows over the quantized tokens
@@ -170,17 +197,22 @@ def token_decode_triton(
     float16 in their own dtype (float32 accumulation; under the interpreter float32). ``offsets [b, Hkv, G, n/B]``
     float32: ``q·center`` of each block of ``center`` tokens. The cache as ``TokenLayoutStore`` holds it (rows
     ``block``/``halves``, value rows ``value_block``/``value_halves``, channel groups of ``size``), possibly with room
-    past ``n`` (a static cache's buffers). ``bias [b, n]`` additive or None. ``length`` (a 0-d tensor read on the
-    device): only the first ``length`` tokens are read."""
+    past ``n`` (a static cache's buffers); or (``value_bits`` 2 or 4: ``--kv-value-bits``) values per token in KIVI's
+    packing (``codes [b, Hkv, n, ·]``, ``scale``/``zero [b, Hkv, n, groups]``, groups of ``value_group`` channels),
+    their sum then in channel order. ``bias [b, n]`` additive or None. ``length`` (a 0-d tensor read on the device):
+    only the first ``length`` tokens are read."""
     assert triton is not None, "Triton is not installed (pip install 'kvconvert[kernels]')"
     batch, kv_heads, group, dim = query.shape
     n = key_codes.shape[-2]
     low = query.dtype != torch.float32 and sixteen_bit_products(query)
     query = (query if low else query.float()).contiguous()
     assert key_codes.stride(-1) == 1 and key_codes.stride(-2) == dim // 2, "key codes: whole rows of d/2 bytes"
-    assert key_pairs.stride(-1) == 1 and key_pairs.stride(-2) == 2 and value_scale.stride(-1) == 1
-    assert value_codes.stride(-1) == 1 and value_codes.stride(-2) == value_block // 2 and value_zero.stride(-1) == 1
-    assert n % block == 0 and dim % size == 0 and size % value_block == 0, (n, block, dim, size, value_block)
+    assert key_pairs.stride(-1) == 1 and key_pairs.stride(-2) == 2 and n % block == 0 and dim % size == 0
+    assert value_codes.stride(-1) == value_scale.stride(-1) == 1 and value_zero.stride() == value_scale.stride()
+    if value_bits:  # token-major: a token's bytes, a token's group scales
+        assert value_codes.shape[-2] >= n and value_codes.shape[-1] * 8 == dim * value_bits and dim % value_group == 0
+    else:
+        assert value_codes.stride(-2) == value_block // 2 and size % value_block == 0, (size, value_block)
     rows = batch * kv_heads
     flat = [t.flatten(0, 1) for t in (offsets.float().contiguous(), key_codes, key_pairs, value_codes, value_scale,
                                       value_zero)]  # fmt: skip
@@ -198,48 +230,74 @@ def token_decode_triton(
         query, offsets, key_codes, key_pairs, value_codes, value_scale, value_zero, bias_t,
         part_acc if length is None else length, part_acc, part_ml, kv_heads, n, split_len,
         group * dim, offsets.stride(0), offsets.stride(1), key_codes.stride(0), key_pairs.stride(0),
-        key_pairs.stride(1), value_codes.stride(0), value_codes.stride(1), value_scale.stride(0),
-        value_scale.stride(1), bias_t.stride(0), part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
-        part_ml.stride(1),
+        key_pairs.stride(1), value_codes.stride(0), value_codes.stride(1), value_codes.stride(-2),
+        value_scale.stride(0), value_scale.stride(1), value_scale.stride(-2), bias_t.stride(0), part_acc.stride(0),
+        part_acc.stride(1), part_ml.stride(0), part_ml.stride(1),
         G=group, G_PAD=max(16, _pow2(group)), D=dim, SIZE=size, BLK=block, NB=tile_blocks, HALVES=halves,
         CENTER=center, R=value_block, HAS_BIAS=bias is not None, HAS_LENGTH=length is not None,
-        DOT="ieee" if query.dtype == torch.float32 else "tf32", num_warps=num_warps or TOKEN_WARPS,
-        num_stages=num_stages or TOKEN_STAGES,
+        DOT="ieee" if query.dtype == torch.float32 else "tf32", VBITS=value_bits, GS=value_group or size,
+        num_warps=num_warps or TOKEN_WARPS, num_stages=num_stages or TOKEN_STAGES,
     )  # fmt: skip
     shape = (batch, kv_heads, n_splits, group)
     acc, ml = part_acc.view(*shape, dim), part_ml.view(*shape, 2)
     acc, ml = (acc[:, :, 0], ml[:, :, 0]) if n_splits == 1 else combine_partials(acc, ml, dim=2)
-    return _unpermuted(acc, value_block, value_halves), ml
+    return (acc if value_bits else _unpermuted(acc, value_block, value_halves)), ml
 
 
 # --------------------------------------------------------------------------- decode steps
 
 
-def _layouts(keys: TokenLayoutStore, values: TokenLayoutStore) -> dict[str, Any]:
-    """``token_decode_triton``'s layout arguments for these stores' codecs."""
-    size = keys.group_size()
-    r = values._value_block(size)
-    assert keys.rows is not None and values.rows is not None
-    return dict(block=keys.rows.block, halves=keys.rows.halves, center=keys.quant.group, value_block=r,
-                value_halves=values.rows.halves and r == values.rows.block, size=size)  # fmt: skip
+def _key_layout(keys: TokenLayoutStore) -> dict[str, Any]:
+    """``token_decode_triton``'s key layout arguments for a token-layout store (a growing one, or a static one's
+    codec)."""
+    assert keys.rows is not None
+    return dict(block=keys.rows.block, halves=keys.rows.halves, center=keys.quant.group, size=keys.group_size())
+
+
+def _value_layout(values: Any, dim: int, device: torch.device) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """``token_decode_triton``'s value arguments for a value store (the token layout's, or ``--kv-value-bits``
+    values per token in KIVI's packing: a ``TokenStore`` or ``StaticTokenStore``), and the rotation its sum comes out
+    in (None: none)."""
+    if isinstance(values, TokenLayoutStore):
+        size = values.group_size()
+        r = values._value_block(size)
+        assert values.rows is not None
+        return dict(value_block=r, value_halves=values.rows.halves and r == values.rows.block), rotation(size, device)
+    size = channel_groups(dim, values.quant.group)[1]
+    layout = dict(value_block=0, value_halves=False, value_bits=values.quant.bits, value_group=size)
+    return layout, value_rotation(values, dim, device)
+
+
+def _kivi_values_fit(values: Any, dim: int) -> bool:
+    """``--kv-value-bits`` values the kernel reads: per token, 2 or 4 bits, channel groups of a power of two that
+    cover the width (whole bytes a group)."""
+    groups, size = channel_groups(dim, values.quant.group)
+    whole = groups * size == dim and size & (size - 1) == 0 and groups & (groups - 1) == 0 and size >= 4
+    return not values.per_channel and values.quant.bits in (2, 4) and whole
 
 
 def token_kernel_reads(keys: TokenStore, values: TokenStore, dim: int) -> bool:
-    """``token_decode_kernel`` reads these stores: both in the token layout (4-bit, values too: not
-    ``--kv-value-bits``), packed as the kernel reads (``KERNEL_ROWS``: each key block a whole number of packing
-    blocks), at least one block quantized."""
-    if not (isinstance(keys, TokenLayoutStore) and type(values) is TokenLayoutStore and keys.blocks is not None):
+    """``token_decode_kernel`` reads these stores: keys in the token layout packed as the kernel reads
+    (``KERNEL_ROWS``: each key block a whole number of packing blocks), at least one block quantized, values in the
+    token layout packed alike or per token in KIVI's packing (``--kv-value-bits``, ``_kivi_values_fit``)."""
+    if not (isinstance(keys, TokenLayoutStore) and keys.blocks is not None and keys.rows == KERNEL_ROWS):
         return False
-    return keys.rows == values.rows == KERNEL_ROWS and keys.quant.group % KERNEL_ROWS.block == 0 and dim % 32 == 0
+    if type(values) is TokenLayoutStore:
+        reads = values.rows == KERNEL_ROWS
+    else:
+        reads = not isinstance(values, TokenLayoutStore) and _kivi_values_fit(values, dim)
+    return reads and keys.quant.group % KERNEL_ROWS.block == 0 and dim % 32 == 0
 
 
 def static_token_kernel_reads(keys: StaticTokenStore, values: StaticTokenStore, dim: int) -> bool:
     """``static_token_kernel_decode`` reads these static stores (``token_kernel_reads``' conditions)."""
-    if not (isinstance(keys, StaticTokenLayoutStore) and isinstance(values, StaticTokenLayoutStore)):
+    if not (isinstance(keys, StaticTokenLayoutStore) and keys.codes is not None and keys.codec.rows == KERNEL_ROWS):
         return False
-    rows = keys.codec.rows
-    return keys.codes is not None and rows == values.codec.rows == KERNEL_ROWS and dim % 32 == 0 and (
-        keys.quant.group % KERNEL_ROWS.block == 0)  # fmt: skip
+    if isinstance(values, StaticTokenLayoutStore):
+        reads = values.codec.rows == KERNEL_ROWS
+    else:
+        reads = values.codes is not None and _kivi_values_fit(values, dim)
+    return reads and keys.quant.group % KERNEL_ROWS.block == 0 and dim % 32 == 0
 
 
 def _query(query: torch.Tensor, kv_heads: int, size: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,7 +311,7 @@ def _query(query: torch.Tensor, kv_heads: int, size: int, scaling: float) -> tup
 
 def token_decode_kernel(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
-    keys: TokenLayoutStore, values: TokenLayoutStore, scaling: float,
+    keys: TokenLayoutStore, values: TokenStore, scaling: float,
     extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``kvconvert_quant.token_decode`` through the kernel (``token_kernel_reads``): the same arguments, the quantized
@@ -266,15 +324,16 @@ def token_decode_kernel(
     q, q_rot = _query(query, key.shape[1], size, scaling)
     offsets = torch.einsum("bhgd,bhcd->bhgc", q * scaling, kb.center.float())
     bias_q, exact_k, exact_v, exact_bias = decode_columns(bias, keys, values, key, value, extra)
+    value_layout, back = _value_layout(values, dim, query.device)
     acc, ml = token_decode_triton(q_rot, offsets, kb.codes, kb.scale, vb.codes, vb.scale, vb.zero, bias_q,
-                                  **_layouts(keys, values))  # fmt: skip
+                                  **_key_layout(keys), **value_layout)  # fmt: skip
     exact = exact_partial(q, exact_k, exact_v, exact_bias, scaling)
-    parts = [(unrotated(acc, rotation(size, query.device)), ml), exact]
+    parts = [(acc if back is None else unrotated(acc, back), ml), exact]
     return merge_partials(parts).view(batch, heads, 1, dim)
 
 
 def static_token_kernel_decode(
-    query: torch.Tensor, scaling: float, keys: StaticTokenLayoutStore, values: StaticTokenLayoutStore,
+    query: torch.Tensor, scaling: float, keys: StaticTokenLayoutStore, values: StaticTokenStore,
     filled: torch.Tensor, columns: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor:  # fmt: skip
     """One decode step ``[b, H, 1, d]`` float32 over static token-layout stores (``static_token_kernel_reads``),
@@ -287,8 +346,10 @@ def static_token_kernel_decode(
     bias_q, exact = columns
     q, q_rot = _query(query, exact[0].shape[1], size, scaling)
     offsets = torch.einsum("bhgd,bhcd->bhgc", q * scaling, keys.center.float())
-    layouts = _layouts(keys.codec, values.codec)
+    codec = values.codec if isinstance(values, StaticTokenLayoutStore) else values
+    value_layout, back = _value_layout(codec, dim, query.device)
     acc, ml = token_decode_triton(q_rot, offsets, keys.codes, keys.scale, values.codes, values.scale, values.zero,
-                                  bias_q, length=keys.quantized_count(filled), **layouts)  # fmt: skip
-    parts = [(unrotated(acc, rotation(size, query.device)), ml), exact_partial(q, *exact, scaling)]
+                                  bias_q, length=keys.quantized_count(filled), **_key_layout(keys.codec),
+                                  **value_layout)  # fmt: skip
+    parts = [(acc if back is None else unrotated(acc, back), ml), exact_partial(q, *exact, scaling)]
     return merge_partials(parts).view(batch, heads, 1, dim)

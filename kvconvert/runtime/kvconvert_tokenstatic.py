@@ -98,7 +98,6 @@ class StaticTokenLayoutLayer(StaticStoreLayer):
             self._check_room(1)
             columns = static_columns(self.key_store, self.value_store, key, value, attention_mask, self.filled,
                                      self.max_cache_len)  # fmt: skip
-            assert isinstance(self.value_store, StaticTokenLayoutStore)
             out = static_token_kernel_decode(query, scaling, self.key_store, self.value_store, self.filled, columns)
             self.key_store.extend_only(key, self.filled)
             self.value_store.extend_only(value, self.filled)
