@@ -11,11 +11,11 @@
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d .whl transformers==5.23.0
 # and run `bash bench/gpu_check.sh` there, the wheel folder travelling with the tree. SWEEP_S, BENCH_S and TEST_S
-# bound the sweep, the end-to-end bench and the tests (seconds; 0: skip the sweep or the tests); SHAPES picks the end-to-end context:batch pairs,
+# bound the sweep, the end-to-end bench and the tests (seconds; 0: skip that part); SHAPES picks the end-to-end context:batch pairs,
 # ONLY the conversions, SWEEP_KERNELS the kernels whose launches are swept (default kivi; fp8,kivi both), COMPILED
 # the runs also decoded compiled by Inductor and captured (run labels, comma-separated; empty: none; each compile
 # took 13-65 s on an H200), STATIC_TESTS=1 also the static caches' GPU tests, TESTS other pytest arguments instead of the
-# kernels' tests, QUICK=1 one launch per kernel in the sweep, KERNEL_PATHS_ONLY=1 the conversions with a kernel timed
+# kernels' tests, QUICK=1 one launch per kernel in the sweep, GROWING=" " the growing caches' eager rows too, KERNEL_PATHS_ONLY=1 the conversions with a kernel timed
 # with it alone. The defaults' timeouts sum to 570 s (30 + 180 + 280 + 80), under
 # the device tool's 600 s a call with the wheel's install: give it timeout_s=600.
 cd "$(dirname "$0")/.." || exit 1
@@ -45,8 +45,8 @@ fi
 launch=()
 [ -s "$OUT/best-launch.json" ] && launch=(--launch "$OUT/best-launch.json") && cat "$OUT/best-launch.json"
 start=$(date +%s)
-timeout "${BENCH_S:-280}" python3 bench/kernels_bench.py --contexts 8192 --batches 16 --shapes "${SHAPES:-8192:16,32768:1}" \
-  --graphs --no-growing --no-probe --serving none --steps 16 --only "${ONLY:-quant fp8,quant 4-bit KIVI}" \
+[ "${BENCH_S:-280}" = 0 ] || timeout "${BENCH_S:-280}" python3 bench/kernels_bench.py --contexts 8192 --batches 16 --shapes "${SHAPES:-8192:16,32768:1}" \
+  --graphs ${GROWING:---no-growing} --no-probe --serving none --steps 16 --only "${ONLY:-quant fp8,quant 4-bit KIVI}" \
   --compiled "${COMPILED-quant 4-bit KIVI [Triton kernels]}" "${launch[@]}" ${KERNEL_PATHS_ONLY:+--kernel-paths-only} \
   --copy-to "$OUT" >> "$OUT/bench.log" 2>&1
 echo "bench rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
