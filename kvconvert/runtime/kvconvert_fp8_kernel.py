@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from .kvconvert_kernels import _pow2, combine_partials, interpreted, sixteen_bit_products, split_count, triton
+from .kvconvert_kernels import (
+    _pow2,
+    combine_partials,
+    interpreted,
+    sixteen_bit_products,
+    split_bounds,
+    split_count,
+    triton,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -72,11 +80,7 @@ if triton is not None:
         split = tl.program_id(1)
         row = r // kv_heads
         head = r % kv_heads
-        end = n
-        if HAS_LENGTH:
-            end = tl.minimum(end, tl.load(length))
-        start = split * split_len
-        stop = tl.minimum(start + split_len, end)
+        start, stop = split_bounds(n, length, split_len, HAS_LENGTH)
         rows = tl.arange(0, G_PAD)
         chans = tl.arange(0, D)
         offs = tl.arange(0, TILE)

@@ -253,6 +253,16 @@ BLOCK_N = 32  # tokens per tile: a multiple of 16 for tensor-core dots, small en
 if triton is not None:
 
     @triton.jit
+    def split_bounds(n, length, split_len, HAS_LENGTH: tl.constexpr):
+        """The token range ``[start, stop)`` of this program's split (``program_id(1)``): ``split_len`` tokens, cut at
+        ``n`` or (``HAS_LENGTH``) at ``length``, read on the device (a static cache's tokens written so far)."""
+        end = n
+        if HAS_LENGTH:
+            end = tl.minimum(end, tl.load(length))
+        start = tl.program_id(1) * split_len
+        return start, tl.minimum(start + split_len, end)
+
+    @triton.jit
     def _packed_decode_kernel(
         query, keys, values, bias, part_acc, part_ml,
         q_off, k_off, wk_tab, v_off, wv_tab, o_off, order,

@@ -9,7 +9,15 @@ import math
 
 import torch
 
-from .kvconvert_kernels import _pow2, _split_len, combine_partials, sixteen_bit_products, split_count, triton
+from .kvconvert_kernels import (
+    _pow2,
+    _split_len,
+    combine_partials,
+    sixteen_bit_products,
+    split_bounds,
+    split_count,
+    triton,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -183,11 +191,7 @@ if triton is not None:
         r = tl.program_id(0)
         split = tl.program_id(1)
         row = r // kv_heads
-        end = n
-        if HAS_LENGTH:
-            end = tl.minimum(end, tl.load(length))
-        start = split * split_len
-        stop = tl.minimum(start + split_len, end)
+        start, stop = split_bounds(n, length, split_len, HAS_LENGTH)
         rows = tl.arange(0, G_PAD)
         chans = tl.arange(0, D)
         live = rows < G

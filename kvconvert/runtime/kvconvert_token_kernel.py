@@ -11,7 +11,15 @@ import torch
 
 from .kvconvert_codec import channel_groups, rotation
 from .kvconvert_folded import decode_columns, exact_partial, merge_partials, unrotated, value_rotation
-from .kvconvert_kernels import _pow2, _split_len, combine_partials, sixteen_bit_products, split_count, triton
+from .kvconvert_kernels import (
+    _pow2,
+    _split_len,
+    combine_partials,
+    sixteen_bit_products,
+    split_bounds,
+    split_count,
+    triton,
+)
 from .kvconvert_staticstore import StaticTokenStore
 from .kvconvert_tokenlayout import KERNEL_ROWS, StaticTokenLayoutStore, TokenLayoutStore
 from .kvconvert_tokenstore import TokenStore
@@ -99,11 +107,7 @@ if triton is not None:
         r = tl.program_id(0)
         split = tl.program_id(1)
         row = r // kv_heads
-        end = n
-        if HAS_LENGTH:
-            end = tl.minimum(end, tl.load(length))
-        start = split * split_len
-        stop = tl.minimum(start + split_len, end)
+        start, stop = split_bounds(n, length, split_len, HAS_LENGTH)
         rows = tl.arange(0, G_PAD)
         live = rows < G
         blocks = tl.arange(0, NB)
