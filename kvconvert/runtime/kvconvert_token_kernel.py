@@ -37,7 +37,8 @@ if triton is not None:
 # - values: ``Vᵀ``'s rows per block of R channels, ``[d/R, n, R/2]`` (token t's R/2 bytes of block c together, byte j
 #   holding channels j and j + R/2, or 2j and 2j + 1), ``scale``/``zero [G, n]`` per token and channel group, in the
 #   same convention. The weighted sum comes out rotated (undone by the caller, on ``[b, H, d]``) with its columns in
-#   the order the bytes hold them (``_unpermuted``).
+#   the order the bytes hold them (``_unpermuted``). Or (``--kv-value-bits``) values per token in KIVI's packing,
+#   2 or 4 bits, ``code·s + z`` per group of channels, rotated as ``--kv-rotate`` stored them (``_kivi_token_values``).
 # A KV head's G query rows share every code they read (one ``tl.dot`` over the group's rows); a tile of NB blocks is
 # read as its two nibble halves (no interleave), keys dequantized after the product (per token and group: scale and
 # zero multiply the dot product), values before it (per element). Exact tokens (the sink, the float tail, this step's)
