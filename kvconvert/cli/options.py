@@ -57,8 +57,8 @@ class ConversionOptions(SourceOptions):
         None,
         help="kivi (default): keys per channel, values per token. token (kvconvert extension, quant and razor, "
         "4-bit): both per token after a Hadamard rotation, in the layout torch's int4 kernel reads, so CPU "
-        "decoding reads the codes without dequantizing the cache (razor: its retrieval heads); a CPU layout: a GPU "
-        "dequantizes it whole at every step, so for GPUs keep kivi (its Triton kernel) or --kv-format fp8.",
+        "decoding reads the codes without dequantizing the cache (razor: its retrieval heads and windows); on an "
+        "NVIDIA GPU with Triton its own kernel reads them.",
     )
     kv_format: Literal["int", "fp8"] | None = option(
         None,

@@ -64,9 +64,8 @@ def _details(report: dict[str, Any]) -> str:
             f"\n\nThe cache is stored as 4-bit integers in kvconvert's token layout: keys minus each "
             f"{storage['group']}-token block's per-channel mean, and values, rotated (randomized Hadamard) and "
             "quantized per token in torch's int4 matrix layout, so CPU decoding reads the codes without "
-            f"dequantizing; the newest {storage['residual']} tokens stay unquantized. It is a CPU layout: on a GPU "
-            "every decode step dequantizes the whole cache (kvconvert's `--kv-layout kivi` or `--kv-format fp8` "
-            "suit GPUs)."
+            f"dequantizing; the newest {storage['residual']} tokens stay unquantized. On an NVIDIA GPU with Triton "
+            "the runtime's own kernel reads the codes; without Triton every decode step dequantizes the whole cache."
         )
     elif storage:
         widths = f"{storage['bits']}-bit integers"
