@@ -221,19 +221,14 @@ def use_kernels(tensor: torch.Tensor, default: str = "off") -> bool:
     1 × 32K); "graphs": the 4-bit KIVI kernel (0.19× → 0.59×, 0.66× → 2.97× through CUDA graphs; eagerly 0.20× →
     0.17× at 16 × 8K, 0.40× → 0.44× at 1 × 32K). Each reads codes the torch path reads back whole in 16 bits first.
     With the step compiled by Inductor, then captured (kernels-h200-compiled-2026-11-27.md, × the original compiled so
-    too, 16 × 8K): KIVI's kernel 1.00× (its torch path 0.36×), fp8's 3.13×. "gpu" too: the 4-bit token layout's kernel
-    (``kvconvert_token_kernel``; H200, 16 × 8K, bench/results/kernels-h200-token-2026-11-29.md): eagerly 0.10× →
-    0.18×, captured 0.085× → 0.64×, compiled then captured 0.19× → 1.12× (its torch path dequantizes the whole cache).
+    too, 16 × 8K): KIVI's kernel 1.00× (its torch path 0.36×), fp8's 3.13×. "gpu": the token layout's kernel (H200,
+    16 × 8K, kernels-h200-token-2026-11-29.md): eager 0.10× → 0.18×, captured 0.085× → 0.64×, compiled 0.19× → 1.12×.
 
-    "off" for the others: measured end to end on an H100 (``make bench-kernels``, bf16, a
-    12-layer MHA Llama; bench/results/kernels-h100-2026-11-23.md), every runtime's torch path decoded
-    faster than its kernels: at batch 1 slim's kernels ran at 0.45–0.56×, LoRC's 0.75–0.80×,
-    razor's 0.83–0.92× of the torch path (8K and 32K context), at batch 16 (8K) 0.66×, 0.97×, 0.92×.
-    The kernels reach 1–12 % of the HBM bandwidth (SDPA: 60–92 %) and each adds a Triton launch to
-    an eager step that is bound by launches already. With every step a replayed CUDA graph (H200, static caches,
-    bench/results/kernels-h200-graphs-2026-11-26.md) the torch paths still led: slim 0.48× vs 0.11× with kernels,
-    LoRC 0.43× vs 0.17× at 16 × 8K; 4.90× vs 0.89×, 4.30× vs 1.39× at 1 × 32K (× the original); razor 1.44× vs 1.35×
-    and 5.64× vs 4.98× (2026-11-27)."""
+    "off" for the others: on an H100 (bench/results/kernels-h100-2026-11-23.md) every runtime's torch path decoded
+    faster than its kernels (slim 0.45–0.66×, LoRC 0.75–0.97×, razor 0.83–0.92× of the torch path at 8K and 32K); with
+    every step a replayed CUDA graph (H200, kernels-h200-graphs-2026-11-26.md) the torch paths still led: slim 0.48×
+    vs 0.11×, LoRC 0.43× vs 0.17× at 16 × 8K, 4.90× vs 0.89×, 4.30× vs 1.39× at 1 × 32K; razor 1.44× vs 1.35×, 5.64×
+    vs 4.98× (2026-11-27)."""
     choice = kernels_requested()
     if choice == "auto":  # NVIDIA, Ampere on: where they were compiled (sm_80, sm_90) and measured (sm_90)
         if default == "off" or triton is None or tensor.device.type != "cuda":
@@ -254,8 +249,7 @@ if triton is not None:
 
     @triton.jit
     def split_bounds(n, length, split_len, HAS_LENGTH: tl.constexpr):
-        """The token range ``[start, stop)`` of this program's split (``program_id(1)``): ``split_len`` tokens, cut at
-        ``n`` or (``HAS_LENGTH``) at ``length``, read on the device (a static cache's tokens written so far)."""
+        """This split's tokens ``[start, stop)`` (``program_id(1)``): ``split_len``, cut at ``n`` or ``length``."""
         end = n
         if HAS_LENGTH:
             end = tl.minimum(end, tl.load(length))
