@@ -117,11 +117,12 @@ KERNEL_ROWS = INT4_ROW_LAYOUTS[0]
 
 
 def kernel_rows_wanted(quant: QuantSpec, device: torch.device) -> bool:
-    """A store of tokens on ``device`` packs in ``KERNEL_ROWS``: the GPU kernel may read it (a CUDA device with
-    Triton, ``KVCONVERT_KERNELS`` not ``torch``; or the kernels asked for: tests under the interpreter) and its
-    blocks hold whole packing blocks."""
+    """A store of tokens on ``device`` packs in ``KERNEL_ROWS``: the GPU kernel may read it (an NVIDIA GPU from Ampere
+    on with Triton, ``KVCONVERT_KERNELS`` not ``torch``, as ``use_kernels`` decides; or the kernels asked for: tests
+    under the interpreter) and its blocks hold whole packing blocks."""
     choice = kernels_requested()
-    wanted = choice == "triton" or (choice == "auto" and device.type == "cuda" and triton_available())
+    nvidia = device.type == "cuda" and torch.version.hip is None and triton_available()
+    wanted = choice == "triton" or (choice == "auto" and nvidia and torch.cuda.get_device_capability(device) >= (8, 0))
     return wanted and quant.group % KERNEL_ROWS.block == 0
 
 

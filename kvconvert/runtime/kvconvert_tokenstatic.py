@@ -64,7 +64,8 @@ def static_columns(
 class StaticTokenLayoutLayer(StaticStoreLayer):
     """``TokenLayoutLayer`` preallocated for ``max_cache_len`` tokens (``StaticStoreLayer`` with
     ``StaticTokenLayoutStore``s): ``update`` only records the step, ``attend`` (called by ``quant_attention``) reads
-    and writes. A decode step on a CPU whose int4 kernel reads the stores runs ``token_decode``'s two halves over every
+    and writes. A decode step on a GPU whose Triton kernel reads the stores runs it (``static_token_kernel_decode``);
+    on a CPU whose int4 kernel reads the stores runs ``token_decode``'s two halves over every
     block's room (``code_scores``, ``code_outputs``), the blocks not quantized yet and the sink's stand-ins masked by
     position (``static_columns``), then stores the token; elsewhere (a prefill, another device or layout) the
     stores are dequantized whole and SDPA attends, as ``StaticStoreLayer`` does. Values of their own width
