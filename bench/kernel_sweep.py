@@ -160,8 +160,8 @@ def token_sweep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quick: bool, 
         config = {"tile": tile, "warps": warp, "stages": stage, "programs_per_sm": pps, "splits": split}
 
         def run(t: int = tile, w: int = warp, s: int = stage, sp: int = split) -> torch.Tensor:
-            a, m = token_kernel.token_decode_triton(q_rot, offsets, store[0], store[1], *store[2:], None, splits=sp,
-                                                    tile=t, num_warps=w, num_stages=s, **layouts)  # fmt: skip
+            a, m = token_kernel.token_decode_triton(q_rot, offsets, *store, None, splits=sp, tile=t, num_warps=w,
+                                                    num_stages=s, **layouts)  # fmt: skip
             return a / m[..., 1:]
 
         record("quant 4-bit token kernel", config, size_bytes, run, ref)

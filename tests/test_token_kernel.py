@@ -164,6 +164,7 @@ def test_razor_in_the_token_layout_decodes_through_the_kernel(tokenized_model_di
     front they dropped masked) are read through the kernel; greedy decoding of a left-padded batch gives the tokens
     and logits of reading the same stores dequantized."""
     import kvconvert
+    import kvconvert.runtime.kvconvert_quant as runtime
     import kvconvert.runtime.kvconvert_razor as razor_runtime
     from tests.helpers import convert
     from tests.test_kernels import assert_same_generation, greedy_twelve
@@ -179,9 +180,6 @@ def test_razor_in_the_token_layout_decodes_through_the_kernel(tokenized_model_di
     def counted(*args, **kwargs):
         extras.append(len(args) > 7 or "extra" in kwargs)
         return real(*args, **kwargs)
-
-    monkeypatch.setattr(token_kernel, "token_decode_kernel", counted)
-    import kvconvert.runtime.kvconvert_quant as runtime
 
     monkeypatch.setattr(runtime, "token_decode_kernel", counted)  # what ``token_reader`` hands out
     monkeypatch.setenv("KVCONVERT_KERNELS", "triton")

@@ -15,11 +15,12 @@ import torch
 
 from .kvconvert_kernels import (
     _pow2,
-    combine_partials,
     interpreted,
+    merged_splits,
     sixteen_bit_products,
     split_bounds,
     split_count,
+    split_partials,
     triton,
 )
 
@@ -147,8 +148,7 @@ def fp8_decode_triton(
         splits = split_count(rows, n // (4 * tile), query.device, FP8_PROGRAMS_PER_SM)
     split_len = triton.cdiv(triton.cdiv(n, splits), tile) * tile
     n_splits = triton.cdiv(n, split_len)
-    part_acc = torch.empty(rows, n_splits, group, dim, dtype=torch.float32, device=query.device)
-    part_ml = torch.empty(rows, n_splits, group, 2, dtype=torch.float32, device=query.device)
+    part_acc, part_ml = split_partials(rows, n_splits, group, dim, query.device)
     bias_t = bias.float().contiguous() if bias is not None else part_acc  # any pointer when HAS_BIAS is off
     length_t = length if length is not None else part_acc
     scale_stride = 1 if key_scale.numel() > 1 else 0
@@ -161,7 +161,5 @@ def fp8_decode_triton(
         HAS_LENGTH=length is not None, HALF=half, DOT="tf32" if half else "ieee", NATIVE=native,
         num_warps=num_warps or FP8_WARPS, num_stages=num_stages or FP8_STAGES,
     )  # fmt: skip
-    shape = (batch, kv_heads, n_splits, group)
-    acc, ml = part_acc.view(*shape, dim), part_ml.view(*shape, 2)
-    acc, ml = (acc[:, :, 0], ml[:, :, 0]) if n_splits == 1 else combine_partials(acc, ml, dim=2)
+    acc, ml = merged_splits(part_acc, part_ml, batch)
     return acc / ml[..., 1:]

@@ -8,11 +8,11 @@ and writes the attention-weighted value columns ``v_off[h] : v_off[h] + wv[h]`` 
 full keys or values are never rebuilt. ``razor_decode`` gives each head its own length: retrieval
 heads attend over their full cache, the others over sink + recent tokens plus the compensation token.
 
-The runtimes call the Triton kernels for decode steps when asked (``KVCONVERT_KERNELS=triton``,
-see ``use_kernels`` for why not by default) and keep their own vectorised torch code otherwise, so
-CPU users and CI run the same model code. The references here (per-head loops, float32) are the kernels' specification;
-tests compare each kernel with its reference on CPU with ``TRITON_INTERPRET=1``, and the kernel path
-of every runtime with its torch path. Copied verbatim into every output directory; Triton is optional.
+Runtimes decode through a kernel where ``use_kernels`` says (asked for, or measured faster on a GPU), else through
+their own torch code, which CPU users and CI run. The references (per-head loops, float32) are the kernels'
+specification: tests compare each kernel with its reference under ``TRITON_INTERPRET=1``, and every runtime's kernel
+path with its torch path. Also the launch plumbing the other kernel files share (splits, partials). Copied verbatim
+into every output directory; Triton is optional.
 """
 
 from __future__ import annotations
@@ -148,15 +148,12 @@ def rebuild_requested() -> str:
 
 
 def rebuild_dtype(latent: torch.Tensor) -> torch.dtype:
-    """The dtype in which a step rebuilds keys from a cached latent (LoRC: ``[n, r] @ [r, Hkv·d]`` over every
-    cached token at every step, the one compute-bound product of its decode). ``KVCONVERT_REBUILD``: ``auto``
-    (unset) rebuilds a float32 latent from bfloat16 operands, accumulated in float32, on a CPU that multiplies them
-    in hardware: there the product runs 2.1× as fast (1.87 → 0.89 ms for 4096 tokens of rank 96 into 192 channels
-    on an AMD EPYC with AVX512-BF16, casts included; SmolLM2's LoRC 0.5 decoded 0.65 → 0.68× the source at 4K,
-    0.57 → 0.68× at 16K, bench/results/ab-lorc-bf16-2026-11-27.md) and each rebuilt key gains 0.3 % relative
-    error, against the tens of percent a truncated latent leaves: a calibrated LoRC (K at 0.75) scored KL 0.0790
-    → 0.0794 nats/token, perplexity 26.311 → 26.309 through its cache. ``exact``: the latent's dtype (what the
-    equivalence tests read); ``bf16``: bfloat16 wherever the latent is float32."""
+    """The dtype in which a step rebuilds keys from a cached latent (LoRC: ``[n, r] @ [r, Hkv·d]`` every step, its
+    decode's one compute-bound product). ``KVCONVERT_REBUILD``: ``auto`` (unset) takes bfloat16 operands, float32
+    accumulation, for a float32 latent on a CPU that multiplies them in hardware: 2.1× as fast there (1.87 → 0.89 ms,
+    4096 tokens of rank 96 into 192 channels, AMD EPYC with AVX512-BF16; LoRC 0.5 on SmolLM2 0.65 → 0.68× the source
+    at 4K, bench/results/ab-lorc-bf16-2026-11-27.md) for 0.3 % more error per key (KL 0.0790 → 0.0794 through the
+    cache). ``exact``: the latent's dtype (the equivalence tests'); ``bf16``: bfloat16 wherever it is float32."""
     choice = rebuild_requested()
     if latent.dtype != torch.float32 or choice == "exact":
         return latent.dtype
@@ -197,43 +194,37 @@ def chunk_attention(
 
 
 def check_kernel_device(device: torch.device) -> None:
-    """The Triton kernels run on ``device``: a GPU, or any device under ``TRITON_INTERPRET=1`` (tests). Else a
-    one-line ``ValueError`` naming the device and the flag that runs the torch path instead."""
+    """The kernels run on ``device`` (a GPU, any under ``TRITON_INTERPRET=1``), else a one-line ``ValueError``."""
     if device.type not in KERNEL_DEVICES and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"KVCONVERT_KERNELS=triton: the Triton kernels run on a GPU, this model runs on {device}; "
                          "set KVCONVERT_KERNELS=torch (the default path) or TRITON_INTERPRET=1 to interpret "
                          "them")  # fmt: skip
 
 
+def kernels_by_default_on(device: torch.device) -> bool:
+    """Where ``KVCONVERT_KERNELS=auto`` may run a kernel: NVIDIA from Ampere on (compiled for sm_80/90), Triton in."""
+    nvidia = triton is not None and device.type == "cuda" and torch.version.hip is None
+    return nvidia and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def use_kernels(tensor: torch.Tensor, default: str = "off") -> bool:
     """Whether decode runs the Triton kernels on ``tensor``'s device: when asked, ``KVCONVERT_KERNELS=triton`` (on a
-    CPU only with ``TRITON_INTERPRET=1``: tests); ``torch``: never; under ``auto`` (the default) what the caller's
-    kernel measured: ``default`` "gpu" (faster than its runtime's torch path on a GPU, eager and through CUDA graphs)
-    or "graphs" (faster only in steps captured as CUDA graphs: taken while one is being captured, and in a step
-    ``torch.compile`` traces, which transformers' ``generate`` compiles with ``mode="reduce-overhead"``, i.e. replays
-    as a CUDA graph), on an NVIDIA GPU from Ampere on, with Triton installed; "off": not by default. The KIVI kernel
-    decodes inside generate's compile as its torch path does (its test, natively on an H200, 2026-11-27), which was
-    the reason compiled steps left them out. Asked for where they cannot run: a ``ValueError``
-    (``kernels_requested``, ``check_kernel_device``), never a silent fall-back.
+    CPU only with ``TRITON_INTERPRET=1``: tests); ``torch``: never; under ``auto`` (the default), where
+    ``kernels_by_default_on``, what the caller's kernel measured: ``default`` "gpu" (faster than its torch path in
+    every step), "graphs" (faster only in steps captured as CUDA graphs: while one is captured, and in a step
+    ``torch.compile`` traces, as transformers' ``generate`` compiles it), "off": not by default. Asked for where they
+    cannot run: a ``ValueError`` (``kernels_requested``, ``check_kernel_device``), never a silent fall-back.
 
-    Measured (an H200, bench/results/kernels-h200-fp8-kivi-razor-2026-11-27.md, × the original's static cache), "gpu":
-    fp8's kernel (0.27× → 0.50× eagerly, 0.25× → 2.23× through CUDA graphs at 16 × 8K; 0.69× → 1.29×, 0.79× → 9.85× at
-    1 × 32K); "graphs": the 4-bit KIVI kernel (0.19× → 0.59×, 0.66× → 2.97× through CUDA graphs; eagerly 0.20× →
-    0.17× at 16 × 8K, 0.40× → 0.44× at 1 × 32K). Each reads codes the torch path reads back whole in 16 bits first.
-    With the step compiled by Inductor, then captured (kernels-h200-compiled-2026-11-27.md, × the original compiled so
-    too, 16 × 8K): KIVI's kernel 1.00× (its torch path 0.36×), fp8's 3.13×. "gpu": the token layout's kernel (H200,
-    16 × 8K, kernels-h200-token-2026-11-29.md): eager 0.10× → 0.18×, captured 0.085× → 0.64×, compiled 0.19× → 1.12×.
-
-    "off" for the others: on an H100 (bench/results/kernels-h100-2026-11-23.md) every runtime's torch path decoded
-    faster than its kernels (slim 0.45–0.66×, LoRC 0.75–0.97×, razor 0.83–0.92× of the torch path at 8K and 32K); with
-    every step a replayed CUDA graph (H200, kernels-h200-graphs-2026-11-26.md) the torch paths still led: slim 0.48×
-    vs 0.11×, LoRC 0.43× vs 0.17× at 16 × 8K, 4.90× vs 0.89×, 4.30× vs 1.39× at 1 × 32K; razor 1.44× vs 1.35×, 5.64×
-    vs 4.98× (2026-11-27)."""
+    Measured on an H200 (× the original's static cache, 16 × 8K; docs/gpu.md has every figure): "gpu", fp8's kernel
+    (0.27× → 0.50× eagerly, 0.25× → 2.23× captured, kernels-h200-fp8-kivi-razor-2026-11-27.md) and the token layout's
+    (0.10× → 0.18×, 0.085× → 0.64×, compiled 0.19× → 1.12×, kernels-h200-token-2026-11-29.md); "graphs", the 4-bit KIVI
+    kernel (0.19× → 0.59× captured, 0.20× → 0.17× eagerly; compiled 0.36× → 1.00×). Each reads codes the torch path
+    reads back whole in 16 bits first. "off" for the others: their torch paths decoded faster than their kernels on an
+    H100 (kernels-h100-2026-11-23.md) and through CUDA graphs on an H200 (slim 0.48× vs 0.11×, LoRC 0.43× vs 0.17×,
+    razor 1.44× vs 1.35×: kernels-h200-graphs-2026-11-26.md)."""
     choice = kernels_requested()
-    if choice == "auto":  # NVIDIA, Ampere on: where they were compiled (sm_80, sm_90) and measured (sm_90)
-        if default == "off" or triton is None or tensor.device.type != "cuda":
-            return False
-        if torch.version.hip is not None or torch.cuda.get_device_capability(tensor.device) < (8, 0):
+    if choice == "auto":
+        if default == "off" or not kernels_by_default_on(tensor.device):
             return False
         return default == "gpu" or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling()
     if choice == "torch":
@@ -383,11 +374,9 @@ def _pow2(width: int) -> int:
 
 
 def _split_len(n: int, programs: int, device: torch.device, block_n: int, splits: int | None) -> int:
-    """Tokens per split (a multiple of ``block_n``). Flash-decoding: one decode query has too few
-    (row, head) programs to fill a GPU, so long caches are cut into splits merged afterwards, about
-    four programs per multiprocessor, but never splits under 64 tiles (2048 tokens): measured on an
-    H100, splitting a 1K cache cost 73 → 291 µs (the merge's launches), a 32K cache gained 6×.
-    ``splits`` forces a count (tests)."""
+    """Tokens per split (a multiple of ``block_n``). Flash-decoding: one decode query has too few (row, head) programs
+    to fill a GPU, so long caches are cut into splits merged afterwards, about four programs per multiprocessor, never
+    under 64 tiles (H100: splitting a 1K cache cost 73 → 291 µs, a 32K cache gained 6×). ``splits`` forces a count."""
     if splits is None:
         splits = split_count(programs, n // (64 * block_n), device, 4)
     per_split = triton.cdiv(n, max(1, splits))
@@ -411,6 +400,17 @@ def split_count(programs: int, most: int, device: torch.device, per_sm: int) -> 
     worth its merge), at least one."""
     units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(triton.cdiv(per_sm * units, max(1, programs)), most))
+
+
+def split_partials(rows: int, splits: int, group: int, dim: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A split decode launch's output, float32: sums ``[rows × Hkv, splits, G, d]``, (max, denominator) ``[.., 2]``."""
+    return tuple(torch.empty(rows, splits, group, width, dtype=torch.float32, device=device) for width in (dim, 2))
+
+
+def merged_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``split_partials``' buffers after the launch -> the partial over every split, ``[b, Hkv, G, d | 2]``."""
+    acc, ml = part_acc.unflatten(0, (batch, -1)), part_ml.unflatten(0, (batch, -1))
+    return (acc[:, :, 0], ml[:, :, 0]) if acc.shape[2] == 1 else combine_partials(acc, ml, dim=2)
 
 
 def combine_partials(acc: torch.Tensor, ml: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,10 +12,11 @@ import torch
 from .kvconvert_kernels import (
     _pow2,
     _split_len,
-    combine_partials,
+    merged_splits,
     sixteen_bit_products,
     split_bounds,
     split_count,
+    split_partials,
     triton,
 )
 
@@ -323,8 +324,7 @@ def kivi_decode_triton(
         splits = split_count(rows, tokens // (4 * step), query.device, KIVI_PROGRAMS_PER_SM)
     split_len = _split_len(tokens, rows, query.device, step, splits)  # in tokens, whole steps
     n_splits = triton.cdiv(tokens, split_len)
-    part_acc = torch.empty(rows, n_splits, group, dim, dtype=torch.float32, device=query.device)
-    part_ml = torch.empty(rows, n_splits, group, 2, dtype=torch.float32, device=query.device)
+    part_acc, part_ml = split_partials(rows, n_splits, group, dim, query.device)
     bias_t = bias.float().contiguous() if bias is not None else part_acc  # any pointer when HAS_BIAS is off
     cache = (query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias_t,
              part_acc if length is None else length, part_acc, part_ml, kv_heads, n)  # fmt: skip
@@ -346,6 +346,4 @@ def kivi_decode_triton(
             *cache, split_len // (2 * half), scale, math.ceil(dim / groups), *strides, D_HALF=dim // 2,
             DOT="ieee" if precise else "tf32", **launch,
         )  # fmt: skip
-    shape = (batch, kv_heads, n_splits, group)
-    acc, ml = part_acc.view(*shape, dim), part_ml.view(*shape, 2)
-    return (acc[:, :, 0], ml[:, :, 0]) if n_splits == 1 else combine_partials(acc, ml, dim=2)
+    return merged_splits(part_acc, part_ml, batch)

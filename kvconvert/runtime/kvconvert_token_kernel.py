@@ -14,10 +14,11 @@ from .kvconvert_folded import decode_columns, exact_partial, merge_partials, unr
 from .kvconvert_kernels import (
     _pow2,
     _split_len,
-    combine_partials,
+    merged_splits,
     sixteen_bit_products,
     split_bounds,
     split_count,
+    split_partials,
     triton,
 )
 from .kvconvert_staticstore import StaticTokenStore
@@ -228,8 +229,7 @@ def token_decode_triton(
         splits = split_count(rows, n // (4 * step), query.device, TOKEN_PROGRAMS_PER_SM)
     split_len = _split_len(n, rows, query.device, step, splits)
     n_splits = triton.cdiv(n, split_len)
-    part_acc = torch.empty(rows, n_splits, group, dim, dtype=torch.float32, device=query.device)
-    part_ml = torch.empty(rows, n_splits, group, 2, dtype=torch.float32, device=query.device)
+    part_acc, part_ml = split_partials(rows, n_splits, group, dim, query.device)
     bias_t = bias.float().contiguous() if bias is not None else part_acc  # any pointer when HAS_BIAS is off
     _token_decode_kernel[(rows, n_splits)](
         query, offsets, key_codes, key_pairs, value_codes, value_scale, value_zero, bias_t,
@@ -243,9 +243,7 @@ def token_decode_triton(
         DOT="ieee" if query.dtype == torch.float32 else "tf32", VBITS=value_bits, GS=value_group or size,
         num_warps=num_warps or TOKEN_WARPS, num_stages=num_stages or TOKEN_STAGES,
     )  # fmt: skip
-    shape = (batch, kv_heads, n_splits, group)
-    acc, ml = part_acc.view(*shape, dim), part_ml.view(*shape, 2)
-    acc, ml = (acc[:, :, 0], ml[:, :, 0]) if n_splits == 1 else combine_partials(acc, ml, dim=2)
+    acc, ml = merged_splits(part_acc, part_ml, batch)
     return (acc if value_bits else _unpermuted(acc, value_block, value_halves)), ml
 
 
@@ -305,13 +303,27 @@ def static_token_kernel_reads(keys: StaticTokenStore, values: StaticTokenStore, 
     return reads and keys.quant.group % KERNEL_ROWS.block == 0 and dim % 32 == 0
 
 
-def _query(query: torch.Tensor, kv_heads: int, size: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``query [b, H, 1, d]`` -> ``(q, q_rot) [b, Hkv, G, d]``: float32 unscaled, and scaled then rotated per
-    group of ``size`` channels in the query's dtype (what the kernel multiplies)."""
+def _decode(
+    query: torch.Tensor, scaling: float, keys: TokenLayoutStore, key_held: tuple[torch.Tensor, ...], values: Any,
+    value_held: tuple[torch.Tensor, ...], bias_q: torch.Tensor | None,
+    exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], length: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """One decode step ``[b, H, 1, d]`` float32: the kernel over the quantized tokens (``key_held``: codes, (scale,
+    zero) pairs, block means; ``value_held``: codes, scales, zeros; ``keys``/``values``: the stores or codecs that say
+    how they are laid out), merged with the exact tokens' softmax (``exact``: keys, values, bias)."""
     batch, heads, _, dim = query.shape
-    q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
+    size = keys.group_size()
+    q = query.reshape(batch, exact[0].shape[1], -1, dim).float()  # [b, Hkv, G, d], unscaled
+    # scaled, rotated per key group, in the query's dtype (what the kernel multiplies); q·mean of each block in torch
     q_rot = ((q * scaling).view(-1, size) @ rotation(size, query.device)).view_as(q).to(query.dtype)
-    return q, q_rot
+    codes, pairs, center = key_held
+    offsets = torch.einsum("bhgd,bhcd->bhgc", q * scaling, center.float())
+    value_layout, back = _value_layout(values, dim, query.device)
+    value_codes, value_scale, value_zero = value_held
+    acc, ml = token_decode_triton(q_rot, offsets, codes, pairs, value_codes, value_scale, value_zero, bias_q,
+                                  length=length, **_key_layout(keys), **value_layout)  # fmt: skip
+    parts = [(acc if back is None else unrotated(acc, back), ml), exact_partial(q, *exact, scaling)]
+    return merge_partials(parts).view(batch, heads, 1, dim)
 
 
 def token_decode_kernel(
@@ -322,19 +334,11 @@ def token_decode_kernel(
     """``kvconvert_quant.token_decode`` through the kernel (``token_kernel_reads``): the same arguments, the quantized
     tokens read by ``token_decode_triton``, the sink, tail, this step's and ``extra`` tokens attended exactly and
     merged. Returns ``[b, H, 1, d]`` float32."""
-    batch, heads, _, dim = query.shape
-    size = keys.group_size()
     kb, vb = keys.blocks, values.blocks
     assert kb is not None and kb.center is not None and vb is not None
-    q, q_rot = _query(query, key.shape[1], size, scaling)
-    offsets = torch.einsum("bhgd,bhcd->bhgc", q * scaling, kb.center.float())
     bias_q, exact_k, exact_v, exact_bias = decode_columns(bias, keys, values, key, value, extra)
-    value_layout, back = _value_layout(values, dim, query.device)
-    acc, ml = token_decode_triton(q_rot, offsets, kb.codes, kb.scale, vb.codes, vb.scale, vb.zero, bias_q,
-                                  **_key_layout(keys), **value_layout)  # fmt: skip
-    exact = exact_partial(q, exact_k, exact_v, exact_bias, scaling)
-    parts = [(acc if back is None else unrotated(acc, back), ml), exact]
-    return merge_partials(parts).view(batch, heads, 1, dim)
+    return _decode(query, scaling, keys, (kb.codes, kb.scale, kb.center), values, (vb.codes, vb.scale, vb.zero),
+                   bias_q, (exact_k, exact_v, exact_bias))  # fmt: skip
 
 
 def static_token_kernel_decode(
@@ -346,15 +350,7 @@ def static_token_kernel_decode(
     device), merged with the exact part. ``columns``: ``static_columns``' bias and exact part for this step."""
     assert keys.codes is not None and keys.scale is not None and keys.center is not None
     assert values.codes is not None and values.scale is not None and values.zero is not None
-    batch, heads, _, dim = query.shape
-    size = keys.codec.group_size()
-    bias_q, exact = columns
-    q, q_rot = _query(query, exact[0].shape[1], size, scaling)
-    offsets = torch.einsum("bhgd,bhcd->bhgc", q * scaling, keys.center.float())
     codec = values.codec if isinstance(values, StaticTokenLayoutStore) else values
-    value_layout, back = _value_layout(codec, dim, query.device)
-    acc, ml = token_decode_triton(q_rot, offsets, keys.codes, keys.scale, values.codes, values.scale, values.zero,
-                                  bias_q, length=keys.quantized_count(filled), **_key_layout(keys.codec),
-                                  **value_layout)  # fmt: skip
-    parts = [(acc if back is None else unrotated(acc, back), ml), exact_partial(q, *exact, scaling)]
-    return merge_partials(parts).view(batch, heads, 1, dim)
+    held = (values.codes, values.scale, values.zero)
+    return _decode(query, scaling, keys.codec, (keys.codes, keys.scale, keys.center), codec, held, *columns,
+                   length=keys.quantized_count(filled))  # fmt: skip

@@ -26,7 +26,7 @@ from .kvconvert_codec import (
     token_group_size,
     unpack,
 )
-from .kvconvert_kernels import kernels_requested, triton_available
+from .kvconvert_kernels import kernels_by_default_on, kernels_requested
 from .kvconvert_staticstore import StaticTokenStore
 from .kvconvert_tokenstore import TokenStore
 
@@ -121,8 +121,7 @@ def kernel_rows_wanted(quant: QuantSpec, device: torch.device) -> bool:
     on with Triton, ``KVCONVERT_KERNELS`` not ``torch``, as ``use_kernels`` decides; or the kernels asked for: tests
     under the interpreter) and its blocks hold whole packing blocks."""
     choice = kernels_requested()
-    nvidia = device.type == "cuda" and torch.version.hip is None and triton_available()
-    wanted = choice == "triton" or (choice == "auto" and nvidia and torch.cuda.get_device_capability(device) >= (8, 0))
+    wanted = choice == "triton" or (choice == "auto" and kernels_by_default_on(device))
     return wanted and quant.group % KERNEL_ROWS.block == 0
 
 

@@ -93,36 +93,42 @@ class StaticTokenLayoutLayer(StaticStoreLayer):
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
         step = query.shape[2] == 1
-        if step and static_token_kernel_reads(self.key_store, self.value_store, query.shape[-1]) and use_kernels(
-            query, default="gpu"
-        ):  # fmt: skip
-            self._check_room(1)
-            columns = static_columns(self.key_store, self.value_store, key, value, attention_mask, self.filled,
-                                     self.max_cache_len)  # fmt: skip
-            out = static_token_kernel_decode(query, scaling, self.key_store, self.value_store, self.filled, columns)
-            self.key_store.extend_only(key, self.filled)
-            self.value_store.extend_only(value, self.filled)
-            self._advance(1)
-            return out.to(query.dtype).transpose(1, 2).contiguous(), None
-        if step and query.device.type == "cpu" and self._reads_codes(query.shape[-1]):
-            out = self._decode(query, key, value, attention_mask, scaling).to(query.dtype)
+        kernel = step and static_token_kernel_reads(self.key_store, self.value_store, query.shape[-1]) and (
+            use_kernels(query, default="gpu"))  # fmt: skip
+        if kernel or (step and query.device.type == "cpu" and self._reads_codes(query.shape[-1])):
+            out = self._decode(query, key, value, attention_mask, scaling, kernel).to(query.dtype)
             return out.transpose(1, 2).contiguous(), None
         k, v = StaticStoreLayer.update(self, key, value)
         assert v is not None
         return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)
 
     def _decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                scaling: float) -> torch.Tensor:  # fmt: skip
-        """One decode step ``[b, H, 1, d]`` float32, then the token stored."""
+                scaling: float, kernel: bool = False) -> torch.Tensor:  # fmt: skip
+        """One decode step ``[b, H, 1, d]`` float32 through the GPU kernel (``kernel``) or the CPU's int4 kernel,
+        then the token stored."""
         keys, values, filled = self.key_store, self.value_store, self.filled
         self._check_room(1)
+        columns = static_columns(keys, values, key, value, attention_mask, filled, self.max_cache_len)
+        if kernel:
+            out = static_token_kernel_decode(query, scaling, keys, values, filled, columns)
+        else:
+            out = self._int4_decode(query, scaling, *columns)
+        keys.extend_only(key, filled)
+        values.extend_only(value, filled)
+        self._advance(1)
+        return out
+
+    def _int4_decode(self, query: torch.Tensor, scaling: float, bias_q: torch.Tensor,
+                     exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """``token_decode``'s two halves over every block's room (``static_columns``' bias and exact part), writing
+        nothing: ``[b, H, 1, d]`` float32."""
+        keys, values, filled = self.key_store, self.value_store, self.filled
         batch, heads, _, dim = query.shape
-        kv_heads = key.shape[1]
+        k_exact, v_exact, exact_bias = exact
+        kv_heads = k_exact.shape[1]
         group, rows = heads // kv_heads, batch * kv_heads
         size = keys.codec.group_size()
         rot = rotation(size, query.device)
-        bias_q, (k_exact, v_exact, exact_bias) = static_columns(keys, values, key, value, attention_mask, filled,
-                                                                self.max_cache_len)  # fmt: skip
         center, codes, scale, zero = keys.center, values.codes, values.scale, values.zero
         assert center is not None and codes is not None and scale is not None and zero is not None
         held = None  # every block's room (fixed shapes: a compiled step)
@@ -148,7 +154,4 @@ class StaticTokenLayoutLayer(StaticStoreLayer):
             out = torch.addmm(out.view(-1, size), out_rot.view(-1, size), rot.T)  # rotated back, added to the exact
         else:  # per token in KIVI's packing, token-major: the first ``length`` tokens read
             out = out + token_values_sum(probs[..., :length], (codes, scale, zero), values, batch, dim)
-        keys.extend_only(key, filled)
-        values.extend_only(value, filled)
-        self._advance(1)
         return out.view(batch, heads, 1, dim)
