@@ -158,11 +158,13 @@ def test_decode_with_the_token_kernel_matches_the_torch_runtime(static, value_bi
 
 
 @torch.no_grad()
-def test_razor_in_the_token_layout_decodes_through_the_kernel(tokenized_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("value_bits", [[], ["--kv-value-bits", "2"]], ids=["4-bit values", "2-bit values"])
+def test_razor_in_the_token_layout_decodes_through_the_kernel(value_bits, tokenized_model_dir, tmp_path, monkeypatch):
     """Razor with token-layout storage and windows of 40 tokens in 32-token blocks: its retrieval heads' stores and,
     once they hold a quantized block, its windows (with razor's sink and compensation token as exact extras, the
     front they dropped masked) are read through the kernel; greedy decoding of a left-padded batch gives the tokens
-    and logits of reading the same stores dequantized."""
+    and logits of reading the same stores dequantized. With ``--kv-value-bits 2`` the values are KIVI's per-token
+    codes beside the token layout's keys (the kernel's VBITS=2)."""
     import kvconvert
     import kvconvert.runtime.kvconvert_quant as runtime
     import kvconvert.runtime.kvconvert_razor as razor_runtime
@@ -172,7 +174,7 @@ def test_razor_in_the_token_layout_decodes_through_the_kernel(tokenized_model_di
     out = tmp_path / "r"
     convert("razor", tokenized_model_dir("llama_gqa64"), out, "--kv-budget", "0.5", "--profile-tokens", "16",
             "--window", "40", "--kv-bits", "4", "--kv-group", "32", "--kv-residual", "8", "--kv-layout", "token",
-            "--kv-sink", "2")  # fmt: skip
+            "--kv-sink", "2", *value_bits)  # fmt: skip
     model = kvconvert.load(out).eval().to(DEVICE)
     extras = []
     real = token_kernel.token_decode_kernel

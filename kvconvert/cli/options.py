@@ -81,8 +81,8 @@ class ConversionOptions(SourceOptions):
     kv_value_bits: Literal["8", "4", "3", "2"] | None = option(
         None,
         help="Values' width apart from --kv-bits, which then sets the keys' (kvconvert extension): values often "
-        "take fewer bits than keys for the same loss. With --kv-layout token (quant): 4-bit token-layout keys beside "
-        "values stored per token, rotated, at this width; decoded from a dequantized copy, no static cache yet.",
+        "take fewer bits than keys for the same loss. With --kv-layout token (quant, razor): 4-bit token-layout keys "
+        "beside values stored per token, rotated, at this width; decode steps read both sides' codes.",
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = option(
         "auto", help="Output dtype; auto keeps the source's."

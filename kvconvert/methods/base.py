@@ -82,10 +82,6 @@ class Method(Generic[P]):
         if not self.token_layout:
             raise KVConvertError(f"--kv-layout token is for quant and razor only ({self.name} stores its cache in "
                                  "KIVI's layout)")  # fmt: skip
-        if self.storage.value_bits is not None and self.name != "quant":
-            raise KVConvertError(f"--kv-layout token with --kv-value-bits (token-layout keys, values of their own "
-                                 f"width) is quant's; {self.name} stores both sides at 4 bits in the token "
-                                 "layout")  # fmt: skip
         if token_group_size(layout.head_dim, self.storage.group) is None:
             raise KVConvertError(f"--kv-layout token needs a head width that is a multiple of 32; this model's is "
                                  f"{layout.head_dim}")  # fmt: skip

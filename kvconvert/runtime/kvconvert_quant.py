@@ -199,6 +199,15 @@ def kivi_decode(
     return merge_partials([(acc, ml), exact]).view(batch, heads, 1, dim)
 
 
+def token_values_store(quant: QuantSpec, layer: int) -> TokenStore:
+    """An empty value store beside token-layout keys: the token layout too, or, with values of their own width
+    (``--kv-value-bits``), KIVI's per-token codes (``QuantSpec.side``), quantized in the keys' blocks (the same group
+    and residual), which ``token_decode`` and the GPU kernel read from their codes."""
+    if quant.value_bits is None:
+        return TokenLayoutStore(quant.side(layer, keys=False), keys=False)
+    return TokenStore(quant.side(layer, keys=False), per_channel=False)
+
+
 def int4_values_read(quant: QuantSpec, values: torch.Tensor) -> bool:
     """Values of this width and device go into ``KiviInt4Values``: on a CPU whose int4 kernel reads them
     (``kivi_int4_fits``), unless the Triton kernels are asked for (they read KIVI's own packing;
@@ -404,9 +413,7 @@ class TokenLayoutLayer(QuantizedLayer):
     def reset(self) -> None:
         super().reset()
         self.key_store = TokenLayoutStore(self.quant, keys=True)
-        # values of their own width (``value_bits``): KIVI's per-token codes, read back dequantized
-        self.value_store = (TokenLayoutStore(self.quant, keys=False) if self.quant.value_bits is None else
-                            TokenStore(self.quant.side(self.layer, keys=False), per_channel=False))  # fmt: skip
+        self.value_store = token_values_store(self.quant, self.layer)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:

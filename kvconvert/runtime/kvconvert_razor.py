@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .kvconvert_codec import QuantSpec
 from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows, static_refusal
 from .kvconvert_kernels import razor_decode_triton, use_kernels
-from .kvconvert_quant import int4_values_or, kivi_decode, kivi_kernel_reads, token_reader
+from .kvconvert_quant import int4_values_or, kivi_decode, kivi_kernel_reads, token_reader, token_values_store
 from .kvconvert_razor_ops import (
     compensated_attention,
     count_logit,
@@ -63,9 +63,11 @@ class RazorLayer(KVLayer):
         keys, values = self.quant.side(self.layer, keys=True), self.quant.side(self.layer, keys=False)
         if self.quant.layout == "token":  # decoded from the codes (``token_decode``), windows included
             self.full_k: TokenStore = TokenLayoutStore(keys, keys=True)
-            self.full_v: TokenStore = TokenLayoutStore(values, keys=False)
             self.recent_k: TokenStore = TokenLayoutStore(keys, keys=True)
-            self.recent_v: TokenStore = TokenLayoutStore(values, keys=False)
+            # values of their own width (``--kv-value-bits``): per token in KIVI's packing, quantized in the same
+            # blocks as the keys (same group and residual), so both sides' windows drop the same whole blocks
+            self.full_v: TokenStore = token_values_store(self.quant, self.layer)
+            self.recent_v: TokenStore = token_values_store(self.quant, self.layer)
         else:
             self.full_k, self.full_v = TokenStore(keys, True), TokenStore(values, False)
             self.recent_k, self.recent_v = TokenStore(keys, True), TokenStore(values, False)
@@ -117,7 +119,7 @@ class RazorLayer(KVLayer):
         """How a decode step attends over the retrieval heads' past (``full``; else the other heads' windows) from
         its 4-bit codes in the token layout (``token_reader``: the GPU kernel or torch's CPU int4 kernel), or None."""
         keys, values = (self.full_k, self.full_v) if full else (self.recent_k, self.recent_v)
-        if not (isinstance(keys, TokenLayoutStore) and isinstance(values, TokenLayoutStore)):
+        if not isinstance(keys, TokenLayoutStore):
             return None
         return token_reader(keys, values, query)
 
