@@ -83,6 +83,11 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
       "kv_residual": 32, "kv_sink": 4, "kv_rotate": True}),
     ("razor + 4-bit token layout, sink 4 (ext.)",
      {"method": "razor", "profile_tokens": 256, "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
+    # the heads kept at 0.5 holding the 0.227 recipe that kept the source's multikey needles at 8K (token-layout keys
+    # beside 2-bit values, longctx-8k-token-keys-v2): about 0.5 x 0.227 plus the windows, below 0.15 of the cache
+    ("razor, induction share 0.5 + token-layout keys 4-bit, values 2-bit, sink 4 (ext.)",
+     {"method": "razor", "profile_tokens": 256, "induction_frac": 0.5, "kv_bits": 4, "kv_value_bits": 2,
+      "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
 ]  # fmt: skip
 
 # added for models with sliding-window layers (Gemma 3: 5 of 6 layers attend over 512 tokens): their windows

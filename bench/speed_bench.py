@@ -67,6 +67,10 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("razor 0.5 + 4-bit token layout, sink 4 (ext.)",
      {"method": "razor", "kv_budget": 0.5, "profile_tokens": 64, "kv_bits": 4, "kv_residual": 0, "kv_sink": 4,
       "kv_layout": "token"}),
+    # half the heads whole in the token layout's keys beside 2-bit values: the 8K needle tasks' recipe below 0.15
+    ("razor 0.5 + token-layout keys 4-bit, values 2-bit, sink 4 (ext.)",
+     {"method": "razor", "kv_budget": 0.5, "profile_tokens": 64, "kv_bits": 4, "kv_value_bits": 2, "kv_residual": 0,
+      "kv_sink": 4, "kv_layout": "token"}),
 ]  # fmt: skip
 
 
