@@ -180,6 +180,9 @@ CONVERSIONS: list[tuple[str, dict[str, Any]]] = [
                                                "kv_layout": "token", "kv_value_bits": 2}),
     ("razor + 4-bit token", {"method": "razor", "profile_tokens": 64, "kv_bits": 4, "kv_residual": 0, "kv_sink": 4,
                              "kv_layout": "token"}),
+    ("razor + token keys 4-bit + values 2-bit", {"method": "razor", "profile_tokens": 64, "kv_bits": 4,
+                                                 "kv_residual": 0, "kv_sink": 4, "kv_layout": "token",
+                                                 "kv_value_bits": 2}),
     ("zack 0.5", {"method": "zack", "kv_budget": 0.5}),
     ("quant fp8", {"method": "quant", "kv_format": "fp8"}),
 ]  # fmt: skip
@@ -233,7 +236,12 @@ def end_to_end(shapes: list[tuple[int, int]], device: str, small: bool, new_toke
         models = {name: (LlamaForCausalLM.from_pretrained(path) if name == "original" else kvconvert.load(path))
                   .to(device=device, dtype=dtype).eval() for name, path in paths.items()}  # fmt: skip
         # (label, model, KVCONVERT_KERNELS): the torch paths (the default), kernel users also with kernels
-        token = ("quant 4-bit token", "quant token keys 4-bit + values 2-bit", "razor + 4-bit token")
+        token = (
+            "quant 4-bit token",
+            "quant token keys 4-bit + values 2-bit",
+            "razor + 4-bit token",
+            "razor + token keys 4-bit + values 2-bit",
+        )
         users = (*KERNEL_USERS, "quant 4-bit KIVI", *token) if device == "cuda" else ()
         # (``kernel_paths_only``: a model with a kernel timed with it alone)
         runs = [(name, model, "torch") for name, model in models.items() if not (kernel_paths_only and name in users)]
