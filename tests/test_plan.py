@@ -318,3 +318,24 @@ def test_plan_task_checks_ask_first_what_the_source_missed(tokenized_model_dir, 
     assert len(source) == 4 and candidate == [source[2], source[0], source[1], source[3]]
     frontier = json.loads((tmp_path / "plan" / "frontier.json").read_text())
     assert frontier["tasks"]["source_average"] == 75.0 and frontier["budgets"][0]["task_drop"] == -25.0
+
+
+def test_plan_quantizes_sliding_windows_of_models_that_have_them(tokenized_model_dir, tmp_path):
+    """On a model with sliding-window layers (Gemma 3) quant's integer candidates store the windows at 8 bits too
+    (``kv_local_bits: 8`` in the recipe written, said in the label; left at 16 bits they would floor every budget at a
+    long context); every one of them converts and is scored, and a model without windows keeps the list as it is."""
+    from kvconvert import plan
+
+    plain = plan.candidates(("quant",), local_layers=False)
+    assert [(label, recipe) for _, label, recipe in plain] == plan.CANDIDATES["quant"]
+    result = run_cli("plan", "--model", str(tokenized_model_dir("gemma3_64")), "--out", str(tmp_path / "plan"),
+                     "--methods", "quant", "--budgets", "0.6", "--context", "96", "--continuation", "16",
+                     "--windows", "1", "--device", "cpu", "--tasks", "none", "--quiet")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    frontier = json.loads((tmp_path / "plan" / "frontier.json").read_text())
+    rows = {row["label"]: row for row in frontier["candidates"]}
+    integer = [label for _, label, recipe in plan.candidates(("quant",), True) if "kv_local_bits" in recipe]
+    assert len(integer) == len(plan.CANDIDATES["quant"]) - 1  # all but fp8
+    assert all("local layers at 8 bits" in label and rows[label]["recipe"]["kv_local_bits"] == 8 for label in integer)
+    refused = {entry["label"] for entry in frontier["refused"]}
+    assert not refused & set(integer) and set(integer) <= set(rows)
