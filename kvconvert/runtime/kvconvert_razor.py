@@ -119,8 +119,6 @@ class RazorLayer(KVLayer):
         """How a decode step attends over the retrieval heads' past (``full``; else the other heads' windows) from
         its 4-bit codes in the token layout (``token_reader``: the GPU kernel or torch's CPU int4 kernel), or None."""
         keys, values = (self.full_k, self.full_v) if full else (self.recent_k, self.recent_v)
-        if not isinstance(keys, TokenLayoutStore):
-            return None
         return token_reader(keys, values, query)
 
     def extend(self, new_k: torch.Tensor, new_v: torch.Tensor, read_full: bool = True,
