@@ -397,36 +397,6 @@ def test_bf16_rebuild_stays_within_its_rounding_and_is_chosen_by_the_cpu(tiny_mo
         kernels.rebuild_dtype(latent)
 
 
-@pytest.mark.parametrize("kind", ["llama_gqa", "qwen3", "olmo2"])
-def test_decode_rebuilds_keys_a_piece_at_a_time_with_the_same_scores(kind, tiny_model_dir, tmp_path, monkeypatch):
-    """A decode step rebuilds, turns and scores its keys a few tokens at a time (``_pair_scores``: pieces of about
-    ``REBUILD_PIECE_BYTES``): greedy decoding of a left-padded batch with pieces of one and of three tokens gives
-    the logits of the whole at once (float32 rebuild, so only the summation order may differ), QK-norm models
-    (per head, over all heads) included."""
-    import sys
-
-    monkeypatch.setenv("KVCONVERT_REBUILD", "exact")
-    src = tiny_model_dir(kind)
-    convert_lorc(src, tmp_path / "lorc", "--kv-budget", "0.5", "--schedule", "uniform")
-    converted = load_converted(tmp_path / "lorc")
-    attention = next(m for m in converted.modules() if hasattr(m, "_pair_scores"))
-    runtime = sys.modules[type(attention).__module__]  # the copy trust_remote_code imported
-    per_token = 4 * 2 * attention.kv_heads * attention.head_dim  # float32 bytes of one token's keys, 2 rows
-    ids, mask = left_padded(length=20, pad=6, seed=7, high=converted.config.vocab_size)
-    runs = []
-    for piece in (1 << 40, 1, 3 * per_token):
-        monkeypatch.setattr(runtime, "REBUILD_PIECE_BYTES", piece)
-        with torch.no_grad():
-            out = converted.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10,
-                                     do_sample=False, pad_token_id=0, output_logits=True,
-                                     return_dict_in_generate=True)  # fmt: skip
-        runs.append(out)
-    whole = torch.stack(runs[0].logits)
-    for run in runs[1:]:
-        assert torch.equal(run.sequences, runs[0].sequences)
-        assert (torch.stack(run.logits) - whole).abs().max() <= 1e-5 * whole.abs().max()
-
-
 def test_joint_latent_user_errors(tokenized_model_dir, tmp_path):
     for args, fragment in [
         (["--latent", "joint"], "--latent joint needs --schedule auto"),

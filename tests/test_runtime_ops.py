@@ -7,8 +7,8 @@ import torch
 from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox_rope
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
 
-from kvconvert.runtime.kvconvert_common import (
-    additive_mask,
+from kvconvert.runtime.kvconvert_common import additive_mask
+from kvconvert.runtime.kvconvert_rope import (
     apply_rotary,
     from_pairs,
     pair_order,
@@ -139,3 +139,35 @@ def test_chunk_attention_is_softmax_attention(kv_heads, key_width, value_width, 
     assert got.shape == expected.shape and got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(("method", "kind"), [("lorc", "llama_gqa"), ("lorc", "qwen3"), ("lorc", "olmo2"),
+                                              ("slim", "llama"), ("slim", "gpt_neox")])  # fmt: skip
+def test_keys_turned_a_piece_at_a_time_score_as_the_whole(method, kind, tiny_model_dir, tmp_path, monkeypatch):
+    """LoRC's and slim's decode steps rebuild and/or turn their cached keys a piece at a time (``scores_by_piece``:
+    about ``KEY_PIECE_BYTES``): greedy decoding of a left-padded batch with pieces of one and of three tokens gives
+    the logits of all keys at once (float32 products, only the summation order may differ), QK-norm models (per
+    head, over all heads) and partial rotary (GPT-NeoX) included."""
+    import sys
+
+    from tests.helpers import convert, left_padded, load_converted
+
+    monkeypatch.setenv("KVCONVERT_REBUILD", "exact")
+    options = ("--kv-budget", "0.5", "--schedule", "uniform") if method == "lorc" else ()
+    convert(method, tiny_model_dir(kind), tmp_path / method, *options)
+    converted = load_converted(tmp_path / method)
+    attention = next(m for m in converted.modules() if hasattr(m, "attend") and hasattr(m, "head_dim"))
+    rope = sys.modules[type(attention).__module__.replace(f"kvconvert_{method}", "kvconvert_rope")]  # the copy loaded
+    per_token = 4 * 2 * converted.config.num_attention_heads * attention.head_dim  # at most, 2 rows in float32
+    ids, mask = left_padded(length=20, pad=6, seed=7, high=converted.config.vocab_size)
+    runs = []
+    for piece in (1 << 40, 1, 3 * per_token):
+        monkeypatch.setattr(rope, "KEY_PIECE_BYTES", piece)
+        with torch.no_grad():
+            runs.append(converted.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10,
+                                           do_sample=False, pad_token_id=0, output_logits=True,
+                                           return_dict_in_generate=True))  # fmt: skip
+    whole = torch.stack(runs[0].logits)
+    for run in runs[1:]:
+        assert torch.equal(run.sequences, runs[0].sequences)
+        assert (torch.stack(run.logits) - whole).abs().max() <= 1e-5 * whole.abs().max()

@@ -58,7 +58,7 @@ def project_kv(
     per row, as calibration runs), projected and rotated again. ``normed = (k [b, n, Hkv·dk], weight, eps)``
     for a QK-norm model (``ArchAdapter.key_norm``): the key projection's own output, which the truncation
     acts on before the norm — per head, the norm's scales could not be undone after Π mixes heads."""
-    from kvconvert.runtime.kvconvert_common import apply_rotary
+    from kvconvert.runtime.kvconvert_rope import apply_rotary
 
     def projected(x: torch.Tensor, affine: Affine) -> torch.Tensor:  # x [b, n, w] -> Π·x + c
         projector, offset = affine

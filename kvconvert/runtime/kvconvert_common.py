@@ -14,6 +14,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .kvconvert_codec import QuantSpec, eager_on_cpu
 from .kvconvert_kernels import HeadColumns, packed_decode_triton
+from .kvconvert_rope import rotary_pairs
 from .kvconvert_storage import KVLayer, StaticStoreLayer, static_stock_layer, stock_layer
 from .kvconvert_tokenstore import TokenStore
 
@@ -332,133 +333,6 @@ def pairs_for_keys(cache: Cache | None, cos: torch.Tensor, sin: torch.Tensor) ->
 def default_position_ids(cache: Cache | None, layer_idx: int, q_len: int, device: torch.device) -> torch.Tensor:
     past = cache.get_seq_length(layer_idx) if cache is not None else 0  # a 0-d tensor for a static cache
     return (torch.arange(q_len, device=device) + past)[None]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_major: bool = False) -> torch.Tensor:
-    """Rotate the first ``r = cos.shape[-1]`` dims of every head (partial rotary leaves the rest).
-
-    Shapes: x ``[b, h, n, dk]``, cos/sin ``[b|1, n, r]`` with ``r <= dk``. Same result as
-    transformers' ``x·cos + rotate_half(x)·sin``, written as one product and two in-place half-width
-    multiply-adds: ``rotate_half`` (a roll, i.e. a concatenation) would copy x once more and, on a
-    CPU, cost 8× the arithmetic (measured on 16×4096×64). Slim and LoRC re-rotate every cached key
-    at each step, so this is their decode's hot loop.
-
-    ``x`` a token-major cache viewed per head (``[b, n, h, dk]`` transposed): by default rotated in its own
-    layout and returned as the same kind of view (what a kernel reading token rows wants); ``head_major``
-    writes a contiguous ``[b, h, n, dk]`` instead, which a score product ``q @ kᵀ`` reads as it is: rotating
-    into it costs what rotating in place does, and the product no longer copies the keys per head first
-    (a LoRC decode step at 8 rows × 1K tokens: 1.2 ms a layer instead of 2.2 on 2 cores).
-    """
-    if x.dim() == 4 and not x.is_contiguous() and _rows_token_major(x):
-        writable = not (torch.compiler.is_compiling() or x.requires_grad or cos.requires_grad or sin.requires_grad)
-        if head_major and cos.shape[-1] == x.shape[-1] and writable:  # out= takes neither dynamo nor autograd
-            out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
-            return _rotate(x, cos.unsqueeze(1), sin.unsqueeze(1), out=out)
-        # rotated in its own layout ([b, n, h, dk]), where the elementwise passes run contiguously (3× faster
-        # on a CPU than writing through the strided view)
-        return _rotate(x.transpose(1, 2), cos.unsqueeze(2), sin.unsqueeze(2)).transpose(1, 2)
-    return _rotate(x, cos.unsqueeze(1), sin.unsqueeze(1))
-
-
-def rotary_pairs(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """cos/sin ``[b, n, r]`` as ``r/2`` complex numbers ``cos θ + i·sin θ``, one per channel pair ``(j, j + r/2)``, so
-    that RoPE is one complex product over keys laid out in pairs (``pair_order``; ``rotate_pairs``); None where
-    that does not express it: the halves' angles differ (a RoPE variant), the dtype has no complex form (half
-    precision), or under ``torch.compile`` (inductor has no complex arithmetic)."""
-    half = cos.shape[-1] // 2
-    if torch.compiler.is_compiling() or cos.dtype not in (torch.float32, torch.float64) or cos.requires_grad:
-        return None
-    if not (torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])):
-        return None
-    return torch.complex(cos[..., :half].contiguous(), sin[..., :half].contiguous())
-
-
-def pair_order(head_dim: int, rotated: int) -> torch.Tensor:
-    """The channel order of one head that puts RoPE's pairs ``(j, j + rotated/2)`` side by side (then the
-    channels RoPE leaves alone): a head's channels read in this order make ``rotate_pairs``' layout."""
-    half = rotated // 2
-    pairs = torch.stack([torch.arange(half), torch.arange(half, rotated)], dim=1).reshape(-1)
-    return torch.cat([pairs, torch.arange(rotated, head_dim)])
-
-
-def rotate_pairs(tokens: torch.Tensor, pairs: torch.Tensor, heads: int) -> torch.Tensor:
-    """RoPE on keys whose channels are in ``pair_order``: ``tokens [b, n, heads·dk]`` times ``pairs [b|1, n, r/2]``
-    (``rotary_pairs``), written head-major ``[b, heads, n, dk]`` for a score product. One complex product reads each
-    key once, where ``apply_rotary`` runs three passes over it (a LoRC decode step at 4K tokens on a CPU: 0.17 ms
-    a layer instead of 0.47)."""
-    b, n, width = tokens.shape
-    dk, r = width // heads, 2 * pairs.shape[-1]
-    x = tokens.view(b, n, heads, dk)
-    pairs_in = torch.view_as_complex(x[..., :r].unflatten(-1, (r // 2, 2))).transpose(1, 2)  # [b, heads, n, r/2]
-    if tokens.requires_grad or pairs.requires_grad:  # out= takes no autograd
-        turned = torch.view_as_real(pairs_in * pairs[:, None]).flatten(-2)
-        return turned if r == dk else torch.cat([turned, x[..., r:].transpose(1, 2)], dim=-1)
-    out = torch.empty(b, heads, n, dk, dtype=tokens.dtype, device=tokens.device)
-    torch.mul(pairs_in, pairs[:, None], out=torch.view_as_complex(out[..., :r].unflatten(-1, (r // 2, 2))))
-    if r < dk:
-        out[..., r:] = x[..., r:].transpose(1, 2)
-    return out
-
-
-def to_pairs(x: torch.Tensor, heads: int, rotated: int) -> torch.Tensor:
-    """``x [..., heads·dk]`` in the model's channel order -> each head's channels in ``pair_order(dk, rotated)``
-    (a copy); ``from_pairs`` undoes it."""
-    return _transposed_rotary(x, heads, (2, rotated // 2))
-
-
-def from_pairs(x: torch.Tensor, heads: int, rotated: int) -> torch.Tensor:
-    """``x [..., heads·dk]`` with each head's channels in ``pair_order(dk, rotated)`` -> the model's order."""
-    return _transposed_rotary(x, heads, (rotated // 2, 2))
-
-
-def _transposed_rotary(x: torch.Tensor, heads: int, grid: tuple[int, int]) -> torch.Tensor:
-    """Each head's first ``grid[0]·grid[1]`` channels read as a ``grid`` matrix and written transposed, the rest
-    as they are: ``(2, r/2)`` interleaves RoPE's two halves into pairs, ``(r/2, 2)`` splits them again."""
-    *lead, width = x.shape
-    per_head, rotated = x.reshape(*lead, heads, width // heads), grid[0] * grid[1]
-    turned = per_head[..., :rotated].unflatten(-1, grid).transpose(-1, -2).flatten(-2)
-    if rotated < per_head.shape[-1]:
-        turned = torch.cat([turned, per_head[..., rotated:]], dim=-1)
-    return turned.reshape(*lead, width)
-
-
-def rotate_in_pairs(
-    tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, pairs: torch.Tensor | None = None
-) -> torch.Tensor:
-    """RoPE on ``tokens [b, n, heads·dk]`` whose channels are in ``pair_order`` (cos/sin ``[b|1, n, r]`` as the
-    model's rotary gives them), written head-major ``[b, heads, n, dk]``: ``rotate_pairs`` where ``pairs``
-    (``rotary_pairs``) expresses it, else the same rotate-half arithmetic on the interleaved channels (half
-    precision, ``torch.compile``, a RoPE variant whose halves' angles differ)."""
-    if pairs is not None:
-        return rotate_pairs(tokens, pairs, heads)
-    b, n, width = tokens.shape
-    x = tokens.view(b, n, heads, width // heads).transpose(1, 2)
-    r = cos.shape[-1]
-    half = r // 2
-    low, high = x[..., 0:r:2], x[..., 1:r:2]
-    cos_low, cos_high, sin_low, sin_high = (t.unsqueeze(1) for t in (cos[..., :half], cos[..., half:],
-                                                                       sin[..., :half], sin[..., half:]))  # fmt: skip
-    turned = torch.stack([low * cos_low - high * sin_low, high * cos_high + low * sin_high], dim=-1).flatten(-2)
-    return turned if r == x.shape[-1] else torch.cat([turned, x[..., r:]], dim=-1)
-
-
-def _rows_token_major(x: torch.Tensor) -> bool:
-    """``x [b, h, n, dk]`` is a ``[b, n, h·dk]`` tensor viewed per head, each row contiguous: the rows may lie apart
-    (a latent store's rows are the fronts of one buffer with room to grow: ``TokenStore._grown``)."""
-    _, h, n, dk = x.shape
-    return x.stride(3) == 1 and x.stride(1) == dk and (x.stride(2) == h * dk or n == 1)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``apply_rotary`` with cos/sin already broadcastable to ``x[..., :r]``; ``out`` (full rotary only): where the
-    result is written."""
-    r = cos.shape[-1]
-    half = r // 2
-    rotated = x if r == x.shape[-1] else x[..., :r]
-    out = rotated * cos if out is None else torch.mul(rotated, cos, out=out)
-    out[..., :half].addcmul_(rotated[..., half:], sin[..., :half], value=-1)
-    out[..., half:].addcmul_(rotated[..., :half], sin[..., half:])
-    return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
 
 
 def additive_mask(

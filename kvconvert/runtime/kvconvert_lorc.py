@@ -26,20 +26,18 @@ from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
     additive_mask,
-    apply_rotary,
     latent_layers,
-    pair_order,
     pairs_for_keys,
     rotary_for_keys,
-    rotate_pairs,
     softmax_rows,
 )
 from .kvconvert_kernels import chunk_attention, rebuild, use_kernels
-
-# A decode step rebuilds its keys about this many bytes (float32) at a time (``_pair_scores``). Measured on 2 AMD
-# EPYC cores, rebuild + RoPE + scores of a layer of LoRC 0.5 on SmolLM2: 8 rows × 4K 5.9 ms whole, 4.1 in 3 MB
-# pieces (glibc's default allocator: 17 against 4); 16 × 8K 20 against 16; 1 × 4K and 8 × 1K the same (one piece).
-REBUILD_PIECE_BYTES = 3 << 20
+from .kvconvert_rope import (
+    apply_rotary,
+    pair_order,
+    rotate_pairs,
+    scores_by_piece,
+)
 
 
 class HeadNorm(nn.Module):
@@ -142,18 +140,6 @@ class LorcAttention(LatentAttention):
         keys = self._normed(rebuild(latent, rows_weight, bias), "k_norm", self.kv_heads, norm_weight)
         return rotate_pairs(keys, pairs, self.kv_heads), order
 
-    def _pair_scores(self, query: torch.Tensor, latent: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-        """A decode step's scores ``[b, Hkv, G, n]`` (unscaled) of ``query [b, Hkv, G, dk]`` (channels in
-        ``pair_order``) against the keys ``_in_pairs`` rebuilds from ``latent [b, n, r_k]``, a few tokens at a time: a
-        piece's rebuilt keys (about ``REBUILD_PIECE_BYTES``) are scored while they are still in the CPU's caches, where
-        all of them at once (25 MB a layer at 8 rows × 4K on SmolLM2) go out to memory and are read back twice. The
-        same products for each token."""
-        batch, n = latent.shape[:2]
-        step = max(1, REBUILD_PIECE_BYTES // (4 * batch * self.kv_heads * self.head_dim))
-        parts = [query @ self._in_pairs(latent[:, at : at + step], pairs[:, at : at + step])[0].transpose(-1, -2)
-                 for at in range(0, n, step)]  # fmt: skip
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-
     def _full_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """The cached keys ``[b, n, ·]`` as full-width keys in the model's channel order: rebuilt from the latent
         (``rebuild``: in bfloat16 where a CPU multiplies it faster), or as cached where K was kept."""
@@ -207,7 +193,10 @@ class LorcAttention(LatentAttention):
             if pairs is not None and q_len == 1 and not kernel:  # rebuilt, turned and scored a piece at a time
                 order = self._pair_rows(2 * pairs.shape[-1])[-1]  # the keys' channel order
                 grouped_query = query[..., order].reshape(batch, hkv, group, self.head_dim)
-                scores = self._pair_scores(grouped_query, keys, pairs).view(batch, h, 1, kv_len)
+                in_pairs = self._in_pairs
+                scores = scores_by_piece(grouped_query, kv_len, hkv * self.head_dim,
+                                         lambda at, to: in_pairs(keys[:, at:to], pairs[:, at:to])[0])  # fmt: skip
+                scores = scores.view(batch, h, 1, kv_len)
             elif pairs is not None:  # the rebuild's output laid out for one complex product
                 key_heads, order = self._in_pairs(keys, pairs)
                 query = query[..., order]  # the keys' channel order: every score stays the same sum

@@ -20,16 +20,20 @@ from .kvconvert_common import (
     LatentAttention,
     additive_mask,
     default_position_ids,
-    from_pairs,
     latent_layers,
     pairs_for_keys,
     query_scores,
     rotary_for_keys,
-    rotate_in_pairs,
     softmax_rows,
-    to_pairs,
 )
 from .kvconvert_kernels import use_kernels
+from .kvconvert_rope import (
+    from_pairs,
+    rotate_in_pairs,
+    rotate_pairs,
+    scores_by_piece,
+    to_pairs,
+)
 
 
 class SlimAttention(LatentAttention):
@@ -80,6 +84,7 @@ class SlimAttention(LatentAttention):
         query = self.q_proj(hidden_states)  # [b, q, e]
         new_keys = self.k_proj(hidden_states)  # [b, q, e], before RoPE
         rotated = 0  # channels per head that RoPE turns (0: a model without RoPE)
+        scores: torch.Tensor | None = None
         if rotary is not None:
             if position_embeddings is None:
                 if position_ids is None:
@@ -100,7 +105,13 @@ class SlimAttention(LatentAttention):
             query = rotate_in_pairs(query, cos, sin, h)  # [b, h, q, dk]
             assert key_positions is not None
             key_cos, key_sin = rotary_for_keys(cache, rotary, keys, key_positions)
-            key_heads = rotate_in_pairs(keys, key_cos, key_sin, h, pairs_for_keys(cache, key_cos, key_sin))
+            pairs = pairs_for_keys(cache, key_cos, key_sin)
+            if pairs is not None and q_len == 1 and not kernel and self._decode_order_is_cheaper(q_len, kv_len):
+                # turned and scored a piece at a time (option 2 reads the keys unturned after that)
+                scores = scores_by_piece(query, kv_len, h * dk,
+                                         lambda at, to: rotate_pairs(keys[:, at:to], pairs[:, at:to], h))  # fmt: skip
+            else:
+                key_heads = rotate_in_pairs(keys, key_cos, key_sin, h, pairs)
         else:
             query = query.view(batch, q_len, h, dk).transpose(1, 2)  # [b, h, q, dk]
             key_heads = keys.view(batch, kv_len, h, dk).transpose(1, 2)  # [b, h, n, dk]
@@ -116,7 +127,7 @@ class SlimAttention(LatentAttention):
             out = torch.einsum("bhe,hde->bhd", mixed, kv_per_head)
             return self.o_proj(out.reshape(batch, 1, h * dk))
         if self._decode_order_is_cheaper(q_len, kv_len):
-            scores = query_scores(query, key_heads) * self.scaling  # [b, h, q, n]
+            scores = (query_scores(query, key_heads) if scores is None else scores) * self.scaling  # [b, h, q, n]
             if bias is not None:
                 scores = scores + bias
             probs = softmax_rows(scores, query.dtype)

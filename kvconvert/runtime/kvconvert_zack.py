@@ -20,12 +20,14 @@ from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
     additive_mask,
-    apply_rotary,
     default_position_ids,
     latent_layers,
     softmax_rows,
 )
 from .kvconvert_kernels import chunk_attention, use_kernels
+from .kvconvert_rope import (
+    apply_rotary,
+)
 
 
 class ZackAttention(LatentAttention):

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from kvconvert.calib.hooks import observed_attention
 from kvconvert.calib.projection import flat_heads, normalise_keys, split_heads
-from kvconvert.runtime.kvconvert_common import apply_rotary
+from kvconvert.runtime.kvconvert_rope import apply_rotary
 
 # side "k" / "v" -> (A [e, r], B [r, e]), Π = A·B; "kv" (a latent shared by both): on [k; v], e = 2·Hkv·dk
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor]]
