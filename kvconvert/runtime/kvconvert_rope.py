@@ -152,7 +152,8 @@ def scores_by_piece(
     """``query [b, H', m, dk] @ kᵀ`` over ``length`` cached tokens whose keys ``keys(start, stop)`` gives head-major
     (``[b, H', stop − start, dk]``, ``width`` float32 channels a token and row), a piece of about ``KEY_PIECE_BYTES``
     at a time: each piece is scored while still in the CPU's caches, where keys turned all at once (25 MB a layer at
-    8 rows × 4K of SmolLM2's LoRC) go out to memory and are read back. The same products for every token."""
-    step = max(1, KEY_PIECE_BYTES // (4 * query.shape[0] * width))
+    8 rows × 4K of SmolLM2's LoRC) go out to memory and are read back. The same products for every token. On a CPU
+    only: elsewhere each piece would be launches of their own (16 rows × 8K in 3 MB: 32 pieces a layer)."""
+    step = max(1, KEY_PIECE_BYTES // (4 * query.shape[0] * width)) if query.device.type == "cpu" else max(length, 1)
     parts = [query @ keys(at, min(at + step, length)).transpose(-1, -2) for at in range(0, length, step)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
