@@ -141,16 +141,19 @@ def test_chunk_attention_is_softmax_attention(kv_heads, key_width, value_width, 
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize(("method", "kind"), [("lorc", "llama_gqa"), ("lorc", "qwen3"), ("lorc", "olmo2"),
-                                              ("slim", "llama"), ("slim", "gpt_neox")])  # fmt: skip
+PIECE_CASES = [("lorc", "llama_gqa"), ("lorc", "qwen2_gqa"), ("lorc", "qwen3"), ("lorc", "olmo2"),
+               ("slim", "llama_bias"), ("slim", "gpt_neox")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "kind"), PIECE_CASES)
 def test_keys_turned_a_piece_at_a_time_score_as_the_whole(method, kind, tiny_model_dir, tmp_path, monkeypatch):
     """LoRC's and slim's decode steps rebuild and/or turn their cached keys a piece at a time (``scores_by_piece``:
     about ``KEY_PIECE_BYTES``): greedy decoding of a left-padded batch with pieces of one and of three tokens gives
-    the logits of all keys at once (float32 products, only the summation order may differ), QK-norm models (per
-    head, over all heads) and partial rotary (GPT-NeoX) included."""
+    the logits of all keys at once (to float32's rounding: only the order of the sums may differ), key biases (Qwen2, a
+    biased Llama), QK-norm models (per head, over all heads) and partial rotary (GPT-NeoX) included."""
     import sys
 
-    from tests.helpers import convert, left_padded, load_converted
+    from tests.helpers import assert_same_logits, convert, left_padded, load_converted
 
     monkeypatch.setenv("KVCONVERT_REBUILD", "exact")
     options = ("--kv-budget", "0.5", "--schedule", "uniform") if method == "lorc" else ()
@@ -167,7 +170,6 @@ def test_keys_turned_a_piece_at_a_time_score_as_the_whole(method, kind, tiny_mod
             runs.append(converted.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10,
                                            do_sample=False, pad_token_id=0, output_logits=True,
                                            return_dict_in_generate=True))  # fmt: skip
-    whole = torch.stack(runs[0].logits)
-    for run in runs[1:]:
-        assert torch.equal(run.sequences, runs[0].sequences)
-        assert (torch.stack(run.logits) - whole).abs().max() <= 1e-5 * whole.abs().max()
+    for piece, run in zip(("one token", "three tokens"), runs[1:], strict=True):
+        assert torch.equal(run.sequences, runs[0].sequences), piece
+        assert_same_logits(torch.stack(runs[0].logits), torch.stack(run.logits), f"pieces of {piece}")
