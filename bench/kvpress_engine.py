@@ -7,7 +7,9 @@ answers every sample the way kvpress's own pipeline does (``KVPressTextGeneratio
 goes through the model in one forward inside the press's context manager (which compresses the cache as it is
 filled), then the question is read through the compressed cache and the answer generated greedily, stopping at
 end of sequence or once every expected string is in it (containment: the score cannot change after that, the
-same rule kvconvert's side uses). Writes ``{"answers": {"name@ratio": [str, ...]}, "seconds": {...}}``.
+same rule kvconvert's side uses). Writes ``{"answers": {"name@ratio": [str, ...]}, "seconds": {...}, "unsupported":
+{"name@ratio": reason}}``: a press that refuses the model (kvpress raises ``ValueError`` as it is applied, e.g.
+KVzip on Gemma 3) is recorded there and the others still run.
 """
 
 from __future__ import annotations
@@ -63,15 +65,20 @@ def main() -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
-    answers, seconds = {}, {}
+    answers, seconds, unsupported = {}, {}, {}
     for name, ratio in job["presses"]:
         press = None if name == "none" else PRESSES[name](ratio)
         started = time.perf_counter()
         key = f"{name}@{ratio}"
-        answers[key] = [answer(model, tokenizer, press, s) for s in job["samples"]]
+        try:
+            answers[key] = [answer(model, tokenizer, press, s) for s in job["samples"]]
+        except ValueError as error:  # the press refuses this model: say so, run the others
+            unsupported[key] = str(error)
+            print(f"{key}: {error}", file=sys.stderr, flush=True)
+            continue
         seconds[key] = time.perf_counter() - started
         print(f"{key}: {seconds[key]:.0f} s", file=sys.stderr, flush=True)
-    Path(sys.argv[2]).write_text(json.dumps({"answers": answers, "seconds": seconds,
+    Path(sys.argv[2]).write_text(json.dumps({"answers": answers, "seconds": seconds, "unsupported": unsupported,
                                              "transformers": __import__("transformers").__version__}))  # fmt: skip
 
 

@@ -216,11 +216,16 @@ def kvpress_accuracy(args: argparse.Namespace, source: Path, batches: dict) -> t
              "new_tokens": s.new_tokens} for s in samples]}))  # fmt: skip
         engine = Path(__file__).with_name("kvpress_engine.py")
         subprocess.run([args.kvpress_python, str(engine), str(job), str(out)], check=True)
-        answers = json.loads(out.read_text())["answers"]
+        written = json.loads(out.read_text())
+    answers = written["answers"]
     result: dict[str, dict[str, dict[str, float]]] = {}
     scored: dict[str, dict[str, dict[str, list[list[Any]]]]] = {}
-    for (name, ratio), texts in zip(presses, answers.values(), strict=True):
+    for name, ratio in presses:
         label = "kvpress, no press@1" if name == "none" else f"kvpress {name}@{1 - ratio:g}"
+        texts = answers.get(f"{name}@{ratio}")
+        if texts is None:  # the press refused this model (kvpress_engine records why)
+            print(f"{label}: not run, {written['unsupported'][f'{name}@{ratio}']}", file=sys.stderr)
+            continue
         start = 0
         for task, length in keys:
             got = [score(t, s.answers) for t, s in zip(texts[start : start + len(batches[task, length])],
