@@ -193,9 +193,8 @@ class LorcAttention(LatentAttention):
             if pairs is not None and q_len == 1 and not kernel:  # rebuilt, turned and scored a piece at a time
                 order = self._pair_rows(2 * pairs.shape[-1])[-1]  # the keys' channel order
                 grouped_query = query[..., order].reshape(batch, hkv, group, self.head_dim)
-                in_pairs = self._in_pairs
                 scores = scores_by_piece(grouped_query, kv_len, hkv * self.head_dim,
-                                         lambda at, to: in_pairs(keys[:, at:to], pairs[:, at:to])[0])  # fmt: skip
+                                         lambda at, to: self._in_pairs(keys[:, at:to], pairs[:, at:to])[0])  # fmt: skip
                 scores = scores.view(batch, h, 1, kv_len)
             elif pairs is not None:  # the rebuild's output laid out for one complex product
                 key_heads, order = self._in_pairs(keys, pairs)
