@@ -61,6 +61,19 @@ def test_int4_values_hold_kivis_codes(width, group, rotate):
     check()
 
 
+@pytest.mark.parametrize("width, group", [(64, 64), (128, 64)])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_int4_values_give_up_their_oldest_tokens_as_kivis_store_does(width, group, rotate):
+    """Razor's windows drop a token or two of values a step: ``KiviInt4Values`` dequantizes them from its int4 rows
+    directly, and what it gives up equals what KIVI's plain store gives for the same tokens (the codec's own packing
+    and dequantization), within blocks, across their edges and with the sink, as is the rest it keeps."""
+    plain, int4 = _stores(width, group, sink=3, rotate=rotate, seed=width + 7)
+    same = dict(rtol=0, atol=1e-5 if rotate else 0)
+    for count in (1, 1, 3, 1, 30, 1, 70, 2):
+        torch.testing.assert_close(int4.take_front(count), plain.take_front(count), **same)
+    torch.testing.assert_close(int4.read(), plain.read(), **same)
+
+
 @pytest.mark.parametrize("machine", [Int4Rows(64, True), Int4Rows(32, True), Int4Rows(32, False)])
 def test_groups_fit_the_machines_row_blocks(monkeypatch, machine):
     """96-channel groups are one and a half AVX-512 row blocks: that packing is none the kernel reads, so such values

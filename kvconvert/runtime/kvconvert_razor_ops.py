@@ -14,7 +14,8 @@ def count_logit(count: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     """The compensation token's additive logit ``ln N_d`` per row (``count [b]``): N_d·exp(q·k̂) =
     exp(q·k̂ + ln N_d); the dtype's lowest value where nothing was dropped (the token takes no weight). In ``dtype``:
     SDPA on a GPU takes no mask of another dtype than its query's (on a CPU it does)."""
-    return torch.where(count > 0, count.clamp(min=1).log(), torch.finfo(dtype).min).to(dtype)
+    # counts are whole numbers: ln 0 = -inf clamps to the lowest value, every other count keeps its log
+    return count.log().clamp(min=torch.finfo(dtype).min).to(dtype)
 
 
 def compensated_attention(

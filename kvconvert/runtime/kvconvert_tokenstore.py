@@ -276,8 +276,12 @@ class TokenStore:
         unit = codes_per_unit(spec.bits)
         first, stop = start // unit, -(-(start + count) // unit)  # the packing units, each a byte range
         width = unit * spec.bits // 8
-        codes = unpack(held.codes[..., 0, :, first * width : stop * width], spec.bits, (stop - first) * unit)
-        codes = codes[..., start - first * unit :][..., :count]  # [..., w, count]
+        if count == 1 and width == 1 and spec.bits < 8:  # one code of one byte (2 or 4 bits): a shift and a mask
+            shift, byte = (start % unit) * spec.bits, held.codes[..., 0, :, first : first + 1]
+            codes = byte >> shift if shift + spec.bits == 8 else (byte >> shift) & (2**spec.bits - 1)
+        else:
+            codes = unpack(held.codes[..., 0, :, first * width : stop * width], spec.bits, (stop - first) * unit)
+            codes = codes[..., start - first * unit :][..., :count]  # [..., w, count]
         tokens = torch.addcmul(held.zero[..., 0, :, None].float(), codes, held.scale[..., 0, :, None].float())
         return tokens.transpose(-1, -2).to(self.tail.dtype)
 
