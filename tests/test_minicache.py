@@ -536,18 +536,19 @@ def test_subspace_plan_without_a_dtype_still_reads_every_layer(tokenized_model_d
     assert inferred.ranks == given.ranks and inferred.element_bytes == given.element_bytes == 4
 
 
-@pytest.mark.parametrize("merge, bits", [("slerp", "4"), ("slerp", "3"), ("slerp", "2"), ("average", "4")])
+@pytest.mark.parametrize("merge, bits, padded", [("slerp", "4", True), ("slerp", "3", True), ("slerp", "2", True),
+                                                  ("average", "4", True), ("slerp", "4", False)])  # fmt: skip
 @torch.no_grad()
-def test_merged_codes_decode_equals_restoring_the_past(merge, bits, tokenized_model_dir, tmp_path):
+def test_merged_codes_decode_equals_restoring_the_past(merge, bits, padded, tokenized_model_dir, tmp_path):
     """A CPU decode step reads the merged directions' codes with each layer's norms folded in (``merged_decode``),
     the unpaired layers theirs (``KiviLayer``); restoring each layer's past and running SDPA over it is the
     reference. A high ``gamma`` retains tokens on one side and not the other; sink, rotated values, a float tail
-    and a left-padded row are all read."""
+    and a left-padded row are all read (``padded``; else rows of one length: decode steps without a mask)."""
     src = tokenized_model_dir("llama_gqa")
     convert_minicache(src, tmp_path / "m", "--merge", merge, "--gamma", "0.4", "--kv-bits", bits, "--kv-group", "16",
                       "--kv-residual", "4", "--kv-sink", "2", "--kv-rotate")  # fmt: skip
     converted = load_converted(tmp_path / "m")
-    ids, mask = left_padded(length=40)
+    ids, mask = left_padded(length=40, pad=7 if padded else 0)
     kwargs = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, output_logits=True,
                   return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
     fused = converted.generate(ids, **kwargs)

@@ -31,11 +31,11 @@ def slerp(e_first: torch.Tensor, e_second: torch.Tensor, t: float) -> tuple[torc
     cos = (e_first * e_second).sum(-1).clamp(-1.0, 1.0)
     omega = torch.arccos(cos)
     sin = torch.sin(omega)
-    near = sin < _PARALLEL
-    safe = torch.where(near, torch.ones_like(sin), sin)
-    w_first = torch.where(near, torch.full_like(sin, 1 - t), torch.sin((1 - t) * omega) / safe)
-    w_second = torch.where(near, torch.full_like(sin, t), torch.sin(t * omega) / safe)
-    return w_first[..., None] * e_first + w_second[..., None] * e_second, omega
+    # both weights at once, [..., 2] (a decode step merges one token per pair and side: few ops, not few flops)
+    limits = torch.tensor([1 - t, t], dtype=omega.dtype, device=omega.device)
+    weights = torch.sin(omega[..., None] * limits) / sin.clamp(min=_PARALLEL)[..., None]
+    weights = torch.where((sin < _PARALLEL)[..., None], limits, weights)
+    return weights[..., :1] * e_first + weights[..., 1:] * e_second, omega
 
 
 @dataclass
@@ -78,9 +78,9 @@ def retained_tokens(
     d_i ≥ d_max − (d_max − d_min)·γ: γ = 0 keeps none, γ = 1 keeps all. The range includes the
     past, so a decode step is judged against the prompt's distances, not against itself alone.
     """
-    masked = distance.masked_fill(~valid, math.inf)
-    low = torch.minimum(distance_range[:, 0], masked.min(dim=1).values)
-    high = torch.maximum(distance_range[:, 1], distance.masked_fill(~valid, -math.inf).max(dim=1).values)
+    # the padding's distances out of the range: +inf for its minimum, -inf for its maximum
+    low = torch.minimum(distance_range[:, 0], distance.masked_fill(~valid, math.inf).amin(dim=1))
+    high = torch.maximum(distance_range[:, 1], distance.masked_fill(~valid, -math.inf).amax(dim=1))
     updated = torch.stack([low, high], dim=1)
     if gamma <= 0:
         return torch.zeros_like(valid), updated
@@ -191,10 +191,11 @@ def merged_decode(
     n_q, seen, sink = kd.quantized_tokens, len(kd), (0 if kd.head is None else kd.head.shape[-2])
     minimum = torch.finfo(torch.float32).min
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
+    k_union, v_union, rows, positions, at, valid = _retained_states(keys, values, member, retained)
     full = torch.zeros(batch, seen + 1, device=query.device) if bias is None else (
         bias[:, 0, 0].float().expand(batch, seen + 1))  # fmt: skip
-    k_union, v_union, rows, positions, at, valid = _retained_states(keys, values, member, retained)
-    masked = full.clone()
+    union_bias = torch.where(valid, full.gather(1, at), minimum)  # the retained tokens' own, before they are masked
+    masked = full.clone() if bias is not None else full  # fresh zeros: masked in place
     masked[rows, positions] = minimum  # retained: read exactly below
     bias_q = masked[:, :n_q].clone()
     bias_q[:, :sink] = minimum  # the sink's stand-ins: its exact copies are attended below
@@ -206,7 +207,6 @@ def merged_decode(
             exact_k.append(_times(store_k, k_norms, span))
             exact_v.append(_times(store_v, v_norms, span))
             exact_bias.append(masked[:, span])
-    union_bias = torch.where(valid, full.gather(1, at), minimum)
     exact_k += [k_union, key.float()]
     exact_v += [v_union, value.float()]
     exact_bias += [union_bias, full[:, seen:]]
