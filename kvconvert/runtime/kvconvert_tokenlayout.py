@@ -348,14 +348,12 @@ class KiviInt4Values(TokenLayoutStore):
         low, high = blocks.codes & 15, blocks.codes >> 4  # [..., d/r, n, r/2]
         halves = rows.halves and r == rows.block  # byte j: rows (j, j + r/2); a short block pairs (2j, 2j + 1)
         codes = torch.cat([low, high], dim=-1) if halves else torch.stack([low, high], dim=-1).flatten(-2)
-        # dequantize_tokens' arithmetic on these codes, without packing them into KIVI's bytes to unpack them again
-        # (razor's windows dequantize a token or two of values per layer at every decode step: ~10 small ops less)
+        # dequantize_tokens' arithmetic on these codes, not packed into KIVI's bytes to be unpacked again (razor's
+        # windows dequantize a token or two of values a layer at every decode step: ~10 small ops less)
         codes = codes.transpose(-2, -3).flatten(-2).unflatten(-1, (-1, self.group_size()))  # [..., n, G, size]
         scale, zero = (side.transpose(-1, -2).float()[..., None] for side in (blocks.scale, blocks.zero))
-        x = torch.addcmul(zero, codes, scale)
-        if self.rotate:
-            x = x @ rotation(x.shape[-1], x.device).T  # orthogonal: its transpose undoes it
-        return x.flatten(-2).to(dtype)
+        x = torch.addcmul(zero, codes, scale)  # a rotation is orthogonal: its transpose undoes it
+        return (x @ rotation(x.shape[-1], x.device).T if self.rotate else x).flatten(-2).to(dtype)
 
     def _front_quantized(self, count: int) -> torch.Tensor:
         return TokenStore._front_quantized(self, count)  # per token: only the tokens leaving are read
