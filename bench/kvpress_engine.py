@@ -5,7 +5,8 @@
 "question": [ids], "answers": [str], "new_tokens": N}], "presses": [[name, compression_ratio], ...]}``. Each press
 answers every sample the way kvpress's own pipeline does (``KVPressTextGenerationPipeline._forward``): the context
 goes through the model in one forward inside the press's context manager (which compresses the cache as it is
-filled), then the question is read through the compressed cache and the answer generated greedily, stopping at
+filled; on Gemma 3 only its global layers, as kvpress does for the multimodal class: ``gemma3_global_layers_only``),
+then the question is read through the compressed cache and the answer generated greedily, stopping at
 end of sequence or once every expected string is in it (containment: the score cannot change after that, the
 same rule kvconvert's side uses). Writes ``{"answers": {"name@ratio": [str, ...]}, "seconds": {...}, "unsupported":
 {"name@ratio": reason}}``: a press that refuses the model (kvpress raises ``ValueError`` as it is applied, e.g.
@@ -38,7 +39,7 @@ PRESSES = {
 def answer(model, tokenizer, press, sample) -> str:
     context = torch.tensor([sample["context"]])
     question = torch.tensor([sample["question"]])
-    cache = DynamicCache()
+    cache = DynamicCache(config=model.config)  # as generate builds it: sliding-window layers keep their window
     with press(model) if press is not None else contextlib.nullcontext():
         model.model(input_ids=context, past_key_values=cache)
     length = context.shape[1]  # positions continue after the whole context, as kvpress's pipeline does
@@ -60,11 +61,24 @@ def answer(model, tokenizer, press, sample) -> str:
     return tokenizer.decode(generated, skip_special_tokens=True)
 
 
+def gemma3_global_layers_only(model) -> None:
+    """kvpress compresses only the global layers of a Gemma 3 (``BasePress.__call__``: its sliding-window layers are
+    skipped) but checks for the multimodal class alone, so a text-only ``Gemma3ForCausalLM`` got every layer pressed
+    (0.5.5; its answers were incoherent text). Its own rule extended to the text-only class: both are "Gemma3"."""
+    from kvpress.presses import base_press
+    from transformers.models.gemma3 import modeling_gemma3
+
+    if isinstance(model, modeling_gemma3.Gemma3ForCausalLM):
+        base_press.Gemma3ForConditionalGeneration = (modeling_gemma3.Gemma3ForConditionalGeneration,
+                                                     modeling_gemma3.Gemma3ForCausalLM)  # fmt: skip
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
+    gemma3_global_layers_only(model)
     answers, seconds, unsupported = {}, {}, {}
     for name, ratio in job["presses"]:
         press = None if name == "none" else PRESSES[name](ratio)
