@@ -10,7 +10,8 @@ then the question is read through the compressed cache and the answer generated 
 end of sequence or once every expected string is in it (containment: the score cannot change after that, the
 same rule kvconvert's side uses). Writes ``{"answers": {"name@ratio": [str, ...]}, "seconds": {...}, "unsupported":
 {"name@ratio": reason}}``: a press that refuses the model (kvpress raises ``ValueError`` as it is applied, e.g.
-KVzip on Gemma 3) is recorded there and the others still run.
+KVzip on Gemma 3) or fails on it (ExpectedAttention calls Gemma 3's rotary embedding without the layer type it needs)
+is recorded there and the others still run.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def main() -> None:
         key = f"{name}@{ratio}"
         try:
             answers[key] = [answer(model, tokenizer, press, s) for s in job["samples"]]
-        except ValueError as error:  # the press refuses this model: say so, run the others
-            unsupported[key] = str(error)
+        except Exception as error:  # the press refuses this model or breaks on it: say so, run the others
+            unsupported[key] = f"{type(error).__name__}: {error}"
             print(f"{key}: {error}", file=sys.stderr, flush=True)
             continue
         seconds[key] = time.perf_counter() - started
