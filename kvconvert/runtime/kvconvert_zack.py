@@ -25,9 +25,7 @@ from .kvconvert_common import (
     softmax_rows,
 )
 from .kvconvert_kernels import chunk_attention, use_kernels
-from .kvconvert_rope import (
-    apply_rotary,
-)
+from .kvconvert_rope import apply_rotary
 
 
 class ZackAttention(LatentAttention):
