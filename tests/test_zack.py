@@ -71,8 +71,9 @@ def test_removal_rate_zero_is_exact(tokenized_model_dir, tmp_path, kind):
     assert_equivalent(load_reference(src), load_converted(tmp_path / "zack"), ids, mask)
 
 
-def test_budget_is_met_with_per_head_widths_and_a_smaller_cache(tokenized_model_dir, tmp_path):
-    src = tokenized_model_dir("llama_gqa")
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen3"])
+def test_budget_is_met_with_per_head_widths_and_a_smaller_cache(kind, tokenized_model_dir, tmp_path):
+    src = tokenized_model_dir(kind)
     report = _zack(src, tmp_path / "zack", "--kv-budget", "0.6")
     layers = report["layers"]
     widths = [w for row in layers for w in row["rank_k"] + row["rank_v"]]
@@ -86,6 +87,8 @@ def test_budget_is_met_with_per_head_widths_and_a_smaller_cache(tokenized_model_
     assert kv_budget(reference, converted, ids) == pytest.approx(expected, abs=1e-9)
     generated = converted.generate(ids[:, :8], max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert generated.shape == (1, 14)
+    beams = converted.generate(ids[:, :8], max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    assert beams.shape == (1, 14)
 
 
 def test_k_only_keeps_values_full(tokenized_model_dir, tmp_path):
@@ -94,14 +97,17 @@ def test_k_only_keeps_values_full(tokenized_model_dir, tmp_path):
     assert sum(w for row in report["layers"] for w in row["rank_k"]) <= 0.5 * 3 * 2 * 16
 
 
-@pytest.mark.parametrize("value_basis", ["paper", "output"])
-def test_truncated_attention_simulates_the_checkpoint(value_basis, tokenized_model_dir, tmp_path):
-    """The --target-agreement search scores a simulation; it must compute what the checkpoint does."""
+@pytest.mark.parametrize(("kind", "value_basis"), [("qwen2_gqa", "paper"), ("qwen2_gqa", "output"),
+                                                    ("qwen3", "paper"), ("olmo2", "output")])  # fmt: skip
+def test_truncated_attention_simulates_the_checkpoint(kind, value_basis, tokenized_model_dir, tmp_path):
+    """The --target-agreement search scores a simulation; it must compute what the checkpoint does. The simulation
+    truncates the source's own queries and keys where its attention receives them, after the QK-norm (per head on
+    Qwen3, over all heads on OLMo 2) and RoPE: a checkpoint that normed elsewhere, or not at all, differs."""
     from kvconvert.io.source import open_source
     from kvconvert.methods.zack.method import ZackMethod
     from kvconvert.methods.zack.search import projectors_for, truncated_attention
 
-    src = tokenized_model_dir("qwen2_gqa")
+    src = tokenized_model_dir(kind)
     method = ZackMethod(ZackConfig(removal_rate=0.3, calib_tokens=2048, value_basis=value_basis))
     from kvconvert.pipeline import convert
 

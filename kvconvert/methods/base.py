@@ -163,6 +163,21 @@ class Method(Generic[P]):
         return ""
 
 
+def qk_norm_spec(layout: AttentionLayout) -> dict[str, Any]:
+    """The runtime spec's entry for a model with QK-norm (``runtime.kvconvert_common.qk_norms`` builds the norms
+    from it), for methods whose own attention modules apply it; empty without one."""
+    if not layout.qk_norm:
+        return {}
+    return {"qk_norm": {"eps": layout.qk_norm_eps, "per_head": layout.qk_norm_per_head}}
+
+
+def qk_norm_tensors(weights: AttentionWeights) -> dict[str, torch.Tensor]:
+    """A layer's QK-norm weights as the source stores them (``q_norm.weight``, ``k_norm.weight``), for the
+    converted layer to carry unchanged; empty without QK-norm."""
+    return {f"{name}.weight": norm for name, norm in (("q_norm", weights.q_norm), ("k_norm", weights.k_norm))
+            if norm is not None}  # fmt: skip
+
+
 def layer_table(report: dict[str, Any], columns: list[tuple[str, str, str]]) -> str:
     """A per-layer table of a conversion report: ``columns`` are (title, report key, format); missing
     values print as '-'."""

@@ -367,6 +367,40 @@ def query_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return query @ keys.transpose(-1, -2)
 
 
+class HeadNorm(nn.Module):
+    """The source's QK-norm, an RMSNorm before RoPE: over each head's ``head_dim`` channels of ``[..., heads·dk]``
+    (Qwen3) or, with ``head_dim`` None, over all of them at once (OLMo 2)."""
+
+    def __init__(self, width: int, eps: float, head_dim: int | None):
+        super().__init__()
+        self.weight, self.eps, self.head_dim = nn.Parameter(torch.ones(width)), eps, head_dim
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., heads·dk]`` normalised; ``weight`` in place of the module's own (the same norm over channels
+        taken in another order)."""
+        weight = self.weight if weight is None else weight
+        if self.head_dim is None:
+            return rms_norm(x, weight, self.eps)
+        return rms_norm(x.unflatten(-1, (-1, self.head_dim)), weight, self.eps).flatten(-2)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``HeadNorm``'s arithmetic over the last axis, as transformers' Qwen3RMSNorm computes it."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def qk_norms(spec: dict[str, Any], heads: int, kv_heads: int, head_dim: int) -> tuple[HeadNorm, HeadNorm] | None:
+    """The query and key norms a layer applies before RoPE (``spec["qk_norm"]``: eps, per head or over all heads),
+    their weights loaded with the checkpoint as ``q_norm`` / ``k_norm``; None for a model without them."""
+    norm = spec.get("qk_norm")
+    if norm is None:
+        return None
+    over = head_dim if norm["per_head"] else None  # the channels one norm spans: a head's, or all heads'
+    return (HeadNorm(over or heads * head_dim, norm["eps"], over),
+            HeadNorm(over or kv_heads * head_dim, norm["eps"], over))  # fmt: skip
+
+
 def softmax_rows(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Softmax over the last dim in float32 (half-precision softmax loses mass), cast back."""
     return torch.softmax(scores.float(), dim=-1).to(dtype)

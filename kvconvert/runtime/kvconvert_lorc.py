@@ -28,6 +28,7 @@ from .kvconvert_common import (
     additive_mask,
     latent_layers,
     pairs_for_keys,
+    qk_norms,
     rotary_for_keys,
     softmax_rows,
 )
@@ -38,23 +39,6 @@ from .kvconvert_rope import (
     rotate_pairs,
     scores_by_piece,
 )
-
-
-class HeadNorm(nn.Module):
-    """The source's QK-norm: an RMSNorm over the last ``width`` channels (one head's, or all heads' at once)."""
-
-    def __init__(self, width: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(width)), eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``HeadNorm``'s arithmetic with a given weight (the keys' norm in ``pair_order`` is the same norm)."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class LorcAttention(LatentAttention):
@@ -99,25 +83,17 @@ class LorcAttention(LatentAttention):
         elif not self.joint:
             self.v_down = nn.Linear(hidden, self.rank_v, bias=False)
         self.o_proj = nn.Linear(self.heads * (self.rank_v or self.head_dim), hidden, bias="o_proj" in biases)
-        norm = spec.get("qk_norm")
-        self.norm_per_head = norm is not None and bool(norm["per_head"])
-        if norm is not None:
-            self.q_norm = HeadNorm(self.head_dim if self.norm_per_head else self.heads * self.head_dim, norm["eps"])
-            self.k_norm = HeadNorm(self.head_dim if self.norm_per_head else kv_width, norm["eps"])
+        norms = qk_norms(spec, self.heads, self.kv_heads, self.head_dim)
+        if norms is not None:
+            self.q_norm, self.k_norm = norms
         # k_up's rows (and the key norm's weight) in ``pair_order``, with what they were taken from (``_in_pairs``)
         self._pair_weights: tuple[Any, ...] | None = None
 
-    def _normed(self, x: torch.Tensor, norm_name: str, heads: int, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def _normed(self, x: torch.Tensor, norm_name: str, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``x [b, n, heads·dk]`` through the QK-norm ``norm_name`` if the model has one (with ``weight`` in place of
         its own: the same norm over channels taken in another order)."""
         norm = getattr(self, norm_name, None)
-        if norm is None:
-            return x
-        weight = norm.weight if weight is None else weight
-        if not self.norm_per_head:
-            return rms_norm(x, weight, norm.eps)
-        b, n, _ = x.shape
-        return rms_norm(x.view(b, n, heads, self.head_dim), weight, norm.eps).view(b, n, -1)
+        return x if norm is None else norm(x, weight)
 
     def _pair_rows(self, rotated: int) -> tuple[Any, ...]:
         """k_up's rows, its bias and the key norm's weight in ``pair_order`` (``rotated`` channels in pairs), and that
@@ -129,7 +105,7 @@ class LorcAttention(LatentAttention):
             rows = (torch.arange(self.kv_heads, device=weight.device)[:, None] * self.head_dim + order).reshape(-1)
             bias = None if self.k_up.bias is None else self.k_up.bias[rows]
             norm = getattr(self, "k_norm", None)
-            norm_weight = None if norm is None else norm.weight[order if self.norm_per_head else rows]
+            norm_weight = None if norm is None else norm.weight[rows if norm.head_dim is None else order]
             self._pair_weights = (stamp, weight[rows], bias, norm_weight, order)
         return self._pair_weights[1:]
 
@@ -137,7 +113,7 @@ class LorcAttention(LatentAttention):
         """Keys rebuilt from ``latent [b, n, r_k]`` with each head's channels in ``pair_order``, normed and rotated
         as pairs (``rotate_pairs``): ``[b, Hkv, n, dk]``, and that order (``_pair_rows``)."""
         rows_weight, bias, norm_weight, order = self._pair_rows(2 * pairs.shape[-1])
-        keys = self._normed(rebuild(latent, rows_weight, bias), "k_norm", self.kv_heads, norm_weight)
+        keys = self._normed(rebuild(latent, rows_weight, bias), "k_norm", norm_weight)
         return rotate_pairs(keys, pairs, self.kv_heads), order
 
     def _full_keys(self, keys: torch.Tensor) -> torch.Tensor:
@@ -180,7 +156,7 @@ class LorcAttention(LatentAttention):
         assert values is not None
         kv_len = keys.shape[1]
 
-        query = self._normed(self.q_proj(hidden_states), "q_norm", h)
+        query = self._normed(self.q_proj(hidden_states), "q_norm")
         query = query.view(batch, q_len, h, -1).transpose(1, 2)  # [b, h, q, dk or r_k]
         kernel = q_len == 1 and use_kernels(hidden_states)
         scores: torch.Tensor | None = None
@@ -200,10 +176,10 @@ class LorcAttention(LatentAttention):
                 key_heads, order = self._in_pairs(keys, pairs)
                 query = query[..., order]  # the keys' channel order: every score stays the same sum
             else:
-                full_keys = self._normed(self._full_keys(keys), "k_norm", hkv)
+                full_keys = self._normed(self._full_keys(keys), "k_norm")
                 key_heads = apply_rotary(self._grouped(full_keys), key_cos, key_sin, head_major=not kernel)
         elif not self.absorbed_keys:
-            key_heads = self._grouped(self._normed(self._full_keys(keys), "k_norm", hkv))
+            key_heads = self._grouped(self._normed(self._full_keys(keys), "k_norm"))
         if kernel:
             key_tokens = keys if self.absorbed_keys else key_heads.transpose(1, 2).reshape(batch, kv_len, -1)
             bias = additive_mask(attention_mask, 1, kv_len, torch.float32, keys.device)

@@ -22,6 +22,7 @@ from .kvconvert_common import (
     additive_mask,
     default_position_ids,
     latent_layers,
+    qk_norms,
     softmax_rows,
 )
 from .kvconvert_kernels import chunk_attention, use_kernels
@@ -31,7 +32,8 @@ from .kvconvert_rope import apply_rotary
 class ZackAttention(LatentAttention):
     """Parameters (H query heads, Hkv KV heads, G = H / Hkv, dk head dim, d hidden):
     ``v_proj [Σ_g r_v,g, d]``, ``o_proj [d, Σ_h r_v,g(h)]``; with RoPE ``q_proj [H·dk, d]``,
-    ``k_proj [Hkv·dk, d]``, ``qk_basis [dk, Σ_g r_k,g]``; without, ``q_proj [Σ_h r_k,g(h), d]``
+    ``k_proj [Hkv·dk, d]``, ``qk_basis [dk, Σ_g r_k,g]`` (and the source's ``q_norm``/``k_norm`` where it has
+    QK-norm, applied before RoPE as it applies them); without, ``q_proj [Σ_h r_k,g(h), d]``
     and ``k_proj [Σ_g r_k,g, d]``.
     """
 
@@ -58,13 +60,19 @@ class ZackAttention(LatentAttention):
             self.k_proj = nn.Linear(hidden, sum(self.rank_k), bias="k_proj" in biases)
         self.v_proj = nn.Linear(hidden, sum(self.rank_v), bias="v_proj" in biases)
         self.o_proj = nn.Linear(self.group * sum(self.rank_v), hidden, bias="o_proj" in biases)
+        norms = qk_norms(spec, self.heads, self.kv_heads, self.head_dim)  # QK-norm (RoPE models only)
+        if norms is not None:
+            self.q_norm, self.k_norm = norms
 
     def _rotated_queries_and_keys(
         self, query: torch.Tensor, key: torch.Tensor, position_ids: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[list[torch.Tensor], torch.Tensor]:  # fmt: skip
-        """RoPE, then each head's basis: queries per group ``[b, G, q, r_k,g]``, packed keys ``[b, q, Σ r_k]``."""
+        """The QK-norm (if any), RoPE, then each head's basis: queries per group ``[b, G, q, r_k,g]``, packed keys
+        ``[b, q, Σ r_k]``."""
         batch, q_len, _ = query.shape
+        if hasattr(self, "q_norm"):
+            query, key = self.q_norm(query), self.k_norm(key)
         query = query.view(batch, q_len, self.heads, self.head_dim).transpose(1, 2)
         key = key.view(batch, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
         rotary = self.rotary

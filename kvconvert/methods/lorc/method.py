@@ -33,7 +33,15 @@ import torch
 from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.base import LayerOutput, Method, PlanContext, budget_words, layer_table
+from kvconvert.methods.base import (
+    LayerOutput,
+    Method,
+    PlanContext,
+    budget_words,
+    layer_table,
+    qk_norm_spec,
+    qk_norm_tensors,
+)
 from kvconvert.methods.lorc.config import LorcConfig
 
 Affine = tuple[torch.Tensor, torch.Tensor]  # (Π, c): x ↦ Π·x + c, ``calib.projection.projected_kv``
@@ -738,10 +746,8 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
                 "biases": sorted(n.removesuffix(".bias") for n in names if n.endswith(".bias")),
                 **({"joint": True} if ranks.joint_scales is not None else {}),
             })  # fmt: skip
-        spec: dict[str, Any] = {"lorc_layers": layers}
-        if layout.qk_norm:  # per head (Qwen3: a [dk] weight) or over all heads at once (OLMo 2)
-            spec["qk_norm"] = {"eps": layout.qk_norm_eps, "per_head": layout.qk_norm_per_head}
-        return spec
+        # the norm per head (Qwen3: a [dk] weight) or over all heads at once (OLMo 2)
+        return {"lorc_layers": layers, **qk_norm_spec(layout)}
 
 
 def _mla_layer(plan: MlaPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
@@ -863,7 +869,4 @@ def factor_attention(
                 o_bias if o_bias is not None else torch.zeros(o_w.shape[0], dtype=f64)
             ) + o_w @ v_bias_per_query_head
         _linear(out, "o_proj", o_weight, o_bias)
-    for name, norm in (("q_norm", w.q_norm), ("k_norm", w.k_norm)):  # QK-norm: applied as the source does
-        if norm is not None:
-            out[f"{name}.weight"] = norm
-    return out
+    return {**out, **qk_norm_tensors(w)}  # QK-norm: applied as the source does

@@ -26,7 +26,7 @@ import torch
 from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights, adapter_for
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.base import LayerOutput, Method, PlanContext, budget_words
+from kvconvert.methods.base import LayerOutput, Method, PlanContext, budget_words, qk_norm_spec, qk_norm_tensors
 from kvconvert.methods.zack.config import ZackConfig
 
 
@@ -214,8 +214,6 @@ class ZackPlan:
 class ZackMethod(Method[ZackPlan]):
     name = "zack"
     unsupported: ClassVar[dict[str, str]] = {
-        "qk_norm": "its queries and keys are RMS-normalised per head before RoPE (QK-norm), and zack's attention "
-                   "module projects and rotates them itself without that norm (not implemented); use quant or razor",
         "local_layers": "its sliding-window layers need a cache that forgets beyond the window (not implemented for "
                         "zack); use quant or razor",
         "softcap": "zack's attention does not apply attention-logit soft-capping; use quant",
@@ -225,6 +223,10 @@ class ZackMethod(Method[ZackPlan]):
         "interleaved_rope": "zack rotates keys the rotate-half way, and this model's RoPE rotates interleaved channel "
                             "pairs (not implemented); use quant, razor or minicache",
     }  # fmt: skip
+
+    def check(self, layout: AttentionLayout) -> None:
+        if layout.qk_norm and not layout.rotary:  # the bases fold into q_proj/k_proj, ahead of where the norm acts
+            raise KVConvertError("zack supports QK-norm only with RoPE (its bases act after the norm and RoPE)")
 
     @classmethod
     def headline(cls, report: dict[str, Any]) -> str:
@@ -321,6 +323,8 @@ class ZackMethod(Method[ZackPlan]):
         }
         for side, kls in widths.probe_kl.items():
             report[f"{side}_probe_kl"] = kls[layer]
+        # a QK-norm stays where the source has it, before RoPE; the bases act after RoPE on the normed heads
+        tensors.update(qk_norm_tensors(weights))
         return LayerOutput(tensors={k: v.to(dtype) for k, v in tensors.items()}, report=report)
 
     def summary(self, plan: ZackPlan) -> dict[str, Any]:
@@ -332,7 +336,7 @@ class ZackMethod(Method[ZackPlan]):
         for rank_k, rank_v, names in zip(plan.widths.rank_k, plan.widths.rank_v, tensor_names, strict=True):
             biases = sorted(n.removesuffix(".bias") for n in names if n.endswith(".bias"))
             layers.append({"rank_k": rank_k, "rank_v": rank_v, "biases": biases})
-        return {"zack_layers": layers}
+        return {"zack_layers": layers, **qk_norm_spec(layout)}
 
 
 def _removed(spectrum: torch.Tensor, rank: int) -> float:
