@@ -90,6 +90,8 @@ def _family_config(kind: str, common: dict):
     special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if kind == "qwen3":  # QK-norm per head, GQA
         return Qwen3Config(num_key_value_heads=2, **heads, **common, **special)
+    if kind == "qwen3_mha":  # QK-norm per head, one KV head per query head (what slim converts)
+        return Qwen3Config(num_key_value_heads=4, **heads, **common, **special)
     if kind == "qwen3_sliding":  # QK-norm and sliding layers above max_window_layers
         return Qwen3Config(num_key_value_heads=2, use_sliding_window=True, max_window_layers=1, sliding_window=8,
                            **heads, **common, **special)  # fmt: skip

@@ -142,7 +142,7 @@ def test_chunk_attention_is_softmax_attention(kv_heads, key_width, value_width, 
 
 
 PIECE_CASES = [("lorc", "llama_gqa"), ("lorc", "qwen2_gqa"), ("lorc", "qwen3"), ("lorc", "olmo2"),
-               ("slim", "llama_bias"), ("slim", "gpt_neox")]  # fmt: skip
+               ("slim", "llama_bias"), ("slim", "gpt_neox"), ("slim", "qwen3_mha"), ("slim", "olmo2")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("method", "kind"), PIECE_CASES)

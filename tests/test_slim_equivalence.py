@@ -11,7 +11,8 @@ import torch
 import kvconvert
 from tests.helpers import assert_equivalent, convert_slim, kv_budget, load_converted, load_reference
 
-MHA_KINDS = ["llama", "llama_bias", "llama_wide", "mistral", "qwen2", "gpt_neox", "gpt2"]
+# QK-norm: per head (a Qwen3 with as many KV heads as query heads) and over all heads (OLMo 2)
+MHA_KINDS = ["llama", "llama_bias", "llama_wide", "mistral", "qwen2", "gpt_neox", "gpt2", "qwen3_mha", "olmo2"]
 
 
 def left_padded_batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

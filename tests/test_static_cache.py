@@ -93,6 +93,16 @@ def test_compiled_decode_from_the_static_cache(method, converted):
     _compiled_decodes_as_eager(load_converted(converted(method, "compressing")[1]), method, backend=backend)
 
 
+@pytest.mark.parametrize(("method", "kind"), [("slim", "olmo2"), ("zack", "qwen3")])
+def test_qk_norm_models_decode_compiled_from_static_caches(method, kind, tokenized_model_dir, tmp_path):
+    """Slim's and ZACK's own modules apply a QK-norm model's norms (over all heads on OLMo 2, per head on Qwen3); the
+    compiled step from their static caches decodes what the eager growing cache decodes."""
+    from helpers import convert
+
+    convert(method, tokenized_model_dir(kind), tmp_path / "out", *COMPRESSING[method][1])
+    _compiled_decodes_as_eager(load_converted(tmp_path / "out"), f"{method} on {kind}")
+
+
 def _compiled_decodes_as_eager(model, name: str, length: int = 24, backend: str = TRACED) -> None:
     """Greedy from a static cache through generate's compiled step: the eager growing cache's tokens and logits."""
     eager = _generate(model, length)

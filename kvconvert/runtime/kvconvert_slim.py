@@ -22,6 +22,7 @@ from .kvconvert_common import (
     default_position_ids,
     latent_layers,
     pairs_for_keys,
+    qk_norms,
     query_scores,
     rotary_for_keys,
     softmax_rows,
@@ -41,7 +42,9 @@ class SlimAttention(LatentAttention):
 
     Parameters (``nn.Linear``, weights ``[out, in]``): ``q_proj [e, d]``, ``k_proj [e, d]``,
     ``kv_proj [e, e]`` (W_KV: maps a full pre-RoPE key row to all heads' values), ``o_proj [d, e]``.
-    Any V bias was folded into ``o_proj.bias`` at conversion, exactly.
+    Any V bias was folded into ``o_proj.bias`` at conversion, exactly. A QK-norm model's ``q_norm``/``k_norm``
+    apply before RoPE as the source applies them; the cache keeps the keys before the norm (the values are linear
+    in them), and a step normalises the keys it scores.
     """
 
     def __init__(self, spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None):
@@ -55,6 +58,19 @@ class SlimAttention(LatentAttention):
         self.k_proj = nn.Linear(hidden, width, bias=bool(spec["k_bias"]))
         self.kv_proj = nn.Linear(width, width, bias=False)
         self.o_proj = nn.Linear(width, hidden, bias=bool(spec["o_bias"]))
+        norms = qk_norms(spec, self.num_heads, self.num_heads, self.head_dim)  # QK-norm (RoPE models only)
+        if norms is not None:
+            self.q_norm, self.k_norm = norms
+
+    def _scored(self, keys: torch.Tensor, rotated: int) -> torch.Tensor:
+        """Cached keys ``[b, n, e]`` (each head's channels in ``pair_order``) as the source scores them before RoPE:
+        through its key norm, whose weight is taken in the same order; as they are without QK-norm."""
+        norm = getattr(self, "k_norm", None)
+        if norm is None:
+            return keys
+        h = self.num_heads
+        weight = to_pairs(norm.weight if norm.head_dim is None else norm.weight.repeat(h), h, rotated)
+        return norm(keys, weight if norm.head_dim is None else weight.view(h, -1))
 
     def _decode_order_is_cheaper(self, q_len: int, kv_len: int) -> bool:
         """Paper eq. 5: option 2 ((softmax·K)·W_KV) vs option 1 (softmax·(K·W_KV)), in multiply-adds."""
@@ -82,6 +98,8 @@ class SlimAttention(LatentAttention):
         kernel = q_len == 1 and use_kernels(hidden_states)
 
         query = self.q_proj(hidden_states)  # [b, q, e]
+        if hasattr(self, "q_norm"):
+            query = self.q_norm(query)
         new_keys = self.k_proj(hidden_states)  # [b, q, e], before RoPE
         rotated = 0  # channels per head that RoPE turns (0: a model without RoPE)
         scores: torch.Tensor | None = None
@@ -108,10 +126,10 @@ class SlimAttention(LatentAttention):
             pairs = pairs_for_keys(cache, key_cos, key_sin)
             if pairs is not None and q_len == 1 and not kernel and self._decode_order_is_cheaper(q_len, kv_len):
                 # turned and scored a piece at a time (option 2 reads the keys unturned after that)
-                scores = scores_by_piece(query, kv_len, h * dk,
-                                         lambda at, to: rotate_pairs(keys[:, at:to], pairs[:, at:to], h))  # fmt: skip
+                scores = scores_by_piece(query, kv_len, h * dk, lambda at, to: rotate_pairs(
+                    self._scored(keys[:, at:to], rotated), pairs[:, at:to], h))  # fmt: skip
             else:
-                key_heads = rotate_in_pairs(keys, key_cos, key_sin, h, pairs)
+                key_heads = rotate_in_pairs(self._scored(keys, rotated), key_cos, key_sin, h, pairs)
         else:
             query = query.view(batch, q_len, h, dk).transpose(1, 2)  # [b, h, q, dk]
             key_heads = keys.view(batch, kv_len, h, dk).transpose(1, 2)  # [b, h, n, dk]

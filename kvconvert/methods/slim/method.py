@@ -13,16 +13,13 @@ import torch
 from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.base import LayerOutput, Method, PlanContext, layer_table
+from kvconvert.methods.base import LayerOutput, Method, PlanContext, layer_table, qk_norm_spec, qk_norm_tensors
 from kvconvert.methods.slim.config import SlimConfig
 
 
 class SlimMethod(Method[None]):
     name = "slim"
     unsupported: ClassVar[dict[str, str]] = {
-        "qk_norm": "its keys are RMS-normalised per head before RoPE (QK-norm), so K is not linear in the input "
-                   "and V = K·W_K⁻¹W_V does not hold (restoring it needs each token's norm scale, not implemented); "
-                   "use quant, razor or minicache",
         "local_layers": "its sliding-window layers need a cache that forgets beyond the window; slim's keeps every "
                         "token (not implemented); use quant or razor",
         "softcap": "slim's attention does not apply attention-logit soft-capping; use quant",
@@ -57,6 +54,8 @@ class SlimMethod(Method[None]):
                 f"{layout.num_heads} query heads sharing {layout.num_kv_heads} KV heads (GQA/MQA): "
                 "V cannot be computed from a shared K; use lorc or razor instead"
             )
+        if layout.qk_norm and not layout.rotary:  # no such model: QK-norm comes with RoPE
+            raise KVConvertError("slim supports QK-norm only with RoPE (its keys are normed where they are rotated)")
         if layout.kv_width < layout.hidden_size:
             raise KVConvertError(
                 f"slim needs K at least as wide as the hidden state ({layout.kv_width} < {layout.hidden_size}): "
@@ -98,6 +97,8 @@ class SlimMethod(Method[None]):
         for name, bias in (("q_proj.bias", w.q_bias), ("k_proj.bias", w.k_bias), ("o_proj.bias", o_bias)):
             if bias is not None:
                 tensors[name] = bias
+        # QK-norm: the cache keeps W_K·x before the norm (V = K·W_KV needs it linear), normed where it is read
+        tensors.update(qk_norm_tensors(w))
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
         report = {"layer": layer, "kappa_k": kappa, "v_rel_error": v_error, "dtype_rel_error": dtype_error}
         return LayerOutput(tensors=tensors, report=report)
@@ -148,4 +149,5 @@ class SlimMethod(Method[None]):
             "q_bias": "q_proj.bias" in first,
             "k_bias": "k_proj.bias" in first,
             "o_bias": "o_proj.bias" in first,
+            **qk_norm_spec(layout),
         }
