@@ -277,6 +277,7 @@ def convert(
         engine = method.engine_config(plan)
         base_model_type = engine.get("model_type", source.config.model_type)
         base_architecture = (engine.get("architectures") or [adapter.causal_lm_class_name()])[0]
+        extra = method.runtime_spec(plan, layout, tensor_names)
         spec = RuntimeSpec(
             method=method.name,
             version=kvconvert.__version__,
@@ -290,10 +291,10 @@ def convert(
             hidden_size=layout.hidden_size,
             scaling=list(layout.scaling),
             kv_quant=storage,
-            spec_version=minimum_spec_version(storage),
+            spec_version=minimum_spec_version(storage, extra),
             local_layers=list(layout.local_layers) or None,
             sliding_window=layout.sliding_window if layout.local_layers else None,
-            extra=method.runtime_spec(plan, layout, tensor_names),
+            extra=extra,
         ).to_dict()
         config = source.config.to_dict()
         config.update(

@@ -157,6 +157,8 @@ def _llama_attention_config(kind: str, common: dict, heads: dict, interleaved: d
         return transformers.Cohere2Config(**gqa, **interleaved)
     if kind == "smollm3":  # Llama's attention, RoPE skipped in every fourth layer (here: the middle one of three)
         return transformers.SmolLM3Config(no_rope_layers=[1, 0, 1], **gqa)
+    if kind == "smollm3_mha":  # the same with one KV head per query head (what slim converts)
+        return transformers.SmolLM3Config(no_rope_layers=[1, 0, 1], **{**gqa, "num_key_value_heads": 4})
     configs = {"arcee": transformers.ArceeConfig, "apertus": transformers.ApertusConfig,
                "helium": transformers.HeliumConfig, "cohere": transformers.CohereConfig,
                "glm": transformers.GlmConfig, "glm4": transformers.Glm4Config,

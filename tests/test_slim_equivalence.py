@@ -11,8 +11,10 @@ import torch
 import kvconvert
 from tests.helpers import assert_equivalent, convert_slim, kv_budget, load_converted, load_reference
 
-# QK-norm: per head (a Qwen3 with as many KV heads as query heads) and over all heads (OLMo 2)
-MHA_KINDS = ["llama", "llama_bias", "llama_wide", "mistral", "qwen2", "gpt_neox", "gpt2", "qwen3_mha", "olmo2"]
+# QK-norm: per head (a Qwen3 with as many KV heads as query heads) and over all heads (OLMo 2); a layer without RoPE
+# between rotary ones (SmolLM3)
+MHA_KINDS = ["llama", "llama_bias", "llama_wide", "mistral", "qwen2", "gpt_neox", "gpt2", "qwen3_mha", "olmo2",
+             "smollm3_mha"]  # fmt: skip
 
 
 def left_padded_batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

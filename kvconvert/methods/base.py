@@ -171,6 +171,12 @@ def qk_norm_spec(layout: AttentionLayout) -> dict[str, Any]:
     return {"qk_norm": {"eps": layout.qk_norm_eps, "per_head": layout.qk_norm_per_head}}
 
 
+def nope_layers_spec(layout: AttentionLayout) -> dict[str, Any]:
+    """The runtime spec's list of layers without RoPE (SmolLM3), for methods whose own attention modules rotate
+    keys: the runtime builds those layers' modules without RoPE; empty for a model that rotates in every layer."""
+    return {"nope_layers": list(layout.nope_layers)} if layout.nope_layers else {}
+
+
 def qk_norm_tensors(weights: AttentionWeights) -> dict[str, torch.Tensor]:
     """A layer's QK-norm weights as the source stores them (``q_norm.weight``, ``k_norm.weight``), for the
     converted layer to carry unchanged; empty without QK-norm."""

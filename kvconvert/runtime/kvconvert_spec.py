@@ -13,15 +13,19 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-SPEC_VERSION = 3  # checkpoints written before the field existed are version 1 too
+SPEC_VERSION = 4  # checkpoints written before the field existed are version 1 too
 # version 2: ``kv_quant`` may name a ``layout`` ("token") that a version-1 runtime would read as KIVI's
 # version 3: ``kv_quant`` may name a ``format`` ("fp8") that older runtimes would read as 8-bit integers
+# version 4: ``nope_layers`` (SmolLM3's layers without RoPE) that older runtimes' own attention would rotate
 
 
-def minimum_spec_version(kv_quant: dict[str, Any] | None) -> int:
-    """The oldest spec version that describes this checkpoint: older runtimes keep loading every
-    checkpoint they can read correctly, and refuse (one line) the ones they would misread."""
+def minimum_spec_version(kv_quant: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> int:
+    """The oldest spec version that describes this checkpoint (its storage, and the method's entries ``extra``):
+    older runtimes keep loading every checkpoint they can read correctly, and refuse (one line) the ones they
+    would misread."""
     kv_quant = kv_quant or {}
+    if (extra or {}).get("nope_layers"):
+        return 4
     if kv_quant.get("format", "int") != "int":
         return 3
     return 2 if kv_quant.get("layout", "kivi") != "kivi" else 1

@@ -91,8 +91,9 @@ class KVConvertMixin:
         RuntimeSpec.from_dict(spec, METHOD_RUNTIMES)  # one clear line for a spec this runtime cannot run
         attention_class, _, configure = METHOD_RUNTIMES[spec["method"]]
         rotary = self.get_submodule(spec["rotary_module"]) if spec.get("rotary_module") else None  # type: ignore[attr-defined]
+        nope = set(spec.get("nope_layers") or ())  # layers without RoPE, for methods whose own attention rotates keys
         for layer_idx, path in enumerate(spec["attention_modules"]):
-            module = attention_class(spec, layer_idx, rotary)
+            module = attention_class(spec, layer_idx, None if layer_idx in nope else rotary)
             if module is None:
                 continue  # the method leaves this layer's stock attention (and weights) as they are
             parent_path, _, name = path.rpartition(".")

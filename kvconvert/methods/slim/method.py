@@ -13,7 +13,15 @@ import torch
 from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.base import LayerOutput, Method, PlanContext, layer_table, qk_norm_spec, qk_norm_tensors
+from kvconvert.methods.base import (
+    LayerOutput,
+    Method,
+    PlanContext,
+    layer_table,
+    nope_layers_spec,
+    qk_norm_spec,
+    qk_norm_tensors,
+)
 from kvconvert.methods.slim.config import SlimConfig
 
 
@@ -24,8 +32,6 @@ class SlimMethod(Method[None]):
                         "token (not implemented); use quant or razor",
         "softcap": "slim's attention does not apply attention-logit soft-capping; use quant",
         "layer_rope": "slim re-rotates cached keys with one RoPE table, and this model has one per layer type",
-        "nope_layers": "slim re-rotates cached keys with RoPE in every layer, and this model has layers without it "
-                       "(not implemented); use quant, razor or minicache",
         "interleaved_rope": "slim re-rotates cached keys the rotate-half way, and this model's RoPE rotates "
                             "interleaved channel pairs (not implemented); use quant, razor or minicache",
     }  # fmt: skip
@@ -54,8 +60,9 @@ class SlimMethod(Method[None]):
                 f"{layout.num_heads} query heads sharing {layout.num_kv_heads} KV heads (GQA/MQA): "
                 "V cannot be computed from a shared K; use lorc or razor instead"
             )
-        if layout.qk_norm and not layout.rotary:  # no such model: QK-norm comes with RoPE
-            raise KVConvertError("slim supports QK-norm only with RoPE (its keys are normed where they are rotated)")
+        if layout.qk_norm and (not layout.rotary or layout.nope_layers):  # no such model: QK-norm comes with RoPE
+            raise KVConvertError("slim supports QK-norm only with RoPE in every layer (its keys are normed where "
+                                 "they are rotated)")  # fmt: skip
         if layout.kv_width < layout.hidden_size:
             raise KVConvertError(
                 f"slim needs K at least as wide as the hidden state ({layout.kv_width} < {layout.hidden_size}): "
@@ -150,4 +157,5 @@ class SlimMethod(Method[None]):
             "k_bias": "k_proj.bias" in first,
             "o_bias": "o_proj.bias" in first,
             **qk_norm_spec(layout),
+            **nope_layers_spec(layout),  # their keys cached and read without RoPE
         }

@@ -26,7 +26,15 @@ import torch
 from kvconvert import linalg
 from kvconvert.arch import AttentionLayout, AttentionWeights, adapter_for
 from kvconvert.errors import KVConvertError
-from kvconvert.methods.base import LayerOutput, Method, PlanContext, budget_words, qk_norm_spec, qk_norm_tensors
+from kvconvert.methods.base import (
+    LayerOutput,
+    Method,
+    PlanContext,
+    budget_words,
+    nope_layers_spec,
+    qk_norm_spec,
+    qk_norm_tensors,
+)
 from kvconvert.methods.zack.config import ZackConfig
 
 
@@ -218,15 +226,15 @@ class ZackMethod(Method[ZackPlan]):
                         "zack); use quant or razor",
         "softcap": "zack's attention does not apply attention-logit soft-capping; use quant",
         "layer_rope": "zack rotates keys with one RoPE table, and this model has one per layer type",
-        "nope_layers": "zack rotates keys with RoPE in every layer, and this model has layers without it "
-                       "(not implemented); use quant, razor or minicache",
         "interleaved_rope": "zack rotates keys the rotate-half way, and this model's RoPE rotates interleaved channel "
                             "pairs (not implemented); use quant, razor or minicache",
     }  # fmt: skip
 
     def check(self, layout: AttentionLayout) -> None:
-        if layout.qk_norm and not layout.rotary:  # the bases fold into q_proj/k_proj, ahead of where the norm acts
-            raise KVConvertError("zack supports QK-norm only with RoPE (its bases act after the norm and RoPE)")
+        if layout.qk_norm and (not layout.rotary or layout.nope_layers):
+            # without RoPE the bases fold into q_proj/k_proj, ahead of where the norm acts
+            raise KVConvertError("zack supports QK-norm only with RoPE in every layer (its bases act after the norm "
+                                 "and RoPE)")  # fmt: skip
 
     @classmethod
     def headline(cls, report: dict[str, Any]) -> str:
@@ -312,8 +320,10 @@ class ZackMethod(Method[ZackPlan]):
     def convert_layer(self, plan: ZackPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         layout, bases, widths = plan.layout, plan.bases, plan.widths
         rank_k, rank_v = widths.rank_k[layer], widths.rank_v[layer]
+        # a layer without RoPE (SmolLM3's every fourth) takes its bases folded into q_proj/k_proj, as a model without
+        rotary = layout.rotary and layer not in layout.nope_layers
         tensors = rotate_attention(weights, layout, bases.qk[layer], rank_k, bases.vw[layer], rank_v,
-                                   bases.vw_out[layer])  # fmt: skip
+                                   bases.vw_out[layer], rotary)  # fmt: skip
         report: dict[str, Any] = {
             "layer": layer,
             "rank_k": rank_k,
@@ -336,7 +346,7 @@ class ZackMethod(Method[ZackPlan]):
         for rank_k, rank_v, names in zip(plan.widths.rank_k, plan.widths.rank_v, tensor_names, strict=True):
             biases = sorted(n.removesuffix(".bias") for n in names if n.endswith(".bias"))
             layers.append({"rank_k": rank_k, "rank_v": rank_v, "biases": biases})
-        return {"zack_layers": layers, **qk_norm_spec(layout)}
+        return {"zack_layers": layers, **qk_norm_spec(layout), **nope_layers_spec(layout)}
 
 
 def _removed(spectrum: torch.Tensor, rank: int) -> float:
@@ -358,6 +368,7 @@ def rotate_attention(
     vw_bases: list[torch.Tensor],
     rank_v: list[int],
     vw_out: list[torch.Tensor] | None = None,
+    rotary: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """ZACK's projections for one layer, float64, names local to the attention module.
 
@@ -366,7 +377,8 @@ def rotate_attention(
     With RoPE: ``q_proj``/``k_proj`` unchanged, ``qk_basis [dk, Σ_g r_k,g]`` applied after RoPE.
     Without: ``q_proj [Σ_h r_k, d]``, ``k_proj [Σ_g r_k, d]`` with the bases folded in (biases too).
     Always: ``v_proj [Σ_g r_v, d]`` = B_gᵀ W_V^g, ``o_proj [d, Σ_h r_v]`` = W_O^h C_g(h), with
-    ``C = vw_out[:, :r]`` (default: C = B, the paper's orthogonal rotation).
+    ``C = vw_out[:, :r]`` (default: C = B, the paper's orthogonal rotation). ``rotary``: whether this layer applies
+    RoPE (default: ``layout.rotary``; False for a model's layers without it).
     """
     heads, kv_heads = layout.num_heads, layout.num_kv_heads
     group = heads // kv_heads
@@ -386,7 +398,7 @@ def rotate_attention(
         new_b = None if bias is None else torch.cat([basis_of(h).T @ b for h, b in enumerate(_heads(bias, count))])
         return new_w, new_b
 
-    if layout.rotary:
+    if layout.rotary if rotary is None else rotary:
         put("q_proj", w.q_weight.to(linalg.F64), None if w.q_bias is None else w.q_bias.to(linalg.F64))
         put("k_proj", w.k_weight.to(linalg.F64), None if w.k_bias is None else w.k_bias.to(linalg.F64))
         out["qk_basis"] = torch.cat(k_basis, dim=1)
