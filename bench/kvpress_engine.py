@@ -10,8 +10,8 @@ then the question is read through the compressed cache and the answer generated 
 end of sequence or once every expected string is in it (containment: the score cannot change after that, the
 same rule kvconvert's side uses). Writes ``{"answers": {"name@ratio": [str, ...]}, "seconds": {...}, "unsupported":
 {"name@ratio": reason}}``: a press that refuses the model (kvpress raises ``ValueError`` as it is applied, e.g.
-KVzip on Gemma 3) or fails on it (ExpectedAttention calls Gemma 3's rotary embedding without the layer type it needs)
-is recorded there and the others still run.
+KVzip on Gemma 3) or fails on it is recorded there and the others still run (ExpectedAttention calls Gemma 3's rotary
+embedding without the layer type it needs: ``gemma3_rotary_of_global_layers`` supplies the global layers').
 """
 
 from __future__ import annotations
@@ -74,12 +74,31 @@ def gemma3_global_layers_only(model) -> None:
                                                      modeling_gemma3.Gemma3ForCausalLM)  # fmt: skip
 
 
+def gemma3_rotary_of_global_layers(model) -> None:
+    """kvpress 0.5.5's ExpectedAttention (``apply_avg_rope``) calls the model's rotary embedding as Llama's takes it,
+    ``rotary_emb(x, position_ids)``, but Gemma 3's has one table per layer type and needs the type (without it:
+    ``AttributeError: ... 'None_inv_freq'``). The layers it presses on Gemma 3 are the global ones
+    (``gemma3_global_layers_only``), so a call without a type gets theirs; the model's own calls name their type."""
+    from transformers.models.gemma3 import modeling_gemma3
+
+    if not isinstance(model, modeling_gemma3.Gemma3ForCausalLM):
+        return
+    rotary = model.model.rotary_emb
+    forward = rotary.forward
+
+    def with_global_default(x, position_ids, layer_type=None):
+        return forward(x, position_ids, layer_type or "full_attention")
+
+    rotary.forward = with_global_default
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
     gemma3_global_layers_only(model)
+    gemma3_rotary_of_global_layers(model)
     answers, seconds, unsupported = {}, {}, {}
     for name, ratio in job["presses"]:
         press = None if name == "none" else PRESSES[name](ratio)
