@@ -71,14 +71,16 @@ def test_removal_rate_zero_is_exact(tokenized_model_dir, tmp_path, kind):
     assert_equivalent(load_reference(src), load_converted(tmp_path / "zack"), ids, mask)
 
 
-def test_layers_without_rope_are_named_for_the_runtime(tokenized_model_dir, tmp_path):
-    """SmolLM3's layer without RoPE is listed in the spec, which then asks for a runtime that knows the list (spec
-    version 4): an older one would rotate that layer's keys, and refuses instead."""
+@pytest.mark.parametrize(("kind", "entry"), [("smollm3", {"nope_layers": [1]}), ("glm", {"interleaved_rope": True})])
+def test_rope_variants_are_named_for_the_runtime(kind, entry, tokenized_model_dir, tmp_path):
+    """SmolLM3's layer without RoPE and GLM's RoPE on interleaved pairs are named in the spec, which then asks for a
+    runtime that knows them (spec version 4): an older one would turn those keys the rotate-half way, and refuses
+    instead."""
     from kvconvert.runtime.kvconvert_spec import SPEC_VERSION
 
-    _zack(tokenized_model_dir("smollm3"), tmp_path / "zack", "--removal-rate", "0")
+    _zack(tokenized_model_dir(kind), tmp_path / "zack", "--removal-rate", "0")
     spec = json.loads((tmp_path / "zack" / "config.json").read_text())["kvconvert"]
-    assert spec["nope_layers"] == [1] and spec["spec_version"] == SPEC_VERSION == 4
+    assert {k: spec[k] for k in entry} == entry and spec["spec_version"] == SPEC_VERSION == 4
 
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "qwen3"])
@@ -109,12 +111,13 @@ def test_k_only_keeps_values_full(tokenized_model_dir, tmp_path):
 
 @pytest.mark.parametrize(("kind", "value_basis"), [("qwen2_gqa", "paper"), ("qwen2_gqa", "output"),
                                                     ("qwen3", "paper"), ("olmo2", "output"),
-                                                    ("smollm3", "paper")])  # fmt: skip
+                                                    ("smollm3", "paper"), ("glm", "output")])  # fmt: skip
 def test_truncated_attention_simulates_the_checkpoint(kind, value_basis, tokenized_model_dir, tmp_path):
     """The --target-agreement search scores a simulation; it must compute what the checkpoint does. The simulation
     truncates the source's own queries and keys where its attention receives them, after the QK-norm (per head on
     Qwen3, over all heads on OLMo 2) and RoPE: a checkpoint that normed elsewhere, or not at all, differs; on SmolLM3
-    its layer without RoPE takes the bases folded into its projections."""
+    its layer without RoPE takes the bases folded into its projections; on GLM RoPE turns interleaved pairs of half
+    of each head's channels (the family's own function applies it)."""
     from kvconvert.io.source import open_source
     from kvconvert.methods.zack.method import ZackMethod
     from kvconvert.methods.zack.search import projectors_for, truncated_attention

@@ -330,6 +330,21 @@ def pairs_for_keys(cache: Cache | None, cos: torch.Tensor, sin: torch.Tensor) ->
     return rotary_pairs(cos, sin)
 
 
+def family_rotary(spec: dict[str, Any]) -> Any:
+    """The source family's own ``apply_rotary_pos_emb(q, k, cos, sin)`` from transformers' modeling module of
+    ``spec["base_model_type"]``, for a runtime whose attention applies RoPE itself to a model whose RoPE is not
+    rotate-half (``spec["interleaved_rope"]``: GLM, Cohere, Helium, ERNIE 4.5 turn interleaved channel pairs, each
+    with its own layout of cos/sin): the family's arithmetic exactly, where kvconvert's ``apply_rotary`` assumes
+    rotate-half."""
+    import importlib
+
+    model_type = str(spec["base_model_type"])
+    if not model_type.isidentifier():  # a module name, never a path: nothing but transformers' own code is imported
+        raise ValueError(f"base_model_type {model_type!r} is not a transformers model type")
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return module.apply_rotary_pos_emb
+
+
 def default_position_ids(cache: Cache | None, layer_idx: int, q_len: int, device: torch.device) -> torch.Tensor:
     past = cache.get_seq_length(layer_idx) if cache is not None else 0  # a 0-d tensor for a static cache
     return (torch.arange(q_len, device=device) + past)[None]

@@ -16,7 +16,8 @@ from typing import Any
 SPEC_VERSION = 4  # checkpoints written before the field existed are version 1 too
 # version 2: ``kv_quant`` may name a ``layout`` ("token") that a version-1 runtime would read as KIVI's
 # version 3: ``kv_quant`` may name a ``format`` ("fp8") that older runtimes would read as 8-bit integers
-# version 4: ``nope_layers`` (SmolLM3's layers without RoPE) that older runtimes' own attention would rotate
+# version 4: ``nope_layers`` (SmolLM3's layers without RoPE) that older runtimes' own attention would rotate, and
+# ``interleaved_rope`` (GLM, Cohere: RoPE on interleaved pairs) that they would rotate the rotate-half way
 
 
 def minimum_spec_version(kv_quant: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> int:
@@ -24,7 +25,7 @@ def minimum_spec_version(kv_quant: dict[str, Any] | None, extra: dict[str, Any] 
     older runtimes keep loading every checkpoint they can read correctly, and refuse (one line) the ones they
     would misread."""
     kv_quant = kv_quant or {}
-    if (extra or {}).get("nope_layers"):
+    if (extra or {}).get("nope_layers") or (extra or {}).get("interleaved_rope"):
         return 4
     if kv_quant.get("format", "int") != "int":
         return 3

@@ -21,6 +21,7 @@ from .kvconvert_common import (
     LatentAttention,
     additive_mask,
     default_position_ids,
+    family_rotary,
     latent_layers,
     qk_norms,
     softmax_rows,
@@ -60,6 +61,8 @@ class ZackAttention(LatentAttention):
             self.k_proj = nn.Linear(hidden, sum(self.rank_k), bias="k_proj" in biases)
         self.v_proj = nn.Linear(hidden, sum(self.rank_v), bias="v_proj" in biases)
         self.o_proj = nn.Linear(self.group * sum(self.rank_v), hidden, bias="o_proj" in biases)
+        # RoPE on interleaved pairs: the family's own function (each lays out cos/sin its own way)
+        self.family_rotary = family_rotary(spec) if rotary is not None and spec.get("interleaved_rope") else None
         norms = qk_norms(spec, self.heads, self.kv_heads, self.head_dim)  # QK-norm (RoPE models only)
         if norms is not None:
             self.q_norm, self.k_norm = norms
@@ -78,7 +81,10 @@ class ZackAttention(LatentAttention):
         rotary = self.rotary
         assert rotary is not None
         cos, sin = position_embeddings if position_embeddings is not None else rotary(query, position_ids)
-        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        if self.family_rotary is not None:
+            query, key = self.family_rotary(query, key, cos, sin)
+        else:
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         bases = self.qk_basis.split(self.rank_k, dim=1)  # Hkv × [dk, r_k,g]
         queries = [query[:, g * self.group : (g + 1) * self.group] @ bases[g] for g in range(self.kv_heads)]
         keys = torch.cat([key[:, g] @ bases[g] for g in range(self.kv_heads)], dim=-1)

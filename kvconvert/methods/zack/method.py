@@ -226,8 +226,6 @@ class ZackMethod(Method[ZackPlan]):
                         "zack); use quant or razor",
         "softcap": "zack's attention does not apply attention-logit soft-capping; use quant",
         "layer_rope": "zack rotates keys with one RoPE table, and this model has one per layer type",
-        "interleaved_rope": "zack rotates keys the rotate-half way, and this model's RoPE rotates interleaved channel "
-                            "pairs (not implemented); use quant, razor or minicache",
     }  # fmt: skip
 
     def check(self, layout: AttentionLayout) -> None:
@@ -346,7 +344,9 @@ class ZackMethod(Method[ZackPlan]):
         for rank_k, rank_v, names in zip(plan.widths.rank_k, plan.widths.rank_v, tensor_names, strict=True):
             biases = sorted(n.removesuffix(".bias") for n in names if n.endswith(".bias"))
             layers.append({"rank_k": rank_k, "rank_v": rank_v, "biases": biases})
-        return {"zack_layers": layers, **qk_norm_spec(layout), **nope_layers_spec(layout)}
+        # RoPE on interleaved pairs: the runtime applies it with the family's own function
+        interleaved = {"interleaved_rope": True} if layout.interleaved_rope else {}
+        return {"zack_layers": layers, **qk_norm_spec(layout), **nope_layers_spec(layout), **interleaved}
 
 
 def _removed(spectrum: torch.Tensor, rank: int) -> float:
