@@ -208,7 +208,8 @@ def kvpress_accuracy(args: argparse.Namespace, source: Path, batches: dict) -> t
     keys = list(batches)
     samples = [s for key in keys for s in batches[key]]
     budgets = [float(b) for b in args.kvpress_budgets.split(",")]
-    presses = [["none", 0.0]] + [[p, round(1 - b, 4)] for b in budgets for p in args.presses.split(",")]
+    reference = [] if args.no_kvpress_source else [["none", 0.0]]
+    presses = reference + [[p, round(1 - b, 4)] for b in budgets for p in args.presses.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job.write_text(json.dumps({"model": str(source), "presses": presses, "samples": [
@@ -255,6 +256,9 @@ def main() -> None:
     parser.add_argument("--name", default=None, help="results file stem (default longctx / longdoc)")
     parser.add_argument("--seed", type=int, default=0, help="the task samples' seed (another seed: fresh samples)")
     parser.add_argument("--no-source", action="store_true", help="leave out kvconvert's run of the source")
+    parser.add_argument("--no-kvpress-source", action="store_true",
+                        help="leave out kvpress's run of the uncompressed source (the protocols' check: at 16K on "
+                             "2 cores as long as a press's run)")  # fmt: skip
     args = parser.parse_args()
     started = time.time()
     if args.ppl:
