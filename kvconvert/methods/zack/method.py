@@ -318,7 +318,8 @@ class ZackMethod(Method[ZackPlan]):
     def convert_layer(self, plan: ZackPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         layout, bases, widths = plan.layout, plan.bases, plan.widths
         rank_k, rank_v = widths.rank_k[layer], widths.rank_v[layer]
-        # a layer without RoPE (SmolLM3's every fourth) takes its bases folded into q_proj/k_proj, as a model without
+        # a layer without RoPE (SmolLM3's every fourth) takes its bases folded into q_proj/k_proj, as in a model
+        # without RoPE
         rotary = layout.rotary and layer not in layout.nope_layers
         tensors = rotate_attention(weights, layout, bases.qk[layer], rank_k, bases.vw[layer], rank_v,
                                    bases.vw_out[layer], rotary)  # fmt: skip
