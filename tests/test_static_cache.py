@@ -93,10 +93,11 @@ def test_compiled_decode_from_the_static_cache(method, converted):
     _compiled_decodes_as_eager(load_converted(converted(method, "compressing")[1]), method, backend=backend)
 
 
-@pytest.mark.parametrize(("method", "kind"), [("slim", "olmo2"), ("zack", "qwen3")])
+@pytest.mark.parametrize(("method", "kind"), [("slim", "olmo2"), ("zack", "qwen3"), ("zack", "olmo3")])
 def test_qk_norm_models_decode_compiled_from_static_caches(method, kind, tokenized_model_dir, tmp_path):
-    """Slim's and ZACK's own modules apply a QK-norm model's norms (over all heads on OLMo 2, per head on Qwen3); the
-    compiled step from their static caches decodes what the eager growing cache decodes."""
+    """Slim's and ZACK's own modules apply a QK-norm model's norms (over all heads on OLMo 2 and 3, per head on Qwen3);
+    the compiled step from their static caches decodes what the eager growing cache decodes (OLMo 3's sliding-window
+    layers in transformers' static windows, 10 steps past the 8-token window)."""
     from helpers import convert
 
     convert(method, tokenized_model_dir(kind), tmp_path / "out", *COMPRESSING[method][1])

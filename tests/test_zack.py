@@ -17,6 +17,7 @@ from helpers import (
     load_reference,
     run_cli,
 )
+from transformers import AutoConfig
 
 from kvconvert import linalg
 from kvconvert.errors import KVConvertError
@@ -83,6 +84,34 @@ def test_rope_variants_are_named_for_the_runtime(kind, entry, tokenized_model_di
     assert {k: spec[k] for k in entry} == entry and spec["spec_version"] == SPEC_VERSION == 4
 
 
+def test_sliding_window_layers_stay_stock_outside_the_budget(tokenized_model_dir, tmp_path):
+    """A Qwen3 with sliding-window layers (window 8): they keep their stock attention and windowed cache, full width,
+    and the budget (by measured loss, each global layer's sides probed) is spent on the global layer alone, as the
+    pipeline's accounting counts it; the model generates (greedy, beams) past the window."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from kvconvert.arch import adapter_for
+
+    src = tokenized_model_dir("qwen3_sliding")
+    local = adapter_for(AutoConfig.from_pretrained(src)).layout().local_layers
+    assert local  # the tiny model has sliding-window layers
+    report = _zack(src, tmp_path / "zack", "--kv-budget", "0.5", "--schedule", "auto")
+    stock = [row["layer"] for row in report["layers"] if row.get("stock")]
+    assert stock == list(local)
+    cut = [row for row in report["layers"] if not row.get("stock")]
+    kept = sum(sum(row["rank_k"]) + sum(row["rank_v"]) for row in cut) / (len(cut) * 2 * 2 * 16)
+    assert kept <= 0.5 and report["kv_budget_expected"] == pytest.approx(kept)
+    assert all(w == 16 for row in report["layers"] if row.get("stock") for w in row["rank_k"] + row["rank_v"])
+    converted = load_converted(tmp_path / "zack")
+    ids = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(1))
+    cache = converted(ids, use_cache=True).past_key_values
+    assert [isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers] == [
+        i in local for i in range(len(cache.layers))]  # fmt: skip
+    for beams in (1, 3):
+        out = converted.generate(ids[:1, :12], max_new_tokens=16, num_beams=beams, do_sample=False, pad_token_id=0)
+        assert out.shape == (1, 28)
+
+
 @pytest.mark.parametrize("kind", ["llama_gqa", "qwen3"])
 def test_budget_is_met_with_per_head_widths_and_a_smaller_cache(kind, tokenized_model_dir, tmp_path):
     src = tokenized_model_dir(kind)
@@ -111,13 +140,16 @@ def test_k_only_keeps_values_full(tokenized_model_dir, tmp_path):
 
 @pytest.mark.parametrize(("kind", "value_basis"), [("qwen2_gqa", "paper"), ("qwen2_gqa", "output"),
                                                     ("qwen3", "paper"), ("olmo2", "output"),
-                                                    ("smollm3", "paper"), ("glm", "output")])  # fmt: skip
+                                                    ("smollm3", "paper"), ("glm", "output"),
+                                                    ("qwen3_sliding", "paper"), ("gemma3", "output")])  # fmt: skip
 def test_truncated_attention_simulates_the_checkpoint(kind, value_basis, tokenized_model_dir, tmp_path):
     """The --target-agreement search scores a simulation; it must compute what the checkpoint does. The simulation
     truncates the source's own queries and keys where its attention receives them, after the QK-norm (per head on
     Qwen3, over all heads on OLMo 2) and RoPE: a checkpoint that normed elsewhere, or not at all, differs; on SmolLM3
     its layer without RoPE takes the bases folded into its projections; on GLM RoPE turns interleaved pairs of half
-    of each head's channels (the family's own function applies it)."""
+    of each head's channels (the family's own function applies it); a Qwen3 with sliding-window layers keeps them
+    stock (the simulation leaves them whole); Gemma 3 besides scales its norm by 1 + weight and rotates its global
+    layers by their own RoPE table."""
     from kvconvert.io.source import open_source
     from kvconvert.methods.zack.method import ZackMethod
     from kvconvert.methods.zack.search import projectors_for, truncated_attention

@@ -31,6 +31,7 @@ class AttentionLayout:
     qk_norm: bool = False  # an RMSNorm on queries and keys between projection and RoPE
     qk_norm_eps: float | None = None  # its epsilon (with qk_norm)
     qk_norm_per_head: bool = True  # over each head's dk channels (Qwen3, Gemma 3), or over all heads (OLMo 2)
+    qk_norm_offset: float = 0.0  # added to the stored weight before it scales (Gemma 3's norm: 1 + weight)
     local_layers: tuple[int, ...] = ()  # sliding-window layers interleaved with global ones
     sliding_window: int | None = None  # their window (tokens)
     softcap: float | None = None  # attention-logit soft-capping: scores = c·tanh(scores / c)

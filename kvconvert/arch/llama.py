@@ -125,6 +125,9 @@ class GemmaAdapter(LlamaAdapter):
     def qk_norm(self) -> bool:
         return self.config.model_type == "gemma3_text"
 
+    def layout(self) -> AttentionLayout:
+        return replace(super().layout(), qk_norm_offset=1.0 if self.qk_norm() else 0.0)  # Gemma3RMSNorm: 1 + weight
+
     def key_norm(self, attention: Any) -> tuple[Any, torch.Tensor, float] | None:
         norm = getattr(attention, "k_norm", None)  # Gemma3RMSNorm scales by (1 + weight)
         return None if norm is None else (attention.k_proj, 1 + norm.weight.detach().float(), float(norm.eps))

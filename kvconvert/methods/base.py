@@ -168,7 +168,8 @@ def qk_norm_spec(layout: AttentionLayout) -> dict[str, Any]:
     from it), for methods whose own attention modules apply it; empty without one."""
     if not layout.qk_norm:
         return {}
-    return {"qk_norm": {"eps": layout.qk_norm_eps, "per_head": layout.qk_norm_per_head}}
+    offset = {"offset": layout.qk_norm_offset} if layout.qk_norm_offset else {}  # Gemma 3: 1 + weight
+    return {"qk_norm": {"eps": layout.qk_norm_eps, "per_head": layout.qk_norm_per_head, **offset}}
 
 
 def nope_layers_spec(layout: AttentionLayout) -> dict[str, Any]:

@@ -15,7 +15,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .kvconvert_codec import QuantSpec, eager_on_cpu
 from .kvconvert_kernels import HeadColumns, packed_decode_triton
 from .kvconvert_rope import rotary_pairs
-from .kvconvert_storage import KVLayer, StaticStoreLayer, static_stock_layer, stock_layer
+from .kvconvert_storage import (
+    KVLayer,
+    StaticStoreLayer,
+    sliding_layer,
+    static_sliding_layer,
+    static_stock_layer,
+    stock_layer,
+)
 from .kvconvert_tokenstore import TokenStore
 
 
@@ -191,13 +198,17 @@ class CompressedCache(Cache):
 
 def latent_layers(spec: dict[str, Any], compressed: Sequence[bool], max_cache_len: int | None) -> list[Any]:
     """The cache layers of a latent-cache method (lorc, zack, slim): ``LatentLayer`` where ``compressed``, the
-    stock layer elsewhere; with ``max_cache_len`` (a static cache was asked for) ``StaticLatentLayer`` and the
-    stock layer's static form (``static_stock_layer``) instead, unless ``static_refusal`` has a reason not to."""
+    stock layer elsewhere (a sliding-window layer's: transformers' windowed one, ``sliding_layer``); with
+    ``max_cache_len`` (a static cache was asked for) ``StaticLatentLayer`` and the stock layers' static forms
+    instead, unless ``static_refusal`` has a reason not to."""
     quant = QuantSpec.from_spec(spec)
-    if max_cache_len is not None and static_refusal(spec) is None:
-        return [StaticLatentLayer(max_cache_len, quant, i) if c else static_stock_layer(quant, i, max_cache_len)
+    if max_cache_len is not None and static_refusal(spec, static_windows=True) is None:
+        length = max_cache_len
+        return [static_sliding_layer(spec, i, length)
+                or (StaticLatentLayer(length, quant, i) if c else static_stock_layer(quant, i, length))
                 for i, c in enumerate(compressed)]  # fmt: skip
-    return [LatentLayer(quant, i) if c else stock_layer(quant, i) for i, c in enumerate(compressed)]
+    return [sliding_layer(spec, i) or (LatentLayer(quant, i) if c else stock_layer(quant, i))
+            for i, c in enumerate(compressed)]  # fmt: skip
 
 
 def static_refusal(spec: dict[str, Any], static_windows: bool = False) -> str | None:
@@ -384,25 +395,31 @@ def query_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 class HeadNorm(nn.Module):
     """The source's QK-norm, an RMSNorm before RoPE: over each head's ``head_dim`` channels of ``[..., heads·dk]``
-    (Qwen3) or, with ``head_dim`` None, over all of them at once (OLMo 2)."""
+    (Qwen3) or, with ``head_dim`` None, over all of them at once (OLMo 2); scaled by ``weight + offset`` (Gemma 3
+    stores its weight less 1)."""
 
-    def __init__(self, width: int, eps: float, head_dim: int | None):
+    def __init__(self, width: int, eps: float, head_dim: int | None, offset: float = 0.0):
         super().__init__()
         self.weight, self.eps, self.head_dim = nn.Parameter(torch.ones(width)), eps, head_dim
+        self.offset = offset
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., heads·dk]`` normalised; ``weight`` in place of the module's own (the same norm over channels
         taken in another order)."""
         weight = self.weight if weight is None else weight
         if self.head_dim is None:
-            return rms_norm(x, weight, self.eps)
-        return rms_norm(x.unflatten(-1, (-1, self.head_dim)), weight, self.eps).flatten(-2)
+            return rms_norm(x, weight, self.eps, self.offset)
+        return rms_norm(x.unflatten(-1, (-1, self.head_dim)), weight, self.eps, self.offset).flatten(-2)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``HeadNorm``'s arithmetic over the last axis, as transformers' Qwen3RMSNorm computes it."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """``HeadNorm``'s arithmetic over the last axis, as transformers' Qwen3RMSNorm computes it (with ``offset``:
+    as Gemma3RMSNorm does, ``1 + weight`` in float32 before the cast)."""
     x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (weight.float() + offset)).to(x.dtype)
+    return weight * normed.to(x.dtype)
 
 
 def qk_norms(spec: dict[str, Any], heads: int, kv_heads: int, head_dim: int) -> tuple[HeadNorm, HeadNorm] | None:
@@ -412,8 +429,9 @@ def qk_norms(spec: dict[str, Any], heads: int, kv_heads: int, head_dim: int) -> 
     if norm is None:
         return None
     over = head_dim if norm["per_head"] else None  # the channels one norm spans: a head's, or all heads'
-    return (HeadNorm(over or heads * head_dim, norm["eps"], over),
-            HeadNorm(over or kv_heads * head_dim, norm["eps"], over))  # fmt: skip
+    offset = float(norm.get("offset", 0.0))
+    return (HeadNorm(over or heads * head_dim, norm["eps"], over, offset),
+            HeadNorm(over or kv_heads * head_dim, norm["eps"], over, offset))  # fmt: skip
 
 
 def softmax_rows(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

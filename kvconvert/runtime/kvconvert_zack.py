@@ -162,10 +162,13 @@ class ZackAttention(LatentAttention):
         return torch.cat(outputs, dim=-1)
 
 
-def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None) -> ZackAttention:
-    return ZackAttention(spec, layer_idx, rotary)
+def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None) -> ZackAttention | None:
+    """None for a sliding-window layer: it keeps the stock attention (and transformers' windowed cache)."""
+    return None if layer_idx in (spec.get("local_layers") or ()) else ZackAttention(spec, layer_idx, rotary)
 
 
 def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> CompressedCache:
     # keys are cached after RoPE and rotation: no positions to remember
-    return CompressedCache(latent_layers(spec, [True] * len(spec["zack_layers"]), max_cache_len), track_positions=False)
+    local = set(spec.get("local_layers") or ())
+    compressed = [layer not in local for layer in range(len(spec["zack_layers"]))]
+    return CompressedCache(latent_layers(spec, compressed, max_cache_len), track_positions=False)

@@ -106,28 +106,33 @@ def fit_bases(grams: Any, o_grams: list[torch.Tensor], value_basis: str = "paper
     return HeadBases(qk, qk_s, vw, vw_s, vw_out)
 
 
-def plan_for_rate(bases: HeadBases, removal_rate: float, head_dim: int, compress: str = "kv") -> ZackWidths:
-    """Eq. 6 per head for one shared r; ``budget`` = Σ kept widths / (2·L·Hkv·dk).
+def plan_for_rate(bases: HeadBases, removal_rate: float, head_dim: int, compress: str = "kv",
+                  whole: frozenset[int] = frozenset()) -> ZackWidths:  # fmt: skip
+    """Eq. 6 per head for one shared r; ``budget`` = Σ kept widths / (2·L·Hkv·dk) over the layers not in ``whole``
+    (sliding-window layers, kept stock at every width: the budget is the global layers', as everywhere).
 
     ``compress`` names the truncated sides; the others keep all ``head_dim`` dims."""
 
     def widths(spectra: list[list[torch.Tensor]], truncated: bool) -> list[list[int]]:
         rate = removal_rate if truncated else 0.0
-        return [[linalg.rank_for_removal_rate(s, rate) if truncated else head_dim for s in layer] for layer in spectra]
+        return [[head_dim if i in whole or not truncated else linalg.rank_for_removal_rate(s, rate) for s in layer]
+                for i, layer in enumerate(spectra)]  # fmt: skip
 
     rank_k = widths(bases.qk_spectrum, "k" in compress)
     rank_v = widths(bases.vw_spectrum, "v" in compress)
-    kept = sum(map(sum, rank_k)) + sum(map(sum, rank_v))
-    full = 2 * head_dim * sum(len(layer) for layer in rank_k)
+    cut = [i for i in range(len(rank_k)) if i not in whole]
+    kept = sum(sum(rank_k[i]) + sum(rank_v[i]) for i in cut)
+    full = 2 * head_dim * sum(len(rank_k[i]) for i in cut)
     return ZackWidths(removal_rate, rank_k, rank_v, budget=kept / full)
 
 
 def plan_for_budget(bases: HeadBases, kv_budget: float, head_dim: int, compress: str = "kv",
-                    steps: int = 60) -> ZackWidths:  # fmt: skip
-    """The paper's f: the smallest r whose cache fits ``kv_budget`` (budget falls as r grows)."""
-    if plan_for_rate(bases, 0.0, head_dim, compress).budget <= kv_budget:
-        return plan_for_rate(bases, 0.0, head_dim, compress)
-    floor = plan_for_rate(bases, 1.0, head_dim, compress)
+                    steps: int = 60, whole: frozenset[int] = frozenset()) -> ZackWidths:  # fmt: skip
+    """The paper's f: the smallest r whose cache fits ``kv_budget`` (budget falls as r grows); ``whole``: as
+    ``plan_for_rate``'s."""
+    if plan_for_rate(bases, 0.0, head_dim, compress, whole).budget <= kv_budget:
+        return plan_for_rate(bases, 0.0, head_dim, compress, whole)
+    floor = plan_for_rate(bases, 1.0, head_dim, compress, whole)
     if floor.budget > kv_budget:
         raise KVConvertError(
             f"kv_budget {kv_budget} is below what zack can reach with compress={compress} ({floor.budget:.4f}: "
@@ -136,16 +141,16 @@ def plan_for_budget(bases: HeadBases, kv_budget: float, head_dim: int, compress:
     low, high = 0.0, 1.0  # budget(low) > kv_budget >= budget(high)
     for _ in range(steps):
         middle = (low + high) / 2
-        if plan_for_rate(bases, middle, head_dim, compress).budget <= kv_budget:
+        if plan_for_rate(bases, middle, head_dim, compress, whole).budget <= kv_budget:
             high = middle
         else:
             low = middle
-    return plan_for_rate(bases, high, head_dim, compress)
+    return plan_for_rate(bases, high, head_dim, compress, whole)
 
 
 def plan_by_loss(
     bases: HeadBases, kv_budget: float, head_dim: int, compress: str, probe: ZackWidths,
-    probe_kl: dict[str, list[float]],
+    probe_kl: dict[str, list[float]], whole: frozenset[int] = frozenset(),
 ) -> ZackWidths:  # fmt: skip
     """Widths per KV head and side that meet ``kv_budget`` at the least predicted loss (extension).
 
@@ -154,19 +159,22 @@ def plan_by_loss(
     ``c_ls = KL_ls / Σ_g T_lsg(probe width)`` from one probe, the source run with only that layer's
     side truncated at ``probe``'s widths (the paper's plan at this budget). KL is quadratic in a small
     perturbation, like T, so the model is first-order right and exact at the probe. One greedy pass
-    over every curve (``linalg.allocate_ranks``) then meets the budget; an untruncated side keeps d."""
-    layers, kv_heads = len(bases.qk), len(bases.qk[0])
+    over every curve (``linalg.allocate_ranks``) then meets the budget; an untruncated side keeps d, and so do the
+    layers in ``whole`` (sliding-window layers, outside the budget)."""
+    kv_heads = len(bases.qk[0])
+    cut = [i for i in range(len(bases.qk)) if i not in whole]  # the layers whose widths are chosen
+    layers = len(cut)
     sides = [side for side in "kv" if side in compress]
     spectra = {"k": bases.qk_spectrum, "v": bases.vw_spectrum}
     widths_at_probe = {"k": probe.rank_k, "v": probe.rank_v}
     curves: list[torch.Tensor] = []
     for side in sides:
-        tails = [[linalg.tail_energy(s) * float(s.to(linalg.F64).pow(2).sum()) for s in layer]
-                 for layer in spectra[side]]  # fmt: skip
-        at_probe = [sum(float(t[r]) for t, r in zip(layer, widths, strict=True))
-                    for layer, widths in zip(tails, widths_at_probe[side], strict=True)]  # fmt: skip
+        tails = [[linalg.tail_energy(s) * float(s.to(linalg.F64).pow(2).sum()) for s in spectra[side][i]]
+                 for i in cut]  # fmt: skip
+        at_probe = [sum(float(t[r]) for t, r in zip(layer, widths_at_probe[side][i], strict=True))
+                    for layer, i in zip(tails, cut, strict=True)]  # fmt: skip
         # a probe that truncated nothing measures nothing: such a layer gets its side's largest scale
-        scales = [max(kl, 1e-9) / e if e > 0 else None for kl, e in zip(probe_kl[side], at_probe, strict=True)]
+        scales = [max(probe_kl[side][i], 1e-9) / e if e > 0 else None for i, e in zip(cut, at_probe, strict=True)]
         fallback = max((c for c in scales if c is not None), default=1.0)
         for layer, scale in zip(tails, scales, strict=True):
             curves.extend((fallback if scale is None else scale) * t for t in layer)
@@ -177,12 +185,12 @@ def plan_by_loss(
         raise KVConvertError(f"kv_budget {kv_budget} is below what zack can reach with compress={compress} "
                              f"({floor:.4f}: one dim per truncated head)")  # fmt: skip
     flat = linalg.allocate_ranks(curves, min(free, len(curves) * head_dim))
-    full_widths = [[head_dim] * kv_heads for _ in range(layers)]
-    chosen = {side: [flat[(j * layers + i) * kv_heads : (j * layers + i + 1) * kv_heads] for i in range(layers)]
-              for j, side in enumerate(sides)}  # fmt: skip
-    rank_k, rank_v = chosen.get("k", full_widths), chosen.get("v", full_widths)
-    kept = sum(map(sum, rank_k)) + sum(map(sum, rank_v))
-    return ZackWidths(None, rank_k, rank_v, budget=kept / full, probe_kl=probe_kl)
+    widths = {side: [[head_dim] * kv_heads for _ in bases.qk] for side in "kv"}
+    for j, side in enumerate(sides):
+        for at, i in enumerate(cut):
+            widths[side][i] = flat[(j * layers + at) * kv_heads : (j * layers + at + 1) * kv_heads]
+    kept = sum(sum(widths["k"][i]) + sum(widths["v"][i]) for i in cut)
+    return ZackWidths(None, widths["k"], widths["v"], budget=kept / full, probe_kl=probe_kl)
 
 
 def calibrate_bases(
@@ -222,10 +230,7 @@ class ZackPlan:
 class ZackMethod(Method[ZackPlan]):
     name = "zack"
     unsupported: ClassVar[dict[str, str]] = {
-        "local_layers": "its sliding-window layers need a cache that forgets beyond the window (not implemented for "
-                        "zack); use quant or razor",
         "softcap": "zack's attention does not apply attention-logit soft-capping; use quant",
-        "layer_rope": "zack rotates keys with one RoPE table, and this model has one per layer type",
     }  # fmt: skip
 
     def check(self, layout: AttentionLayout) -> None:
@@ -253,11 +258,14 @@ class ZackMethod(Method[ZackPlan]):
 
     @classmethod
     def report_table(cls, report: dict[str, Any]) -> str:
-        probed = [side for side in "kv" if f"{side}_probe_kl" in report["layers"][0]]
+        probed = [side for side in "kv" if any(f"{side}_probe_kl" in row for row in report["layers"])]
         lines = [
             f"{'layer':>5}  {'K widths':<24}  {'V widths':<24}" + "".join(f"  {s.upper()} probe KL" for s in probed)
         ]
         for row in report["layers"]:
+            if row.get("stock"):  # a sliding-window layer: its stock attention and window
+                lines.append(f"{row['layer']:>5}  {'stock (sliding window)':<24}  {'stock':<24}")
+                continue
             widths = f"{','.join(map(str, row['rank_k'])):<24}  {','.join(map(str, row['rank_v'])):<24}"
             lines.append(f"{row['layer']:>5}  {widths}" + "".join(f"  {row[f'{s}_probe_kl']:>10.4f}" for s in probed))
         return "\n".join(lines)
@@ -272,19 +280,22 @@ class ZackMethod(Method[ZackPlan]):
         bases, calib = calibrate_bases(source, layout, layers, config.calib, config.calib_tokens, config.chunk_len,
                                        config.seed, ctx.progress, config.value_basis)  # fmt: skip
         calibration = {"source": calib.source, "tokens": calib.tokens, "chunk_len": calib.chunks.shape[1]}
+        # sliding-window layers keep their stock attention and windowed cache: whole, outside the budget
+        whole = frozenset(layout.local_layers)
+        dk, compress = layout.head_dim, config.compress
         if config.removal_rate is not None:
-            widths = plan_for_rate(bases, config.removal_rate, layout.head_dim, config.compress)
+            widths = plan_for_rate(bases, config.removal_rate, dk, compress, whole)
         elif config.kv_budget is not None:
-            widths = plan_for_budget(bases, config.kv_budget, layout.head_dim, config.compress)
+            widths = plan_for_budget(bases, config.kv_budget, dk, compress, whole=whole)
             if config.schedule == "auto":
                 probe_kl, calibration["probe"] = self._probe(source, layout, bases, calib, widths, ctx.progress)
-                widths = plan_by_loss(bases, config.kv_budget, layout.head_dim, config.compress, widths, probe_kl)
+                widths = plan_by_loss(bases, config.kv_budget, dk, compress, widths, probe_kl, whole)
         else:
             from kvconvert.methods.zack.search import search_removal_rate
 
             assert config.target_agreement is not None
             widths, calibration["search"] = search_removal_rate(
-                source, layout, bases, calib.held_out, config.target_agreement, config.compress, ctx.progress
+                source, layout, bases, calib.held_out, config.target_agreement, compress, ctx.progress, whole=whole
             )
         return ZackPlan(layout, bases, widths, calibration)
 
@@ -299,7 +310,8 @@ class ZackMethod(Method[ZackPlan]):
 
         chunks = (calib.held_out if calib.held_out.shape[0] else calib.chunks)[: self.config.probe_chunks]
         projectors = projectors_for(bases, probe)
-        jobs = [(layer, side) for side in "kv" if side in self.config.compress for layer in range(layout.num_layers)]
+        probed = [layer for layer in range(layout.num_layers) if layer not in layout.local_layers]  # stock: not cut
+        jobs = [(layer, side) for side in "kv" if side in self.config.compress for layer in probed]
 
         def select(layer: int) -> Any:  # the running probe's side at its layer, nothing elsewhere
             job = active_job(jobs)
@@ -312,12 +324,16 @@ class ZackMethod(Method[ZackPlan]):
                          lambda model: truncated_attention(model, select), progress)  # fmt: skip
         ran = {"removal_rate": probe.removal_rate, "budget": probe.budget, "chunks": int(chunks.shape[0]),
                "chunk_len": int(chunks.shape[1])}  # fmt: skip
-        return {side: [kl for (_, s), kl in zip(jobs, kls, strict=True) if s == side] for side in "kv"
+        measured = dict(zip(jobs, kls, strict=True))  # a layer not probed (kept whole) reads 0
+        return {side: [measured.get((layer, side), 0.0) for layer in range(layout.num_layers)] for side in "kv"
                 if side in self.config.compress}, ran  # fmt: skip
 
     def convert_layer(self, plan: ZackPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
         layout, bases, widths = plan.layout, plan.bases, plan.widths
         rank_k, rank_v = widths.rank_k[layer], widths.rank_v[layer]
+        if layer in layout.local_layers:  # its window stays stock: attention, weights and cache as the source's
+            return LayerOutput(tensors={}, report={"layer": layer, "rank_k": rank_k, "rank_v": rank_v, "stock": True},
+                               passthrough=True)  # fmt: skip
         # a layer without RoPE (SmolLM3's every fourth) takes its bases folded into q_proj/k_proj, as in a model
         # without RoPE
         rotary = layout.rotary and layer not in layout.nope_layers

@@ -79,8 +79,10 @@ def search_removal_rate(
     progress: bool = True,
     max_chunks: int = 8,
     steps: int = 10,
+    whole: frozenset[int] = frozenset(),
 ) -> tuple[Any, list[dict[str, float]]]:
-    """Largest r (smallest cache) whose simulated top-1 agreement with the source stays >= ``target``.
+    """Largest r (smallest cache) whose simulated top-1 agreement with the source stays >= ``target`` (``whole``: the
+    layers kept whole, ``plan_for_rate``'s).
 
     Bisection over r in [0, 1): agreement falls as r grows (more of every head is removed).
     Returns the plan and the log of every probe (r, kv budget, agreement).
@@ -94,7 +96,7 @@ def search_removal_rate(
     reference = top1(source, chunks)
 
     def probe(rate: float) -> tuple[Any, float]:
-        plan = plan_for_rate(bases, rate, layout.head_dim, compress)
+        plan = plan_for_rate(bases, rate, layout.head_dim, compress, whole)
         projectors = projectors_for(bases, plan)
         predicted = top1(source, chunks, lambda model: truncated_attention(model, projectors.__getitem__))
         return plan, (predicted == reference).float().mean().item()
