@@ -49,6 +49,8 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("minicache (paper defaults)", {"method": "minicache"}),
     ("lorc k 0.75", {"method": "lorc", "kv_budget": 0.75, "compress": "k"}),
     ("zack 0.5", {"method": "zack", "kv_budget": 0.5}),
+    ("zack 0.5, widths by measured loss (ext.)", {"method": "zack", "kv_budget": 0.5, "schedule": "auto"}),
+    ("zack 0.5 + 4-bit, sink 4 + rotated values (ext.)", {"method": "zack", "kv_budget": 0.5, "kv_bits": 4, **EXT}),
     ("slim", {"method": "slim"}),
 ]
 
@@ -71,8 +73,14 @@ def bytes_per_token_by_kind(model: Any, ids: torch.Tensor) -> dict[str, float]:
 
 
 def main() -> None:
+    import argparse
+
     import transformers
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="the candidates whose label contains this text")
+    parser.add_argument("--name", default="gemma", help="bench/results/NAME-<date>.{json,md}")
+    args = parser.parse_args()
     started = time.perf_counter()
     src = prepare_models(include_smollm=False, include_gemma=True)["gemma3-270m"]
     reference = transformers.Gemma3ForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
@@ -85,6 +93,8 @@ def main() -> None:
                                  continuation=CONTINUATION, retrieval=False, speed=False, progress=False)  # fmt: skip
         rows: list[dict[str, Any]] = []
         for label, recipe in CANDIDATES:
+            if args.only is not None and args.only not in label:
+                continue
             name, config, storage = parse_recipe(recipe, label)
             dst = Path(tmp) / "candidate"
             row: dict[str, Any] = {"candidate": label, "recipe": recipe}
@@ -127,7 +137,7 @@ def main() -> None:
     )
     payload = {"benchmark": "gemma", "machine": machine(), "stock_bytes_per_token": stock, "rows": rows,
                "seconds": time.perf_counter() - started}  # fmt: skip
-    write_results("gemma", payload, table)
+    write_results(args.name, payload, table)
 
 
 if __name__ == "__main__":
