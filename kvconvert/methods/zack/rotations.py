@@ -74,7 +74,8 @@ def analyze_rotations(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Everything ``kvconvert analyze --calib`` reports about ZACK's rotations."""
-    head_dim = adapter_for(source.config).layout().head_dim
+    layout = adapter_for(source.config).layout()
+    head_dim, whole = layout.head_dim, frozenset(layout.local_layers)  # sliding-window layers: as a conversion
     bases, calib_set = fit(source, calib, tokens, seed, progress)
     result: dict[str, Any] = {"calib": calib_set.source, "tokens": calib_set.tokens}
     for side in ("qk", "vw"):
@@ -85,12 +86,12 @@ def analyze_rotations(
         result[f"{side}_mean_normalized_spectrum"] = [round(float(v), 5) for v in normalized.mean(0)]
     result["plans"] = {}
     for budget in PLAN_BUDGETS:
-        plan = plan_for_budget(bases, budget, head_dim)
+        plan = plan_for_budget(bases, budget, head_dim, whole=whole)
         result["plans"][str(budget)] = {"removal_rate": plan.removal_rate, "kv_budget": plan.budget,
                                         "rank_k": plan.rank_k, "rank_v": plan.rank_v}  # fmt: skip
     if compare is not None:
         other, other_set = fit(source, compare, tokens, seed, progress)
-        plan = plan_for_budget(bases, AGREEMENT_BUDGET, head_dim)
+        plan = plan_for_budget(bases, AGREEMENT_BUDGET, head_dim, whole=whole)
         result["compare"] = {"calib": other_set.source, "tokens": other_set.tokens, "at_budget": AGREEMENT_BUDGET,
                              **rotation_agreement(bases, other, plan)}  # fmt: skip
     return result
