@@ -112,6 +112,26 @@ def test_sliding_window_layers_stay_stock_outside_the_budget(tokenized_model_dir
         assert out.shape == (1, 28)
 
 
+def test_sliding_window_layers_take_quantized_storage(tokenized_model_dir, tmp_path):
+    """ZACK + 4-bit storage with ``--kv-include-local`` on a Qwen3 with sliding-window layers: the windows are quantized
+    like quant's (``QuantizedSlidingLayer``) and the global layer holds ZACK's latent; asked for a static cache, the
+    checkpoint says once why it has none (quantized windows grow and forget per block) and decodes what the growing
+    cache decodes, past the window."""
+    src = tokenized_model_dir("qwen3_sliding")
+    _zack(src, tmp_path / "zack", "--removal-rate", "0.3", "--kv-bits", "4", "--kv-group", "4", "--kv-residual", "4",
+          "--kv-include-local")  # fmt: skip
+    converted = load_converted(tmp_path / "zack")
+    ids, mask = left_padded()
+    cache = converted(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds[0] == "LatentLayer" and set(kinds[1:]) == {"QuantizedSlidingLayer"}, kinds
+    options = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    growing = converted.generate(**options)
+    with pytest.warns(UserWarning, match="sliding-window layers have no static layer"):
+        static = converted.generate(**options, cache_implementation="static")
+    assert torch.equal(growing, static)
+
+
 @pytest.mark.parametrize("kind", ["llama_gqa", "qwen3"])
 def test_budget_is_met_with_per_head_widths_and_a_smaller_cache(kind, tokenized_model_dir, tmp_path):
     src = tokenized_model_dir(kind)
