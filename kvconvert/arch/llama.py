@@ -111,6 +111,9 @@ class QKNormAdapter(LlamaAdapter):
         return True
 
 
+GEMMA3_NORM_OFFSET = 1.0  # Gemma3RMSNorm scales by (1 + weight): the stored weight is the scale less 1
+
+
 class GemmaAdapter(LlamaAdapter):
     """Gemma 2 and Gemma 3 text models: queries scaled by query_pre_attn_scalar^-1/2, local
     (sliding-window) layers between global ones; Gemma 2 soft-caps attention logits, Gemma 3 has
@@ -126,11 +129,13 @@ class GemmaAdapter(LlamaAdapter):
         return self.config.model_type == "gemma3_text"
 
     def layout(self) -> AttentionLayout:
-        return replace(super().layout(), qk_norm_offset=1.0 if self.qk_norm() else 0.0)  # Gemma3RMSNorm: 1 + weight
+        return replace(super().layout(), qk_norm_offset=GEMMA3_NORM_OFFSET if self.qk_norm() else 0.0)
 
     def key_norm(self, attention: Any) -> tuple[Any, torch.Tensor, float] | None:
-        norm = getattr(attention, "k_norm", None)  # Gemma3RMSNorm scales by (1 + weight)
-        return None if norm is None else (attention.k_proj, 1 + norm.weight.detach().float(), float(norm.eps))
+        norm = getattr(attention, "k_norm", None)
+        if norm is None:
+            return None
+        return attention.k_proj, norm.weight.detach().float() + GEMMA3_NORM_OFFSET, float(norm.eps)
 
     def layer_rope(self) -> bool:
         return self.config.model_type == "gemma3_text"

@@ -172,10 +172,12 @@ def qk_norm_spec(layout: AttentionLayout) -> dict[str, Any]:
     return {"qk_norm": {"eps": layout.qk_norm_eps, "per_head": layout.qk_norm_per_head, **offset}}
 
 
-def nope_layers_spec(layout: AttentionLayout) -> dict[str, Any]:
-    """The runtime spec's list of layers without RoPE (SmolLM3), for methods whose own attention modules rotate
-    keys: the runtime builds those layers' modules without RoPE; empty for a model that rotates in every layer."""
-    return {"nope_layers": list(layout.nope_layers)} if layout.nope_layers else {}
+def rope_spec(layout: AttentionLayout) -> dict[str, Any]:
+    """The runtime spec's entries for RoPE other than rotate-half in every layer, for methods whose own attention
+    modules turn keys: the layers without RoPE (SmolLM3: the runtime builds their modules without it) and RoPE on
+    interleaved pairs (GLM, Cohere: turned by the family's own function); empty for a plain rotary model."""
+    nope = {"nope_layers": list(layout.nope_layers)} if layout.nope_layers else {}
+    return {**nope, **({"interleaved_rope": True} if layout.interleaved_rope else {})}
 
 
 def qk_norm_tensors(weights: AttentionWeights) -> dict[str, torch.Tensor]:

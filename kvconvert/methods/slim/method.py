@@ -18,9 +18,9 @@ from kvconvert.methods.base import (
     Method,
     PlanContext,
     layer_table,
-    nope_layers_spec,
     qk_norm_spec,
     qk_norm_tensors,
+    rope_spec,
 )
 from kvconvert.methods.slim.config import SlimConfig
 
@@ -157,5 +157,5 @@ class SlimMethod(Method[None]):
             "k_bias": "k_proj.bias" in first,
             "o_bias": "o_proj.bias" in first,
             **qk_norm_spec(layout),
-            **nope_layers_spec(layout),  # their keys cached and read without RoPE
+            **rope_spec(layout),  # layers without RoPE: their keys cached and read without it
         }

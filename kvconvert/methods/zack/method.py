@@ -31,9 +31,9 @@ from kvconvert.methods.base import (
     Method,
     PlanContext,
     budget_words,
-    nope_layers_spec,
     qk_norm_spec,
     qk_norm_tensors,
+    rope_spec,
 )
 from kvconvert.methods.zack.config import ZackConfig
 
@@ -361,9 +361,7 @@ class ZackMethod(Method[ZackPlan]):
         for rank_k, rank_v, names in zip(plan.widths.rank_k, plan.widths.rank_v, tensor_names, strict=True):
             biases = sorted(n.removesuffix(".bias") for n in names if n.endswith(".bias"))
             layers.append({"rank_k": rank_k, "rank_v": rank_v, "biases": biases})
-        # RoPE on interleaved pairs: the runtime applies it with the family's own function
-        interleaved = {"interleaved_rope": True} if layout.interleaved_rope else {}
-        return {"zack_layers": layers, **qk_norm_spec(layout), **nope_layers_spec(layout), **interleaved}
+        return {"zack_layers": layers, **qk_norm_spec(layout), **rope_spec(layout)}
 
 
 def _removed(spectrum: torch.Tensor, rank: int) -> float:
