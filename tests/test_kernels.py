@@ -676,7 +676,11 @@ def test_kernels_asked_for_where_they_cannot_run_are_an_error_not_a_fall_back(mo
 @pytest.mark.parametrize("command", ["eval", "plan"])
 @pytest.mark.parametrize(
     ("variable", "value", "choices"),
-    [("KVCONVERT_KERNELS", "trition", "auto, torch, triton"), ("KVCONVERT_REBUILD", "fast", "auto, bf16, exact")],
+    [
+        ("KVCONVERT_KERNELS", "trition", "auto, torch, triton"),
+        ("KVCONVERT_REBUILD", "fast", "auto, bf16, exact"),
+        ("KVCONVERT_COMPILE", "on", "auto, off"),
+    ],
 )
 def test_cli_refuses_a_kernel_setting_it_cannot_honour(command, variable, value, choices, monkeypatch, tmp_path):
     from helpers import run_cli

@@ -1,0 +1,150 @@
+"""The CPU readers Inductor compiles (``kvconvert_folded.fused_call``) against the eager ops they stand in for and
+against plain products with the dequantized codes; their fall-back where Inductor cannot build; inside a converted
+model, the same tokens and logits as the eager readers."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from kvconvert.runtime import kvconvert_folded
+from kvconvert.runtime.kvconvert_codec import dequantize_tokens, quantize_tokens
+from kvconvert.runtime.kvconvert_folded import folded_scores
+
+pytestmark = pytest.mark.slow  # Inductor compiles C++ on first use: seconds each, a minute cold on 2 cores
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """Every read compiled, whatever its size, from a fresh table of compiled readers."""
+    monkeypatch.setattr(kvconvert_folded, "FUSE_MIN_CODES", 0)
+    monkeypatch.setattr(kvconvert_folded, "_FUSED", {})
+    monkeypatch.delenv("KVCONVERT_COMPILE", raising=False)
+    return kvconvert_folded._FUSED
+
+
+def quantized_keys(batch: int, blocks: int, bits: int, dim: int = 48, block: int = 32):
+    torch.manual_seed(batch * 10 + bits)
+    keys = torch.randn(batch, 2, blocks * block, dim)
+    stored = quantize_tokens(keys, bits, block, True)
+    return stored, dequantize_tokens(stored, bits, block, dim, True, torch.float32)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize(("batch", "blocks"), [(1, 1), (3, 5)])
+def test_compiled_scores_are_the_eager_scores(bits, batch, blocks, fused, monkeypatch):
+    """``folded_scores`` compiled (one loop over the codes) against its eager matrix products and against the query
+    times the dequantized keys: the same scores but for the order of float32 sums."""
+    stored, plain = quantized_keys(batch, blocks, bits)
+    query = torch.randn(batch, 2, 3, plain.shape[-1])
+    compiled = folded_scores(query, stored.codes, stored.scale, stored.zero, bits)
+    assert fused.get("folded_scores") not in (None, False)  # the compiled reader ran
+    monkeypatch.setenv("KVCONVERT_COMPILE", "off")
+    eager = folded_scores(query, stored.codes, stored.scale, stored.zero, bits)
+    sums = dict(atol=1e-4, rtol=1e-5)  # scores of magnitude ~10 summed over 48 channels in another order
+    torch.testing.assert_close(compiled, eager, **sums)
+    torch.testing.assert_close(compiled, query @ plain.transpose(-1, -2), **sums)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize(("batch", "tokens", "group"), [(1, 8, 48), (3, 40, 16)])
+def test_compiled_value_sums_are_the_eager_sums(bits, batch, tokens, group, fused, monkeypatch):
+    """``folded_value_sum`` compiled against its eager products and against the weights times the dequantized
+    values, one channel group or several."""
+    torch.manual_seed(tokens + bits)
+    values = torch.randn(batch, 2, tokens, 48)
+    stored = quantize_tokens(values, bits, group, False)
+    plain = dequantize_tokens(stored, bits, group, 48, False, torch.float32)
+    weights = torch.rand(batch, 2, 3, tokens)
+    compiled = kvconvert_folded.folded_value_sum(weights, stored.codes, stored.scale, stored.zero, bits)[..., :48]
+    assert fused.get("folded_value_sum") not in (None, False)
+    monkeypatch.setenv("KVCONVERT_COMPILE", "off")
+    eager = kvconvert_folded.folded_value_sum(weights, stored.codes, stored.scale, stored.zero, bits)[..., :48]
+    sums = dict(atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(compiled, eager, **sums)
+    torch.testing.assert_close(compiled, weights @ plain, **sums)
+
+
+def test_small_reads_and_the_off_setting_stay_eager(monkeypatch):
+    """Below ``FUSE_MIN_CODES`` (a call's guards would cost what the loop saves) nothing is compiled, nor with
+    ``KVCONVERT_COMPILE=off``."""
+    monkeypatch.setattr(kvconvert_folded, "_FUSED", {})
+    stored, _ = quantized_keys(1, 2, 4)
+    assert stored.codes.numel() < kvconvert_folded.FUSE_MIN_CODES
+    folded_scores(torch.randn(1, 2, 3, 48), stored.codes, stored.scale, stored.zero, 4)
+    monkeypatch.setattr(kvconvert_folded, "FUSE_MIN_CODES", 0)
+    monkeypatch.setenv("KVCONVERT_COMPILE", "off")
+    folded_scores(torch.randn(1, 2, 3, 48), stored.codes, stored.scale, stored.zero, 4)
+    assert kvconvert_folded._FUSED == {}
+
+
+def test_a_reader_inductor_cannot_build_falls_back_once_and_says_so(fused, monkeypatch):
+    """Where Inductor fails (no C++ compiler), the step is read by the eager ops, one warning says why and how to
+    skip the attempt, and later reads neither retry nor warn."""
+    stored, plain = quantized_keys(2, 3, 4)
+    query = torch.randn(2, 2, 3, 48)
+
+    def broken(fn, **options):
+        def run(*args):
+            raise RuntimeError("InductorError: no working C++ compiler found\n(the details)")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.warns(UserWarning, match=r"could not build the CPU reader 'folded_scores' \(InductorError: no "
+                                         r"working C\+\+ compiler found\).*KVCONVERT_COMPILE=off"):  # fmt: skip
+        scores = folded_scores(query, stored.codes, stored.scale, stored.zero, 4)
+    torch.testing.assert_close(scores, query @ plain.transpose(-1, -2), atol=1e-4, rtol=1e-5)
+    assert fused["folded_scores"] is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = folded_scores(query, stored.codes, stored.scale, stored.zero, 4)
+    torch.testing.assert_close(again, scores, rtol=0, atol=0)
+
+
+def test_a_misspelt_setting_is_an_error(monkeypatch):
+    monkeypatch.setenv("KVCONVERT_COMPILE", "on")
+    with pytest.raises(ValueError, match="KVCONVERT_COMPILE='on' is not one of auto, off"):
+        kvconvert_folded.compile_requested()
+
+
+# the token layout's keys beside 2-bit values: only its values are read by a compiled reader
+TOKEN_MIX = ["quant", "--kv-bits", "4", "--kv-layout", "token", "--kv-value-bits", "2", "--kv-residual", "0",
+             "--kv-sink", "4"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["quant-sink-rotated-residual", "quant-3bit", "razor-4bit", "token-mix"])
+@torch.no_grad()
+def test_a_converted_model_decodes_the_same_through_the_compiled_readers(name, fused, tokenized_model_dir, tmp_path,
+                                                                         monkeypatch):  # fmt: skip
+    """A checkpoint whose CPU decode reads codes (KIVI's layout, the token layout's 2-bit values): its greedy batch
+    (left padding, blocks filling while it decodes) through the compiled readers gives the eager readers' tokens and
+    logits."""
+    import kvconvert
+    from tests.helpers import run_cli
+    from tests.test_kernels import assert_same_generation, greedy_twelve, kivi_checkpoint, kivi_packed_values
+
+    monkeypatch.setenv("KVCONVERT_KERNELS", "torch")
+    if name == "token-mix":
+        model_dir = str(tokenized_model_dir("llama_gqa64"))
+        result = run_cli(TOKEN_MIX[0], "--model", model_dir, "--out", str(tmp_path / "m"), "--quiet", *TOKEN_MIX[1:])
+        assert result.exit_code == 0, result.output
+    else:
+        kivi_checkpoint(name, tokenized_model_dir, tmp_path / "m")
+    model = kvconvert.load(tmp_path / "m").eval()
+    kivi_packed_values(monkeypatch)
+    compiled = greedy_twelve(model)
+    reader = "folded_value_sum" if name == "token-mix" else "folded_scores"
+    assert fused.get(reader) not in (None, False)
+    monkeypatch.setenv("KVCONVERT_COMPILE", "off")
+    eager = greedy_twelve(model)
+    if name != "token-mix":
+        assert_same_generation(eager, compiled, name)
+        return
+    # the token layout's keys meet the query in bfloat16 (torch's int4 kernel): a float32 sum in another order
+    # upstream can round a query element the other way, 2⁻⁸ of it, so the logits agree to that scale, not to float32's
+    for step, (a, b) in enumerate(zip(eager.logits, compiled.logits, strict=True)):
+        assert (a - b).abs().max() <= 1e-2 * a.abs().max(), f"decode step {step}"
+    assert torch.equal(eager.sequences, compiled.sequences)
