@@ -115,13 +115,17 @@ TOKEN_MIX = ["quant", "--kv-bits", "4", "--kv-layout", "token", "--kv-value-bits
              "--kv-sink", "4"]  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["quant-sink-rotated-residual", "quant-3bit", "razor-4bit", "token-mix"])
+CONVERTED = [("quant-sink-rotated-residual", False), ("quant-sink-rotated-residual", True), ("quant-3bit", False),
+             ("razor-4bit", False), ("token-mix", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "static"), CONVERTED)
 @torch.no_grad()
-def test_a_converted_model_decodes_the_same_through_the_compiled_readers(name, fused, tokenized_model_dir, tmp_path,
-                                                                         monkeypatch):  # fmt: skip
+def test_a_converted_model_decodes_the_same_through_the_compiled_readers(name, static, fused, tokenized_model_dir,
+                                                                         tmp_path, monkeypatch):  # fmt: skip
     """A checkpoint whose CPU decode reads codes (KIVI's layout, the token layout's 2-bit values): its greedy batch
-    (left padding, blocks filling while it decodes) through the compiled readers gives the eager readers' tokens and
-    logits."""
+    (left padding, blocks filling while it decodes; ``static``: from a static cache decoded eagerly, every block's
+    room read) through the compiled readers gives the eager readers' tokens and logits."""
     import kvconvert
     from tests.helpers import run_cli
     from tests.test_kernels import assert_same_generation, greedy_twelve, kivi_checkpoint, kivi_packed_values
@@ -135,11 +139,12 @@ def test_a_converted_model_decodes_the_same_through_the_compiled_readers(name, f
         kivi_checkpoint(name, tokenized_model_dir, tmp_path / "m")
     model = kvconvert.load(tmp_path / "m").eval()
     kivi_packed_values(monkeypatch)
-    compiled = greedy_twelve(model)
+    options = {"cache_implementation": "static"} if static else {}
+    compiled = greedy_twelve(model, **options)
     reader = "folded_value_sum" if name == "token-mix" else "folded_scores"
     assert fused.get(reader) not in (None, False)
     monkeypatch.setenv("KVCONVERT_COMPILE", "off")
-    eager = greedy_twelve(model)
+    eager = greedy_twelve(model, **options)
     if name != "token-mix":
         assert_same_generation(eager, compiled, name)
         return

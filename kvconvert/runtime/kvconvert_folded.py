@@ -36,7 +36,7 @@ PLANE_BYTES = 1 << 23
 # one C++ loop that widens each code in registers and never writes a plane): KIVI's keys at 8 rows × 4K tokens of
 # SmolLM2 1.6–1.8 → 0.5 ms a layer, 4-bit KIVI's decode 1.19–1.26 → 1.45–1.58× the source's (2 AMD EPYC cores, the
 # runtimes before and after in one process, two runs). Below ``FUSE_MIN_CODES`` bytes of codes a call's guards cost
-# about what the loop saves (1 × 1K: no gain; 1 × 4K, 384 KB: within ±3 %). ``KVCONVERT_COMPILE=off`` keeps torch's
+# about what the loop saves (1 × 1K: no gain; 1 × 4K, 384 KB: within ±4 %). ``KVCONVERT_COMPILE=off`` keeps torch's
 # eager ops; a machine where Inductor cannot build (no C++ compiler) falls back to them, said once.
 COMPILE_CHOICES = ("auto", "off")
 FUSE_MIN_CODES = 1 << 18
