@@ -6,7 +6,6 @@ algebra (``fused_call``). Copied verbatim into every output directory; imports o
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .kvconvert_codec import channel_groups, codes_per_unit, rotation
-from .kvconvert_kernels import combine_partials
+from .kvconvert_kernels import combine_partials, env_choice
 
 # Scores more than 87 below a row's largest weigh less than exp(-87) ≈ 1.6e-38 (the smallest normal float32 is
 # 1.2e-38) and are floored there before ``torch.exp``: its CPU code takes a slow path for every argument whose result
@@ -45,10 +44,7 @@ _FUSED: dict[str, Any] = {}  # reader name → its compiled function, or False o
 
 def compile_requested() -> str:
     """``KVCONVERT_COMPILE``, checked: ``auto`` (unset) or ``off``; a misspelt value is a one-line ``ValueError``."""
-    choice = os.environ.get("KVCONVERT_COMPILE", "auto").strip().lower() or "auto"
-    if choice not in COMPILE_CHOICES:
-        raise ValueError(f"KVCONVERT_COMPILE={choice!r} is not one of {', '.join(COMPILE_CHOICES)}")
-    return choice
+    return env_choice("KVCONVERT_COMPILE", COMPILE_CHOICES)
 
 
 def fuses(codes: torch.Tensor) -> bool:

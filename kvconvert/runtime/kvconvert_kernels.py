@@ -1,12 +1,11 @@
 """Decode-attention kernels over compressed caches: a plain-torch reference and a Triton kernel for each.
 
-``packed_decode`` covers every cache whose heads read column ranges of shared token-major tensors:
-ZACK (per-KV-head widths, packed side by side), LoRC (one latent shared by all heads), slim (scores
-on RoPE'd keys, weighted sum of the full pre-RoPE key rows, then W_KV) and plain GQA. Query head h
-reads ``query[:, q_off[h] : q_off[h] + wk[h]]`` and the key columns ``k_off[h] : k_off[h] + wk[h]``,
-and writes the attention-weighted value columns ``v_off[h] : v_off[h] + wv[h]`` at ``o_off[h]``; the
-full keys or values are never rebuilt. ``razor_decode`` gives each head its own length: retrieval
-heads attend over their full cache, the others over sink + recent tokens plus the compensation token.
+``packed_decode`` covers every cache whose heads read column ranges of shared token-major tensors: ZACK (per-KV-head
+widths, packed side by side), LoRC (one latent shared by all heads), slim (scores on RoPE'd keys, weighted sum of the
+full pre-RoPE key rows, then W_KV) and plain GQA. Query head h reads ``query[:, q_off[h] : q_off[h] + wk[h]]`` and the
+key columns ``k_off[h] : k_off[h] + wk[h]``, and writes the attention-weighted value columns ``v_off[h] : v_off[h] +
+wv[h]`` at ``o_off[h]``; the full keys or values are never rebuilt. ``razor_decode`` gives each head its own length:
+retrieval heads attend over their full cache, the others over sink + recent tokens plus the compensation token.
 
 Runtimes decode through a kernel where ``use_kernels`` says (asked for, or measured faster on a GPU), else through
 their own torch code, which CPU users and CI run. The references (per-head loops, float32) are the kernels'
@@ -116,23 +115,27 @@ def triton_available() -> bool:
 
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
+REBUILD_CHOICES = ("auto", "bf16", "exact")
 KERNEL_DEVICES = ("cuda", "xpu")  # where compiled Triton kernels run (ROCm GPUs are "cuda" to torch)
 
 
+def env_choice(variable: str, choices: tuple[str, ...]) -> str:
+    """The runtime setting ``variable`` among ``choices`` (unset: the first); a misspelt one is a one-line error."""
+    choice = os.environ.get(variable, "").strip().lower() or choices[0]
+    if choice not in choices:
+        raise ValueError(f"{variable}={choice!r} is not one of {', '.join(choices)}")
+    return choice
+
+
 def kernels_requested() -> str:
-    """``KVCONVERT_KERNELS``, checked: ``auto`` (unset), ``torch`` or ``triton``. A misspelt value, or ``triton``
-    where Triton is not installed, raises a one-line ``ValueError``: asking for the kernels and silently getting
-    the torch path would make a user's kernel measurement a measurement of something else."""
-    choice = os.environ.get("KVCONVERT_KERNELS", "auto").strip().lower() or "auto"
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"KVCONVERT_KERNELS={choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
+    """``KVCONVERT_KERNELS``, checked (``env_choice``); ``triton`` where Triton is not installed is a one-line error
+    too: asking for the kernels and silently getting the torch path would make a kernel measurement another one's."""
+    choice = env_choice("KVCONVERT_KERNELS", KERNEL_CHOICES)
     if choice == "triton" and triton is None:
         raise ValueError("KVCONVERT_KERNELS=triton, but Triton is not installed (pip install triton); "
                          "KVCONVERT_KERNELS=torch runs the torch path")  # fmt: skip
     return choice
 
-
-REBUILD_CHOICES = ("auto", "bf16", "exact")
 
 # whether this CPU multiplies bfloat16 in hardware (AVX512-BF16, AMX tiles): read once at import, so that a compiled
 # step sees a constant (torch's private probes: a torch without them counts as a CPU without)
@@ -141,10 +144,7 @@ _CPU_BF16 = any(getattr(torch.cpu, probe, bool)() for probe in ("_is_avx512_bf16
 
 def rebuild_requested() -> str:
     """``KVCONVERT_REBUILD``, checked (``rebuild_dtype``): a misspelt value raises a one-line ``ValueError``."""
-    choice = os.environ.get("KVCONVERT_REBUILD", "auto").strip().lower() or "auto"
-    if choice not in REBUILD_CHOICES:
-        raise ValueError(f"KVCONVERT_REBUILD={choice!r} is not one of {', '.join(REBUILD_CHOICES)}")
-    return choice
+    return env_choice("KVCONVERT_REBUILD", REBUILD_CHOICES)
 
 
 def rebuild_dtype(latent: torch.Tensor) -> torch.dtype:
