@@ -80,6 +80,35 @@ def test_small_reads_and_the_off_setting_stay_eager(monkeypatch):
     assert kvconvert_folded._FUSED == {}
 
 
+def dynamo_settings() -> tuple:
+    return (torch.fx.experimental._config.use_duck_shape, torch._dynamo.config.recompile_limit,
+            torch._dynamo.config.fail_on_recompile_limit_hit)  # fmt: skip
+
+
+def test_a_compiled_read_leaves_the_user_s_dynamo_settings_as_they_were(fused, monkeypatch):
+    """A reader sets dynamo's duck sizing and recompile limit for its own calls only (a process's own
+    ``torch.compile`` keeps its settings), after a compiled read and after one that failed to build."""
+    before = dynamo_settings()
+    stored, plain = quantized_keys(1, 2, 4)
+    query = torch.randn(1, 2, 3, 48)
+    folded_scores(query, stored.codes, stored.scale, stored.zero, 4)
+    assert fused.get("folded_scores") not in (None, False)
+    assert dynamo_settings() == before
+
+    def broken(fn, **options):
+        def run(*args):
+            assert dynamo_settings() == (False, 64, True)  # what the call runs under
+            raise RuntimeError("InductorError: no working C++ compiler found")
+
+        return run
+
+    monkeypatch.setattr(kvconvert_folded, "_FUSED", {})
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.warns(UserWarning, match="could not build"):
+        folded_scores(query, stored.codes, stored.scale, stored.zero, 4)
+    assert dynamo_settings() == before
+
+
 def test_a_reader_inductor_cannot_build_falls_back_once_and_says_so(fused, monkeypatch):
     """Where Inductor fails (no C++ compiler), the step is read by the eager ops, one warning says why and how to
     skip the attempt, and later reads neither retry nor warn."""

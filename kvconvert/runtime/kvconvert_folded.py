@@ -34,8 +34,10 @@ PLANE_BYTES = 1 << 23
 # On a CPU, eager decode steps read the largest caches' codes through readers compiled by ``torch.compile`` (Inductor:
 # one C++ loop that widens each code in registers and never writes a plane): KIVI's keys at 8 rows × 4K tokens of
 # SmolLM2 1.6–1.8 → 0.5 ms a layer, 4-bit KIVI's decode 1.19–1.26 → 1.45–1.58× the source's (2 AMD EPYC cores, the
-# runtimes before and after in one process, two runs). Below ``FUSE_MIN_CODES`` bytes of codes a call's guards cost
-# about what the loop saves (1 × 1K: no gain; 1 × 4K, 384 KB: within ±4 %). ``KVCONVERT_COMPILE=off`` keeps torch's
+# runtimes before and after in one process, two runs). Below ``FUSE_MIN_CODES`` bytes of codes the compiled call
+# loses inside a real step though it wins alone (SmolLM2 at 1 × 1K, 92 KB of keys a layer: 54–68 µs a call against
+# 94 µs eager in isolation, yet 0.85 → 0.82×, 0.80 → 0.76× and 0.73 → 0.71× the source for KIVI, MiniCache + 4 and
+# razor + KIVI with the bound at 64 KB); at 1 × 4K, 384 KB, within ±4 %. ``KVCONVERT_COMPILE=off`` keeps torch's
 # eager ops; a machine where Inductor cannot build (no C++ compiler) falls back to them, said once.
 COMPILE_CHOICES = ("auto", "off")
 FUSE_MIN_CODES = 1 << 18
@@ -62,19 +64,23 @@ def fused_call(name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.
         return None
     if compiled is None:  # shapes symbolic: rows, blocks and tokens change every step without recompiling
         compiled = _FUSED[name] = torch.compile(fn, dynamic=True)
+    # sizes that happen to be equal (3 query rows and 3 blocks) are not assumed to stay so; each bit width and
+    # batch-of-one is a graph of its own, a process converting and scoring many candidates makes more than dynamo's
+    # default 8, and one past the limit fails here instead of running the broadcast products eagerly. Set and put back
+    # by hand around each call: ``config.patch`` cost 28 µs a call (a call itself is ~55 µs at 1 × 1K), this 10.
+    shapes, dynamo = torch.fx.experimental._config, torch._dynamo.config  # type: ignore[attr-defined]
+    saved = shapes.use_duck_shape, dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit
     try:
-        # sizes that happen to be equal (3 query rows and 3 blocks) are not assumed to stay so; each bit width and
-        # batch-of-one is a graph of its own, a process converting and scoring many candidates makes more than
-        # dynamo's default 8, and one past the limit fails here instead of running the broadcast products eagerly
-        no_duck = torch.fx.experimental._config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
-        with no_duck, torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
-            return compiled(*args)
+        shapes.use_duck_shape, dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit = False, 64, True
+        return compiled(*args)
     except Exception as exc:  # noqa: BLE001 - Inductor could not build it here (no C++ compiler, …): eager from now on
         _FUSED[name] = False
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         warnings.warn(f"kvconvert: torch.compile could not build the CPU reader {name!r} ({reason}); decoding with "
                       "torch's eager ops (KVCONVERT_COMPILE=off skips the attempt)", stacklevel=2)  # fmt: skip
         return None
+    finally:
+        shapes.use_duck_shape, dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit = saved
 
 
 def kivi_decode_folded(
