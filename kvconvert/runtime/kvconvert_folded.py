@@ -68,7 +68,7 @@ def fused_call(name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.
     # batch-of-one is a graph of its own, a process converting and scoring many candidates makes more than dynamo's
     # default 8, and one past the limit fails here instead of running the broadcast products eagerly. Set and put back
     # by hand around each call: ``config.patch`` cost 28 µs a call (a call itself is ~55 µs at 1 × 1K), this 10.
-    shapes, dynamo = torch.fx.experimental._config, torch._dynamo.config  # type: ignore[attr-defined]
+    shapes, dynamo = torch.fx.experimental._config, torch._dynamo.config
     saved = shapes.use_duck_shape, dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit
     try:
         shapes.use_duck_shape, dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit = False, 64, True
