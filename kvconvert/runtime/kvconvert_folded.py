@@ -56,9 +56,10 @@ def fuses(codes: torch.Tensor) -> bool:
     return codes.device.type == "cpu" and codes.numel() >= FUSE_MIN_CODES and not torch.compiler.is_compiling()
 
 
-def fused_call(name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor | None:
-    """``fn(*args)`` compiled by Inductor (once per process; shapes symbolic), or None where it cannot run: the caller's
-    eager ops then (``KVCONVERT_COMPILE=off``, or Inductor failed to build it here: said once)."""
+def fused_call(name: str, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, bits: int) -> torch.Tensor | None:
+    """``fn`` compiled by Inductor (once per process; shapes symbolic) on ``tensors [b, Hkv, ...]`` as rows of b·Hkv
+    (fewer sizes for its guards), its ``[b·Hkv, ...]`` result back as ``[b, Hkv, ...]``; or None where it cannot run:
+    the caller's eager ops then (``KVCONVERT_COMPILE=off``, or Inductor failed to build it here: said once)."""
     compiled = _FUSED.get(name)
     if compiled is False or compile_requested() == "off":
         return None
@@ -72,7 +73,7 @@ def fused_call(name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.
     saved = shapes.use_duck_shape, dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit
     try:
         shapes.use_duck_shape, dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit = False, 64, True
-        return compiled(*args)
+        return compiled(*(t.flatten(0, 1) for t in tensors), bits).unflatten(0, tensors[0].shape[:2])
     except Exception as exc:  # noqa: BLE001 - Inductor could not build it here (no C++ compiler, …): eager from now on
         _FUSED[name] = False
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
@@ -145,11 +146,10 @@ def folded_value_sum(
     """``Σ p·v`` for weights ``[b, Hkv, G, n]`` over values quantized per token in KIVI's packing (``codes [b, Hkv,
     n, P]``, ``scale/zero [b, Hkv, n, groups]``) without a float copy of them: ``(p⊙s_g)·code + p·z_g`` per channel
     group g. ``[b, Hkv, G, groups·size]`` float32, rotated as stored."""
-    if fuses(codes):  # rows of b·Hkv: fewer sizes for the compiled reader to guard
-        rows = (t.flatten(0, 1) for t in (weights, codes, scale, zero))
-        fused = fused_call("folded_value_sum", _values_in_one, *rows, bits)
+    if fuses(codes):
+        fused = fused_call("folded_value_sum", _values_in_one, weights, codes, scale, zero, bits=bits)
         if fused is not None:
-            return fused.view(*weights.shape[:3], -1)
+            return fused
     zeros = weights @ zero.float()  # [b, Hkv, G, groups]: Σ p·z of every group at once
     summed = None
     for at in _pieces(codes, 2, bits):  # tokens a few at a time, their partial sums added up
@@ -240,11 +240,10 @@ def folded_scores(
     """``query [b, Hkv, G, d]`` times the keys of per-channel blocks (``codes [b, Hkv, nb, d, ·]``, ``scale/zero
     [b, Hkv, nb, d]``) without dequantizing them: ``q·k = Σ (q⊙s)·code + q·z`` per block, the query scaled per
     block against each bit plane (``bit_planes``). Returns ``[b, Hkv, G, nb·B]`` float32 (unscaled scores)."""
-    if fuses(codes):  # rows of b·Hkv, the query contiguous: fewer sizes and strides for the compiled reader to guard
-        rows = (t.flatten(0, 1) for t in (query.float().contiguous(), codes, scale, zero))
-        fused = fused_call("folded_scores", _scores_in_one, *rows, bits)
+    if fuses(codes):  # the query contiguous: fewer strides for the compiled reader to guard
+        fused = fused_call("folded_scores", _scores_in_one, query.float().contiguous(), codes, scale, zero, bits=bits)
         if fused is not None:
-            return fused.view(*query.shape[:3], -1)
+            return fused
     batch, kv_heads, _, _, _ = codes.shape
     q = query.float()
     parts = []
