@@ -56,7 +56,18 @@ class RazorLayer(KVLayer):
         self.retrieval, self.others = retrieval, others
         self.sink, self.window, self.window_frac = sink, window, window_frac
         self.quant, self.layer = quant or QuantSpec(), layer
+        self._head_index: dict[tuple[bool, torch.device], torch.Tensor] = {}  # ``_heads``' index per kind and device
         self.reset()
+
+    def _heads(self, states: torch.Tensor, retrieval: bool) -> torch.Tensor:
+        """``states[:, heads]`` (the retrieval or the other KV heads) as a copy for a store, in one op: indexing with
+        the list costs four (the index built from it each time), a few hundred a decode step over a model's layers."""
+        key = (retrieval, states.device)
+        index = self._head_index.get(key)
+        if index is None:
+            heads = self.retrieval if retrieval else self.others
+            index = self._head_index[key] = torch.tensor(heads, dtype=torch.long, device=states.device)
+        return states.index_select(1, index)
 
     def reset(self) -> None:
         self.seen = 0
@@ -134,12 +145,12 @@ class RazorLayer(KVLayer):
         r, o = self.retrieval, self.others
         full = short = None
         if r and read_full:
-            full = self.full_k.extend(new_k[:, r]), self.full_v.extend(new_v[:, r])
+            full = self.full_k.extend(self._heads(new_k, True)), self.full_v.extend(self._heads(new_v, True))
         elif r:
-            self.full_k.append(new_k[:, r])
-            self.full_v.append(new_v[:, r])
+            self.full_k.append(self._heads(new_k, True))
+            self.full_v.append(self._heads(new_v, True))
         if o:
-            k, v = new_k[:, o], new_v[:, o]
+            k, v = self._heads(new_k, False), self._heads(new_v, False)
             if self.sink_k is None:
                 # empty copies: an empty view would keep this step's whole tensor alive with no sink to hold
                 self.sink_k, self.sink_v = k[:, :, :0].clone(), v[:, :, :0].clone()
