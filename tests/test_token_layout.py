@@ -468,9 +468,9 @@ def test_a_kernel_that_computes_otherwise_is_not_trusted(monkeypatch):
 
 
 def test_machine_layout_is_the_one_its_capability_packs():
-    """The layouts ATen's packer writes on the CPUs this suite can see (AVX2 here; the plain loop under
-    ``ATEN_CPU_CAPABILITY=default``, the next test)."""
-    expected = {"AVX2": Int4Rows(32, True), "DEFAULT": Int4Rows(32, False)}
+    """The layouts ATen's packer writes on the CPUs this suite has run on (AVX2 on an Intel Xeon, AVX-512 on an AMD
+    EPYC Zen 4; the plain loop under ``ATEN_CPU_CAPABILITY=default``, the next test)."""
+    expected = {"AVX2": Int4Rows(32, True), "AVX512": Int4Rows(64, True), "DEFAULT": Int4Rows(32, False)}
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in expected or not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
         pytest.skip(f"no expectation written for {capability}")
