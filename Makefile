@@ -109,10 +109,12 @@ bench-vllm: install
 
 # RULER-style tasks at 4K through the cache: SmolLM2 and four conversions on the same samples (about 40 minutes)
 KVPRESS_VENV := bench/.cache/venv-kvpress
-# about 2.5 hours on 2 cores: tasks at 4K beside kvpress's presses, then long-document perplexity at 8K
+# about 2.5 hours on 2 cores: tasks at 4K beside kvpress's presses (and their figure), then long-document perplexity at 8K
 bench-longctx: install
 	bash bench/engine_venv.sh $(KVPRESS_VENV) kvpress==0.5.5 kvpress
 	$(PYTHON) bench/longctx_bench.py --kvpress-python $(KVPRESS_VENV)/bin/python
+	$(PYTHON) bench/longctx_plot.py --out bench/results/longctx-4k-accuracy-$$(date +%F) \
+		--panel "SmolLM2-135M, 4K" $$(ls -t bench/results/longctx-20*.json | head -1)
 	$(PYTHON) bench/longctx_bench.py --ppl --lengths 8192
 
 bench-quick: install

@@ -104,11 +104,13 @@ def draw(panels: list[dict[str, Any]], out: Path) -> None:
 
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
-    fig, grid = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows + 0.8), squeeze=False, sharey=True)
+    methods = sorted({p["method"] for panel in panels for p in panel["points"] if p["method"] != "source"})
+    ncol = 2 if cols == 1 else 4  # the legend below the panels, as wide as they are
+    legend = 0.3 + 0.2 * -(-(len(methods) + 1) // ncol)  # inches: its rows
+    fig, grid = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows + legend), squeeze=False, sharey=True)
     axes = [list(grid.flat)]
     for ax in axes[0][len(panels) :]:
         ax.set_visible(False)
-    methods = sorted({p["method"] for panel in panels for p in panel["points"] if p["method"] != "source"})
     style = {m: (f"C{i % 10}", "o" if m.startswith("kvconvert") else "x") for i, m in enumerate(methods)}
     for ax, panel in zip(axes[0], panels, strict=False):  # spare axes stay hidden
         source = [p for p in panel["points"] if p["method"] == "source"]
@@ -122,15 +124,17 @@ def draw(panels: list[dict[str, Any]], out: Path) -> None:
                 best = front(mine)
                 ax.plot([p["budget"] for p in best], [p["average"] for p in best], marker=marker, color=color,
                         linestyle="-" if marker == "o" else ":", label=method)  # fmt: skip
-        ax.set_title(f"{panel['title']} ({panel['samples']} samples a task)", fontsize=9)
+        tasks = len(panel["points"][0]["accuracy"]) if panel["points"] else 0
+        ax.set_title(f"{panel['title']} ({tasks} tasks, {panel['samples']} samples each)", fontsize=9)
         ax.set_xlabel("KV budget (of a 16-bit cache)")
-        ax.set_xlim(0.1, 0.35)  # every budget measured so far lies between 0.14 and 0.3
+        budgets = [p["budget"] for p in panel["points"] if p["method"] != "source"] or [0.5]
+        ax.set_xlim(max(0.0, min(budgets) - 0.04), min(1.0, max(budgets) + 0.06))  # the source: its dashed line
         ax.grid(alpha=0.3)
     for row in grid:
-        row[0].set_ylabel("needle accuracy, % (3 tasks)")
+        row[0].set_ylabel("task accuracy, % (mean over the tasks)")
     handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines()}
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.8 / (3.4 * rows + 0.8), 1, 1))
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=ncol, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, legend / (3.4 * rows + legend), 1, 1))
     fig.savefig(out, dpi=120)
 
 
