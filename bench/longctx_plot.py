@@ -39,7 +39,7 @@ def method_of(label: str, recipe: dict[str, Any] | None) -> str:
         return label.split("@")[0]
     method = (recipe or {}).get("method", label.split()[0])
     stored = method != "quant" and any(key in (recipe or {}) for key in ("kv_bits", "kv_format"))
-    return f"kvconvert {method}" + (" + 2–4-bit storage" if stored else "")
+    return f"kvconvert {method}" + (" + quantized storage" if stored else "")
 
 
 def panel_points(files: list[Path], samples: int | None) -> tuple[int, int, list[dict[str, Any]]]:
