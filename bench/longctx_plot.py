@@ -108,11 +108,11 @@ def draw(panels: list[dict[str, Any]], out: Path) -> None:
     ncol = 2 if cols == 1 else 4  # the legend below the panels, as wide as they are
     legend = 0.3 + 0.2 * -(-(len(methods) + 1) // ncol)  # inches: its rows
     fig, grid = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows + legend), squeeze=False, sharey=True)
-    axes = [list(grid.flat)]
-    for ax in axes[0][len(panels) :]:
+    axes = list(grid.flat)
+    for ax in axes[len(panels) :]:
         ax.set_visible(False)
     style = {m: (f"C{i % 10}", "o" if m.startswith("kvconvert") else "x") for i, m in enumerate(methods)}
-    for ax, panel in zip(axes[0], panels, strict=False):  # spare axes stay hidden
+    for ax, panel in zip(axes, panels, strict=False):  # spare axes stay hidden
         source = [p for p in panel["points"] if p["method"] == "source"]
         if source:
             ax.axhline(source[0]["average"], color="black", linestyle="--", linewidth=1, label="source")
@@ -132,7 +132,7 @@ def draw(panels: list[dict[str, Any]], out: Path) -> None:
         ax.grid(alpha=0.3)
     for row in grid:
         row[0].set_ylabel("task accuracy, % (mean over the tasks)")
-    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines()}
+    handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=ncol, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, legend / (3.4 * rows + legend), 1, 1))
     fig.savefig(out, dpi=120)
