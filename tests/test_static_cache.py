@@ -483,14 +483,15 @@ def test_static_razor_layer_in_kivi_storage_attends_as_the_growing_one(sink, win
 
 @pytest.mark.parametrize("storage, window, reason", [
     ({"bits": 4, "group": 32, "residual": 16}, 48, None),
-    ({"bits": 4, "group": 32, "residual": 16, "layout": "token"}, 48, "token layout"),
+    ({"bits": 4, "group": 32, "residual": 16, "layout": "token"}, 48, None),
     ({"bits": 4, "group": 32, "residual": 32}, 48, "48 tokens, shorter than residual + group (64)"),
     ({"bits": 4, "group": 32, "residual": 16, "layers": ((4, 4), (4, 16))}, 48, "some at 16 bits"),
 ])  # fmt: skip
 def test_razor_with_quantized_storage_says_when_it_has_no_static_layer(storage, window, reason):
-    """KIVI's layout with windows at least residual + group long gets ``StaticRazorKiviLayer``; the token layout, a
-    shorter window (its growing store would drop tokens from the float tail, shifting its blocks) or a layer kept at
-    16 bits get the growing cache, and the reason (which generate's one-line warning quotes)."""
+    """Windows at least residual + group long get a static layer (``StaticRazorKiviLayer``, in the token layout
+    ``StaticRazorTokenLayer``); a shorter window (its growing store would drop tokens from the float tail, shifting its
+    blocks) or a layer kept at 16 bits get the growing cache, and the reason (which generate's one-line warning
+    quotes)."""
     from kvconvert.runtime.kvconvert_codec import QuantSpec
     from kvconvert.runtime.kvconvert_common import static_refusal
 

@@ -441,6 +441,7 @@ def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerS
     ``static_refusal`` says why not (then it grows with the sequence, and the caller says so)."""
     from .kvconvert_razor_kivi import StaticRazorKiviLayer  # they build on this module
     from .kvconvert_razor_static import StaticRazorLayer
+    from .kvconvert_razor_token import StaticRazorTokenLayer
 
     razor = spec["razor"]
     kv_heads = int(spec["num_kv_heads"])
@@ -452,7 +453,8 @@ def make_cache(spec: dict[str, Any], max_cache_len: int | None = None) -> LayerS
         heads = list(retrieval), others, razor["sink"], razor["window"], razor["window_frac"]
         if static:  # sliding-window layers (kept stock) get transformers' own static window
             assert max_cache_len is not None
-            held = StaticRazorKiviLayer(*heads, max_cache_len, quant, layer) if quant.quantized else (
+            quantized = StaticRazorTokenLayer if quant.layout == "token" else StaticRazorKiviLayer
+            held = quantized(*heads, max_cache_len, quant, layer) if quant.quantized else (
                 StaticRazorLayer(*heads, max_cache_len))  # fmt: skip
             layers.append(static_sliding_layer(spec, layer, max_cache_len) or held)
         else:

@@ -30,6 +30,7 @@ from .kvconvert_razor import RazorLayer
 from .kvconvert_razor_ops import compensated_attention
 from .kvconvert_razor_static import StaticRazorLayer
 from .kvconvert_staticstore import StaticTokenStore, ring_positions
+from .kvconvert_tokenlayout import StaticTokenLayoutStore, TokenLayoutStore
 from .kvconvert_tokenstore import TokenStore
 
 
@@ -44,20 +45,20 @@ class RingTokenStore(StaticTokenStore):
         return blocks.remainder(self.blocks)
 
 
-def _gather_blocks(static: StaticTokenStore, blocks: torch.Tensor) -> QuantizedBlock:
+def gather_blocks(static: StaticTokenStore, blocks: torch.Tensor) -> QuantizedBlock:
     """The codes of ``blocks`` (indices, in order) as the growing store concatenates them."""
     slots = static.block_slots(blocks)
     fields = {}
     for name, axis, per_token in static._fields():
         fields[name] = getattr(static, name).index_select(axis, static.field_rows(slots, per_token))
-    return QuantizedBlock(fields["codes"], fields["scale"], fields["zero"], None)
+    return QuantizedBlock(fields["codes"], fields["scale"], fields["zero"], fields.get("center"))
 
 
 def _dequantized(store: StaticTokenStore) -> torch.Tensor:
     """Every block slot of ``store`` dequantized ``[..., slots · group, w]``, in slot order."""
     assert store.ring is not None and store.codes is not None and store.scale is not None and store.zero is not None
     out = store.ring.new_empty(*store.ring.shape[:-2], store.blocks * store.quant.group, store.width)
-    store._dequantize_into(QuantizedBlock(store.codes, store.scale, store.zero, None), out)
+    store._dequantize_into(QuantizedBlock(store.codes, store.scale, store.zero, store.center), out)
     return out
 
 
@@ -72,8 +73,10 @@ def load_store(static: StaticTokenStore, store: TokenStore, stored: int, start: 
     assert start <= quantized, "a window dropped tokens it had not quantized: no static layer holds that"
     first, count = start // group, quantized // group
     store.width = static.width
+    if isinstance(static, StaticTokenLayoutStore) and isinstance(store, TokenLayoutStore):
+        store.rows = static.codec.rows  # the packing its blocks were written in
     if first < count:  # blocks wholly dropped are freed, as ``TokenStore._free_dropped_blocks`` frees them
-        store.blocks = _gather_blocks(static, torch.arange(first, count, device=device))
+        store.blocks = gather_blocks(static, torch.arange(first, count, device=device))
         store.quantized_tokens, store.offset = (count - first) * group, start - first * group
     exact = torch.arange(quantized, stored, device=device).remainder(static.ring_len)
     store.tail = static.ring.index_select(-2, exact)
@@ -108,9 +111,8 @@ def window_static_refusal(quant: QuantSpec, layers: int, window: int) -> str | N
     """Why windows of at least ``window`` tokens sliding over this storage have no preallocated layer (razor's
     ``RingTokenStore``), or None. Its blocks must follow the positions, which holds while a window drops only quantized
     tokens (at least ``residual + group`` wide: a narrower one cuts the float tail, shifting the blocks); KIVI's
-    layout, every layer's keys and values quantized."""
-    if quant.layout != "kivi":
-        return "the token layout has no static layer for them (KIVI's layout has: --kv-layout kivi)"
+    layout or the token layout, every layer's keys and values quantized (the token layout's windows leave by whole
+    units from blocks that follow the positions too: ``StaticRazorTokenLayer``)."""
     if not all(quant.side(i, keys).quantized for i in range(layers) for keys in (True, False)):
         return "their static layer quantizes keys and values alike; this checkpoint keeps some at 16 bits"
     tail = quant.residual + quant.group
@@ -126,6 +128,10 @@ class StaticRazorKiviLayer(StaticRazorLayer):
     buffers: tuple[str, ...] = ("sink_k", "sink_v", "comp_k_sum", "comp_v_sum", "comp_count")
     sink_k: Any
     sink_v: Any
+    full_keys: StaticTokenStore
+    full_values: StaticTokenStore
+    window_keys: StaticTokenStore
+    window_values: StaticTokenStore
 
     def __init__(self, retrieval: list[int], others: list[int], sink: int, window: int, window_frac: float,
                  max_cache_len: int, quant: QuantSpec, layer: int):  # fmt: skip
@@ -184,12 +190,9 @@ class StaticRazorKiviLayer(StaticRazorLayer):
         out = query.new_empty(rows.shape)
         if self.retrieval:
             at, full_keys, full_values = self.at_r, self.full_keys, self.full_values
-            # from their codes where quant's static layer reads them (a CPU; a GPU's kernel at 4 bits), else dequantized
-            kernel = static_reads_codes(full_keys, full_values, dim, kernel=True) and use_kernels(query, "graphs")
-            if kernel or (query.device.type == "cpu" and static_reads_codes(full_keys, full_values, dim)):
-                mine = rows[:, at].reshape(batch, -1, 1, dim)  # the retrieval heads' query heads
-                read = static_kivi_decode(mine, key[:, at], value[:, at], attention_mask, scale, full_keys,
-                                          full_values, self.filled, self.max_cache_len, kernel)  # fmt: skip
+            mine = rows[:, at].reshape(batch, -1, 1, dim)  # the retrieval heads' query heads
+            read = self._read_codes(mine, key[:, at], value[:, at], attention_mask, scale)
+            if read is not None:
                 out[:, at] = read.to(query.dtype).view(batch, -1, group, dim)
                 full_keys.extend_only(key[:, at], self.filled)
                 full_values.extend_only(value[:, at], self.filled)
@@ -204,12 +207,24 @@ class StaticRazorKiviLayer(StaticRazorLayer):
         self._advance(1)
         return out.view(batch, heads, 1, dim)
 
-    def _decode_window(self, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
-                       scale: float) -> torch.Tensor:  # fmt: skip
-        """The other heads' step ``[b, N, G, d]`` (``rows``: their query heads by KV head), then their writes."""
-        seen, sink, device = self.filled, self.sink, key.device
-        keys, values = self.window_keys, self.window_values
-        assert keys.ring is not None and values.ring is not None
+    def _read_codes(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                    scale: float) -> torch.Tensor | None:  # fmt: skip
+        """The retrieval heads' step ``[b, R·G, 1, d]`` read from their codes where quant's static layer reads them (a
+        CPU; a GPU's kernel at 4 bits), writing nothing; None: read them dequantized."""
+        full_keys, full_values, dim = self.full_keys, self.full_values, query.shape[-1]
+        kernel = static_reads_codes(full_keys, full_values, dim, kernel=True) and use_kernels(query, "graphs")
+        if not (kernel or (query.device.type == "cpu" and static_reads_codes(full_keys, full_values, dim))):
+            return None
+        return static_kivi_decode(query, key, value, attention_mask, scale, full_keys, full_values, self.filled,
+                                  self.max_cache_len, kernel)  # fmt: skip
+
+    def _window_columns(self, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """What the other heads' step attends, by column: the razor sink, every block slot of the window store, its
+        float ring, its exact sink (``head`` tokens), this step's token. Returns the window's first logical position
+        before this step's drop, the columns' additive bias ``[b|1, 1, 1, columns]`` and ``head``."""
+        seen, sink, device = self.filled, self.sink, bias.device
+        keys = self.window_keys
+        assert keys.ring is not None
         group, minimum = keys.quant.group, torch.finfo(bias.dtype).min
         stored = (seen - sink).clamp(min=0)  # the window store's tokens before this step
         quantized = keys.quantized_count(stored)
@@ -229,6 +244,31 @@ class StaticRazorKiviLayer(StaticRazorLayer):
         visible = torch.cat([torch.arange(sink, device=device) < seen, held, torch.ones(1, dtype=torch.bool,
                                                                                         device=device)])  # fmt: skip
         column_bias = torch.where(visible, bias.index_select(-1, logical.clamp(0, self.max_cache_len - 1)), minimum)
+        return start, column_bias, head
+
+    def _leaving(self, start: torch.Tensor, head: int, blocks: tuple[torch.Tensor, torch.Tensor]) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The token at the window's front (0 or 1 leaves a step) as the growing store hands it over: from its block
+        (``blocks``: every slot dequantized), or exact from the store's sink. ``(keys, values) [b, N, 1, d]`` and its
+        logical position ``[1]``."""
+        keys, values = self.window_keys, self.window_values
+        group = keys.quant.group
+        gone = start - self.sink
+        column = ((gone // group).remainder(keys.blocks) * group + gone.remainder(group)).view(1)
+        gone_k, gone_v = blocks[0].index_select(2, column), blocks[1].index_select(2, column)
+        if head:
+            at = gone.clamp(max=head - 1).view(1)
+            in_sink = gone < head
+            gone_k = torch.where(in_sink, keys.head.index_select(2, at), gone_k)  # type: ignore[union-attr]
+            gone_v = torch.where(in_sink, values.head.index_select(2, at), gone_v)  # type: ignore[union-attr]
+        return gone_k, gone_v, start.view(1)
+
+    def _decode_window(self, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+                       scale: float) -> torch.Tensor:  # fmt: skip
+        """The other heads' step ``[b, N, G, d]`` (``rows``: their query heads by KV head), then their writes."""
+        start, column_bias, head = self._window_columns(bias)
+        keys, values = self.window_keys, self.window_values
+        assert keys.ring is not None and values.ring is not None
         # what the blocks hold, dequantized (the compensation's dropped token is read from it too)
         block_k, block_v = _dequantized(keys), _dequantized(values)
         parts_k = [self.sink_k, block_k, keys.ring, *([keys.head] if head else []), key]
@@ -239,25 +279,24 @@ class StaticRazorKiviLayer(StaticRazorLayer):
         comp_k, comp_v = self._compensation_token(key.dtype, value.dtype)
         out = compensated_attention(rows, tuple(parts_k), tuple(parts_v), scores, comp_k, comp_v, self.comp_count,
                                     scale)  # fmt: skip
-        # the token leaving the window (0 or 1 a step) as the growing store hands it over: from its block, or exact
-        gone = start - sink
-        column = (gone // group).remainder(keys.blocks) * group + gone.remainder(group)
-        gone_k, gone_v = block_k.index_select(2, column.view(1)), block_v.index_select(2, column.view(1))
-        if head:
-            at = gone.clamp(max=head - 1).view(1)
-            in_sink = gone < head
-            gone_k = torch.where(in_sink, keys.head.index_select(2, at), gone_k)  # type: ignore[union-attr]
-            gone_v = torch.where(in_sink, values.head.index_select(2, at), gone_v)  # type: ignore[union-attr]
-        # writes: the razor sink (a token past it rewrites a slot with what it held), then the window store, which a
-        # token inside the sink writes at position 0 too, to be overwritten by position 0's own token
+        self._window_writes(key, value, self._leaving(start, head, (block_k, block_v)), bias)
+        return out
+
+    def _window_writes(self, key: torch.Tensor, value: torch.Tensor, leaving: Any, bias: torch.Tensor) -> None:
+        """This step's token written: the razor sink (a token past it rewrites a slot with what it held), then the
+        window store, which a token inside the sink writes at position 0 too, to be overwritten by position 0's own
+        token; then what left the window (``_leaving``'s tokens and positions; None: nothing did) into the sums."""
+        seen, sink = self.filled, self.sink
         if sink:
             slot = seen.clamp(max=sink - 1).view(1)
             self.sink_k.index_copy_(2, slot, torch.where(seen < sink, key, self.sink_k.index_select(2, slot)))
             self.sink_v.index_copy_(2, slot, torch.where(seen < sink, value, self.sink_v.index_select(2, slot)))
-        keys.extend_only(key, stored)
-        values.extend_only(value, stored)
-        self._add_dropped(gone_k, gone_v, start, bias)
-        return out
+        stored = (seen - sink).clamp(min=0)
+        self.window_keys.extend_only(key, stored)
+        self.window_values.extend_only(value, stored)
+        if leaving is not None:
+            gone_k, gone_v, positions = leaving
+            self._add_dropped(gone_k, gone_v, positions, bias)
 
     # --- prefill and other multi-token steps, through the growing layer
     def _load(self, layer: RazorLayer, seen: int) -> None:

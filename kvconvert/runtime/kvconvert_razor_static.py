@@ -196,16 +196,18 @@ class StaticRazorLayer(StaticKVLayer):
     def _compensate(self, start: torch.Tensor, bias: torch.Tensor) -> None:
         """What left the window this step (0 or 1 token: L grows by at most one a step) goes into the sums."""
         gone = self._slot(start).view(1)
-        self._add_dropped(self.window_k.index_select(2, gone), self.window_v.index_select(2, gone), start, bias)
+        self._add_dropped(self.window_k.index_select(2, gone), self.window_v.index_select(2, gone), start.view(1), bias)
 
-    def _add_dropped(self, key: torch.Tensor, value: torch.Tensor, start: torch.Tensor, bias: torch.Tensor) -> None:
-        """Add the token at logical position ``start`` (``key/value [b, N, 1, d]``) to the sums if it leaves the window
-        after this step; padding never does."""
-        leaves = self._window_start(self.filled + 1) > start
-        weight = torch.where(leaves, (bias.index_select(-1, start.view(1)) == 0).float(), 0.0).reshape(-1, 1, 1, 1)
-        self.comp_k_sum.add_(key.float() * weight)
-        self.comp_v_sum.add_(value.float() * weight)
-        self.comp_count.add_(weight.reshape(-1).expand_as(self.comp_count))
+    def _add_dropped(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor) -> None:
+        """Add the tokens at logical ``positions [u]`` (``key/value [b, N, u, d]``) that leave the window after this
+        step to the sums, summed as the growing layer sums what it drops; padding never counts."""
+        leaves = self._window_start(self.filled + 1) > positions
+        real = bias.index_select(-1, positions.clamp(max=self.max_cache_len - 1)) == 0  # [b|1, 1, 1, u]
+        weight = torch.where(leaves, real.float(), 0.0)
+        weight = weight.reshape(weight.shape[0], 1, -1, 1)  # [b|1, 1, u, 1]
+        self.comp_k_sum.add_((key.float() * weight).sum(2, keepdim=True))
+        self.comp_v_sum.add_((value.float() * weight).sum(2, keepdim=True))
+        self.comp_count.add_(weight.sum((1, 2, 3)).expand_as(self.comp_count))
 
     def _decode_with_kernel(self, query: torch.Tensor, bias: torch.Tensor, window_bias: Any, comp_k: Any,
                             comp_v: Any, group: int, scale: float) -> torch.Tensor:  # fmt: skip

@@ -81,9 +81,7 @@ class StaticTokenLayoutLayer(StaticStoreLayer):
                             StaticTokenStore(quant.side(layer, keys=False), False, max_cache_len))  # fmt: skip
 
     def _reads_codes(self, dim: int) -> bool:
-        values = self.value_store
-        reads = values.reads_codes if isinstance(values, StaticTokenLayoutStore) else token_values_fit(values, dim)
-        return self.key_store.reads_codes and reads
+        return int4_reads(self.key_store, self.value_store, dim)
 
     def update(  # type: ignore[override]
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
@@ -112,46 +110,55 @@ class StaticTokenLayoutLayer(StaticStoreLayer):
         if kernel:
             out = static_token_kernel_decode(query, scaling, keys, values, filled, columns)
         else:
-            out = self._int4_decode(query, scaling, *columns)
+            out = int4_decode(query, scaling, keys, values, filled, *columns)
         keys.extend_only(key, filled)
         values.extend_only(value, filled)
         self._advance(1)
         return out
 
-    def _int4_decode(self, query: torch.Tensor, scaling: float, bias_q: torch.Tensor,
-                     exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
-        """``token_decode``'s two halves over every block's room (``static_columns``' bias and exact part), writing
-        nothing: ``[b, H, 1, d]`` float32."""
-        keys, values, filled = self.key_store, self.value_store, self.filled
-        batch, heads, _, dim = query.shape
-        k_exact, v_exact, exact_bias = exact
-        kv_heads = k_exact.shape[1]
-        group, rows = heads // kv_heads, batch * kv_heads
-        size = keys.codec.group_size()
-        rot = rotation(size, query.device)
-        center, codes, scale, zero = keys.center, values.codes, values.scale, values.zero
-        assert center is not None and codes is not None and scale is not None and zero is not None
-        held = None  # every block's room (fixed shapes: a compiled step)
-        if eager_on_cpu(query.device):  # the count is free to read: the blocks written so far, not every one held
-            blocks = written_blocks(keys, filled)
-            held = blocks * keys.quant.group
-            center, bias_q = center[..., :blocks, :], bias_q[:, :held]
-        key_ops = keys.kernel_operands(held)
-        length = bias_q.shape[-1]
-        q = query.reshape(rows, group, dim).float() * scaling  # [b·Hkv, G, d]
-        q_rot = torch.mm(q.view(-1, size), rot).to(torch.bfloat16).view(rows, group, dim)
-        scores = torch.empty(rows, group, length + k_exact.shape[-2], device=query.device)
-        code_scores(q, q_rot, key_ops, center, size, scores[..., :length])
-        scores[..., length:] = torch.bmm(q, k_exact.flatten(0, 1).float().transpose(1, 2))
-        by_head = scores.view(batch, kv_heads, group, -1)
-        by_head[..., :length] += bias_q[:, None, None]
-        by_head[..., length:] += exact_bias
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.bmm(probs[..., length:], v_exact.flatten(0, 1).float())  # [b·Hkv, G, d]
-        if isinstance(values, StaticTokenLayoutStore):  # scales and zeros token-last
-            scale, zero = (t if held is None else t[..., :held] for t in (scale, zero))
-            out_rot = code_outputs(probs[..., :length], scale, zero, values.kernel_operands(held), size)
-            out = torch.addmm(out.view(-1, size), out_rot.view(-1, size), rot.T)  # rotated back, added to the exact
-        else:  # per token in KIVI's packing, token-major: the first ``length`` tokens read
-            out = out + token_values_sum(probs[..., :length], (codes, scale, zero), values, batch, dim)
-        return out.view(batch, heads, 1, dim)
+
+def int4_reads(keys: StaticTokenLayoutStore, values: StaticTokenStore, dim: int) -> bool:
+    """``int4_decode`` reads these stores from their codes: this machine's int4 kernel reads the keys' rows, and the
+    values' (the token layout) or the torch reader folds them (per token in KIVI's packing)."""
+    reads = values.reads_codes if isinstance(values, StaticTokenLayoutStore) else token_values_fit(values, dim)
+    return keys.reads_codes and reads
+
+
+def int4_decode(query: torch.Tensor, scaling: float, keys: StaticTokenLayoutStore, values: StaticTokenStore,
+                filled: torch.Tensor, bias_q: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                ring: bool = False) -> torch.Tensor:  # fmt: skip
+    """``token_decode``'s two halves over every block's room of static stores (``static_columns``' bias and exact
+    part, or a caller's of the same shapes), writing nothing: ``[b, H, 1, d]`` float32. ``ring``: the stores' blocks
+    lie in a ring (razor's windows), so every slot is read, never the first ones written."""
+    batch, heads, _, dim = query.shape
+    k_exact, v_exact, exact_bias = exact
+    kv_heads = k_exact.shape[1]
+    group, rows = heads // kv_heads, batch * kv_heads
+    size = keys.codec.group_size()
+    rot = rotation(size, query.device)
+    center, codes, scale, zero = keys.center, values.codes, values.scale, values.zero
+    assert center is not None and codes is not None and scale is not None and zero is not None
+    held = None  # every block's room (fixed shapes: a compiled step)
+    if eager_on_cpu(query.device) and not ring:  # the count is free to read: the blocks written so far, not every one
+        blocks = written_blocks(keys, filled)
+        held = blocks * keys.quant.group
+        center, bias_q = center[..., :blocks, :], bias_q[:, :held]
+    key_ops = keys.kernel_operands(held)
+    length = bias_q.shape[-1]
+    q = query.reshape(rows, group, dim).float() * scaling  # [b·Hkv, G, d]
+    q_rot = torch.mm(q.view(-1, size), rot).to(torch.bfloat16).view(rows, group, dim)
+    scores = torch.empty(rows, group, length + k_exact.shape[-2], device=query.device)
+    code_scores(q, q_rot, key_ops, center, size, scores[..., :length])
+    scores[..., length:] = torch.bmm(q, k_exact.flatten(0, 1).float().transpose(1, 2))
+    by_head = scores.view(batch, kv_heads, group, -1)
+    by_head[..., :length] += bias_q[:, None, None]
+    by_head[..., length:] += exact_bias
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs[..., length:], v_exact.flatten(0, 1).float())  # [b·Hkv, G, d]
+    if isinstance(values, StaticTokenLayoutStore):  # scales and zeros token-last
+        scale, zero = (t if held is None else t[..., :held] for t in (scale, zero))
+        out_rot = code_outputs(probs[..., :length], scale, zero, values.kernel_operands(held), size)
+        out = torch.addmm(out.view(-1, size), out_rot.view(-1, size), rot.T)  # rotated back, added to the exact
+    else:  # per token in KIVI's packing, token-major: the first ``length`` tokens read
+        out = out + token_values_sum(probs[..., :length], (codes, scale, zero), values, batch, dim)
+    return out.view(batch, heads, 1, dim)

@@ -1,0 +1,135 @@
+"""Razor's preallocated cache with ``--kv-bits`` in the token layout (``razor --kv-layout token``): what
+``StaticRazorKiviLayer`` is for KIVI's layout, so that ``generate(cache_implementation="static")`` and
+``torch.compile`` decode razor's smallest caches in this layout too.
+
+Retrieval heads keep every token in ``StaticTokenLayoutStore``s, read as quant's static token layer reads them
+(``int4_decode``: torch's int4 kernel on a CPU that reads the rows; the GPU kernel where it runs; elsewhere
+dequantized). The other heads keep the sink exact, then a window whose blocks lie in a ring (``RingTokenLayoutStore``),
+read from their codes in the same pass where the int4 kernel reads them, the sink, the store's float ring and exact
+sink, this step's token and the compensation token (its logit ``ln N_d``) joining as exact columns. The growing
+store's windows slide by whole units (``TokenLayoutStore.whole_front``: a unit leaves at once, dequantized into the
+compensation sums), so the window's front after ``n`` tokens is ``sink + ⌊(n − sink − L(n)) / unit⌋·unit``, a
+function of the count alone, as the static layer needs; that holds while the window is at least ``residual + group``
+wide (``window_static_refusal``). Longer steps go through a growing layer built from the buffers and written back,
+as ``StaticRazorKiviLayer`` does. Copied verbatim into every razor output directory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .kvconvert_codec import QuantSpec, eager_on_cpu
+from .kvconvert_kernels import use_kernels
+from .kvconvert_quant import token_values_store
+from .kvconvert_razor_kivi import RingTokenStore, StaticRazorKiviLayer, gather_blocks
+from .kvconvert_razor_ops import count_logit
+from .kvconvert_razor_static import StaticRazorLayer
+from .kvconvert_staticstore import StaticTokenStore
+from .kvconvert_token_kernel import static_token_kernel_decode, static_token_kernel_reads
+from .kvconvert_tokenlayout import StaticTokenLayoutStore, TokenLayoutStore
+from .kvconvert_tokenstatic import int4_decode, int4_reads, static_columns
+
+
+class RingTokenLayoutStore(StaticTokenLayoutStore):
+    """A ``StaticTokenLayoutStore`` of ``slots`` blocks held in a ring (``RingTokenStore`` in the token layout)."""
+
+    def __init__(self, quant: QuantSpec, keys: bool, slots: int):
+        super().__init__(quant, keys, slots * quant.group)
+
+    block_slots = RingTokenStore.block_slots
+
+
+def _static_values(quant: QuantSpec, layer: int, slots: int | None, max_len: int) -> StaticTokenStore:
+    """The value store beside token-layout keys, as ``token_values_store`` makes the growing one: the token layout,
+    or per token in KIVI's packing (``--kv-value-bits``); in a ring of ``slots`` blocks, else for ``max_len`` tokens."""
+    side = quant.side(layer, keys=False)
+    if quant.value_bits is None:
+        return StaticTokenLayoutStore(side, False, max_len) if slots is None else (
+            RingTokenLayoutStore(side, False, slots))  # fmt: skip
+    return StaticTokenStore(side, False, max_len) if slots is None else RingTokenStore(side, False, slots)
+
+
+class StaticRazorTokenLayer(StaticRazorKiviLayer):
+    """``StaticRazorKiviLayer`` with token-layout stores: the retrieval heads' ``full_keys/values`` for
+    ``max_cache_len`` tokens, the other heads' window ``window_keys/values`` in a ring of blocks wide enough for the
+    widest window, the unit waiting to leave it whole, the block being written and the one the front leaves."""
+
+    def __init__(self, retrieval: list[int], others: list[int], sink: int, window: int, window_frac: float,
+                 max_cache_len: int, quant: QuantSpec, layer: int):  # fmt: skip
+        StaticRazorLayer.__init__(self, retrieval, others, sink, window, window_frac, max_cache_len)
+        self.quant, self.layer = quant, layer
+        keys = quant.side(layer, keys=True)
+        self.unit = TokenLayoutStore(keys, keys=True)._front_unit()  # what the growing window drops at once
+        assert isinstance(token_values_store(quant, layer), TokenLayoutStore) == (quant.value_bits is None)
+        self.full_keys = StaticTokenLayoutStore(keys, True, max_cache_len)
+        self.full_values = _static_values(quant, layer, None, max_cache_len)
+        slots = -(-(self.capacity + self.unit - 1) // keys.group) + 2
+        self.window_keys = RingTokenLayoutStore(keys, True, slots)
+        self.window_values = _static_values(quant, layer, slots, max_cache_len)
+
+    def _window_start(self, total: torch.Tensor) -> torch.Tensor:
+        """The window's first logical position after ``total`` tokens: its front moves by whole units, as far as
+        ``max(sink, total − L(total))`` allows (``TokenLayoutStore.whole_front``)."""
+        budget = (total.double() * self.window_frac).floor().long().clamp(min=self.window)
+        stored = (total - self.sink).clamp(min=0)
+        return self.sink + (stored - budget).clamp(min=0) // self.unit * self.unit
+
+    def _read_codes(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                    scale: float) -> torch.Tensor | None:  # fmt: skip
+        keys, values, dim = self.full_keys, self.full_values, query.shape[-1]
+        assert isinstance(keys, StaticTokenLayoutStore)
+        kernel = static_token_kernel_reads(keys, values, dim) and use_kernels(query, default="gpu")
+        if not (kernel or (query.device.type == "cpu" and int4_reads(keys, values, dim))):
+            return None
+        columns = static_columns(keys, values, key, value, attention_mask, self.filled, self.max_cache_len)
+        if kernel:
+            return static_token_kernel_decode(query, scale, keys, values, self.filled, columns)
+        return int4_decode(query, scale, keys, values, self.filled, *columns)
+
+    def _decode_window(self, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+                       scale: float) -> torch.Tensor:  # fmt: skip
+        keys, values = self.window_keys, self.window_values
+        batch, kv_heads, group, dim = rows.shape
+        assert isinstance(keys, StaticTokenLayoutStore)
+        if not (rows.device.type == "cpu" and int4_reads(keys, values, dim)):
+            return super()._decode_window(rows, key, value, bias, scale)  # every slot dequantized
+        start, column_bias, head = self._window_columns(bias)
+        # the columns' bias: [razor sink, the ring's blocks, the float ring, the store's sink, this step's token]
+        flat = column_bias.reshape(column_bias.shape[0], -1).float().expand(batch, -1)
+        sink, length = self.sink, keys.blocks * keys.quant.group
+        comp_k, comp_v = self._compensation_token(key.dtype, value.dtype)
+        assert keys.ring is not None and values.ring is not None
+        exact_k = torch.cat([self.sink_k, keys.ring, *([keys.head] if head else []), key, comp_k], dim=2)  # type: ignore[list-item]
+        exact_v = torch.cat([self.sink_v, values.ring, *([values.head] if head else []), value, comp_v], dim=2)  # type: ignore[list-item]
+        exact_bias = torch.cat([flat[:, :sink], flat[:, sink + length :], count_logit(self.comp_count)[:, None]], -1)
+        out = int4_decode(rows.reshape(batch, kv_heads * group, 1, dim), scale, keys, values, self.filled,
+                          flat[:, sink : sink + length], (exact_k, exact_v, exact_bias[:, None, None]),
+                          ring=True)  # fmt: skip
+        self._window_writes(key, value, self._leaving(start, head, None), bias)
+        return out.view(batch, kv_heads, group, dim).to(rows.dtype)
+
+    def _leaving(self, start: torch.Tensor, head: int, blocks: Any) -> Any:
+        """The unit at the window's front, which leaves whole when the front moves (``_add_dropped`` weighs each of
+        its tokens by whether it leaves): dequantized from its blocks, exact from the store's sink where it holds it.
+        ``(keys, values) [b, N, unit, d]`` and their logical positions; None where the count says nothing leaves
+        (eagerly on a CPU, where it is free to read)."""
+        unit, device = self.unit, start.device
+        if eager_on_cpu(device) and not bool(self._window_start(self.filled + 1) > start):
+            return None
+        gone = start - self.sink  # the unit's first position in the window store: a block's first
+        positions = gone + torch.arange(unit, device=device)
+        first = gone // self.window_keys.quant.group
+        states = []
+        for store in (self.window_keys, self.window_values):
+            assert store.ring is not None
+            held = gather_blocks(store, first + torch.arange(unit // store.quant.group, device=device))
+            out = store.ring.new_empty(*store.ring.shape[:-2], unit, store.width)
+            store._dequantize_into(held, out)
+            if head:  # tokens in the store's sink: exact (their block holds stand-ins)
+                assert store.head is not None
+                exact = store.head.index_select(2, positions.clamp(max=head - 1))
+                out = torch.where((positions < head).view(-1, 1), exact, out)
+            states.append(out)
+        return states[0], states[1], positions + self.sink
