@@ -148,3 +148,17 @@ def test_compiled_decode_from_razor_in_the_token_layout(razor_token):
     compiled = _generate(model, new=12, cache_implementation="static", compile_config=config)
     assert getattr(model, "_compiled_call", None) is not None  # generate really took the compiled path
     _same_or_near_tie(eager, compiled, "compiled")
+
+
+def test_razor_in_the_token_layout_decodes_from_its_static_cache_in_bfloat16(razor_token):
+    """A bfloat16 model (the exact columns, the ring's bias and the compensation token in the model's dtype, the int4
+    kernel's products in float32): finite logits, and greedy tokens as the growing cache's or parting at a near-tie
+    of bfloat16's own error."""
+    model = load_converted(razor_token["values 2-bit, sink 4"]).to(torch.bfloat16)
+    dynamic, static = _generate(model, new=16), _generate(model, new=16, cache_implementation="static")
+    assert all(torch.isfinite(step).all() for step in static.logits)
+    if not torch.equal(static.sequences, dynamic.sequences):
+        prompt = static.sequences.shape[1] - len(static.logits)
+        step = int((static.sequences != dynamic.sequences).any(0).nonzero()[0]) - prompt
+        a, b = dynamic.logits[step].float(), static.logits[step].float()
+        assert (a - b).abs().max() <= 0.02 * a.abs().max(), f"step {step}"
