@@ -183,3 +183,36 @@ def static_store_steps(growing, static, width: int = 64):
         got = static.extend(new, torch.tensor(filled))[..., : filled + count, :]
         filled += count
         yield filled, got, expected, x
+
+
+def compiled_generate(model, generate: Any, backend: str = "inductor") -> Any:
+    """``generate(model, cache_implementation="static", compile_config=…)`` through generate's own compiled decode
+    step (fullgraph) on whatever device the model is on, asserting that generate really took that path."""
+    config = transformers.CompileConfig(fullgraph=True, mode="default", backend=backend)
+    config._compile_all_devices = True  # transformers' switch to compile on CPU (its tests use it too)
+    torch._dynamo.reset()
+    out = generate(model, cache_implementation="static", compile_config=config)
+    assert getattr(model, "_compiled_call", None) is not None  # generate really took the compiled path
+    return out
+
+
+def replays_as_a_cuda_graph(model, method: str, length: int) -> None:
+    """One decode step captured as a CUDA graph (``bench/kernels_bench.py``'s ``captured_decode``) and replayed gives
+    the logits and tokens of eager steps from a twin cache (on a CPU the same loop runs uncaptured)."""
+    from bench.kernels_bench import captured_decode
+    from kvconvert.eval.speed import _prefill
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = model.to(device)
+    ids = torch.randint(3, 90, (2, length), generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        eager, logits = _prefill(model, ids, None, None, length + 16), []
+        for _ in range(6):
+            logits.append(model(eager["token"], past_key_values=eager["cache"], use_cache=True).logits)
+            eager["token"] = logits[-1][:, -1:].argmax(-1)
+        state = _prefill(model, ids, None, None, length + 16)
+        run, last = captured_decode(model, state["cache"], state["token"])  # two steps run before the capture
+        for step in range(2, 6):
+            run(1)
+            assert_same_logits(logits[step].cpu(), last["logits"].cpu(), f"{method} step {step}")
+            assert torch.equal(last["token"], logits[step][:, -1:].argmax(-1))

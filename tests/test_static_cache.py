@@ -14,13 +14,15 @@ from default_methods import COMPRESSING, LOSSLESS
 from helpers import (
     STORE_CHUNKS,
     assert_same_logits,
+    compiled_generate,
     left_padded,
     load_converted,
     load_reference,
     razor_static_steps,
+    replays_as_a_cuda_graph,
     static_store_steps,
 )
-from transformers import CompileConfig, StaticCache
+from transformers import StaticCache
 
 from kvconvert.runtime.kvconvert_common import static_refusal
 
@@ -107,11 +109,7 @@ def test_qk_norm_models_decode_compiled_from_static_caches(method, kind, tokeniz
 def _compiled_decodes_as_eager(model, name: str, length: int = 24, backend: str = TRACED) -> None:
     """Greedy from a static cache through generate's compiled step: the eager growing cache's tokens and logits."""
     eager = _generate(model, length)
-    config = CompileConfig(fullgraph=True, mode="default", backend=backend)
-    config._compile_all_devices = True  # transformers' switch to compile on CPU (its tests use it too)
-    torch._dynamo.reset()
-    compiled = _generate(model, length, cache_implementation="static", compile_config=config)
-    assert getattr(model, "_compiled_call", None) is not None  # generate really took the compiled path
+    compiled = compiled_generate(model, lambda m, **kw: _generate(m, length, **kw), backend)
     assert torch.equal(compiled.sequences, eager.sequences)
     for step, (a, b) in enumerate(zip(eager.logits, compiled.logits, strict=True)):
         assert_same_logits(a, b, f"{name} step {step}")
@@ -262,8 +260,8 @@ def test_a_static_minicache_subspace_cache_too_short_is_one_clear_error(subspace
             cache.crop(-10)
 
 
-def test_a_static_minicache_subspace_step_replays_as_a_cuda_graph(subspace):
-    _replays_as_a_cuda_graph(load_converted(subspace["minicache subspace + 4-bit"]), "minicache subspace", 47)
+def test_a_static_minicache_subspace_stepreplays_as_a_cuda_graph(subspace):
+    replays_as_a_cuda_graph(load_converted(subspace["minicache subspace + 4-bit"]), "minicache subspace", 47)
 
 
 @pytest.mark.parametrize("per_channel", [True, False])
@@ -423,11 +421,7 @@ def test_fp8_static_cache_equals_stock_transformers_with_compressed_tensors(fp8_
 def test_compiled_decode_from_the_fp8_static_cache(fp8_export):
     model = load_converted(fp8_export[1])
     eager = _generate(model)
-    config = CompileConfig(fullgraph=True, mode="default", backend=INDUCTOR)  # fp8 codes through Inductor's kernels
-    config._compile_all_devices = True
-    torch._dynamo.reset()
-    compiled = _generate(model, cache_implementation="static", compile_config=config)
-    assert getattr(model, "_compiled_call", None) is not None
+    compiled = compiled_generate(model, _generate, INDUCTOR)  # fp8 codes through Inductor's kernels
     assert torch.equal(compiled.sequences, eager.sequences)
     for step, (a, b) in enumerate(zip(eager.logits, compiled.logits, strict=True)):
         assert_same_logits(a, b, f"fp8 step {step}")
@@ -536,35 +530,15 @@ def test_static_cache_decodes_on_a_gpu(method, converted):
 
 
 @pytest.mark.parametrize("method", STATIC)
-def test_a_static_decode_step_replays_as_a_cuda_graph(method, converted):
+def test_a_static_decode_stepreplays_as_a_cuda_graph(method, converted):
     """One decode step captured as a CUDA graph (``bench/kernels_bench.py``'s ``captured_decode``, as serving engines
     decode: a fixed input tensor, positions from the cache's own counters) and replayed gives the logits the eager
     steps give from a twin cache; nothing in a step may copy from the host or read a device value, which a capture
     refuses. On a CPU the same loop runs uncaptured."""
-    _replays_as_a_cuda_graph(load_converted(converted(method, "compressing")[1]), method, 24)
+    replays_as_a_cuda_graph(load_converted(converted(method, "compressing")[1]), method, 24)
 
 
-def test_a_static_razor_kivi_step_replays_as_a_cuda_graph(quantized):
+def test_a_static_razor_kivi_stepreplays_as_a_cuda_graph(quantized):
     """The same for razor with 4-bit KIVI storage (``StaticRazorKiviLayer``), from a prompt long enough that its
     windows slide over quantized blocks."""
-    _replays_as_a_cuda_graph(load_converted(quantized["razor + 4-bit, sink + rotation"]), "razor + 4-bit", 120)
-
-
-def _replays_as_a_cuda_graph(model, method: str, length: int) -> None:
-    from bench.kernels_bench import captured_decode
-    from kvconvert.eval.speed import _prefill
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = model.to(device)
-    ids = torch.randint(3, 90, (2, length), generator=torch.Generator().manual_seed(3)).to(device)
-    with torch.no_grad():
-        eager, logits = _prefill(model, ids, None, None, length + 16), []
-        for _ in range(6):
-            logits.append(model(eager["token"], past_key_values=eager["cache"], use_cache=True).logits)
-            eager["token"] = logits[-1][:, -1:].argmax(-1)
-        state = _prefill(model, ids, None, None, length + 16)
-        run, last = captured_decode(model, state["cache"], state["token"])  # two steps run before the capture
-        for step in range(2, 6):
-            run(1)
-            assert_same_logits(logits[step].cpu(), last["logits"].cpu(), f"{method} step {step}")
-            assert torch.equal(last["token"], logits[step][:, -1:].argmax(-1))
+    replays_as_a_cuda_graph(load_converted(quantized["razor + 4-bit, sink + rotation"]), "razor + 4-bit", 120)

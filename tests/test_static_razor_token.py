@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import convert, left_padded, load_converted, razor_static_steps
-from transformers import CompileConfig
+from helpers import (
+    compiled_generate,
+    convert,
+    left_padded,
+    load_converted,
+    razor_static_steps,
+    replays_as_a_cuda_graph,
+)
 
 from kvconvert.runtime import kvconvert_razor_token, kvconvert_tokenlayout
 from kvconvert.runtime.kvconvert_codec import QuantSpec
@@ -142,11 +148,7 @@ def test_compiled_decode_from_razor_in_the_token_layout(razor_token):
     unit's compensation in one graph) and decodes what the eager growing cache decodes."""
     model = load_converted(razor_token["4-bit, residual 16"])
     eager = _generate(model, new=12)
-    config = CompileConfig(fullgraph=True, mode="default")
-    config._compile_all_devices = True  # transformers' switch to compile on CPU (its tests use it too)
-    torch._dynamo.reset()
-    compiled = _generate(model, new=12, cache_implementation="static", compile_config=config)
-    assert getattr(model, "_compiled_call", None) is not None  # generate really took the compiled path
+    compiled = compiled_generate(model, lambda m, **kw: _generate(m, new=12, **kw))
     _same_or_near_tie(eager, compiled, "compiled")
 
 
@@ -162,3 +164,9 @@ def test_razor_in_the_token_layout_decodes_from_its_static_cache_in_bfloat16(raz
         step = int((static.sequences != dynamic.sequences).any(0).nonzero()[0]) - prompt
         a, b = dynamic.logits[step].float(), static.logits[step].float()
         assert (a - b).abs().max() <= 0.02 * a.abs().max(), f"step {step}"
+
+
+def test_a_static_razor_token_step_replays_as_a_cuda_graph(razor_token):
+    """A decode step captured as a CUDA graph and replayed (on a CPU, the same loop uncaptured) decodes what eager
+    steps decode, from a prompt past the window: no step copies from the host or reads a device value."""
+    replays_as_a_cuda_graph(load_converted(razor_token["4-bit, residual 16"]), "razor + 4-bit token layout", 200)

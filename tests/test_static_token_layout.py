@@ -9,8 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import STORE_CHUNKS, convert, left_padded, load_converted, static_store_steps
-from transformers import CompileConfig
+from helpers import STORE_CHUNKS, compiled_generate, convert, left_padded, load_converted, static_store_steps
 
 import kvconvert
 from kvconvert.runtime import kvconvert_tokenlayout
@@ -164,11 +163,7 @@ def test_compiled_decode_from_the_static_token_layout(name, token_layout):
     random model (``test_a_compiled_block_write_quantizes_as_the_eager_one``)."""
     model = load_converted(token_layout[name])
     eager = _generate(model, new=12)
-    config = CompileConfig(fullgraph=True, mode="default")
-    config._compile_all_devices = True  # transformers' switch to compile on CPU (its tests use it too)
-    torch._dynamo.reset()
-    compiled = _generate(model, new=12, cache_implementation="static", compile_config=config)
-    assert getattr(model, "_compiled_call", None) is not None  # generate really took the compiled path
+    compiled = compiled_generate(model, lambda m, **kw: _generate(m, new=12, **kw))
     assert torch.equal(compiled.sequences, eager.sequences)
     first = dataclasses.replace(compiled, logits=compiled.logits[:8])
     _same_logits(dataclasses.replace(eager, logits=eager.logits[:8]), first, KERNEL_TOLERANCE)
