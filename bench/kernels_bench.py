@@ -175,7 +175,8 @@ CONVERSIONS: list[tuple[str, dict[str, Any]]] = [
     ("quant 4-bit KIVI", {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True}),
     ("quant 4-bit token", {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
     # the token layout's keys beside 2-bit values (the 8K needle recipe at 0.25 on SmolLM2) and razor's token layout:
-    # the token layout's GPU kernel reads both (since the thirty-fourth session); razor's has no static cache
+    # the token layout's GPU kernel reads both (since the thirty-fourth session); razor's has a static cache since the
+    # forty-second (its retrieval heads read by that kernel, its windows' ring dequantized on a GPU)
     ("quant token keys 4-bit + values 2-bit", {"method": "quant", "kv_bits": 4, "kv_residual": 0, "kv_sink": 4,
                                                "kv_layout": "token", "kv_value_bits": 2}),
     ("razor + 4-bit token", {"method": "razor", "profile_tokens": 64, "kv_bits": 4, "kv_residual": 0, "kv_sink": 4,
