@@ -192,3 +192,38 @@ def test_razor_in_the_token_layout_decodes_through_the_kernel(value_bits, tokeni
     dequantized = greedy_twelve(model)
     assert not extras
     assert_same_generation(dequantized, with_kernel, "razor, token layout")
+
+
+@torch.no_grad()
+def test_razor_in_the_token_layout_decodes_its_static_cache_through_the_kernel(tokenized_model_dir, tmp_path,
+                                                                               monkeypatch):  # fmt: skip
+    """Razor's static cache in the token layout (``StaticRazorTokenLayer``) with KVCONVERT_KERNELS=triton: its retrieval
+    heads' stores, packed for the kernel, are read by it at every decode step of every layer (its windows' ring is
+    dequantized: no kernel reads it), a unit leaving the window while it decodes; greedy decoding of a left-padded
+    batch gives the tokens and logits of reading the same stores dequantized."""
+    import kvconvert
+    import kvconvert.runtime.kvconvert_razor_token as razor_token
+    from tests.helpers import convert
+    from tests.test_kernels import assert_same_generation, greedy_twelve
+
+    out = tmp_path / "r"
+    convert("razor", tokenized_model_dir("llama_gqa64"), out, "--kv-budget", "0.5", "--profile-tokens", "16",
+            "--window", "40", "--kv-bits", "4", "--kv-group", "32", "--kv-residual", "8", "--kv-layout", "token",
+            "--kv-sink", "2")  # fmt: skip
+    model = kvconvert.load(out).eval().to(DEVICE)
+    with_retrieval = sum(bool(heads) for heads in model.config.kvconvert["razor"]["retrieval_kv_heads"])
+    launches = []
+    real = token_kernel.token_decode_triton
+    monkeypatch.setattr(token_kernel, "token_decode_triton", lambda *a, **k: launches.append(1) or real(*a, **k))
+    options = {"cache_implementation": "static", "disable_compile": True}
+    monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
+    with_kernel = greedy_twelve(model, **options)
+    kinds = {type(layer).__name__ for layer in with_kernel.past_key_values.layers}
+    assert kinds == {"StaticRazorTokenLayer"} and with_retrieval and len(launches) == 11 * with_retrieval
+    counts = [layer.comp_count for layer in with_kernel.past_key_values.layers if layer.comp_count is not None]
+    assert counts and all(count.sum() > 0 for count in counts)  # every window lost a unit into its sums
+    monkeypatch.setattr(razor_token, "static_token_kernel_reads", lambda *a: False)
+    launches.clear()
+    dequantized = greedy_twelve(model, **options)
+    assert not launches
+    assert_same_generation(dequantized, with_kernel, "razor, token layout, static")
