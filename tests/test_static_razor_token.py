@@ -31,7 +31,7 @@ CHUNKS = [1, 1, 5, *[1] * 12, 150, *[1] * 70, 90, *[1] * 80, 64, *[1] * 30]
 @pytest.mark.parametrize("sink, window, frac, retrieval, storage", [
     (2, 96, 0.25, [1], {"group": 64, "residual": 16}),
     (2, 64, 0.2, [], {"group": 64, "residual": 0, "sink": 4}),
-    (0, 80, 0.3, [0, 1, 2], {"group": 64, "residual": 0, "sink": 4, "value_bits": 2}),
+    (0, 80, 0.3, [2], {"group": 64, "residual": 0, "sink": 4, "value_bits": 2}),
     (3, 100, 0.1, [0, 2], {"group": 32, "residual": 8, "sink": 2}),
 ])  # fmt: skip
 @pytest.mark.parametrize("writes", ["counts read", "tensor ops"])
@@ -70,8 +70,9 @@ def test_static_razor_token_layer_attends_as_the_growing_one(sink, window, frac,
     # rotation back spreads over a channel group (measured: 1.3e-4 of sums of ~200 tokens, groups of 32)
     razor_static_steps(sink, window, frac, retrieval, tolerance=tolerance, quant=quant, chunks=CHUNKS, dim=64,
                        sums_atol=1e-3)  # fmt: skip
-    # each kind of head the layer has read from its codes wherever the kernel reads the keys' rows
-    assert (True in rings) == (codes and len(retrieval) < 3)
+    # both kinds of head (every case has both but one, which keeps no head whole) read from their codes wherever
+    # the kernel reads the keys' rows
+    assert (True in rings) == codes
     assert (False in rings) == (codes and bool(retrieval))
 
 
