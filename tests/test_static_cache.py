@@ -460,16 +460,21 @@ RAZOR_KIVI_CHUNKS = [1, 1, 5, *[1] * 12, 40, *[1] * 30, 23, *[1] * 20]
     (4, 16, 0.2, [0, 1, 2], {"bits": 4, "group": 8, "residual": 8, "sink": 1}),
 ])  # fmt: skip
 @pytest.mark.parametrize("writes", ["counts read", "tensor ops"])
+@pytest.mark.parametrize("windows", ["codes", "dequantized"])
 def test_static_razor_layer_in_kivi_storage_attends_as_the_growing_one(sink, window, frac, retrieval, storage, writes,
-                                                                       monkeypatch):  # fmt: skip
+                                                                       windows, monkeypatch):  # fmt: skip
     """The same with ``--kv-bits`` in KIVI's layout (``StaticRazorKiviLayer``): blocks quantized at chunks and at
     decode tokens, windows sliding over quantized blocks (a ring of them), the store's own exact sink, dropped tokens
     compensated as the growing store hands them over (dequantized). Decode tokens written with the count read
-    (eagerly on a CPU) or with tensor ops only (a compiled step's writes: taken here by reporting a compile)."""
+    (eagerly on a CPU) or with tensor ops only (a compiled step's writes: taken here by reporting a compile); the
+    windows' ring read from its codes (the CPU's reader) or every slot dequantized (elsewhere)."""
     from kvconvert.runtime.kvconvert_codec import QuantSpec
+    from kvconvert.runtime.kvconvert_razor_kivi import StaticRazorKiviLayer
 
     if writes == "tensor ops":
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    if windows == "dequantized":
+        monkeypatch.setattr(StaticRazorKiviLayer, "_window_reads_codes", lambda self, dim: False)
 
     razor_static_steps(sink, window, frac, retrieval, tolerance=1e-5, quant=QuantSpec(**storage),
                        chunks=RAZOR_KIVI_CHUNKS)  # fmt: skip

@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 
-from .kvconvert_codec import QuantizedBlock, QuantSpec
+from .kvconvert_codec import QuantizedBlock, QuantSpec, eager_on_cpu
 from .kvconvert_common import softmax_rows
+from .kvconvert_folded import kivi_decode_folded, value_rotation
 from .kvconvert_kernels import use_kernels
 from .kvconvert_quant import static_kivi_decode, static_reads_codes
 from .kvconvert_razor import RazorLayer
-from .kvconvert_razor_ops import compensated_attention
+from .kvconvert_razor_ops import compensated_attention, count_logit
 from .kvconvert_razor_static import StaticRazorLayer
 from .kvconvert_staticstore import StaticTokenStore, ring_positions
 from .kvconvert_tokenlayout import StaticTokenLayoutStore, TokenLayoutStore
@@ -126,6 +127,7 @@ class StaticRazorKiviLayer(StaticRazorLayer):
     ``[b, N, 1, d]`` and counts ``[b]``."""
 
     buffers: tuple[str, ...] = ("sink_k", "sink_v", "comp_k_sum", "comp_v_sum", "comp_count")
+    unit = 1  # tokens that leave the window together (L grows by at most one a step); the token layout: a whole unit
     sink_k: Any
     sink_v: Any
     full_keys: StaticTokenStore
@@ -246,29 +248,47 @@ class StaticRazorKiviLayer(StaticRazorLayer):
         column_bias = torch.where(visible, bias.index_select(-1, logical.clamp(0, self.max_cache_len - 1)), minimum)
         return start, column_bias, head
 
-    def _leaving(self, start: torch.Tensor, head: int, blocks: tuple[torch.Tensor, torch.Tensor]) -> tuple[
-            torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The token at the window's front (0 or 1 leaves a step) as the growing store hands it over: from its block
-        (``blocks``: every slot dequantized), or exact from the store's sink. ``(keys, values) [b, N, 1, d]`` and its
-        logical position ``[1]``."""
-        keys, values = self.window_keys, self.window_values
-        group = keys.quant.group
-        gone = start - self.sink
-        column = ((gone // group).remainder(keys.blocks) * group + gone.remainder(group)).view(1)
-        gone_k, gone_v = blocks[0].index_select(2, column), blocks[1].index_select(2, column)
-        if head:
-            at = gone.clamp(max=head - 1).view(1)
-            in_sink = gone < head
-            gone_k = torch.where(in_sink, keys.head.index_select(2, at), gone_k)  # type: ignore[union-attr]
-            gone_v = torch.where(in_sink, values.head.index_select(2, at), gone_v)  # type: ignore[union-attr]
-        return gone_k, gone_v, start.view(1)
+    def _leaving(self, start: torch.Tensor, head: int, blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        """The tokens at the window's front that leave it together (``unit``: one in KIVI's layout, where L grows by at
+        most one a step; a whole unit in the token layout) as the growing store hands them over: dequantized from
+        their blocks (``blocks``: every slot dequantized already; else only theirs), exact from the store's sink where
+        it holds them. ``(keys, values) [b, N, unit, d]`` and their logical positions ``[unit]`` (``_add_dropped``
+        weighs each by whether it leaves); None where the count says nothing leaves (eagerly on a CPU, where it is
+        free to read)."""
+        unit, device = self.unit, start.device
+        if eager_on_cpu(device) and not bool(self._window_start(self.filled + 1) > start):
+            return None
+        gone = start - self.sink  # the first one's position in the window store
+        positions = gone + torch.arange(unit, device=device)
+        states = []
+        for store, every in zip((self.window_keys, self.window_values), blocks or (None, None), strict=True):
+            assert store.ring is not None
+            group = store.quant.group
+            if every is not None:  # every slot's tokens, slot by slot
+                out = every.index_select(2, (positions // group).remainder(store.blocks) * group + positions % group)
+            else:  # the blocks they lie in: one (a token), or a unit's whole blocks
+                first, count = gone // group, max(1, unit // group)
+                out = store.ring.new_empty(*store.ring.shape[:-2], count * group, store.width)
+                store._dequantize_into(gather_blocks(store, first + torch.arange(count, device=device)), out)
+                out = out.index_select(2, positions - first * group)
+            if head:  # tokens in the store's sink: exact (their block holds stand-ins)
+                assert store.head is not None
+                exact = store.head.index_select(2, positions.clamp(max=head - 1))
+                out = torch.where((positions < head).view(-1, 1), exact, out)
+            states.append(out)
+        return states[0], states[1], positions + self.sink
 
     def _decode_window(self, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
                        scale: float) -> torch.Tensor:  # fmt: skip
-        """The other heads' step ``[b, N, G, d]`` (``rows``: their query heads by KV head), then their writes."""
+        """The other heads' step ``[b, N, G, d]`` (``rows``: their query heads by KV head), then their writes: from the
+        ring's codes where the CPU's reader reads them, else every slot dequantized."""
         start, column_bias, head = self._window_columns(bias)
         keys, values = self.window_keys, self.window_values
         assert keys.ring is not None and values.ring is not None
+        if rows.device.type == "cpu" and self._window_reads_codes(rows.shape[-1]):
+            out = self._window_from_codes(rows, key, value, column_bias, head, scale)
+            self._window_writes(key, value, self._leaving(start, head), bias)
+            return out
         # what the blocks hold, dequantized (the compensation's dropped token is read from it too)
         block_k, block_v = _dequantized(keys), _dequantized(values)
         parts_k = [self.sink_k, block_k, keys.ring, *([keys.head] if head else []), key]
@@ -281,6 +301,40 @@ class StaticRazorKiviLayer(StaticRazorLayer):
                                     scale)  # fmt: skip
         self._window_writes(key, value, self._leaving(start, head, (block_k, block_v)), bias)
         return out
+
+    def _window_reads_codes(self, dim: int) -> bool:
+        """The CPU's reader reads the ring's codes (``kivi_decode_folded``, as quant's static layer reads its own)."""
+        return static_reads_codes(self.window_keys, self.window_values, dim)
+
+    def _window_from_codes(self, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, column_bias: torch.Tensor,
+                           head: int, scale: float) -> torch.Tensor:  # fmt: skip
+        """The other heads' step over every slot of the ring read from its codes in one pass (``_read_window``), the
+        razor sink, the store's float ring and exact sink, this step's token and the compensation token (its logit
+        ``ln N_d``) joining as exact columns. ``[b, N, G, d]``."""
+        keys, values = self.window_keys, self.window_values
+        assert keys.ring is not None and values.ring is not None
+        batch, sink, length = rows.shape[0], self.sink, keys.blocks * keys.quant.group
+        # the columns' bias: [razor sink, the ring's blocks, the float ring, the store's sink, this step's token]
+        flat = column_bias.reshape(column_bias.shape[0], -1).float().expand(batch, -1)
+        comp_k, comp_v = self._compensation_token(key.dtype, value.dtype)
+        extra_k: list[Any] = [keys.head] if head else []  # the store's exact sink (its block holds stand-ins)
+        extra_v: list[Any] = [values.head] if head else []
+        exact_k = torch.cat([self.sink_k, keys.ring, *extra_k, key, comp_k], dim=2)
+        exact_v = torch.cat([self.sink_v, values.ring, *extra_v, value, comp_v], dim=2)
+        exact_bias = torch.cat([flat[:, :sink], flat[:, sink + length :], count_logit(self.comp_count)[:, None]], -1)
+        exact = exact_k, exact_v, exact_bias[:, None, None]
+        return self._read_window(rows, scale, flat[:, sink : sink + length], exact).to(rows.dtype)
+
+    def _read_window(self, rows: torch.Tensor, scale: float, bias_q: torch.Tensor,
+                     exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """``rows [b, N, G, d]`` over every block slot of the ring (``bias_q [b, slots·group]``) and the ``exact``
+        columns: ``kivi_decode_folded``, the torch reader of KIVI's codes. ``[b, N, G, d]`` float32."""
+        keys, values = self.window_keys, self.window_values
+        codes = (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)
+        rotated = value_rotation(values, rows.shape[-1], rows.device)
+        acc, ml = kivi_decode_folded(rows.float(), *codes, bias_q, scale, keys.quant.bits, values.quant.bits,  # type: ignore[arg-type]
+                                     exact=exact, value_rotation=rotated)  # fmt: skip
+        return acc / ml[..., 1:]
 
     def _window_writes(self, key: torch.Tensor, value: torch.Tensor, leaving: Any, bias: torch.Tensor) -> None:
         """This step's token written: the razor sink (a token past it rewrites a slot with what it held), then the

@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 
-from .kvconvert_codec import QuantSpec, eager_on_cpu
+from .kvconvert_codec import QuantSpec
 from .kvconvert_kernels import use_kernels
 from .kvconvert_quant import token_values_store
-from .kvconvert_razor_kivi import RingTokenStore, StaticRazorKiviLayer, gather_blocks
-from .kvconvert_razor_ops import count_logit
+from .kvconvert_razor_kivi import RingTokenStore, StaticRazorKiviLayer
 from .kvconvert_razor_static import StaticRazorLayer
 from .kvconvert_staticstore import StaticTokenStore
 from .kvconvert_token_kernel import static_token_kernel_decode, static_token_kernel_reads
@@ -88,48 +87,16 @@ class StaticRazorTokenLayer(StaticRazorKiviLayer):
             return static_token_kernel_decode(query, scale, keys, values, self.filled, columns)
         return int4_decode(query, scale, keys, values, self.filled, *columns)
 
-    def _decode_window(self, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
-                       scale: float) -> torch.Tensor:  # fmt: skip
-        keys, values = self.window_keys, self.window_values
-        batch, kv_heads, group, dim = rows.shape
+    def _window_reads_codes(self, dim: int) -> bool:
+        keys = self.window_keys
         assert isinstance(keys, StaticTokenLayoutStore)
-        if not (rows.device.type == "cpu" and int4_reads(keys, values, dim)):
-            return super()._decode_window(rows, key, value, bias, scale)  # every slot dequantized
-        start, column_bias, head = self._window_columns(bias)
-        # the columns' bias: [razor sink, the ring's blocks, the float ring, the store's sink, this step's token]
-        flat = column_bias.reshape(column_bias.shape[0], -1).float().expand(batch, -1)
-        sink, length = self.sink, keys.blocks * keys.quant.group
-        comp_k, comp_v = self._compensation_token(key.dtype, value.dtype)
-        assert keys.ring is not None and values.ring is not None
-        exact_k = torch.cat([self.sink_k, keys.ring, *([keys.head] if head else []), key, comp_k], dim=2)  # type: ignore[list-item]
-        exact_v = torch.cat([self.sink_v, values.ring, *([values.head] if head else []), value, comp_v], dim=2)  # type: ignore[list-item]
-        exact_bias = torch.cat([flat[:, :sink], flat[:, sink + length :], count_logit(self.comp_count)[:, None]], -1)
-        out = int4_decode(rows.reshape(batch, kv_heads * group, 1, dim), scale, keys, values, self.filled,
-                          flat[:, sink : sink + length], (exact_k, exact_v, exact_bias[:, None, None]),
-                          ring=True)  # fmt: skip
-        self._window_writes(key, value, self._leaving(start, head, None), bias)
-        return out.view(batch, kv_heads, group, dim).to(rows.dtype)
+        return int4_reads(keys, self.window_values, dim)
 
-    def _leaving(self, start: torch.Tensor, head: int, blocks: Any) -> Any:
-        """The unit at the window's front, which leaves whole when the front moves (``_add_dropped`` weighs each of
-        its tokens by whether it leaves): dequantized from its blocks, exact from the store's sink where it holds it.
-        ``(keys, values) [b, N, unit, d]`` and their logical positions; None where the count says nothing leaves
-        (eagerly on a CPU, where it is free to read)."""
-        unit, device = self.unit, start.device
-        if eager_on_cpu(device) and not bool(self._window_start(self.filled + 1) > start):
-            return None
-        gone = start - self.sink  # the unit's first position in the window store: a block's first
-        positions = gone + torch.arange(unit, device=device)
-        first = gone // self.window_keys.quant.group
-        states = []
-        for store in (self.window_keys, self.window_values):
-            assert store.ring is not None
-            held = gather_blocks(store, first + torch.arange(unit // store.quant.group, device=device))
-            out = store.ring.new_empty(*store.ring.shape[:-2], unit, store.width)
-            store._dequantize_into(held, out)
-            if head:  # tokens in the store's sink: exact (their block holds stand-ins)
-                assert store.head is not None
-                exact = store.head.index_select(2, positions.clamp(max=head - 1))
-                out = torch.where((positions < head).view(-1, 1), exact, out)
-            states.append(out)
-        return states[0], states[1], positions + self.sink
+    def _read_window(self, rows: torch.Tensor, scale: float, bias_q: torch.Tensor,
+                     exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """``int4_decode`` over every block slot of the ring: torch's int4 kernel. ``[b, N, G, d]`` float32."""
+        keys, (batch, kv_heads, group, dim) = self.window_keys, rows.shape
+        assert isinstance(keys, StaticTokenLayoutStore)
+        out = int4_decode(rows.reshape(batch, kv_heads * group, 1, dim), scale, keys, self.window_values,
+                          self.filled, bias_q, exact, ring=True)  # fmt: skip
+        return out.view(batch, kv_heads, group, dim)
