@@ -10,7 +10,8 @@ inside the window, so a step masks instead of slicing, and sink and window are r
 the head-wise Triton kernel when ``KVCONVERT_KERNELS=triton``). A decode step (one token) is written in tensors
 only; longer steps (prefill, chunks) rebuild a growing ``RazorLayer`` from the buffers, let it attend and evict,
 and write its state back: the two paths compute what the growing cache computes. 16-bit stores; with ``--kv-bits``
-in KIVI's layout, ``StaticRazorKiviLayer`` (``kvconvert_razor_kivi``).
+in KIVI's layout, ``StaticRazorKiviLayer`` (``kvconvert_razor_kivi``), in the token layout ``StaticRazorTokenLayer``
+(``kvconvert_razor_token``).
 """
 
 from __future__ import annotations

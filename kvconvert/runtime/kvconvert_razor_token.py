@@ -22,7 +22,6 @@ import torch
 
 from .kvconvert_codec import QuantSpec
 from .kvconvert_kernels import use_kernels
-from .kvconvert_quant import token_values_store
 from .kvconvert_razor_kivi import RingTokenStore, StaticRazorKiviLayer
 from .kvconvert_razor_static import StaticRazorLayer
 from .kvconvert_staticstore import StaticTokenStore
@@ -61,7 +60,6 @@ class StaticRazorTokenLayer(StaticRazorKiviLayer):
         self.quant, self.layer = quant, layer
         keys = quant.side(layer, keys=True)
         self.unit = TokenLayoutStore(keys, keys=True)._front_unit()  # what the growing window drops at once
-        assert isinstance(token_values_store(quant, layer), TokenLayoutStore) == (quant.value_bits is None)
         self.full_keys = StaticTokenLayoutStore(keys, True, max_cache_len)
         self.full_values = _static_values(quant, layer, None, max_cache_len)
         slots = -(-(self.capacity + self.unit - 1) // keys.group) + 2
