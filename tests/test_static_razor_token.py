@@ -171,3 +171,22 @@ def test_a_static_razor_token_step_replays_as_a_cuda_graph(razor_token):
     """A decode step captured as a CUDA graph and replayed (on a CPU, the same loop uncaptured) decodes what eager
     steps decode, from a prompt past the window: no step copies from the host or reads a device value."""
     replays_as_a_cuda_graph(load_converted(razor_token["4-bit, residual 16"]), "razor + 4-bit token layout", 200)
+
+
+def test_razor_in_the_token_layout_on_gemma3_has_a_static_cache(tokenized_model_dir, tmp_path):
+    """Gemma 3 (one KV head, QK-norm, sliding-window layers left stock in transformers' own static windows, scaled
+    queries; no head kept whole, so the global layers' one KV head is windowed): greedy decoding of a left-padded batch
+    from the static cache gives the growing cache's tokens (or parts at a near-tie of the int4 kernel's error), the
+    global layers in ``StaticRazorTokenLayer``, a unit leaving their windows."""
+    convert("razor", tokenized_model_dir("gemma3_64"), tmp_path / "out", "--profile-tokens", "16", "--induction-frac",
+            "0", "--echo-frac", "0", "--window", "96", "--kv-bits", "4", "--kv-layout", "token", "--kv-group", "64",
+            "--kv-residual", "16")  # fmt: skip
+    model = load_converted(tmp_path / "out")
+    dynamic, static = _generate(model, new=24), _generate(model, new=24, cache_implementation="static")
+    _same_or_near_tie(dynamic, static, "gemma3")
+    kinds = {type(layer).__name__ for layer in static.past_key_values.layers}
+    assert "StaticRazorTokenLayer" in kinds and static.past_key_values.is_compileable, kinds
+    counts = [
+        layer.comp_count for layer in static.past_key_values.layers if getattr(layer, "comp_count", None) is not None
+    ]
+    assert counts and all(count.sum() > 0 for count in counts)  # its windows slid: a unit left into the sums
