@@ -139,12 +139,19 @@ class StaticRazorKiviLayer(StaticRazorLayer):
                  max_cache_len: int, quant: QuantSpec, layer: int):  # fmt: skip
         super().__init__(retrieval, others, sink, window, window_frac, max_cache_len)
         self.quant, self.layer = quant, layer
-        keys, values = quant.side(layer, keys=True), quant.side(layer, keys=False)
-        self.full_keys = StaticTokenStore(keys, True, max_cache_len)
-        self.full_values = StaticTokenStore(values, False, max_cache_len)
-        # the widest window before its step's drop, the block its newest tokens fill, the block its front leaves
-        slots = -(-self.capacity // keys.group) + 2
+        self._make_stores(quant.side(layer, keys=True), quant.side(layer, keys=False))
+
+    def _make_stores(self, keys: QuantSpec, values: QuantSpec) -> None:
+        """The retrieval heads' stores for ``max_cache_len`` tokens and the windows' rings, in KIVI's layout."""
+        self.full_keys = StaticTokenStore(keys, True, self.max_cache_len)
+        self.full_values = StaticTokenStore(values, False, self.max_cache_len)
+        slots = self._ring_slots(keys.group)
         self.window_keys, self.window_values = RingTokenStore(keys, True, slots), RingTokenStore(values, False, slots)
+
+    def _ring_slots(self, group: int) -> int:
+        """Blocks a window's ring holds: the widest window before its step's drop with the ``unit`` − 1 tokens that
+        wait to leave together, the block its newest tokens fill, the block its front leaves."""
+        return -(-(self.capacity + self.unit - 1) // group) + 2
 
     def _stores(self) -> list[StaticTokenStore]:
         return [*((self.full_keys, self.full_values) if self.retrieval else ()),

@@ -23,7 +23,6 @@ import torch
 from .kvconvert_codec import QuantSpec
 from .kvconvert_kernels import use_kernels
 from .kvconvert_razor_kivi import RingTokenStore, StaticRazorKiviLayer
-from .kvconvert_razor_static import StaticRazorLayer
 from .kvconvert_staticstore import StaticTokenStore
 from .kvconvert_token_kernel import static_token_kernel_decode, static_token_kernel_reads
 from .kvconvert_tokenlayout import StaticTokenLayoutStore, TokenLayoutStore
@@ -39,32 +38,24 @@ class RingTokenLayoutStore(StaticTokenLayoutStore):
     block_slots = RingTokenStore.block_slots
 
 
-def _static_values(quant: QuantSpec, layer: int, slots: int | None, max_len: int) -> StaticTokenStore:
-    """The value store beside token-layout keys, as ``token_values_store`` makes the growing one: the token layout,
-    or per token in KIVI's packing (``--kv-value-bits``); in a ring of ``slots`` blocks, else for ``max_len`` tokens."""
-    side = quant.side(layer, keys=False)
-    if quant.value_bits is None:
-        return StaticTokenLayoutStore(side, False, max_len) if slots is None else (
-            RingTokenLayoutStore(side, False, slots))  # fmt: skip
-    return StaticTokenStore(side, False, max_len) if slots is None else RingTokenStore(side, False, slots)
-
-
 class StaticRazorTokenLayer(StaticRazorKiviLayer):
     """``StaticRazorKiviLayer`` with token-layout stores: the retrieval heads' ``full_keys/values`` for
     ``max_cache_len`` tokens, the other heads' window ``window_keys/values`` in a ring of blocks wide enough for the
     widest window, the unit waiting to leave it whole, the block being written and the one the front leaves."""
 
-    def __init__(self, retrieval: list[int], others: list[int], sink: int, window: int, window_frac: float,
-                 max_cache_len: int, quant: QuantSpec, layer: int):  # fmt: skip
-        StaticRazorLayer.__init__(self, retrieval, others, sink, window, window_frac, max_cache_len)
-        self.quant, self.layer = quant, layer
-        keys = quant.side(layer, keys=True)
+    def _make_stores(self, keys: QuantSpec, values: QuantSpec) -> None:
+        """The token layout's stores: values in it too, or per token in KIVI's packing (``--kv-value-bits``), as
+        ``token_values_store`` makes the growing ones."""
         self.unit = TokenLayoutStore(keys, keys=True)._front_unit()  # what the growing window drops at once
-        self.full_keys = StaticTokenLayoutStore(keys, True, max_cache_len)
-        self.full_values = _static_values(quant, layer, None, max_cache_len)
-        slots = -(-(self.capacity + self.unit - 1) // keys.group) + 2
+        max_len, slots = self.max_cache_len, self._ring_slots(keys.group)
+        self.full_keys = StaticTokenLayoutStore(keys, True, max_len)
         self.window_keys = RingTokenLayoutStore(keys, True, slots)
-        self.window_values = _static_values(quant, layer, slots, max_cache_len)
+        if self.quant.value_bits is None:
+            self.full_values = StaticTokenLayoutStore(values, False, max_len)
+            self.window_values = RingTokenLayoutStore(values, False, slots)
+        else:
+            self.full_values = StaticTokenStore(values, False, max_len)
+            self.window_values = RingTokenStore(values, False, slots)
 
     def _window_start(self, total: torch.Tensor) -> torch.Tensor:
         """The window's first logical position after ``total`` tokens: its front moves by whole units, as far as
