@@ -16,6 +16,7 @@ from kvconvert.runtime.kvconvert_rope import (
     rotate_in_pairs,
     rotate_pairs,
     to_pairs,
+    turned_scores,
 )
 
 
@@ -95,6 +96,31 @@ def test_rotating_a_pair_ordered_cache_as_transformers(rotary_dim, form):
     got = rotate_in_pairs(paired, cos, sin, heads, pairs)
     assert got.shape == (2, heads, 7, dk) and got.dtype == dtype
     torch.testing.assert_close(got, reference[..., order])
+
+
+@pytest.mark.parametrize("rotary_dim", [16, 4])
+@pytest.mark.parametrize("variant", [False, True])
+@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("kv_heads", [3, 1])
+def test_scores_with_rope_on_the_query_side_are_transformers_scores(rotary_dim, variant, paired, kv_heads):
+    """``turned_scores`` (a compiled CPU step's scores of unturned keys: RoPE moved onto the query side) equals the
+    turned query times transformers' RoPE'd keys: keys in the model's order or in ``pair_order``, partial rotary,
+    halves with their own angles, one KV head read by a group of query heads."""
+    torch.manual_seed(0)
+    b, n, heads, dk = 2, 7, 3, 16
+    keys, query = torch.randn(b, n, kv_heads * dk), torch.randn(b, heads, 1, dk)
+    angles = torch.randn(b, n, rotary_dim // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    if variant:
+        cos, sin = torch.cat([angles.cos(), (2 * angles).cos()], -1), torch.cat([angles.sin(), (3 * angles).sin()], -1)
+    head_major = keys.view(b, n, kv_heads, dk).transpose(1, 2)
+    turned = (llama_rope if rotary_dim == dk else neox_rope)(head_major, head_major, cos, sin)[0]
+    expected = query @ turned.repeat_interleave(heads // kv_heads, 1).transpose(-1, -2)
+    order = pair_order(dk, rotary_dim) if paired else torch.arange(dk)
+    got = turned_scores(query[..., order], keys.view(b, n, kv_heads, dk)[..., order].reshape(b, n, -1), cos, sin,
+                        paired=paired)  # fmt: skip
+    assert got.shape == (b, heads, 1, n)
+    torch.testing.assert_close(got, expected)
 
 
 def test_rotary_pairs_only_where_one_angle_turns_each_pair():

@@ -106,6 +106,18 @@ def test_qk_norm_models_decode_compiled_from_static_caches(method, kind, tokeniz
     _compiled_decodes_as_eager(load_converted(tmp_path / "out"), f"{method} on {kind}")
 
 
+@pytest.mark.parametrize(("method", "kind"), [("slim", "gpt_neox"), ("lorc", "qwen2_gqa"), ("lorc", "qwen3")])
+def test_keys_turned_on_the_query_side_decode_compiled_as_eager(method, kind, tokenized_model_dir, tmp_path):
+    """Compiled for a CPU, slim's and LoRC's steps score their unturned keys with RoPE moved onto the query side
+    (``turned_scores``) instead of turning every key: partial rotary (GPT-NeoX), key biases and GQA (Qwen2) and
+    QK-norm (Qwen3) decode what the eager growing cache decodes."""
+    from helpers import convert
+
+    options = ("--kv-budget", "0.5", "--schedule", "uniform") if method == "lorc" else ()
+    convert(method, tokenized_model_dir(kind), tmp_path / "out", *options)
+    _compiled_decodes_as_eager(load_converted(tmp_path / "out"), f"{method} on {kind}")
+
+
 def _compiled_decodes_as_eager(model, name: str, length: int = 24, backend: str = TRACED) -> None:
     """Greedy from a static cache through generate's compiled step: the eager growing cache's tokens and logits."""
     eager = _generate(model, length)

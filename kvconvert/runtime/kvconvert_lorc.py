@@ -38,6 +38,8 @@ from .kvconvert_rope import (
     pair_order,
     rotate_pairs,
     scores_by_piece,
+    turned_scores,
+    turns_on_query_side,
 )
 
 
@@ -175,6 +177,9 @@ class LorcAttention(LatentAttention):
             elif pairs is not None:  # the rebuild's output laid out for one complex product
                 key_heads, order = self._in_pairs(keys, pairs)
                 query = query[..., order]  # the keys' channel order: every score stays the same sum
+            elif not kernel and turns_on_query_side(keys, q_len):  # compiled: RoPE on the query side, fused
+                full_keys = self._normed(self._full_keys(keys), "k_norm")
+                scores = turned_scores(query, full_keys, key_cos, key_sin, paired=False)
             else:
                 full_keys = self._normed(self._full_keys(keys), "k_norm")
                 key_heads = apply_rotary(self._grouped(full_keys), key_cos, key_sin, head_major=not kernel)

@@ -34,6 +34,8 @@ from .kvconvert_rope import (
     rotate_pairs,
     scores_by_piece,
     to_pairs,
+    turned_scores,
+    turns_on_query_side,
 )
 
 
@@ -128,6 +130,8 @@ class SlimAttention(LatentAttention):
                 # turned and scored a piece at a time (option 2 reads the keys unturned after that)
                 scores = scores_by_piece(query, kv_len, h * dk, lambda at, to: rotate_pairs(
                     self._scored(keys[:, at:to], rotated), pairs[:, at:to], h))  # fmt: skip
+            elif not kernel and turns_on_query_side(keys, q_len) and self._decode_order_is_cheaper(q_len, kv_len):
+                scores = turned_scores(query, self._scored(keys, rotated), key_cos, key_sin, paired=True)
             else:
                 key_heads = rotate_in_pairs(self._scored(keys, rotated), key_cos, key_sin, h, pairs)
         else:
