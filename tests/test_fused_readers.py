@@ -184,3 +184,23 @@ def test_a_converted_model_decodes_the_same_through_the_compiled_readers(name, s
     for step, (a, b) in enumerate(zip(eager.logits, compiled.logits, strict=True)):
         assert (a - b).abs().max() <= 1e-2 * a.abs().max(), f"decode step {step}"
     assert torch.equal(eager.sequences, compiled.sequences)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_neox", "olmo2"])
+@torch.no_grad()
+def test_slim_scores_its_keys_through_the_compiled_reader_as_eagerly(kind, fused, tokenized_model_dir, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    """Slim's eager CPU step scores its unturned keys through ``turned_scores`` compiled (RoPE on the query side, one
+    pass over the cache): a left-padded greedy batch gives the tokens and logits of turning and scoring a piece at a
+    time, partial rotary (GPT-NeoX) and a key norm over all heads (OLMo 2) included."""
+    import kvconvert
+    from tests.helpers import run_cli
+    from tests.test_kernels import assert_same_generation, greedy_twelve
+
+    result = run_cli("slim", "--model", str(tokenized_model_dir(kind)), "--out", str(tmp_path / "m"), "--quiet")
+    assert result.exit_code == 0, result.output
+    model = kvconvert.load(tmp_path / "m").eval()
+    compiled = greedy_twelve(model)
+    assert fused.get("turned_scores") not in (None, False)
+    monkeypatch.setenv("KVCONVERT_COMPILE", "off")
+    assert_same_generation(greedy_twelve(model), compiled, f"slim on {kind}")

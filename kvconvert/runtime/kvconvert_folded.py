@@ -57,9 +57,15 @@ def fuses(codes: torch.Tensor) -> bool:
 
 
 def fused_call(name: str, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, bits: int) -> torch.Tensor | None:
-    """``fn`` compiled by Inductor (once per process; shapes symbolic) on ``tensors [b, Hkv, ...]`` as rows of b·Hkv
-    (fewer sizes for its guards), its ``[b·Hkv, ...]`` result back as ``[b, Hkv, ...]``; or None where it cannot run:
-    the caller's eager ops then (``KVCONVERT_COMPILE=off``, or Inductor failed to build it here: said once)."""
+    """``fn`` compiled by Inductor (``compiled_call``) on ``tensors [b, Hkv, ...]`` as rows of b·Hkv (fewer sizes for
+    its guards), its ``[b·Hkv, ...]`` result back as ``[b, Hkv, ...]``; or None where it cannot run."""
+    out = compiled_call(name, fn, *(t.flatten(0, 1) for t in tensors), bits)
+    return None if out is None else out.unflatten(0, tensors[0].shape[:2])
+
+
+def compiled_call(name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor | None:
+    """``fn(*args)`` compiled by Inductor (once per process; shapes symbolic); or None where it cannot run: the
+    caller's eager ops then (``KVCONVERT_COMPILE=off``, or Inductor failed to build it here: said once)."""
     compiled = _FUSED.get(name)
     if compiled is False or compile_requested() == "off":
         return None
@@ -73,12 +79,12 @@ def fused_call(name: str, fn: Callable[..., torch.Tensor], *tensors: torch.Tenso
     saved = shapes.use_duck_shape, dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit
     try:
         shapes.use_duck_shape, dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit = False, 64, True
-        return compiled(*(t.flatten(0, 1) for t in tensors), bits).unflatten(0, tensors[0].shape[:2])
+        return compiled(*args)
     except Exception as exc:  # noqa: BLE001 - Inductor could not build it here (no C++ compiler, …): eager from now on
         _FUSED[name] = False
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         warnings.warn(f"kvconvert: torch.compile could not build the CPU reader {name!r} ({reason}); decoding with "
-                      "torch's eager ops (KVCONVERT_COMPILE=off skips the attempt)", stacklevel=2)  # fmt: skip
+                      "torch's eager ops (KVCONVERT_COMPILE=off skips the attempt)", stacklevel=3)  # fmt: skip
         return None
     finally:
         shapes.use_duck_shape, dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit = saved
