@@ -305,8 +305,8 @@ def test_refinement_lowers_each_layers_loss_and_the_export_carries_it(tokenized_
 @pytest.mark.slow
 def test_distillation_lowers_the_kl_and_rewrites_only_the_attention_projections(tokenized_model_dir, tmp_path):
     """--distill-steps: the export, as stock transformers builds it, fitted through the whole model on the source's
-    next-token distribution: the calibration KL falls, only each layer's q_proj / kv_a_proj_with_mqa / kv_b_proj
-    change in the checkpoint (every other tensor byte for byte the undistilled export's), the latent stays in
+    next-token distribution: the calibration KL falls, only each layer's q_proj / kv_a_proj_with_mqa / kv_b_proj /
+    o_proj change in the checkpoint (every other tensor byte for byte the undistilled export's), the latent stays in
     kv_a_layernorm's linear range, stock transformers and both kvconvert loaders still agree, the report and the
     model card say what ran; and on text it was not fitted on it is closer to the source than before."""
     from safetensors.torch import load_file
@@ -334,7 +334,7 @@ def test_distillation_lowers_the_kl_and_rewrites_only_the_attention_projections(
     assert before.keys() == after.keys()
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     fitted = {f"model.layers.{i}.self_attn.{p}.weight" for i in range(runs[40].plan.layout.num_layers)
-              for p in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")}  # fmt: skip
+              for p in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}  # fmt: skip
     assert changed == fitted
     kls = _held_out_kl(src, {steps: tmp_path / f"d{steps}" for steps in runs})
     assert kls[40] < kls[0], kls

@@ -3,9 +3,11 @@
 ``--refine-steps`` fits each layer's attention output on its own; what is left after it is not reachable one layer
 at a time (docs/lorc.md: the layers' own losses keep falling while the model's KL barely moves). Here the export
 itself, as stock transformers builds it (``DeepseekV3ForCausalLM``), takes Adam steps on the KL divergence from the
-source's next-token distribution over calibration chunks, backpropagated through every layer. Only what the format
-lets differ from the source moves: each layer's ``q_proj``, ``kv_a_proj_with_mqa`` (the latent's and the RoPE key's
-projections) and ``kv_b_proj``; embeddings, norms, MLPs and W_O stay the source's. Each weight is fitted as
+source's next-token distribution over calibration chunks, backpropagated through every layer. Only the attention's
+projections move: each layer's ``q_proj``, ``kv_a_proj_with_mqa`` (the latent's and
+the RoPE key's projections), ``kv_b_proj`` and ``o_proj`` (W_O: it reads what the latent gives back; fitting it too
+measured +50.4 % instead of +51.3 % on SmolLM2 at 0.5 after 120 steps, docs/lorc.md); embeddings, norms and MLPs stay
+the source's. Each weight is fitted as
 ``diag(s)·X`` with ``s`` its rows' RMS held fixed, so that Adam's steps are relative to each row:
 ``kv_a_proj_with_mqa`` stacks the latent's rows, scaled into ``kv_a_layernorm``'s linear range (~1e-3 of the
 others), with the RoPE key's. Unlike the layer-wise passes this loads the source and the export whole.
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 # the export's tensors the distillation fits (per decoder layer, under ``self_attn``)
-FITTED = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+FITTED = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 STEP_SIZE = 1e-3  # Adam's step per row, as a share of the row's RMS (the layer-wise fits take 1e-2: one layer moves)
 
 
