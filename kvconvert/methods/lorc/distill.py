@@ -4,11 +4,10 @@
 at a time (docs/lorc.md: the layers' own losses keep falling while the model's KL barely moves). Here the export
 itself, as stock transformers builds it (``DeepseekV3ForCausalLM``), takes Adam steps on the KL divergence from the
 source's next-token distribution over calibration chunks, backpropagated through every layer. Only the attention's
-projections move: each layer's ``q_proj``, ``kv_a_proj_with_mqa`` (the latent's and
-the RoPE key's projections), ``kv_b_proj`` and ``o_proj`` (W_O: it reads what the latent gives back; fitting it too
-measured +50.4 % instead of +51.3 % on SmolLM2 at 0.5 after 120 steps, docs/lorc.md); embeddings, norms and MLPs stay
-the source's. Each weight is fitted as
-``diag(s)·X`` with ``s`` its rows' RMS held fixed, so that Adam's steps are relative to each row:
+projections move: each layer's ``q_proj``, ``kv_a_proj_with_mqa`` (the latent's and the RoPE key's projections),
+``kv_b_proj`` and ``o_proj`` (W_O reads what the latent gives back: fitting it too measured +50.4 % instead of
++51.3 % on SmolLM2 at 0.5 after 120 steps, docs/lorc.md); embeddings, norms and MLPs stay the source's. Each weight is
+fitted as ``diag(s)·X`` with ``s`` its rows' RMS held fixed, so that Adam's steps are relative to each row:
 ``kv_a_proj_with_mqa`` stacks the latent's rows, scaled into ``kv_a_layernorm``'s linear range (~1e-3 of the
 others), with the RoPE key's. Unlike the layer-wise passes this loads the source and the export whole.
 """
