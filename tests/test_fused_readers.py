@@ -186,21 +186,26 @@ def test_a_converted_model_decodes_the_same_through_the_compiled_readers(name, s
     assert torch.equal(eager.sequences, compiled.sequences)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt_neox", "olmo2"])
+@pytest.mark.parametrize(("method", "kind"), [("slim", "llama"), ("slim", "gpt_neox"), ("slim", "olmo2"),
+                                              ("lorc", "llama_gqa"), ("lorc", "qwen3")])  # fmt: skip
 @torch.no_grad()
-def test_slim_scores_its_keys_through_the_compiled_reader_as_eagerly(kind, fused, tokenized_model_dir, tmp_path,
+def test_unturned_keys_scored_through_the_compiled_reader_as_eagerly(method, kind, fused, tokenized_model_dir, tmp_path,
                                                                      monkeypatch):  # fmt: skip
-    """Slim's eager CPU step scores its unturned keys through ``turned_scores`` compiled (RoPE on the query side, one
-    pass over the cache): a left-padded greedy batch gives the tokens and logits of turning and scoring a piece at a
-    time, partial rotary (GPT-NeoX) and a key norm over all heads (OLMo 2) included."""
+    """Slim's and LoRC's eager CPU steps score their unturned keys through ``turned_scores`` compiled (RoPE on the
+    query side, one pass over the cache): a left-padded greedy batch gives the tokens and logits of turning and
+    scoring a piece at a time, partial rotary (GPT-NeoX), a key norm over all heads (OLMo 2) or per head (Qwen3) and
+    GQA (LoRC's rebuilt keys) included."""
     import kvconvert
     from tests.helpers import run_cli
     from tests.test_kernels import assert_same_generation, greedy_twelve
 
-    result = run_cli("slim", "--model", str(tokenized_model_dir(kind)), "--out", str(tmp_path / "m"), "--quiet")
+    monkeypatch.setenv("KVCONVERT_REBUILD", "exact")
+    options = ("--kv-budget", "0.5", "--schedule", "uniform") if method == "lorc" else ()
+    result = run_cli(method, "--model", str(tokenized_model_dir(kind)), "--out", str(tmp_path / "m"), "--quiet",
+                     *options)  # fmt: skip
     assert result.exit_code == 0, result.output
     model = kvconvert.load(tmp_path / "m").eval()
     compiled = greedy_twelve(model)
-    assert fused.get("turned_scores") not in (None, False)
+    assert fused.get("turned_scores" if method == "slim" else "turned_scores_rebuilt") not in (None, False)
     monkeypatch.setenv("KVCONVERT_COMPILE", "off")
-    assert_same_generation(greedy_twelve(model), compiled, f"slim on {kind}")
+    assert_same_generation(greedy_twelve(model), compiled, f"{method} on {kind}")

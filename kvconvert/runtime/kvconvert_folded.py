@@ -63,14 +63,17 @@ def fused_call(name: str, fn: Callable[..., torch.Tensor], *tensors: torch.Tenso
     return None if out is None else out.unflatten(0, tensors[0].shape[:2])
 
 
-def compiled_call(name: str, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor | None:
-    """``fn(*args)`` compiled by Inductor (once per process; shapes symbolic); or None where it cannot run: the
-    caller's eager ops then (``KVCONVERT_COMPILE=off``, or Inductor failed to build it here: said once)."""
+def compiled_call(
+    name: str, fn: Callable[..., torch.Tensor], *args: Any, dynamic: bool | None = True
+) -> torch.Tensor | None:  # fmt: skip
+    """``fn(*args)`` compiled by Inductor (once per process; ``dynamic``: every size symbolic, or None: only those
+    that change between calls, such as a cache's length, which compiles tighter loops); or None where it cannot run:
+    the caller's eager ops then (``KVCONVERT_COMPILE=off``, or Inductor failed to build it here: said once)."""
     compiled = _FUSED.get(name)
     if compiled is False or compile_requested() == "off":
         return None
     if compiled is None:  # shapes symbolic: rows, blocks and tokens change every step without recompiling
-        compiled = _FUSED[name] = torch.compile(fn, dynamic=True)
+        compiled = _FUSED[name] = torch.compile(fn, dynamic=dynamic)
     # sizes that happen to be equal (3 query rows and 3 blocks) are not assumed to stay so; each bit width and
     # batch-of-one is a graph of its own, a process converting and scoring many candidates makes more than dynamo's
     # default 8, and one past the limit fails here instead of running the broadcast products eagerly. Set and put back
