@@ -121,9 +121,11 @@ class LorcAttention(LatentAttention):
         return rotate_pairs(keys, pairs, self.kv_heads), order
 
     def _full_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """The cached keys ``[b, n, ·]`` as full-width keys in the model's channel order: rebuilt from the latent
-        (``rebuild``: in bfloat16 where a CPU multiplies it faster), or as cached where K was kept."""
-        return keys if self.rank_k is None else rebuild(keys, self.k_up.weight, self.k_up.bias)
+        """The cached keys ``[b, n, ·]`` as full-width keys in the model's channel order, through the key norm where
+        the model has one (before RoPE): rebuilt from the latent (``rebuild``: in bfloat16 where a CPU multiplies it
+        faster), or as cached where K was kept."""
+        full = keys if self.rank_k is None else rebuild(keys, self.k_up.weight, self.k_up.bias)
+        return self._normed(full, "k_norm")
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """``[b, n, Hkv·dk]`` -> ``[b, Hkv, n, dk]``."""
@@ -176,7 +178,7 @@ class LorcAttention(LatentAttention):
                 # side in one compiled pass (only the length symbolic: tighter loops). Measured against the pieces,
                 # one process: 1 × 4K 0.71 → 0.81× the source, 8 × 1K 0.85 either way; 8 × 4K (25 MB) 0.80 → 0.76,
                 # so larger caches keep the pieces, scored while still in the CPU's caches
-                full_keys = self._normed(self._full_keys(keys), "k_norm")
+                full_keys = self._full_keys(keys)
                 scores = compiled_call("turned_scores_rebuilt", turned_scores, query, full_keys, key_cos, key_sin,
                                        False, dynamic=None)  # fmt: skip
             if scores is not None:
@@ -191,13 +193,13 @@ class LorcAttention(LatentAttention):
                 key_heads, order = self._in_pairs(keys, pairs)
                 query = query[..., order]  # the keys' channel order: every score stays the same sum
             elif not kernel and turns_on_query_side(keys, q_len):  # compiled: RoPE on the query side, fused
-                full_keys = self._normed(self._full_keys(keys), "k_norm")
+                full_keys = self._full_keys(keys)
                 scores = turned_scores(query, full_keys, key_cos, key_sin, paired=False)
             else:
-                full_keys = self._normed(self._full_keys(keys), "k_norm")
+                full_keys = self._full_keys(keys)
                 key_heads = apply_rotary(self._grouped(full_keys), key_cos, key_sin, head_major=not kernel)
         elif not self.absorbed_keys:
-            key_heads = self._grouped(self._normed(self._full_keys(keys), "k_norm"))
+            key_heads = self._grouped(self._full_keys(keys))
         if kernel:
             key_tokens = keys if self.absorbed_keys else key_heads.transpose(1, 2).reshape(batch, kv_len, -1)
             bias = additive_mask(attention_mask, 1, kv_len, torch.float32, keys.device)
