@@ -186,6 +186,39 @@ def test_a_converted_model_decodes_the_same_through_the_compiled_readers(name, s
     assert torch.equal(eager.sequences, compiled.sequences)
 
 
+@pytest.mark.parametrize("paired", [False, True])
+def test_compiled_scores_of_half_precision_keys_turned_on_the_query_side(paired, fused):
+    """In bfloat16 (no complex pairs, so the other way turns every key and writes it back in bfloat16 first) the
+    compiled ``turned_scores`` is as close to float64's turned keys times the query as that other way is."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from kvconvert.runtime.kvconvert_rope import pair_order, rotate_in_pairs, turned_scores
+
+    torch.manual_seed(1)
+    b, n, heads, kv_heads, dk = 2, 300, 4, 2, 64
+    keys, query = torch.randn(b, n, kv_heads * dk), torch.randn(b, heads, 1, dk)
+    angles = torch.arange(n)[:, None] * 10000.0 ** (-torch.arange(dk // 2) / (dk // 2))
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[None], torch.cat([angles.sin()] * 2, -1)[None]
+    head_major = keys.double().view(b, n, kv_heads, dk).transpose(1, 2)
+    turned = apply_rotary_pos_emb(head_major, head_major, cos.double(), sin.double())[0]
+    expected = query.double() @ turned.repeat_interleave(heads // kv_heads, 1).transpose(-1, -2)
+    order = pair_order(dk, dk) if paired else torch.arange(dk)
+    half = [t.bfloat16() for t in (query[..., order], keys.view(b, n, kv_heads, dk)[..., order].reshape(b, n, -1),
+                                   cos, sin)]  # fmt: skip
+    compiled = kvconvert_folded.compiled_call("turned_scores", turned_scores, *half, paired)
+    assert fused.get("turned_scores") not in (None, False) and compiled is not None
+    assert compiled.dtype == torch.bfloat16 and compiled.shape == (b, heads, 1, n)
+    if paired:  # slim's way: every key turned in bfloat16, then the product
+        other = half[0] @ rotate_in_pairs(half[1], half[2], half[3], kv_heads).repeat_interleave(2, 1).transpose(-1, -2)
+    else:  # LoRC's way
+        grouped = half[1].view(b, n, kv_heads, dk).transpose(1, 2)
+        other = half[0] @ apply_rotary_pos_emb(grouped, grouped, half[2], half[3])[0].repeat_interleave(2, 1).mT
+    # mean errors: the largest is the result's own rounding to bfloat16 (half a unit at |score| ~ 30), alike in both
+    error, other_error = ((t.double() - expected).abs().mean().item() for t in (compiled, other))
+    assert error <= other_error
+    torch.testing.assert_close(compiled.double(), expected, atol=2**-8 * expected.abs().max().item(), rtol=2**-8)
+
+
 @pytest.mark.parametrize(("method", "kind"), [("slim", "llama"), ("slim", "gpt_neox"), ("slim", "olmo2"),
                                               ("lorc", "llama_gqa"), ("lorc", "qwen3")])  # fmt: skip
 @torch.no_grad()
@@ -209,3 +242,23 @@ def test_unturned_keys_scored_through_the_compiled_reader_as_eagerly(method, kin
     assert fused.get("turned_scores" if method == "slim" else "turned_scores_rebuilt") not in (None, False)
     monkeypatch.setenv("KVCONVERT_COMPILE", "off")
     assert_same_generation(greedy_twelve(model), compiled, f"{method} on {kind}")
+
+
+@pytest.mark.parametrize("method", ["slim", "lorc"])
+@torch.no_grad()
+def test_half_precision_checkpoints_take_the_compiled_reader(method, fused, tokenized_model_dir, tmp_path):
+    """A bfloat16 checkpoint (no complex pairs) decodes through the compiled ``turned_scores`` too; its accuracy is
+    the function's test above (a whole random model in bfloat16 flips greedy tokens on any change of rounding)."""
+    import kvconvert
+    from tests.helpers import run_cli
+    from tests.test_kernels import greedy_twelve
+
+    options = ("--kv-budget", "0.5", "--schedule", "uniform") if method == "lorc" else ("--accept-v-error",)
+    result = run_cli(method, "--model", str(tokenized_model_dir("llama_gqa" if method == "lorc" else "llama")),
+                     "--out", str(tmp_path / "m"), "--quiet", "--dtype", "bfloat16", *options)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    model = kvconvert.load(tmp_path / "m").eval()
+    assert model.dtype == torch.bfloat16
+    logits = greedy_twelve(model).logits
+    assert fused.get("turned_scores" if method == "slim" else "turned_scores_rebuilt") not in (None, False)
+    assert all(torch.isfinite(step).all() for step in logits)

@@ -173,11 +173,14 @@ class LorcAttention(LatentAttention):
             key_cos, key_sin = rotary_for_keys(cache, rotary, keys, key_positions)
             pairs = None if self.rank_k is None else pairs_for_keys(cache, key_cos, key_sin)
             rebuilt_bytes = 4 * batch * kv_len * hkv * self.head_dim
-            if pairs is not None and q_len == 1 and not kernel and fuses(keys) and rebuilt_bytes <= 2 * KEY_PIECE_BYTES:
+            whole = pairs is None or rebuilt_bytes <= 2 * KEY_PIECE_BYTES
+            if q_len == 1 and not kernel and fuses(keys) and whole:
                 # eagerly on a CPU, keys that are one or two pieces: rebuilt whole, then scored with RoPE on the query
                 # side in one compiled pass (only the length symbolic: tighter loops). Measured against the pieces,
                 # one process: 1 × 4K 0.71 → 0.81× the source, 8 × 1K 0.85 either way; 8 × 4K (25 MB) 0.80 → 0.76,
-                # so larger caches keep the pieces, scored while still in the CPU's caches
+                # so larger caches keep the pieces, scored while still in the CPU's caches. Without pairs (half
+                # precision, keys not compressed, a RoPE whose halves' angles differ) there are no pieces: the other
+                # way turns every rebuilt key and writes it back first, at any size
                 full_keys = self._full_keys(keys)
                 scores = compiled_call("turned_scores_rebuilt", turned_scores, query, full_keys, key_cos, key_sin,
                                        False, dynamic=None)  # fmt: skip

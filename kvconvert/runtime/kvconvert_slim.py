@@ -127,19 +127,19 @@ class SlimAttention(LatentAttention):
             assert key_positions is not None
             key_cos, key_sin = rotary_for_keys(cache, rotary, keys, key_positions)
             pairs = pairs_for_keys(cache, key_cos, key_sin)
-            if pairs is not None and q_len == 1 and not kernel and self._decode_order_is_cheaper(q_len, kv_len):
+            one_query = q_len == 1 and not kernel and self._decode_order_is_cheaper(q_len, kv_len)  # option 2, torch
+            if one_query and fuses(keys):
                 # eagerly on a CPU, RoPE on the query side in one compiled pass (``turned_scores``: 1 × 4K of 16 heads
-                # 0.46 ms a layer where turning and scoring a piece at a time takes 1.55, AMD EPYC); else turned and
-                # scored a piece at a time (option 2 reads the keys unturned after that)
-                if fuses(keys):
-                    scores = compiled_call("turned_scores", turned_scores, query, self._scored(keys, rotated),
-                                           key_cos, key_sin, True)  # fmt: skip
-                if scores is None:
-                    scores = scores_by_piece(query, kv_len, h * dk, lambda at, to: rotate_pairs(
-                        self._scored(keys[:, at:to], rotated), pairs[:, at:to], h))  # fmt: skip
-            elif not kernel and turns_on_query_side(keys, q_len) and self._decode_order_is_cheaper(q_len, kv_len):
+                # 0.46 ms a layer where turning and scoring a piece at a time takes 1.55, AMD EPYC); with pairs
+                # (not half precision) else turned and scored a piece at a time; option 2 then reads them unturned
+                scores = compiled_call("turned_scores", turned_scores, query, self._scored(keys, rotated),
+                                       key_cos, key_sin, True)  # fmt: skip
+            if scores is None and one_query and pairs is not None:
+                scores = scores_by_piece(query, kv_len, h * dk, lambda at, to: rotate_pairs(
+                    self._scored(keys[:, at:to], rotated), pairs[:, at:to], h))  # fmt: skip
+            elif scores is None and one_query and turns_on_query_side(keys, q_len):
                 scores = turned_scores(query, self._scored(keys, rotated), key_cos, key_sin, paired=True)
-            else:
+            elif scores is None:
                 key_heads = rotate_in_pairs(self._scored(keys, rotated), key_cos, key_sin, h, pairs)
         else:
             query = query.view(batch, q_len, h, dk).transpose(1, 2)  # [b, h, q, dk]
