@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--name", default="runtime-ab")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the three models cast to it after loading (a bfloat16 checkpoint)")  # fmt: skip
     parser.add_argument("--static", action="store_true", help="decode from static caches, eagerly (batch 1)")
     parser.add_argument("--capacity", type=float, default=None, help="static caches hold this many times the context")
     parser.add_argument("--compiled", action="store_true",
@@ -75,6 +77,7 @@ def main() -> None:
                   f"runtime of {base}": AutoModelForCausalLM.from_pretrained(before, trust_remote_code=True).eval(),
                   "working tree": new}  # fmt: skip
         assert type(new).__module__.startswith(kvconvert.__name__)
+        models = {label: model.to(getattr(torch, args.dtype)) for label, model in models.items()}
         for context in contexts:
             for batch in (int(b) for b in args.batches.split(",")):
                 measured = side_by_side(models, context, args.steps, args.rounds, batch=batch, static=args.static,
@@ -91,7 +94,7 @@ def main() -> None:
     payload = {"machine": machine(), "recipe": json.loads(args.recipe), "model": args.model, "base": base,
                "steps": args.steps, "rounds": args.rounds, "static": args.static, "capacity": args.capacity,
                "compiled": args.compiled,
-               "rows": rows,
+               "dtype": args.dtype, "rows": rows,
                "seconds": time.perf_counter() - started}  # fmt: skip
     write_results(args.name, payload, table)
 
