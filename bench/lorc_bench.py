@@ -104,13 +104,6 @@ VARIANTS: list[tuple[str, str, float, dict[str, Any], int | None]] = [
         {"latent": "mla", "refine_steps": 100, "distill_steps": 200, "distill_chunks": 16},
         None,
     ),
-    (
-        "--latent mla --refine-steps 100 --distill-steps 400",
-        EXT,
-        0.3,
-        {"latent": "mla", "refine_steps": 100, "distill_steps": 400, "distill_chunks": 16},
-        None,
-    ),
 ]
 
 
