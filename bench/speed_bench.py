@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="candidates whose label contains this text ('|': any of several; "
                                                      "'=LABEL': that label exactly)")  # fmt: skip
     parser.add_argument("--name", default="speed", help="results file stem (bench/results/NAME-<date>.*)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="every model, the source too, cast to it after loading")  # fmt: skip
     parser.add_argument("--static", action="store_true",
                         help="batch 1 also from static caches decoded eagerly, sized for as many new tokens as the "
                              "context (generate(cache_implementation='static') without a compile)")  # fmt: skip
@@ -108,7 +110,9 @@ def main() -> None:
                 models[label] = _converted(source_dir, recipe, label, Path(tmp) / f"m{len(models)}")
                 recipes[label] = recipe
         batches = [int(b) for b in args.batches.split(",")]
-        rows += _measure("smollm2-135m (fp32)", models, recipes, contexts, args.steps, args.rounds, batches,
+        dtype, short = getattr(torch, args.dtype), {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]
+        models = {label: model.to(dtype) for label, model in models.items()}
+        rows += _measure(f"smollm2-135m ({short})", models, recipes, contexts, args.steps, args.rounds, batches,
                          args.compiled, args.static)  # fmt: skip
         if args.serving:
             context, rows_ = args.serving
@@ -119,18 +123,20 @@ def main() -> None:
             slim = {"method": "slim"}
             models = {"source": AutoModelForCausalLM.from_pretrained(mha).eval(),
                       "slim": _converted(mha, slim, "slim", Path(tmp) / "slim")}  # fmt: skip
-            rows += _measure("random MHA Llama 8×1024 (fp32)", models, {"slim": slim}, contexts, args.steps,
+            models = {label: model.to(dtype) for label, model in models.items()}
+            rows += _measure(f"random MHA Llama 8×1024 ({short})", models, {"slim": slim}, contexts, args.steps,
                              args.rounds, batches, args.compiled, args.static)  # fmt: skip
     table = "" if not rows else markdown_table(
         ["source", "context", "batch", "decode", "model", "decode tok/s", "× source", "cache MiB",
-         "cache ÷ source (fp32)"],
+         f"cache ÷ source ({short})"],
         [[r["source"], r["context"], r["batch"],
           "compiled, static cache" if r["compiled"] else "static cache, eager" if r.get("static") else "eager",
           r["model"], f"{r['decode_tokens_per_s']:.2f}",
           f"{r['ratio_to_source']:.2f}", f"{r['cache_bytes_after_prefill'] / 2**20:.1f}",
           f"{r['cache_ratio_to_source']:.3f}"] for r in rows],
     )  # fmt: skip
-    payload: dict[str, Any] = {"machine": machine(), "steps": args.steps, "rounds": args.rounds, "rows": rows}
+    payload: dict[str, Any] = {"machine": machine(), "steps": args.steps, "rounds": args.rounds, "dtype": args.dtype,
+                               "rows": rows}  # fmt: skip
     if args.serving:
         payload["serving"] = serving
         within = f"{args.serving[0]} tokens × {args.serving[1]}"
