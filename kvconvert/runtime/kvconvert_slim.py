@@ -130,8 +130,9 @@ class SlimAttention(LatentAttention):
             one_query = q_len == 1 and not kernel and self._decode_order_is_cheaper(q_len, kv_len)  # option 2, torch
             if one_query and fuses(keys):
                 # eagerly on a CPU, RoPE on the query side in one compiled pass (``turned_scores``: 1 × 4K of 16 heads
-                # 0.46 ms a layer where turning and scoring a piece at a time takes 1.55, AMD EPYC); with pairs
-                # (not half precision) else turned and scored a piece at a time; option 2 then reads them unturned
+                # 0.46 ms a layer where turning and scoring a piece at a time takes 1.55, AMD EPYC). Where it cannot
+                # build: a piece at a time if the keys have complex pairs (not in half precision), else all turned
+                # first. Option 2 then reads the keys unturned
                 scores = compiled_call("turned_scores", turned_scores, query, self._scored(keys, rotated),
                                        key_cos, key_sin, True)  # fmt: skip
             if scores is None and one_query and pairs is not None:
