@@ -199,3 +199,25 @@ def test_keys_turned_a_piece_at_a_time_score_as_the_whole(method, kind, tiny_mod
     for piece, run in zip(("one token", "three tokens"), runs[1:], strict=True):
         assert torch.equal(run.sequences, runs[0].sequences), piece
         assert_same_logits(torch.stack(runs[0].logits), torch.stack(run.logits), f"pieces of {piece}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("length", [5, 64, 130, 192])
+def test_products_with_a_cache_split_its_length_as_the_plain_products(dtype, length):
+    """``cache_scores`` / ``cache_mix`` (whole 64-token blocks in the cache's dtype, the rest in float32, so that a
+    growing half-precision cache does not make oneDNN build a kernel every step): the plain products' values to the
+    dtype's rounding, against float64, in batched and broadcast shapes; float32 is the plain product itself."""
+    from kvconvert.runtime.kvconvert_common import cache_mix, cache_scores
+
+    torch.manual_seed(length)
+    cache = torch.randn(2, 3, 200, 48)[:, :, :length]  # a view of a longer buffer, as a growing store's is
+    query, weights = torch.randn(2, 3, 4, 48), torch.softmax(torch.randn(2, 3, 4, length), -1)
+    for got, expected in ((cache_scores(query.to(dtype), cache.to(dtype)), query.double() @ cache.double().mT),
+                          (cache_mix(weights.to(dtype), cache.to(dtype)), weights.double() @ cache.double())):  # fmt: skip
+        assert got.dtype == dtype and got.shape == expected.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, expected.float())
+        else:  # operands rounded to the dtype, sums in float32, the result rounded once more
+            torch.testing.assert_close(got.double(), expected, atol=0.05, rtol=0.02)
+    flat = cache[0].to(dtype)  # [b, n, w], as torch.bmm takes it
+    torch.testing.assert_close(cache_scores(query[0].to(dtype), flat), query[0].to(dtype) @ flat.mT)

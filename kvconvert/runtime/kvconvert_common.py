@@ -390,7 +390,47 @@ def query_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     if query.shape[-2] == 1 and query.device.type == "cpu" and torch.compiler.is_compiling():
         padded = torch.cat([query, torch.zeros_like(query)], dim=-2)
         return (padded @ keys.transpose(-1, -2))[..., :1, :]
-    return query @ keys.transpose(-1, -2)
+    return cache_scores(query, keys)
+
+
+# torch takes a CPU's bfloat16 / float16 products to oneDNN, which builds a kernel for every new shape: 0.5–0.7 ms a
+# product (AMD EPYC, measured), where the product itself takes 20–60 µs. A decode step's products with a cache one
+# token longer than the last step's would build one every step, two a layer. So the cache's length is split: whole
+# blocks of LENGTH_BLOCK tokens in the cache's dtype (a new shape every LENGTH_BLOCK steps), the rest in float32,
+# which torch takes to MKL (no per-shape build) and which those few tokens cost little to widen.
+LENGTH_BLOCK = 64
+
+
+def _whole_blocks(cache: torch.Tensor) -> int | None:
+    """The tokens of ``cache [..., n, w]`` in whole blocks, where its products split (half precision on a CPU,
+    eagerly, a length not a whole number of blocks); else None."""
+    n = cache.shape[-2]
+    if cache.device.type != "cpu" or cache.dtype not in (torch.bfloat16, torch.float16) or not n % LENGTH_BLOCK:
+        return None
+    return None if torch.compiler.is_compiling() else n - n % LENGTH_BLOCK
+
+
+def cache_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``query [..., m, d] @ keys [..., n, d]ᵀ`` over a cache's ``n`` tokens, in the query's dtype, split as above."""
+    whole = _whole_blocks(keys)
+    if whole is None:
+        return query @ keys.transpose(-1, -2)
+    rest = query.float() @ keys[..., whole:, :].float().transpose(-1, -2)
+    if not whole:
+        return rest.to(query.dtype)
+    return torch.cat([query @ keys[..., :whole, :].transpose(-1, -2), rest.to(query.dtype)], dim=-1)
+
+
+def cache_mix(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``weights [..., m, n] @ values [..., n, d]`` over a cache's ``n`` tokens, in the weights' dtype, split as
+    above (the two partial sums added in float32)."""
+    whole = _whole_blocks(values)
+    if whole is None:
+        return weights @ values
+    rest = weights[..., whole:].float() @ values[..., whole:, :].float()
+    if whole:
+        rest = rest + (weights[..., :whole] @ values[..., :whole, :]).float()
+    return rest.to(weights.dtype)
 
 
 class HeadNorm(nn.Module):

@@ -19,7 +19,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec
-from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows, static_refusal
+from .kvconvert_common import (
+    LayerStateCache,
+    additive_mask,
+    cache_layer_of,
+    cache_mix,
+    softmax_rows,
+    static_refusal,
+)
 from .kvconvert_kernels import razor_decode_triton, use_kernels
 from .kvconvert_quant import int4_values_or, kivi_decode, kivi_kernel_reads, token_reader, token_values_store
 from .kvconvert_razor_ops import (
@@ -350,7 +357,7 @@ def attend_state(
         out[:, layer.retrieval] = fused_attention(query, layer.retrieval, group, full, bias, scale)
     elif full is not None:
         scores = grouped_scores(grouped_query[:, layer.retrieval], full[0], bias, scale, group)
-        out[:, layer.retrieval] = softmax_rows(scores, value.dtype) @ full[1]
+        out[:, layer.retrieval] = cache_mix(softmax_rows(scores, value.dtype), full[1])
     if short is not None and q_len > 1 and kept_bias is not None:
         (sink_k, recent_k), (sink_v, recent_v) = short
         comp_logit = count_logit(count, query.dtype).view(-1, 1, 1, 1).expand(batch, 1, q_len, 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .kvconvert_common import softmax_rows
+from .kvconvert_common import cache_scores, softmax_rows
 from .kvconvert_kernels import chunk_attention
 
 
@@ -99,7 +99,7 @@ def grouped_scores(
 ) -> torch.Tensor:
     """Scaled scores of a group's stacked query rows ``[b, k, G·q, d]`` against ``keys [b, k, n, d]``,
     plus ``bias [b|1, 1, q, n]`` (shared by the G heads): ``[b, k, G·q, n]``."""
-    scores = (query @ keys.transpose(-1, -2)) * scale
+    scores = cache_scores(query, keys) * scale
     return scores if bias is None else grouped_bias(scores, bias, group)
 
 

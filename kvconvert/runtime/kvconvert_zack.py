@@ -20,6 +20,8 @@ from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
     additive_mask,
+    cache_mix,
+    cache_scores,
     default_position_ids,
     family_rotary,
     latent_layers,
@@ -150,10 +152,10 @@ class ZackAttention(LatentAttention):
         for g, query_g in enumerate(queries):
             packed[:, g * self.group : (g + 1) * self.group, :, k_off : k_off + self.rank_k[g]] = query_g
             k_off += self.rank_k[g]
-        scores = torch.bmm(packed.view(batch, self.heads * q_len, -1), keys.transpose(1, 2)) * self.scaling
+        scores = cache_scores(packed.view(batch, self.heads * q_len, -1), keys) * self.scaling
         if bias is not None:
             scores = (scores.view(batch, self.heads, q_len, kv_len) + bias).view(batch, -1, kv_len)
-        mixed = torch.bmm(softmax_rows(scores, values.dtype), values).view(batch, self.heads, q_len, -1)
+        mixed = cache_mix(softmax_rows(scores, values.dtype), values).view(batch, self.heads, q_len, -1)
         outputs = []
         for g in range(self.kv_heads):  # [b, G, q, r_v,g] per group: still rotated; W_O undoes it
             out = mixed[:, g * self.group : (g + 1) * self.group, :, v_off : v_off + self.rank_v[g]]
