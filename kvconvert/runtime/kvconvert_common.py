@@ -397,7 +397,9 @@ def query_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 # product (AMD EPYC, measured), where the product itself takes 20–60 µs. A decode step's products with a cache one
 # token longer than the last step's would build one every step, two a layer. So the cache's length is split: whole
 # blocks of LENGTH_BLOCK tokens in the cache's dtype (a new shape every LENGTH_BLOCK steps), the rest in float32,
-# which torch takes to MKL (no per-shape build) and which those few tokens cost little to widen.
+# which torch takes to MKL (no per-shape build) and which those few tokens cost little to widen. Not every shape pays
+# the build: measured in one process on SmolLM2 in bfloat16 at 1 × 1K, ZACK's packed products 52 → 31 ms a step and
+# razor's whole heads 36 → 33 ms with the split, LoRC's latent and slim's key rows no change, so they keep theirs.
 LENGTH_BLOCK = 64
 
 
