@@ -212,8 +212,9 @@ def test_products_with_a_cache_split_its_length_as_the_plain_products(dtype, len
     torch.manual_seed(length)
     cache = torch.randn(2, 3, 200, 48)[:, :, :length]  # a view of a longer buffer, as a growing store's is
     query, weights = torch.randn(2, 3, 4, 48), torch.softmax(torch.randn(2, 3, 4, length), -1)
-    for got, expected in ((cache_scores(query.to(dtype), cache.to(dtype)), query.double() @ cache.double().mT),
-                          (cache_mix(weights.to(dtype), cache.to(dtype)), weights.double() @ cache.double())):  # fmt: skip
+    half = cache.to(dtype)
+    for got, expected in ((cache_scores(query.to(dtype), half), query.double() @ cache.double().mT),
+                          (cache_mix(weights.to(dtype), half), weights.double() @ cache.double())):  # fmt: skip
         assert got.dtype == dtype and got.shape == expected.shape
         if dtype == torch.float32:
             torch.testing.assert_close(got, expected.float())
