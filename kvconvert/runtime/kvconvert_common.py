@@ -409,16 +409,23 @@ def _half_on_cpu(cache: torch.Tensor) -> bool:
     return cache.device.type == "cpu" and half and not torch.compiler.is_compiling()
 
 
+def keys_first(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``query [..., m, d] @ keys [..., n, d]ᵀ``; in oneDNN as ``keys @ queryᵀ``, transposed back (a view): it reads a
+    cache handed to it transposed 4–5× slower (bfloat16, 9 query rows against 1–8 × 1K–4K keys of 107 channels: 288
+    against 74 µs at 8 × 1K), and a product's result costs nothing to transpose."""
+    if not _half_on_cpu(keys):
+        return query @ keys.transpose(-1, -2)
+    return (keys @ query.transpose(-1, -2)).transpose(-1, -2)
+
+
 def cache_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``query [..., m, d] @ keys [..., n, d]ᵀ`` over a cache's ``n`` tokens, in the query's dtype, split as above.
-    In oneDNN the whole blocks are taken as ``keys @ queryᵀ``, transposed back (a view): it reads a cache handed to it
-    transposed 4–5× slower (bfloat16, 9 query rows against 1–8 × 1K–4K keys of 107 channels: 288 against 74 µs at
-    8 × 1K), and a product's result costs nothing to transpose."""
+    """``query [..., m, d] @ keys [..., n, d]ᵀ`` over a cache's ``n`` tokens, in the query's dtype, split as above
+    (the whole blocks ``keys_first``)."""
     if not _half_on_cpu(keys):
         return query @ keys.transpose(-1, -2)
     n = keys.shape[-2]
     whole = n - n % LENGTH_BLOCK
-    parts = [(keys[..., :whole, :] @ query.transpose(-1, -2)).transpose(-1, -2)] if whole else []
+    parts = [keys_first(query, keys[..., :whole, :])] if whole else []
     if whole < n:
         parts.append((query.float() @ keys[..., whole:, :].float().transpose(-1, -2)).to(query.dtype))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

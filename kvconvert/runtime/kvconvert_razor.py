@@ -24,6 +24,7 @@ from .kvconvert_common import (
     additive_mask,
     cache_layer_of,
     cache_mix,
+    keys_first,
     softmax_rows,
     static_refusal,
 )
@@ -368,7 +369,7 @@ def attend_state(
         (sink_k, recent_k), (sink_v, recent_v) = short
         rows = grouped_query[:, layer.others]
         # sink and window scored apart: concatenating the window's keys would copy it every step
-        scores = torch.cat([rows @ sink_k.transpose(-1, -2), rows @ recent_k.transpose(-1, -2)], dim=-1) * scale
+        scores = torch.cat([keys_first(rows, sink_k), keys_first(rows, recent_k)], dim=-1) * scale
         if kept_bias is not None:
             scores = grouped_bias(scores, kept_bias, group)
         out[:, layer.others] = compensated_attention(rows, (sink_k, recent_k), (sink_v, recent_v), scores, comp_k,
