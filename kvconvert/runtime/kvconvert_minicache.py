@@ -38,7 +38,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec
-from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows, static_refusal
+from .kvconvert_common import (
+    LayerStateCache,
+    additive_mask,
+    cache_layer_of,
+    cache_mix,
+    cache_scores,
+    softmax_rows,
+    static_refusal,
+)
 from .kvconvert_folded import folded_channel_mix, folded_scores, kivi_folded_fits
 from .kvconvert_merge import MergedStream, merged_decode, merged_reads_codes
 from .kvconvert_quant import kivi_stock_layer, static_quant_layer
@@ -282,7 +290,7 @@ def _latent_scores(store: TokenStore, x: torch.Tensor) -> torch.Tensor:
     blocks are read from their codes (``folded_scores``), the exact sink and float tail as they are; a store with no
     block yet is read whole."""
     if not _folded(store):
-        return torch.bmm(x, store.read().to(x.dtype).transpose(1, 2))
+        return cache_scores(x, store.read().to(x.dtype))
     assert store.blocks is not None and store.tail is not None
     blocks, n_q = store.blocks, store.quantized_tokens
     codes = folded_scores(x[:, None], blocks.codes[:, None], blocks.scale[:, None], blocks.zero[:, None],
@@ -297,7 +305,7 @@ def _latent_mix(store: TokenStore, weights: torch.Tensor) -> torch.Tensor:
     """``weights [b, R, n]`` times every latent the store holds: ``[b, R, r]`` in the weights' dtype, read as
     ``_latent_scores`` reads them (``folded_channel_mix`` for the quantized blocks)."""
     if not _folded(store):
-        return torch.bmm(weights, store.read().to(weights.dtype))
+        return cache_mix(weights, store.read().to(weights.dtype))
     assert store.blocks is not None and store.tail is not None
     blocks, n_q, sink = store.blocks, store.quantized_tokens, (0 if store.head is None else store.head.shape[1])
     p = weights.float()
