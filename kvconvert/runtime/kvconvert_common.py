@@ -399,7 +399,8 @@ def query_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 # blocks of LENGTH_BLOCK tokens in the cache's dtype (a new shape every LENGTH_BLOCK steps), the rest in float32,
 # which torch takes to MKL (no per-shape build) and which those few tokens cost little to widen. Not every shape pays
 # the build: measured in one process on SmolLM2 in bfloat16 at 1 × 1K, ZACK's packed products 52 → 31 ms a step and
-# razor's whole heads 36 → 33 ms with the split, LoRC's latent and slim's key rows no change, so they keep theirs.
+# razor's whole heads 36 → 33 ms with the split (MiniCache's 16-bit subspace latents gain too), LoRC's latent and
+# slim's key rows no change, so they keep theirs.
 LENGTH_BLOCK = 64
 
 
