@@ -219,6 +219,17 @@ def test_compiled_scores_of_half_precision_keys_turned_on_the_query_side(paired,
     torch.testing.assert_close(compiled.double(), expected, atol=2**-8 * expected.abs().max().item(), rtol=2**-8)
 
 
+def _unturned_checkpoint(method: str, source, out, *extra: str):
+    """``source`` converted by slim, or by LoRC at 0.5 (uniform), through the CLI; loaded."""
+    import kvconvert
+    from tests.helpers import run_cli
+
+    options = ("--kv-budget", "0.5", "--schedule", "uniform") if method == "lorc" else ()
+    result = run_cli(method, "--model", str(source), "--out", str(out), "--quiet", *options, *extra)
+    assert result.exit_code == 0, result.output
+    return kvconvert.load(out).eval()
+
+
 @pytest.mark.parametrize(("method", "kind"), [("slim", "llama"), ("slim", "gpt_neox"), ("slim", "olmo2"),
                                               ("lorc", "llama_gqa"), ("lorc", "qwen3")])  # fmt: skip
 @torch.no_grad()
@@ -228,16 +239,10 @@ def test_unturned_keys_scored_through_the_compiled_reader_as_eagerly(method, kin
     query side, one pass over the cache): a left-padded greedy batch gives the tokens and logits of turning and
     scoring a piece at a time, partial rotary (GPT-NeoX), a key norm over all heads (OLMo 2) or per head (Qwen3) and
     GQA (LoRC's rebuilt keys) included."""
-    import kvconvert
-    from tests.helpers import run_cli
     from tests.test_kernels import assert_same_generation, greedy_twelve
 
     monkeypatch.setenv("KVCONVERT_REBUILD", "exact")
-    options = ("--kv-budget", "0.5", "--schedule", "uniform") if method == "lorc" else ()
-    result = run_cli(method, "--model", str(tokenized_model_dir(kind)), "--out", str(tmp_path / "m"), "--quiet",
-                     *options)  # fmt: skip
-    assert result.exit_code == 0, result.output
-    model = kvconvert.load(tmp_path / "m").eval()
+    model = _unturned_checkpoint(method, tokenized_model_dir(kind), tmp_path / "m")
     compiled = greedy_twelve(model)
     assert fused.get("turned_scores" if method == "slim" else "turned_scores_rebuilt") not in (None, False)
     monkeypatch.setenv("KVCONVERT_COMPILE", "off")
@@ -249,15 +254,11 @@ def test_unturned_keys_scored_through_the_compiled_reader_as_eagerly(method, kin
 def test_half_precision_checkpoints_take_the_compiled_reader(method, fused, tokenized_model_dir, tmp_path):
     """A bfloat16 checkpoint (no complex pairs) decodes through the compiled ``turned_scores`` too; its accuracy is
     the function's test above (a whole random model in bfloat16 flips greedy tokens on any change of rounding)."""
-    import kvconvert
-    from tests.helpers import run_cli
     from tests.test_kernels import greedy_twelve
 
-    options = ("--kv-budget", "0.5", "--schedule", "uniform") if method == "lorc" else ("--accept-v-error",)
-    result = run_cli(method, "--model", str(tokenized_model_dir("llama_gqa" if method == "lorc" else "llama")),
-                     "--out", str(tmp_path / "m"), "--quiet", "--dtype", "bfloat16", *options)  # fmt: skip
-    assert result.exit_code == 0, result.output
-    model = kvconvert.load(tmp_path / "m").eval()
+    extra = ("--dtype", "bfloat16") + (("--accept-v-error",) if method == "slim" else ())
+    model = _unturned_checkpoint(method, tokenized_model_dir("llama_gqa" if method == "lorc" else "llama"),
+                                 tmp_path / "m", *extra)  # fmt: skip
     assert model.dtype == torch.bfloat16
     logits = greedy_twelve(model).logits
     assert fused.get("turned_scores" if method == "slim" else "turned_scores_rebuilt") not in (None, False)

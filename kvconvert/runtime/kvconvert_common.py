@@ -422,14 +422,12 @@ def keys_first(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def cache_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``query [..., m, d] @ keys [..., n, d]ᵀ`` over a cache's ``n`` tokens, in the query's dtype, split as above
     (the whole blocks ``keys_first``)."""
-    if not _half_on_cpu(keys):
-        return query @ keys.transpose(-1, -2)
     n = keys.shape[-2]
     whole = n - n % LENGTH_BLOCK
-    parts = [keys_first(query, keys[..., :whole, :])] if whole else []
-    if whole < n:
-        parts.append((query.float() @ keys[..., whole:, :].float().transpose(-1, -2)).to(query.dtype))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    if not _half_on_cpu(keys) or whole == n:
+        return keys_first(query, keys)
+    rest = (query.float() @ keys[..., whole:, :].float().transpose(-1, -2)).to(query.dtype)
+    return torch.cat([keys_first(query, keys[..., :whole, :]), rest], dim=-1) if whole else rest
 
 
 def cache_mix(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
