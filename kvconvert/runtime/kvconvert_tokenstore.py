@@ -34,7 +34,8 @@ class TokenStore:
     """
 
     _tail: torch.Tensor | None
-    _room: torch.Tensor | None  # the buffer ``tail`` is the front of, while it is (``_grown``)
+    _room: torch.Tensor | None  # the buffer ``tail`` is a window of, while it is (``_grown``)
+    _room_start: int  # where in ``_room`` (along the token axis) ``tail`` starts
 
     def __init__(self, quant: QuantSpec, per_channel: bool):
         self.quant, self.per_channel = quant, per_channel
@@ -57,8 +58,8 @@ class TokenStore:
 
     @tail.setter
     def tail(self, tokens: torch.Tensor | None) -> None:
-        # a tail set here is no buffer's front: the room ``_grown`` kept is let go, not held beside it
-        self._tail, self._room = tokens, None
+        # a tail set here is no buffer's window: the room ``_grown`` kept is let go, not held beside it
+        self._tail, self._room, self._room_start = tokens, None, 0
 
     @property
     def blocks(self) -> QuantizedBlock | None:
@@ -160,16 +161,19 @@ class TokenStore:
         decode step on a CPU, in ``torch.profiler``). Only single-token appends get room (at most a sixty-fourth
         more tokens: the bytes the cache holds, which budgets measure, grow by at most that); a longer append (a
         prefill chunk) makes an exact buffer. ``tail``'s setter lets the room go, so a room held is always the
-        buffer ``tail`` is the front of."""
+        buffer ``tail`` is a window of (``drop_front`` moves the window's start: a sliding window then copies
+        itself once every n/64 steps, not at every step)."""
         held, count = tail.shape[-2], new.shape[-2]
-        room, dtype = self._room, torch.promote_types(tail.dtype, new.dtype)  # what ``torch.cat`` would make
-        if room is None or room.shape[-2] < held + count or room.dtype != dtype:
+        room, start = self._room, self._room_start
+        dtype = torch.promote_types(tail.dtype, new.dtype)  # what ``torch.cat`` would make
+        if room is None or room.shape[-2] < start + held + count or room.dtype != dtype:
             spare = (held + count) // 64 if count == 1 else 0  # a copy every n/64 steps: 64 tokens a step
             room = tail.new_empty(*tail.shape[:-2], held + count + spare, tail.shape[-1], dtype=dtype)
             room[..., :held, :] = tail
-        self._room = room
-        room[..., held : held + count, :] = new
-        return room[..., : held + count, :]
+            start = 0
+        self._room, self._room_start = room, start
+        room[..., start + held : start + held + count, :] = new
+        return room[..., start : start + held + count, :]
 
     def append(self, new: torch.Tensor) -> None:
         self.width = new.shape[-1]
@@ -254,7 +258,10 @@ class TokenStore:
             # a view keeps the dropped tokens' storage until the next append copies the tail; worth it
             # for the token or two a sliding window drops per step, not for a prefill's many
             rest = self.tail[..., cut:, :]
-            self.tail = rest if cut <= rest.shape[-2] // 16 else rest.clone()
+            if self._room is not None and cut <= rest.shape[-2] // 16:  # the window moves along its room
+                self._tail, self._room_start = rest, self._room_start + cut
+            else:
+                self.tail = rest if cut <= rest.shape[-2] // 16 else rest.clone()
         self._free_dropped_blocks()
         if self.head is not None:
             self.head = self.head[..., count:, :].clone() if count < self.head.shape[-2] else None
