@@ -73,6 +73,66 @@ def test_a_chunk_attends_through_sdpa_as_eq5_says():
     torch.testing.assert_close(fused_attention(query, others, group, kv, mask, 0.3), expected)
 
 
+def test_a_16_bit_window_slides_along_its_room_holding_exactly_its_tokens():
+    """A 16-bit store used as razor's window (a token in, the oldest out, every step) hands out exactly the tokens it
+    should at every step, and keeps its buffer with room as it slides: a new buffer every few steps, not every step."""
+    from kvconvert.runtime.kvconvert_codec import QuantSpec
+    from kvconvert.runtime.kvconvert_tokenstore import TokenStore
+
+    tokens = torch.randn(2, 3, 700, 4, generator=torch.Generator().manual_seed(3))
+    store, window = TokenStore(QuantSpec(), per_channel=False), 256
+    assert torch.equal(store.extend(tokens[:, :, :window]), tokens[:, :, :window])  # a prefill
+    buffers = set()
+    for t in range(window, tokens.shape[2]):
+        held = store.extend(tokens[:, :, t : t + 1])
+        assert torch.equal(held, tokens[:, :, t - window : t + 1])
+        buffers.add(held.untyped_storage().data_ptr())
+        assert torch.equal(store.take_front(1), tokens[:, :, t - window : t - window + 1])
+        assert len(store) == window
+    steps = tokens.shape[2] - window
+    assert len(buffers) <= steps // 4, f"{len(buffers)} buffers in {steps} steps"
+
+
+@torch.no_grad()
+def test_whole_heads_decode_through_sdpa_as_plain_products_while_windows_slide(tokenized_model_dir, tmp_path,
+                                                                                   monkeypatch):  # fmt: skip
+    """16-bit razor: a decode step's whole heads through SDPA (their G query heads as G rows of one KV head) give the
+    tokens and logits of the same attention as plain products (softmax, then the product), over 40 steps of a
+    left-padded batch in which the other heads' windows of 20 tokens slide along their buffer."""
+    import types
+
+    import kvconvert
+    from kvconvert.runtime import kvconvert_razor
+
+    src = tokenized_model_dir("llama_gqa")
+    convert("razor", src, tmp_path / "r", "--profile-tokens", "16", "--induction-frac", "0.3", "--echo-frac", "0",
+            "--window", "20", "--window-frac", "0", "--sink", "2")  # fmt: skip
+    ids, mask = left_padded()
+    calls: list[str] = []
+
+    def plain(query, keys, values, bias):
+        scores = query.float() @ keys.float().transpose(-1, -2) * query.shape[-1] ** -0.5
+        return (torch.softmax(scores if bias is None else scores + bias.float(), -1) @ values.float()).to(query.dtype)
+
+    def whole(query, keys, values, attn_mask=None, scale=None):
+        calls.append("whole")
+        assert scale == query.shape[-1] ** -0.5
+        return plain(query, keys, values, attn_mask)
+
+    def run():
+        model = kvconvert.load(tmp_path / "r").eval()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True, pad_token_id=0)  # fmt: skip
+        return torch.stack(out.logits), out.sequences
+
+    fused_logits, fused_tokens = run()
+    monkeypatch.setattr(kvconvert_razor, "F", types.SimpleNamespace(scaled_dot_product_attention=whole))
+    plain_logits, plain_tokens = run()
+    assert calls
+    assert torch.equal(fused_tokens, plain_tokens)
+    torch.testing.assert_close(fused_logits, plain_logits, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_compensation_logit_comes_in_the_dtype_asked_for(dtype):
     """Its mask column joins the query's dtype: SDPA on a GPU refuses a mask of another dtype (on a CPU it does
