@@ -359,7 +359,7 @@ def attend_state(
         out[:, layer.retrieval] = fused_attention(query, layer.retrieval, group, full, bias, scale)
     elif full is not None and q_len == 1:
         # one token: SDPA's fused kernel, its G stacked query rows sharing the bias. It reads the store's view with
-        # room to grow as it is, where oneDNN's half-precision products copy it, and at batch 1 it is 1.3-2.8x
+        # room to grow as it is, where oneDNN's half-precision products copy it, and at batch 1 it is 1.2-2.8x
         # faster than scores, softmax and product apart (SmolLM2's heads at 1K-4K, float32 and bfloat16)
         out[:, layer.retrieval] = F.scaled_dot_product_attention(grouped_query[:, layer.retrieval], full[0], full[1],
                                                                  attn_mask=bias, scale=scale)  # fmt: skip
