@@ -24,7 +24,6 @@ from .kvconvert_common import (
     LayerStateCache,
     additive_mask,
     cache_layer_of,
-    cache_mix,
     keys_first,
     softmax_rows,
     static_refusal,
@@ -354,18 +353,16 @@ def attend_state(
         out[:, at] = decoded.to(query.dtype).view(batch, len(o), group, dim)
     full, short = layer.extend(key, value, read_full=not from_codes, read_short=not (window_codes or window_kivi))
     # chunks (prefill): SDPA's fused kernel, 4x faster on CPU at 4K than scores in float32 (the compensation token's
-    # ln N_d goes into its mask); one token: the grouped products, the G query heads of a KV head as one matrix
+    # ln N_d goes into its mask); one token: the G query heads of a KV head as one matrix (the window heads through
+    # the grouped products: through SDPA, their merge with the sink and compensation token measured slower)
     if full is not None and q_len > 1 and bias is not None:
         out[:, layer.retrieval] = fused_attention(query, layer.retrieval, group, full, bias, scale)
-    elif full is not None and q_len == 1:
-        # one token: SDPA's fused kernel, its G stacked query rows sharing the bias. It reads the store's view with
-        # room to grow as it is, where oneDNN's half-precision products copy it, and at batch 1 it is 1.2-2.8x
-        # faster than scores, softmax and product apart (SmolLM2's heads at 1K-4K, float32 and bfloat16)
+    elif full is not None:  # one token (a chunk always has a bias: ``additive_mask``)
+        # SDPA's fused kernel too, its G stacked query rows sharing the bias. It reads the store's view with room to
+        # grow as it is, where oneDNN's half-precision products copy it, and at batch 1 it is 1.2-2.8x faster than
+        # scores, softmax and product apart (SmolLM2's heads at 1K-4K, float32 and bfloat16)
         out[:, layer.retrieval] = F.scaled_dot_product_attention(grouped_query[:, layer.retrieval], full[0], full[1],
                                                                  attn_mask=bias, scale=scale)  # fmt: skip
-    elif full is not None:
-        scores = grouped_scores(grouped_query[:, layer.retrieval], full[0], bias, scale, group)
-        out[:, layer.retrieval] = cache_mix(softmax_rows(scores, value.dtype), full[1])
     if short is not None and q_len > 1 and kept_bias is not None:
         (sink_k, recent_k), (sink_v, recent_v) = short
         comp_logit = count_logit(count, query.dtype).view(-1, 1, 1, 1).expand(batch, 1, q_len, 1)

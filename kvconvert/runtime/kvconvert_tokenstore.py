@@ -258,10 +258,11 @@ class TokenStore:
             # a view keeps the dropped tokens' storage until the next append copies the tail; worth it
             # for the token or two a sliding window drops per step, not for a prefill's many
             rest = self.tail[..., cut:, :]
-            if self._room is not None and cut <= rest.shape[-2] // 16:  # the window moves along its room
+            few = cut <= rest.shape[-2] // 16
+            if few and self._room is not None:  # the window moves along its room
                 self._tail, self._room_start = rest, self._room_start + cut
             else:
-                self.tail = rest if cut <= rest.shape[-2] // 16 else rest.clone()
+                self.tail = rest if few else rest.clone()
         self._free_dropped_blocks()
         if self.head is not None:
             self.head = self.head[..., count:, :].clone() if count < self.head.shape[-2] else None
