@@ -220,6 +220,9 @@ def test_row_layouts_and_mean_rotation():
         ("llama_gqa", ("--schedule", "auto"), "--schedule auto"),
         ("llama_gqa", ("--kv-budget", "0.2"), "below what MLA can hold"),
         ("llama_gqa", ("--mla-rope-dim", "32"), "at most the head width 16"),
+        ("llama_gqa", ("--mla-rope-dim", "7"), "an even width >= 2 or auto"),
+        ("llama_gqa", ("--mla-rope-dim", "wide"), "'wide' is neither a whole number nor auto"),
+        ("llama_gqa", ("--kv-budget", "0.05", "--mla-rope-dim", "auto"), "RoPE key alone is 0.062"),
         # Llama 3.1's rope scaling slows all but the fastest of this tiny model's frequencies
         ("llama3_rope", ("--mla-rope-dim", "8"), "rope scaling (llama3) changes"),
     ],
@@ -338,6 +341,46 @@ def test_distillation_lowers_the_kl_and_rewrites_only_the_attention_projections(
     assert changed == fitted
     kls = _held_out_kl(src, {steps: tmp_path / f"d{steps}" for steps in runs})
     assert kls[40] < kls[0], kls
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_rope_width_auto_keeps_the_width_whose_export_is_closest_to_the_source(tokenized_model_dir, tmp_path):
+    """--mla-rope-dim auto: every candidate width (a quarter to all of the head width) is built as it would be
+    written, refinement included, and scored; the KL it records for each equals that of the export written at that
+    width explicitly, as stock transformers runs it on the same held-out calibration chunks; it keeps the lowest,
+    and its checkpoint is byte for byte the explicit export of that width."""
+    from safetensors.torch import load_file
+
+    from kvconvert.calib.text import calibration_set
+
+    src = tokenized_model_dir("llama_gqa")
+    options = (*MLA, "--kv-budget", "0.5", "--refine-steps", "10")
+    convert("lorc", src, tmp_path / "auto", *options, "--mla-rope-dim", "auto")
+    report = json.loads((tmp_path / "auto" / "kvconvert.json").read_text())
+    search = report["plan"]["calibration"]["rope_search"]
+    widths = [c["rope_dim"] for c in search["candidates"]]
+    head_dim = transformers.AutoConfig.from_pretrained(src).head_dim
+    assert widths == [head_dim // 4, head_dim // 2, head_dim * 3 // 4, head_dim], widths
+    assert all(c["kv_lora_rank"] + c["rope_dim"] == search["candidates"][0]["kv_lora_rank"] + widths[0]
+               for c in search["candidates"])  # fmt: skip
+    assert any(r["refine_loss_after"] < r["refine_loss_before"] for r in report["layers"])  # the fit is scored
+    best = min(search["candidates"], key=lambda c: c["kl"])
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "auto").qk_rope_head_dim == best["rope_dim"]
+    chunks = calibration_set(src, None, 2048, search["chunk_len"], 0).held_out[: search["chunks"]]
+    assert chunks.shape[0] == search["chunks"] == 4
+    reference = load_reference(src)(chunks).logits.log_softmax(-1)
+    for candidate in search["candidates"]:
+        out = tmp_path / str(candidate["rope_dim"])
+        convert("lorc", src, out, *options, "--mla-rope-dim", str(candidate["rope_dim"]))
+        logits = _stock(out)(chunks).logits.log_softmax(-1)
+        kl = float((reference.exp() * (reference - logits)).sum(-1).mean())
+        assert kl == pytest.approx(candidate["kl"], rel=1e-5), (candidate, kl)
+    chosen, explicit = load_file(tmp_path / "auto" / "model.safetensors"), load_file(
+        tmp_path / str(best["rope_dim"]) / "model.safetensors")  # fmt: skip
+    assert chosen.keys() == explicit.keys() and all(torch.equal(chosen[n], explicit[n]) for n in chosen)
+    card = (tmp_path / "auto" / "README.md").read_text()
+    assert f"one RoPE key of {best['rope_dim']} values" in card and "(--mla-rope-dim auto)" in card
 
 
 def test_distillation_needs_the_mla_export(tokenized_model_dir, tmp_path):

@@ -24,12 +24,30 @@ def cli_fields(config: type) -> list[dataclasses.Field[Any]]:
 
 
 def _plain(hint: Any) -> Any:
-    """``X | None`` -> ``X``."""
+    """``X | None`` -> ``X``; ``int | Literal[...] | None`` -> ``(int, Literal[...])`` (a number or a word)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 2 and args[0] is int and typing.get_origin(args[1]) is Literal:
+            return tuple(args)
         assert len(args) == 1, f"a config option is one type or None, not {hint}"
         return args[0]
     return hint
+
+
+class _IntOrWord(click.ParamType):
+    """A whole number or one of a few words (``--mla-rope-dim 32`` or ``auto``)."""
+
+    def __init__(self, words: tuple[str, ...]):
+        self.words = words
+        self.name = "integer|" + "|".join(words)
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, int) or value in self.words:
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number nor {' / '.join(self.words)}", param, ctx)
 
 
 def click_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[Any], Any]:
@@ -47,6 +65,8 @@ def click_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[Any], Any]:
         literal = typing.get_origin(kind) is Literal
         if literal:
             kwargs["type"] = click.Choice([str(c) for c in typing.get_args(kind)])
+        elif isinstance(kind, tuple):
+            kwargs["type"] = _IntOrWord(tuple(str(word) for word in typing.get_args(kind[1])))
         else:
             kwargs["type"] = click.Path(path_type=Path) if kind is Path else kind
         if f.default is dataclasses.MISSING:

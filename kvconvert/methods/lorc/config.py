@@ -75,10 +75,12 @@ class LorcConfig:
         help="--latent mla: score the key parts the shared RoPE key cannot hold with their mean rotation over "
         "relative distances 0..N-1 spread evenly (default: as each head's attention spreads on calibration text).",
     )
-    mla_rope_dim: int | None = option(
+    mla_rope_dim: int | Literal["auto"] | None = option(
         None,
         help="--latent mla: width of the RoPE key all heads share (qk_rope_head_dim), which keeps the fastest "
-        "frequencies (default: the head width, at most 64: what engines' MLA kernels take).",
+        "frequencies (default: the head width, at most 64: what engines' MLA kernels take), or auto: a quarter, "
+        "half, three quarters and all of that width, each built as it would be written (--refine-steps included), "
+        "and the one with the lowest KL from the source on held-out calibration text kept (extension).",
     )
 
     def __post_init__(self) -> None:
@@ -111,8 +113,9 @@ class LorcConfig:
                                  "needs --latent mla")  # fmt: skip
         if self.latent not in ("separate", "joint", "mla"):
             raise KVConvertError(f"latent must be separate, joint or mla, got {self.latent!r}")
-        if self.mla_rope_dim is not None and (self.latent != "mla" or self.mla_rope_dim < 2 or self.mla_rope_dim % 2):
-            raise KVConvertError(f"--mla-rope-dim takes an even width >= 2, with --latent mla; got {self.mla_rope_dim}")
+        rope = self.mla_rope_dim
+        if rope is not None and (self.latent != "mla" or (rope != "auto" and (rope < 2 or rope % 2))):
+            raise KVConvertError(f"--mla-rope-dim takes an even width >= 2 or auto, with --latent mla; got {rope}")
         if self.mla_distance is not None and (self.latent != "mla" or self.mla_distance < 1):
             raise KVConvertError(f"--mla-distance takes a whole number of tokens >= 1, with --latent mla; got "
                                  f"{self.mla_distance}")  # fmt: skip

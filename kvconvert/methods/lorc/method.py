@@ -252,11 +252,21 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
                 refined += (f", then distilled through the whole model for {distilled['steps']} steps on the source's "
                             f"next-token distribution (KL {distilled['kl_before']:.4f} → {distilled['kl_after']:.4f} "
                             "nats per calibration token)" if distilled["kept"] else "")  # fmt: skip
+            decided = report.get("plan", {})
+            rope = f" of {decided['mla']['rope_dim']} values" if "mla" in decided else ""
+            searched = ""
+            if search := decided.get("calibration", {}).get("rope_search"):
+                tried = ", ".join(f"{c['rope_dim']}: {c['kl']:.4f}" for c in search["candidates"])
+                searched = (
+                    f" Its RoPE key's width was measured (--mla-rope-dim auto): KL from the source per "
+                    f"token on {search['chunks']} held-out calibration chunks, each width's export built "
+                    f"as written, {tried}; the lowest kept."
+                )
             return (
                 f"LoRC written as a standard DeepSeek-V3 checkpoint (multi-head latent attention): per layer one "
                 f"latent of {report['layers'][0]['rank']} values that keys and values are rebuilt from, plus one RoPE "
-                "key shared by all heads (each frequency's principal direction across the KV heads); fitted on "
-                f"calibration activations{refined}. Stock transformers loads it without remote code "
+                f"key{rope} shared by all heads (each frequency's principal direction across the KV heads); fitted "
+                f"on calibration activations{refined}.{searched} Stock transformers loads it without remote code "
                 "(`AutoModelForCausalLM.from_pretrained(DIR)`: `DeepseekV3ForCausalLM`, whose cache holds the latent "
                 "and the RoPE key), and so do serving engines with MLA kernels (`vllm serve DIR`)."
             )
@@ -450,47 +460,102 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         if any(b is not None for w in ctx.layers for b in (w.q_bias, w.k_bias, w.v_bias, w.o_bias)):
             raise KVConvertError("--latent mla cannot express attention biases (DeepSeek-V3's query projection has "
                                  "none)")  # fmt: skip
-        rope = config.mla_rope_dim or min(layout.head_dim, 64)
-        engine = deepseek_v3_config(source.config, layout, 1, rope)  # refuses a RoPE width it cannot express
-        kv_lora_rank = round(config.kv_budget * 2 * layout.kv_width) - rope
-        if kv_lora_rank < 1:
-            raise KVConvertError(f"kv_budget {config.kv_budget} is below what MLA can hold: its shared RoPE key alone "
-                                 f"is {rope / (2 * layout.kv_width):.3f} of this model's cache")  # fmt: skip
-        engine["kv_lora_rank"] = kv_lora_rank
+        width = round(config.kv_budget * 2 * layout.kv_width)  # cached values per token and layer
+        engines: dict[int, dict[str, Any]] = {}
+        refusal: KVConvertError | None = None
+        for rope in self._rope_dims(layout):
+            try:
+                engine = deepseek_v3_config(source.config, layout, 1, rope)  # refuses a RoPE width it cannot express
+                if width - rope < 1:
+                    raise KVConvertError(f"kv_budget {config.kv_budget} is below what MLA can hold: its shared RoPE "
+                                         f"key alone is {rope / (2 * layout.kv_width):.3f} of this model's "
+                                         "cache")  # fmt: skip
+                engines[rope] = {**engine, "kv_lora_rank": width - rope}
+            except KVConvertError as exc:  # auto: the widths this model can take are still candidates
+                refusal = refusal or exc  # the narrowest width's reason, the one closest to being taken
+        if not engines:
+            assert refusal is not None
+            raise refusal
         calib = calibration_set(source.path, config.calib, config.calib_tokens,
                                 min(config.chunk_len, layout.context), config.seed)  # fmt: skip
         grams, distances = collect_mla_statistics(source, adapter, calib.chunks, ctx.progress)
         if config.mla_distance is not None:  # the user's uniform spread instead of the measured one
             distances = torch.ones(*distances.shape[:2], config.mla_distance, dtype=distances.dtype)
-        plan = MlaPlan(
-            layout, kv_lora_rank, rope, grams,
-            rotations=mean_rotation(frequencies, distances),
-            query_scale=layout.scaling[0] / deepseek_v3_scaling({**source.config.to_dict(), **engine}),
-            engine=engine,
-            added=untied_head(source.config, source.tensor_names()),
-            calibration={"source": calib.source, "tokens": calib.tokens, "chunk_len": int(calib.chunks.shape[1]),
-                         "latent_norm_eps": LATENT_NORM_EPS},
-            frequencies=frequencies,
-        )  # fmt: skip
-        if not config.refine_steps:
-            return plan
-        return self._refine_mla(ctx, plan, calib.chunks[: config.refine_chunks])
+        rotations = mean_rotation(frequencies, distances)
+        best: tuple[float, MlaPlan] | None = None
+        search: list[dict[str, Any]] = []
+        held_out = (calib.held_out if calib.held_out.shape[0] else calib.chunks)[: config.probe_chunks]
+        for rope, engine in engines.items():
+            plan = MlaPlan(
+                layout, width - rope, rope, grams,
+                rotations=rotations,
+                query_scale=layout.scaling[0] / deepseek_v3_scaling({**source.config.to_dict(), **engine}),
+                engine=engine,
+                added=untied_head(source.config, source.tensor_names()),
+                calibration={"source": calib.source, "tokens": calib.tokens, "chunk_len": int(calib.chunks.shape[1]),
+                             "latent_norm_eps": LATENT_NORM_EPS},
+                frequencies=frequencies,
+            )  # fmt: skip
+            if config.refine_steps:
+                plan = self._refine_mla(ctx, plan, calib.chunks[: config.refine_chunks])
+            if len(engines) == 1:
+                return plan
+            kl = self._mla_kl(ctx, plan, held_out)
+            search.append({"rope_dim": rope, "kv_lora_rank": width - rope, "kl": kl})
+            if best is None or kl < best[0]:
+                best = (kl, plan)  # only the best so far is kept: each plan holds every layer's fitted parts
+        assert best is not None
+        chosen = best[1]
+        ran = {"candidates": search, "chunks": int(held_out.shape[0]), "chunk_len": int(held_out.shape[1])}
+        return dataclasses.replace(chosen, calibration={**chosen.calibration, "rope_search": ran})
 
-    def _refine_mla(self, ctx: PlanContext, plan: MlaPlan, chunks: torch.Tensor) -> MlaPlan:
-        """``methods.lorc.refine.refine_mla_layers`` from each layer's closed form: ``plan`` with the refined
-        parts, the losses per layer, and what the refinement ran in its calibration entry."""
-        import dataclasses
-        import time
+    def _rope_dims(self, layout: AttentionLayout) -> list[int]:
+        """The shared RoPE key's widths to build: the one asked for, the head width (at most 64: engines' kernels
+        take 64) by default, or for ``auto`` a quarter, half, three quarters and all of that width (even): a
+        narrower key leaves more of a small budget to the latent but keeps fewer frequencies' rotation exact (on
+        SmolLM2 the best width moved with the budget and with refinement, docs/lorc.md: measured, not ruled)."""
+        widest = min(layout.head_dim, 64)
+        if self.config.mla_rope_dim == "auto":
+            return sorted({w for w in (widest * k // 4 // 2 * 2 for k in (1, 2, 3, 4)) if w >= 2})
+        return [self.config.mla_rope_dim or widest]
 
+    def _mla_kl(self, ctx: PlanContext, plan: MlaPlan, chunks: torch.Tensor) -> float:
+        """Mean KL(source ‖ ``plan``'s export) per token on ``chunks``: the source run layer by layer with every
+        attention replaced by DeepSeek-V3's (``mla.mla_forward``, as the checkpoint computes it) from the tensors
+        the plan writes (``_mla_layer``: its fitted parts where it has them)."""
+        from kvconvert.arch import adapter_for
+        from kvconvert.calib.hooks import attention_io
+        from kvconvert.calib.probes import branch_kls
+        from kvconvert.calib.sequential import active_branch
+
+        adapter = adapter_for(ctx.source.config)
+        job_for = self._mla_jobs(ctx, plan)
+        current: dict[str, Any] = {}  # the running layer's job: built once per layer, not per chunk
+
+        def hook(layer: int, hidden: torch.Tensor, output: torch.Tensor) -> torch.Tensor | None:
+            if active_branch() is None:  # the reference stream: the source as it is
+                return None
+            if current.get("layer") != layer:
+                current.update(layer=layer, job=job_for(layer))
+            parts = {name: t.to(hidden.device, torch.float32) for name, t in current["job"].parts.items()}
+            return current["job"].forward(parts, hidden.float())
+
+        def observe(model: Any) -> Any:
+            return attention_io(model, adapter.attention_module_paths(), hook)
+
+        return branch_kls(ctx.source, chunks, [0], observe, progress=False)[0]
+
+    def _mla_jobs(self, ctx: PlanContext, plan: MlaPlan) -> Any:
+        """``layer -> MlaJob``: each layer's tensors as ``plan`` writes them (the closed form, read from the
+        checkpoint when asked, or its fitted parts where it has them) and what ``mla.mla_forward`` holds fixed."""
         from kvconvert.arch import adapter_for
         from kvconvert.arch.mla import LATENT_NORM_EPS
         from kvconvert.methods.lorc.mla import mla_parts
-        from kvconvert.methods.lorc.refine import MlaJob, refine_mla_layers
+        from kvconvert.methods.lorc.refine import MlaJob
 
-        source, layout, steps = ctx.source, plan.layout, self.config.refine_steps
+        source, layout, frequencies = ctx.source, plan.layout, plan.frequencies
         adapter = adapter_for(source.config)
         names = adapter.attention_names_by_layer(source.tensor_names())
-        frequencies = plan.frequencies
         assert frequencies is not None
 
         def job_for(layer: int) -> MlaJob:
@@ -503,8 +568,20 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
                 norm_eps=LATENT_NORM_EPS,
             )  # fmt: skip
 
+        return job_for
+
+    def _refine_mla(self, ctx: PlanContext, plan: MlaPlan, chunks: torch.Tensor) -> MlaPlan:
+        """``methods.lorc.refine.refine_mla_layers`` from each layer's closed form: ``plan`` with the refined
+        parts, the losses per layer, and what the refinement ran in its calibration entry."""
+        import time
+
+        from kvconvert.arch import adapter_for
+        from kvconvert.methods.lorc.refine import refine_mla_layers
+
+        source, steps = ctx.source, self.config.refine_steps
         started = time.perf_counter()
-        refined, log = refine_mla_layers(source, adapter, chunks, job_for, steps, ctx.progress)
+        refined, log = refine_mla_layers(source, adapter_for(source.config), chunks, self._mla_jobs(ctx, plan), steps,
+                                         ctx.progress)  # fmt: skip
         ran = {"steps": steps, "chunks": int(chunks.shape[0]), "seconds": round(time.perf_counter() - started, 1)}
         return dataclasses.replace(plan, refined=refined, refine_log=log,
                                    calibration={**plan.calibration, "refine": ran})  # fmt: skip
@@ -724,8 +801,12 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
                                           progress)}  # fmt: skip
 
     def summary(self, plan: LorcPlan | MlaPlan) -> dict[str, Any]:
-        """Whole-model decisions (``kvconvert.json`` → ``plan``): the calibration and auto's probes."""
-        return {"calibration": plan.calibration} if plan.calibration else {}
+        """Whole-model decisions (``kvconvert.json`` → ``plan``): the calibration and auto's probes; an MLA export's
+        widths."""
+        summary: dict[str, Any] = {"calibration": plan.calibration} if plan.calibration else {}
+        if isinstance(plan, MlaPlan):
+            summary["mla"] = {"kv_lora_rank": plan.kv_lora_rank, "rope_dim": plan.rope_dim}
+        return summary
 
     def runtime_spec(
         self, plan: LorcPlan | MlaPlan, layout: AttentionLayout, tensor_names: list[list[str]]
