@@ -104,7 +104,17 @@ VARIANTS: list[tuple[str, str, float, dict[str, Any], int | None]] = [
         {"latent": "mla", "refine_steps": 100, "distill_steps": 200, "distill_chunks": 16},
         None,
     ),
-]
+    # a narrower shared RoPE key leaves more of a small budget to the latent (the head width's 64 at 0.5 and 0.3)
+    ("--latent mla --mla-rope-dim 48 --refine-steps 100", EXT, 0.5,
+     {"latent": "mla", "mla_rope_dim": 48, "refine_steps": 100}, None),
+    ("--latent mla --mla-rope-dim 32 --refine-steps 100", EXT, 0.3,
+     {"latent": "mla", "mla_rope_dim": 32, "refine_steps": 100}, None),
+    ("--latent mla --mla-rope-dim 32 --refine-steps 100 --distill-steps 200", EXT, 0.3,
+     {"latent": "mla", "mla_rope_dim": 32, "refine_steps": 100, "distill_steps": 200, "distill_chunks": 16}, None),
+    # the width measured: each of 16 / 32 / 48 / 64 refined as written, the lowest held-out KL kept
+    ("--latent mla --mla-rope-dim auto --refine-steps 100", EXT, 0.5,
+     {"latent": "mla", "mla_rope_dim": "auto", "refine_steps": 100}, None),
+]  # fmt: skip
 
 
 def main() -> None:
@@ -148,6 +158,8 @@ def main() -> None:
             # per layer [K rank, V rank] ([latent, latent] for a joint or MLA latent)
             row["ranks"] = [[layer.get("rank_k", layer.get("rank")), layer.get("rank_v", layer.get("rank"))]
                             for layer in method_report(dst)]  # fmt: skip
+            if search := _rope_search(dst):  # --mla-rope-dim auto: every width's held-out KL
+                row["rope_search"] = search
             rows.append(row)
             print({k: v for k, v in row.items() if k != "ranks"}, flush=True)
     table_rows = []
@@ -179,6 +191,12 @@ def method_report(dst: Path) -> list[dict[str, Any]]:
     import json
 
     return list(json.loads((dst / "kvconvert.json").read_text())["layers"])
+
+
+def _rope_search(dst: Path) -> dict[str, Any] | None:
+    import json
+
+    return json.loads((dst / "kvconvert.json").read_text()).get("plan", {}).get("calibration", {}).get("rope_search")
 
 
 if __name__ == "__main__":

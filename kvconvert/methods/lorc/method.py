@@ -26,7 +26,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -43,6 +43,11 @@ from kvconvert.methods.base import (
     qk_norm_tensors,
 )
 from kvconvert.methods.lorc.config import LorcConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvconvert.methods.lorc.refine import MlaJob
 
 Affine = tuple[torch.Tensor, torch.Tensor]  # (Π, c): x ↦ Π·x + c, ``calib.projection.projected_kv``
 
@@ -536,16 +541,17 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
             if active_branch() is None:  # the reference stream: the source as it is
                 return None
             if current.get("layer") != layer:
-                current.update(layer=layer, job=job_for(layer))
-            parts = {name: t.to(hidden.device, torch.float32) for name, t in current["job"].parts.items()}
-            return current["job"].forward(parts, hidden.float())
+                job = job_for(layer)
+                parts = {name: t.to(hidden.device, torch.float32) for name, t in job.parts.items()}
+                current.update(layer=layer, job=job, parts=parts)
+            return current["job"].forward(current["parts"], hidden.float())
 
         def observe(model: Any) -> Any:
             return attention_io(model, adapter.attention_module_paths(), hook)
 
         return branch_kls(ctx.source, chunks, [0], observe, progress=False)[0]
 
-    def _mla_jobs(self, ctx: PlanContext, plan: MlaPlan) -> Any:
+    def _mla_jobs(self, ctx: PlanContext, plan: MlaPlan) -> Callable[[int], MlaJob]:
         """``layer -> MlaJob``: each layer's tensors as ``plan`` writes them (the closed form, read from the
         checkpoint when asked, or its fitted parts where it has them) and what ``mla.mla_forward`` holds fixed."""
         from kvconvert.arch import adapter_for
