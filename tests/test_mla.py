@@ -383,13 +383,13 @@ def test_rope_width_auto_keeps_the_width_whose_export_is_closest_to_the_source(t
     assert f"one RoPE key of {best['rope_dim']} values" in card and "(--mla-rope-dim auto)" in card
 
 
-def test_distillation_needs_the_mla_export(tokenized_model_dir, tmp_path):
+@pytest.mark.parametrize("option", [("--distill-steps", "5"), ("--mla-rope-dim", "auto")])
+def test_the_mla_options_need_the_mla_export(tokenized_model_dir, tmp_path, option):
     src, out = tokenized_model_dir("llama_gqa"), tmp_path / "out"
-    result = run_cli("lorc", "--model", str(src), "--out", str(out), "--quiet", "--kv-budget", "0.5",
-                     "--distill-steps", "5")  # fmt: skip
+    result = run_cli("lorc", "--model", str(src), "--out", str(out), "--quiet", "--kv-budget", "0.5", *option)
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--distill-steps" in lines[0] and "--latent mla" in lines[0], result.stderr
+    assert len(lines) == 1 and option[0] in lines[0] and "needs --latent mla" in lines[0], result.stderr
     assert not out.exists()
 
 

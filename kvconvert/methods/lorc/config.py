@@ -114,8 +114,10 @@ class LorcConfig:
         if self.latent not in ("separate", "joint", "mla"):
             raise KVConvertError(f"latent must be separate, joint or mla, got {self.latent!r}")
         rope = self.mla_rope_dim
-        if rope is not None and (self.latent != "mla" or (rope != "auto" and (rope < 2 or rope % 2))):
-            raise KVConvertError(f"--mla-rope-dim takes an even width >= 2 or auto, with --latent mla; got {rope}")
+        if rope is not None and self.latent != "mla":
+            raise KVConvertError("--mla-rope-dim is the width of an MLA export's RoPE key: it needs --latent mla")
+        if rope is not None and rope != "auto" and (rope < 2 or rope % 2):
+            raise KVConvertError(f"--mla-rope-dim takes an even width >= 2 or auto; got {rope}")
         if self.mla_distance is not None and (self.latent != "mla" or self.mla_distance < 1):
             raise KVConvertError(f"--mla-distance takes a whole number of tokens >= 1, with --latent mla; got "
                                  f"{self.mla_distance}")  # fmt: skip
