@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import tempfile
 import time
@@ -156,10 +157,11 @@ def main() -> None:
             row.update({k: result[k] for k in keys})
             row["dppl"] = result["ppl"] / reference["ppl"] - 1
             # per layer [K rank, V rank] ([latent, latent] for a joint or MLA latent)
+            report = json.loads((dst / "kvconvert.json").read_text())
             row["ranks"] = [[layer.get("rank_k", layer.get("rank")), layer.get("rank_v", layer.get("rank"))]
-                            for layer in method_report(dst)]  # fmt: skip
-            if search := _rope_search(dst):  # --mla-rope-dim auto: every width's held-out KL
-                row["rope_search"] = search
+                            for layer in report["layers"]]  # fmt: skip
+            if search := report.get("plan", {}).get("calibration", {}).get("rope_search"):
+                row["rope_search"] = search  # --mla-rope-dim auto: every width's held-out KL
             rows.append(row)
             print({k: v for k, v in row.items() if k != "ranks"}, flush=True)
     table_rows = []
@@ -185,18 +187,6 @@ def main() -> None:
                "rows": rows, "seconds": time.perf_counter() - started}  # fmt: skip
     name = "lorc" if args.data == "wikitext2" else f"lorc-{args.data}"
     write_results(name if args.only is None else f"{name}-rows-{'-'.join(map(str, args.only))}", payload, table)
-
-
-def method_report(dst: Path) -> list[dict[str, Any]]:
-    import json
-
-    return list(json.loads((dst / "kvconvert.json").read_text())["layers"])
-
-
-def _rope_search(dst: Path) -> dict[str, Any] | None:
-    import json
-
-    return json.loads((dst / "kvconvert.json").read_text()).get("plan", {}).get("calibration", {}).get("rope_search")
 
 
 if __name__ == "__main__":
