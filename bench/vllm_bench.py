@@ -10,10 +10,11 @@ throughput at batch 1 and 16 and vLLM's KV capacity, export against source. A fi
 vLLM's runtime flag ``--kv-cache-dtype fp8`` alone (no scales: 1.0), what serving fp8 costs without
 calibration. Then the MLA export (``lorc --latent mla``, DeepSeek-V3 layout): as written (vLLM's CPU MLA
 kernel takes only ``kv_lora_rank + qk_rope_head_dim = 576``, so it is refused there: the row records how), and
-with its latent zero-padded to 512 (the same model: the padded coordinates are 0, and the latent norm is
-linear), which vLLM runs, against kvconvert's own evaluation of that checkpoint; and the same export refined
-(``--refine-steps``, ``--mla-refine-steps``), padded alike. ``--only REGEX`` runs the rows it matches (and the
-source). Writes bench/results/vllm-cpu-<date>.{json,md} (``--name``).
+written at vLLM's sizes (``--mla-sizes vllm``: the latent zero-padded to 512 and the RoPE key to 64, the same
+model), which vLLM runs, against kvconvert's own evaluation of that checkpoint and of the budget-sized one; the
+same export refined (``--refine-steps``, ``--mla-refine-steps``), and refined with a 48-wide RoPE key (the best
+width measured at 0.5, docs/lorc.md) padded to 64, both at vLLM's sizes. ``--only REGEX`` runs (and converts) the
+rows it matches (and the source). Writes bench/results/vllm-cpu-<date>.{json,md} (``--name``).
 
     python bench/vllm_bench.py --engine-python bench/.cache/venv-vllm/bin/python
 """
@@ -88,35 +89,6 @@ def kvconvert_side(
     return {"ppl": quality.ppl, "tokens": quality.tokens, "greedy": greedy}
 
 
-def padded_latent(export: Path, out: Path, rank: int) -> Path:
-    """A copy of an MLA export whose latent is zero-padded to ``rank``: zero rows in ``kv_a_proj_with_mqa``
-    (before the RoPE rows), zero columns in ``kv_b_proj``; the norm's weight extended. The padded coordinates
-    stay 0, and in the latent norm's linear range (``methods.lorc.mla``) its output is unchanged: the same model
-    with the cache shape vLLM's CPU MLA kernel takes."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(export, out)
-    config = json.loads((out / "config.json").read_text())
-    old = config["kv_lora_rank"]
-    tensors = load_file(out / "model.safetensors")
-    for name in list(tensors):
-        tensor = tensors[name]
-        if name.endswith("kv_a_proj_with_mqa.weight"):
-            tensors[name] = torch.cat([tensor[:old], tensor.new_zeros(rank - old, tensor.shape[1]), tensor[old:]])
-        elif name.endswith("kv_a_layernorm.weight"):
-            tensors[name] = torch.cat([tensor, tensor[:1].expand(rank - old)])
-        elif name.endswith("kv_b_proj.weight"):
-            tensors[name] = torch.cat([tensor, tensor.new_zeros(tensor.shape[0], rank - old)], dim=1)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config["kv_lora_rank"] = rank
-    config["kvconvert"]["lorc_mla"]["kv_lora_rank"] = rank
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
-
-
 def run_engine(
     python: str, model: Path, inputs: Path, out: Path, log: Path, kv_cache_dtype: str = "auto", extra: tuple = ()
 ) -> dict:
@@ -160,24 +132,34 @@ def main() -> None:
     source = prepare_models()["smollm2-135m"]
     work = CACHE / "vllm"
     work.mkdir(parents=True, exist_ok=True)
+    wanted = (lambda label: True) if args.only is None else (lambda label: re.search(args.only, label) is not None)
+
+    def converted(name: str, method: Any) -> Path:
+        out = work / name
+        convert(open_source(str(source)), method, out, replace=True, progress=False)
+        return out
+
     exports = {}
     for strategy in ("tensor", "head"):
-        out = work / f"smollm2-135m-fp8-{strategy}"
-        storage = storage_spec({"kv_format": "fp8", "kv_scale_strategy": strategy}, "bench")
-        method = build_method("quant", None, storage)
-        convert(open_source(str(source)), method, out, replace=True, progress=False)
-        exports[f"fp8 export, scales per {strategy}"] = out
-    mla = work / "smollm2-135m-mla-0.5"
-    convert(open_source(str(source)), build_method("lorc", LorcConfig(kv_budget=0.5, latent="mla")), mla,
-            replace=True, progress=False)  # fmt: skip
-    mla_padded = padded_latent(mla, work / "smollm2-135m-mla-0.5-pad512", 512)
-    refined_label = f"MLA export 0.5 --refine-steps {args.mla_refine_steps}, padded to 512 (+ 64)"
-    refined = refined_padded = None
+        label = f"fp8 export, scales per {strategy}"
+        if wanted(label):
+            storage = storage_spec({"kv_format": "fp8", "kv_scale_strategy": strategy}, "bench")
+            exports[label] = converted(f"smollm2-135m-fp8-{strategy}", build_method("quant", None, storage))
+    # the MLA exports: as the budget sizes them (vLLM's CPU kernel refuses them) and at vLLM's sizes (--mla-sizes)
+    padded_label = "MLA export 0.5 at vLLM's sizes: latent 128 → 512, RoPE 64 (--mla-sizes vllm)"
+    refined_label = f"MLA export 0.5 --refine-steps {args.mla_refine_steps}, --mla-sizes vllm (128 → 512 + 64)"
+    narrow_label = (f"MLA export 0.5 --refine-steps {args.mla_refine_steps} --mla-rope-dim 48, --mla-sizes vllm "
+                    "(144 → 512 + 48 → 64)")  # fmt: skip
+    mla_runs = [("MLA export 0.5 (kv_lora_rank 128 + RoPE 64)", "smollm2-135m-mla-0.5", {}),
+                (padded_label, "smollm2-135m-mla-0.5-vllm", {"mla_sizes": "vllm"})]  # fmt: skip
     if args.mla_refine_steps:  # each layer fitted on its attention output, kv_a_layernorm in the loop
-        refined = work / f"smollm2-135m-mla-0.5-refine{args.mla_refine_steps}"
-        config = LorcConfig(kv_budget=0.5, latent="mla", refine_steps=args.mla_refine_steps)
-        convert(open_source(str(source)), build_method("lorc", config), refined, replace=True, progress=False)
-        refined_padded = padded_latent(refined, work / f"{refined.name}-pad512", 512)
+        steps = {"refine_steps": args.mla_refine_steps, "mla_sizes": "vllm"}
+        mla_runs += [(refined_label, f"smollm2-135m-mla-0.5-refine{args.mla_refine_steps}-vllm", steps),
+                     (narrow_label, f"smollm2-135m-mla-0.5-refine{args.mla_refine_steps}-rope48-vllm",
+                      {**steps, "mla_rope_dim": 48})]  # fmt: skip
+    mla_exports = {label: converted(name, build_method("lorc", LorcConfig(kv_budget=0.5, latent="mla", **extra)))
+                   for label, name, extra in mla_runs if wanted(label) or (label.endswith("RoPE 64)") and
+                                                                            wanted(padded_label))}  # fmt: skip
 
     scored, prompts, speed_prompt = token_windows(source, args.windows)
     inputs = work / "inputs.json"
@@ -194,14 +176,12 @@ def main() -> None:
     # vLLM's CPU MLA backends: the reference one (any dtype: float32, comparable with kvconvert's float32 run) and
     # the AMX one it picks by default (bfloat16 only)
     reference_mla = ("--attention-backend", "CPU_MLA")
-    runs += [("MLA export 0.5 (kv_lora_rank 128 + RoPE 64)", mla, "auto", reference_mla),
-             ("MLA export 0.5, latent zero-padded to 512 (+ 64)", mla_padded, "auto", reference_mla),
-             ("MLA export 0.5, padded, bfloat16 (vLLM's AMX MLA)", mla_padded, "auto",
-              ("--dtype", "bfloat16"))]  # fmt: skip
-    if refined_padded is not None:
-        runs.append((refined_label, refined_padded, "auto", reference_mla))
-    if args.only:
-        runs = [run for run in runs if run[0] == "source" or re.search(args.only, run[0])]
+    runs += [(label, out, "auto", reference_mla) for label, out in mla_exports.items()]
+    if padded_label in mla_exports:
+        runs.append(("MLA export 0.5 at vLLM's sizes, bfloat16 (vLLM's AMX MLA)", mla_exports[padded_label], "auto",
+                     ("--dtype", "bfloat16")))  # fmt: skip
+    runs = [run for run in runs if run[0] == "source" or wanted(run[0])]
+    mla = mla_exports.get("MLA export 0.5 (kv_lora_rank 128 + RoPE 64)")
     results: dict[str, Any] = {}
     refused: dict[str, str] = {}
     for label, model_dir, kv_dtype, extra in runs:
@@ -241,11 +221,8 @@ def main() -> None:
             )  # fmt: skip
 
     base = results["source"]["vllm"]
-    if "MLA export 0.5, latent zero-padded to 512 (+ 64)" in results:  # the padding changes nothing
-        results["MLA export 0.5, latent zero-padded to 512 (+ 64)"]["kvconvert_unpadded"] = kvconvert_side(
-            mla, scored, prompts, args.new_tokens)  # fmt: skip
-    if refined is not None and refined_label in results:  # refined, the latent still in the norm's linear range?
-        results[refined_label]["kvconvert_unpadded"] = kvconvert_side(refined, scored, prompts, args.new_tokens)
+    if padded_label in results and mla is not None:  # the padding changes nothing
+        results[padded_label]["kvconvert_unpadded"] = kvconvert_side(mla, scored, prompts, args.new_tokens)
     rows = []
     for label, entry in results.items():
         engine, ours = entry["vllm"], entry["kvconvert"]

@@ -57,6 +57,10 @@ def tiny_config(kind: str):
             hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
             tie_word_embeddings=True, **common,
         )  # fmt: skip
+    if kind == "llama_kv1024":  # 1024 cached values per token and layer: more than vLLM's MLA size (512 + 64)
+        return LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=8, head_dim=64, **common
+        )
     if kind == "llama_gqa64":  # head width 64: what the token layout's int4 rows need (a multiple of 32)
         return LlamaConfig(
             hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, **common

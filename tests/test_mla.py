@@ -225,6 +225,9 @@ def test_row_layouts_and_mean_rotation():
         ("llama_gqa", ("--kv-budget", "0.05", "--mla-rope-dim", "auto"), "RoPE key alone is 0.062"),
         # Llama 3.1's rope scaling slows all but the fastest of this tiny model's frequencies
         ("llama3_rope", ("--mla-rope-dim", "8"), "rope scaling (llama3) changes"),
+        # and a key padded past the head width turns its pairs at plain RoPE's frequencies
+        ("llama3_rope", ("--mla-sizes", "vllm"), "padded to 64 dims (--mla-sizes) turns its"),
+        ("llama_kv1024", ("--kv-budget", "0.7", "--mla-sizes", "vllm"), "use a budget of at most 0.5625"),
     ],
 )
 def test_what_the_layout_cannot_express_is_refused_in_one_line(tokenized_model_dir, tmp_path, kind, extra, says):
@@ -383,7 +386,7 @@ def test_rope_width_auto_keeps_the_width_whose_export_is_closest_to_the_source(t
     assert f"one RoPE key of {best['rope_dim']} values" in card and "(--mla-rope-dim auto)" in card
 
 
-@pytest.mark.parametrize("option", [("--distill-steps", "5"), ("--mla-rope-dim", "auto")])
+@pytest.mark.parametrize("option", [("--distill-steps", "5"), ("--mla-rope-dim", "auto"), ("--mla-sizes", "vllm")])
 def test_the_mla_options_need_the_mla_export(tokenized_model_dir, tmp_path, option):
     src, out = tokenized_model_dir("llama_gqa"), tmp_path / "out"
     result = run_cli("lorc", "--model", str(src), "--out", str(out), "--quiet", "--kv-budget", "0.5", *option)
@@ -391,6 +394,54 @@ def test_the_mla_options_need_the_mla_export(tokenized_model_dir, tmp_path, opti
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and option[0] in lines[0] and "needs --latent mla" in lines[0], result.stderr
     assert not out.exists()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    ("kind", "extra"), [("llama_gqa", ()), ("llama_gqa64", ("--mla-rope-dim", "32", "--refine-steps", "3"))]
+)
+def test_vllm_sizes_pad_the_export_into_the_same_model(tokenized_model_dir, tmp_path, kind, extra):
+    """``--mla-sizes vllm``: the budget's export written at kv_lora_rank 512 + a 64-wide RoPE key (a head width of
+    16 below it, or a refined 32-wide key in a head of 64), the latent and the key zero-padded: stock transformers
+    computes the budget-sized export's logits (the latent norm then averages over the padded zeros: ~1e-5
+    relative), both kvconvert loaders agree with it, the padded rows and columns are zero, and the cache holds 576
+    values per token and layer (measured)."""
+    src = tokenized_model_dir(kind)
+    extra = ("--kv-budget", "0.5", *extra)
+    plain, padded = tmp_path / "budget", tmp_path / "vllm"
+    convert("lorc", src, plain, *MLA, *extra)
+    convert("lorc", src, padded, *MLA, *extra, "--mla-sizes", "vllm")
+    before, config = (json.loads((out / "config.json").read_text()) for out in (plain, padded))
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["head_dim"]) == (512, 64, 64)
+    rank, kept, d = before["kv_lora_rank"], before["qk_rope_head_dim"], before["qk_nope_head_dim"]
+    kv_width = json.loads((src / "config.json").read_text())["num_key_value_heads"] * d  # the source's
+    assert kept == (32 if "--mla-rope-dim" in extra else d) and rank + kept == kv_width  # 0.5: half of K and V
+    from safetensors.torch import load_file
+
+    tensors = load_file(padded / "model.safetensors")
+    heads = config["num_attention_heads"]
+    kv_a = tensors["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]
+    assert kv_a[rank:512].abs().max() == 0 and kv_a[512 + kept :].abs().max() == 0 and kv_a[512:576].abs().max() > 0
+    assert tensors["model.layers.1.self_attn.kv_b_proj.weight"][:, rank:].abs().max() == 0
+    query = tensors["model.layers.1.self_attn.q_proj.weight"].view(heads, d + 64, -1)
+    assert query[:, d + kept :].abs().max() == 0 and query[:, d : d + kept].abs().max() > 0
+    ids, mask = left_padded()
+    reference = _stock(plain)(input_ids=ids, attention_mask=mask).logits
+    stock = _stock(padded)(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    # 1.2e-5 of the largest logit measured, in float64 too: the norm averaging over the padded zeros (averaged over
+    # the budget's coordinates alone it is 3e-7); a padded pair turning at a wrong frequency moves them by ~1e-1
+    assert (stock - reference)[valid].abs().max() <= 1e-4 * reference.abs().max()
+    for model in (load_converted(padded), kvconvert.load(padded).eval()):
+        assert torch.allclose(model(input_ids=ids, attention_mask=mask).logits, stock, atol=1e-5, rtol=0)
+    expected = 576 / (2 * kv_width)
+    report = json.loads((padded / "kvconvert.json").read_text())
+    card = (padded / "README.md").read_text()
+    assert report["plan"]["mla"]["written"] == {"kv_lora_rank": 512, "rope_dim": 64, "for": "vllm"}
+    assert "(--mla-sizes vllm)" in card and report["params"]["mla_sizes"] == "vllm"
+    sample = torch.randint(3, 90, (2, 96), generator=torch.Generator().manual_seed(3))
+    assert report["kv_budget_expected"] == pytest.approx(expected)
+    assert kv_budget(load_reference(src), _stock(padded), sample) == pytest.approx(expected)
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from kvconvert.methods.options import calib_option, calib_tokens_option, option,
 Schedule = Literal["progressive", "uniform", "auto"]
 Target = Literal["kv", "k", "v"]
 Latent = Literal["separate", "joint", "mla"]
+MlaSizes = Literal["budget", "vllm"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,13 @@ class LorcConfig:
         "half, three quarters and all of that width, each built as it would be written (--refine-steps included), "
         "and the one with the lowest KL from the source on held-out calibration text kept (extension).",
     )
+    mla_sizes: MlaSizes = option(
+        "budget",
+        help="--latent mla: the export's kv_lora_rank and RoPE key width: the budget's, or vllm: 512 + 64, the one "
+        "size every vLLM MLA kernel takes (its CPU build's only one), the budget's latent and key zero-padded to "
+        "it: the same model, whose cache then holds 576 values per token and layer; a budget whose latent would "
+        "exceed 512 is refused (extension).",
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_budget <= 1:
@@ -116,6 +124,10 @@ class LorcConfig:
         rope = self.mla_rope_dim
         if rope is not None and self.latent != "mla":
             raise KVConvertError("--mla-rope-dim is the width of an MLA export's RoPE key: it needs --latent mla")
+        if self.mla_sizes not in ("budget", "vllm"):
+            raise KVConvertError(f"mla_sizes must be budget or vllm, got {self.mla_sizes!r}")
+        if self.mla_sizes != "budget" and self.latent != "mla":
+            raise KVConvertError("--mla-sizes sets an MLA export's kv_lora_rank and RoPE width: it needs --latent mla")
         if rope is not None and rope != "auto" and (rope < 2 or rope % 2):
             raise KVConvertError(f"--mla-rope-dim takes an even width >= 2 or auto; got {rope}")
         if self.mla_distance is not None and (self.latent != "mla" or self.mla_distance < 1):

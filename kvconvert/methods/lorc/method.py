@@ -167,6 +167,15 @@ class MlaPlan:
     # losses (``methods.lorc.refine.refine_mla_layers``)
     refined: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     refine_log: dict[int, dict[str, float]] = field(default_factory=dict)
+    # ``mla_sizes``: the (kv_lora_rank, RoPE width) the checkpoint is written at, the latent and key zero-padded to
+    # them (``arch.mla.ENGINE_SIZES``); None: ``kv_lora_rank`` and ``rope_dim`` themselves. Everything before
+    # writing (the fit, the width search) runs at the plan's own sizes: the padded coordinates stay zero.
+    written: tuple[int, int] | None = None
+
+    @property
+    def cached(self) -> tuple[int, int]:
+        """The (kv_lora_rank, RoPE width) the checkpoint holds and its cache stores per token and layer."""
+        return self.written or (self.kv_lora_rank, self.rope_dim)
 
 
 def probe_rank(config: LorcConfig, layers: int, width: int) -> int:
@@ -240,7 +249,10 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
     def headline(cls, report: dict[str, Any]) -> str:
         params = report["params"]
         if params["latent"] == "mla":
-            return f"lorc as DeepSeek-V3 MLA (kv_lora_rank {report['layers'][0]['rank']}), {budget_words(report)}"
+            padded = report.get("plan", {}).get("mla", {}).get("written")
+            sizes = f", padded to {padded['kv_lora_rank']} + {padded['rope_dim']}" if padded else ""
+            return (f"lorc as DeepSeek-V3 MLA (kv_lora_rank {report['layers'][0]['rank']}{sizes}), "
+                    f"{budget_words(report)}")  # fmt: skip
         kind = f"{params['schedule']}, joint latent" if params["latent"] == "joint" else params["schedule"]
         return f"lorc {kind}, {budget_words(report)}"
 
@@ -266,6 +278,13 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
                     f" Its RoPE key's width was measured (--mla-rope-dim auto): KL from the source per "
                     f"token on {search['chunks']} held-out calibration chunks, each width's export built "
                     f"as written, {tried}; the lowest kept."
+                )
+            if padded := decided.get("mla", {}).get("written"):
+                searched += (
+                    f" Written at the sizes {padded['for']}'s MLA kernels take (--mla-sizes {padded['for']}): "
+                    f"kv_lora_rank {padded['kv_lora_rank']} and a {padded['rope_dim']}-wide RoPE key, the latent "
+                    "and the key zero-padded to them (the same model; its cache holds "
+                    f"{padded['kv_lora_rank'] + padded['rope_dim']} values per token and layer)."
                 )
             return (
                 f"LoRC written as a standard DeepSeek-V3 checkpoint (multi-head latent attention): per layer one "
@@ -315,8 +334,8 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
             raise KVConvertError("lorc supports QK-norm only with RoPE (its keys are rebuilt, then normalised)")
 
     def expected_kv_budget(self, plan: LorcPlan | MlaPlan, layout: AttentionLayout) -> float:
-        if isinstance(plan, MlaPlan):  # per token and layer: the latent and the shared RoPE key
-            return (plan.kv_lora_rank + plan.rope_dim) / (2 * layout.kv_width)
+        if isinstance(plan, MlaPlan):  # per token and layer: the latent and the shared RoPE key, as written
+            return sum(plan.cached) / (2 * layout.kv_width)
         return plan.ranks.budget
 
     def side_budgets(self, plan: LorcPlan | MlaPlan, layout: AttentionLayout) -> list[tuple[float, float]] | None:
@@ -335,7 +354,9 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         params = super().params()
         for key in ("mla_distance", "mla_rope_dim"):
             if params[key] is None:
-                del params[key]  # the default: reports and recipes read as they did before the option
+                del params[key]
+        if params["mla_sizes"] == "budget":
+            del params["mla_sizes"]  # the default: reports and recipes read as they did before the option
         if not params["distill_steps"]:
             for key in ("distill_steps", "distill_chunks", "distill_len"):
                 del params[key]
@@ -440,6 +461,7 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         calibration), then, on calibration text, each layer's input Gram and how far each head attends."""
         from kvconvert.arch import adapter_for
         from kvconvert.arch.mla import (
+            ENGINE_SIZES,
             LATENT_NORM_EPS,
             check_mla_source,
             deepseek_v3_config,
@@ -466,16 +488,26 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
             raise KVConvertError("--latent mla cannot express attention biases (DeepSeek-V3's query projection has "
                                  "none)")  # fmt: skip
         width = round(config.kv_budget * 2 * layout.kv_width)  # cached values per token and layer
+        written = ENGINE_SIZES.get(config.mla_sizes)
         engines: dict[int, dict[str, Any]] = {}
         refusal: KVConvertError | None = None
         for rope in self._rope_dims(layout):
             try:
-                engine = deepseek_v3_config(source.config, layout, 1, rope)  # refuses a RoPE width it cannot express
+                engine = deepseek_v3_config(source.config, layout, width - rope, rope)  # refuses a width it cannot take
                 if width - rope < 1:
                     raise KVConvertError(f"kv_budget {config.kv_budget} is below what MLA can hold: its shared RoPE "
                                          f"key alone is {rope / (2 * layout.kv_width):.3f} of this model's "
                                          "cache")  # fmt: skip
-                engines[rope] = {**engine, "kv_lora_rank": width - rope}
+                if written and (width - rope > written[0] or rope > written[1]):
+                    fits = sum(written) / (2 * layout.kv_width)
+                    raise KVConvertError(
+                        f"--mla-sizes {config.mla_sizes} writes kv_lora_rank {written[0]} + a {written[1]}-wide RoPE "
+                        f"key; --kv-budget {config.kv_budget} leaves this model a latent of {width - rope} + a "
+                        f"{rope}-wide key: use a budget of at most {fits:.4f}"
+                    )
+                if written:  # refuses a padding of the key it cannot express
+                    engine = deepseek_v3_config(source.config, layout, *written, kept=rope)
+                engines[rope] = engine
             except KVConvertError as exc:  # auto: the widths this model can take are still candidates
                 refusal = refusal or exc  # the narrowest width's reason, the one closest to being taken
         if not engines:
@@ -500,6 +532,7 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
                 calibration={"source": calib.source, "tokens": calib.tokens, "chunk_len": int(calib.chunks.shape[1]),
                              "latent_norm_eps": LATENT_NORM_EPS},
                 frequencies=frequencies,
+                written=written,
             )  # fmt: skip
             if config.refine_steps:
                 plan = self._refine_mla(ctx, plan, calib.chunks[: config.refine_chunks])
@@ -566,7 +599,7 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
 
         def job_for(layer: int) -> MlaJob:
             w = adapter.read_attention({local: source.get(name) for local, name in names[layer].items()})
-            tensors = _mla_layer(plan, layer, w, torch.float64).tensors
+            tensors = _mla_layer(plan, layer, w, torch.float64, padded=False).tensors  # fitted at the plan's sizes
             return MlaJob(
                 parts=mla_parts(tensors, layout.num_heads, layout.head_dim, plan.kv_lora_rank),
                 norm_weight=tensors["kv_a_layernorm.weight"], o_weight=tensors["o_proj.weight"],
@@ -812,6 +845,9 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         summary: dict[str, Any] = {"calibration": plan.calibration} if plan.calibration else {}
         if isinstance(plan, MlaPlan):
             summary["mla"] = {"kv_lora_rank": plan.kv_lora_rank, "rope_dim": plan.rope_dim}
+            if plan.written:
+                rank, rope = plan.written
+                summary["mla"]["written"] = {"kv_lora_rank": rank, "rope_dim": rope, "for": self.config.mla_sizes}
         return summary
 
     def runtime_spec(
@@ -821,7 +857,7 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
             # stock DeepSeek-V3 attention caches the normalised latent and the shared RoPE key itself: kvconvert's
             # runtime keeps every layer's stock module and cache layer
             return {"lorc_layers": [None] * layout.num_layers,
-                    "lorc_mla": {"kv_lora_rank": plan.kv_lora_rank, "rope_dim": plan.rope_dim}}  # fmt: skip
+                    "lorc_mla": dict(zip(("kv_lora_rank", "rope_dim"), plan.cached, strict=True))}  # fmt: skip
         ranks = plan.ranks
         layers: list[dict[str, Any] | None] = []
         for i, names in enumerate(tensor_names):
@@ -837,15 +873,20 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         return {"lorc_layers": layers, **qk_norm_spec(layout)}
 
 
-def _mla_layer(plan: MlaPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype) -> LayerOutput:
-    """``latent="mla"``: one layer's DeepSeek-V3 attention tensors (``methods.lorc.mla``) and report."""
+def _mla_layer(
+    plan: MlaPlan, layer: int, weights: AttentionWeights, dtype: torch.dtype, padded: bool = True
+) -> LayerOutput:  # fmt: skip
+    """``latent="mla"``: one layer's DeepSeek-V3 attention tensors (``methods.lorc.mla``) and report; ``padded``: at
+    the sizes the checkpoint is written at (``MlaPlan.written``), else at the plan's own."""
     from kvconvert.arch.mla import LATENT_NORM_EPS
-    from kvconvert.methods.lorc.mla import mla_attention, mla_tensors
+    from kvconvert.methods.lorc.mla import mla_attention, mla_tensors, padded_mla
 
     tensors, report = mla_attention(weights, plan.layout, plan.input_grams[layer], plan.kv_lora_rank, plan.rope_dim,
                                     plan.rotations[layer], plan.query_scale, LATENT_NORM_EPS)  # fmt: skip
     if layer in plan.refined:
         tensors.update(mla_tensors(plan.refined[layer]))
+    if plan.written and padded:
+        tensors = padded_mla(tensors, plan.layout.num_heads, plan.layout.head_dim, plan.kv_lora_rank, *plan.written)
     report.update({f"refine_{key}": value for key, value in plan.refine_log.get(layer, {}).items()})
     return LayerOutput({k: v.to(dtype) for k, v in tensors.items()},
                        report={"layer": layer, "rank": plan.kv_lora_rank, **report})  # fmt: skip

@@ -177,6 +177,33 @@ def mla_tensors(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
+def padded_mla(
+    tensors: dict[str, torch.Tensor], heads: int, head_dim: int, kv_lora_rank: int, rank: int, rope_dim: int
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """One layer's export tensors with the latent zero-padded to ``rank`` coordinates and the RoPE key to
+    ``rope_dim`` dims (the sizes an engine's kernels take: ``arch.mla.ENGINE_SIZES``). Zero rows of
+    ``kv_a_proj_with_mqa`` make the padded coordinates zero, and zero columns of ``kv_b_proj`` leave them unread; the
+    key's and the queries' padded RoPE rows are zero, so those slower pairs add nothing to any score. The latent's
+    RMSNorm then averages over ``rank`` coordinates, but in its linear range (``LATENT_MEAN_SQUARE``) its output
+    moves by ~5e-6 relative (a tiny model's logits by 1.2e-5 of the largest, measured): the same attention. The
+    queries need no new scale: ``query_scale`` is computed for the written sizes from the start."""
+    parts = mla_parts(tensors, heads, head_dim, kv_lora_rank)
+
+    def grown(tensor: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+        missing = size - tensor.shape[dim]
+        assert missing >= 0, "padding never shrinks the export"
+        return torch.cat([tensor, tensor.new_zeros(*tensor.shape[:dim], missing, *tensor.shape[dim + 1 :])], dim=dim)
+
+    parts = {
+        "q_nope": parts["q_nope"], "q_rope": grown(parts["q_rope"], rope_dim, 1),
+        "latent_down": grown(parts["latent_down"], rank, 0), "rope_key": grown(parts["rope_key"], rope_dim, 0),
+        "kv_up": grown(parts["kv_up"], rank, 2),
+    }  # fmt: skip
+    norm = tensors["kv_a_layernorm.weight"]  # its padded entries scale zeros: any value, the first's
+    padded_norm = torch.cat([norm, norm[:1].expand(rank - len(norm))])
+    return {**tensors, **mla_tensors(parts), "kv_a_layernorm.weight": padded_norm}
+
+
 def interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on DeepSeek's interleaved rows (pair f at dims 2f, 2f+1, turned as ``(x_2f + i·x_2f+1)·e^{iφ_f}``);
     ``cos``/``sin [T, ρ/2]``, ``x [..., T, ρ]``."""
