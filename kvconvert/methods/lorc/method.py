@@ -354,9 +354,9 @@ class LorcMethod(Method[LorcPlan | MlaPlan]):
         params = super().params()
         for key in ("mla_distance", "mla_rope_dim"):
             if params[key] is None:
-                del params[key]
+                del params[key]  # the default: reports and recipes read as they did before the option
         if params["mla_sizes"] == "budget":
-            del params["mla_sizes"]  # the default: reports and recipes read as they did before the option
+            del params["mla_sizes"]  # likewise
         if not params["distill_steps"]:
             for key in ("distill_steps", "distill_chunks", "distill_len"):
                 del params[key]
