@@ -53,8 +53,8 @@ def test_run_bad_recipe_is_one_line(tiny_model_dir, tmp_path):
         "chunk_len, compress, distill_chunks, distill_len, distill_steps, kv_bits, kv_budget, kv_format, kv_group, "
         "kv_include_local, kv_layout, kv_local_bits, "
         "kv_residual, "
-        "kv_rotate, kv_scale_strategy, kv_sink, kv_value_bits, latent, mla_distance, mla_rope_dim, probe_chunks, "
-        "probe_rounds, "
+        "kv_rotate, kv_scale_strategy, kv_sink, kv_value_bits, latent, mla_distance, mla_rope_dim, mla_sizes, "
+        "probe_chunks, probe_rounds, "
         "refine_chunks, refine_steps, schedule, seed, threshold"
     )
 
