@@ -146,20 +146,22 @@ def main() -> None:
             storage = storage_spec({"kv_format": "fp8", "kv_scale_strategy": strategy}, "bench")
             exports[label] = converted(f"smollm2-135m-fp8-{strategy}", build_method("quant", None, storage))
     # the MLA exports: as the budget sizes them (vLLM's CPU kernel refuses them) and at vLLM's sizes (--mla-sizes)
+    written_label = "MLA export 0.5 (kv_lora_rank 128 + RoPE 64)"
     padded_label = "MLA export 0.5 at vLLM's sizes: latent 128 → 512, RoPE 64 (--mla-sizes vllm)"
     refined_label = f"MLA export 0.5 --refine-steps {args.mla_refine_steps}, --mla-sizes vllm (128 → 512 + 64)"
     narrow_label = (f"MLA export 0.5 --refine-steps {args.mla_refine_steps} --mla-rope-dim 48, --mla-sizes vllm "
                     "(144 → 512 + 48 → 64)")  # fmt: skip
-    mla_runs = [("MLA export 0.5 (kv_lora_rank 128 + RoPE 64)", "smollm2-135m-mla-0.5", {}),
+    mla_runs = [(written_label, "smollm2-135m-mla-0.5", {}),
                 (padded_label, "smollm2-135m-mla-0.5-vllm", {"mla_sizes": "vllm"})]  # fmt: skip
     if args.mla_refine_steps:  # each layer fitted on its attention output, kv_a_layernorm in the loop
         steps = {"refine_steps": args.mla_refine_steps, "mla_sizes": "vllm"}
         mla_runs += [(refined_label, f"smollm2-135m-mla-0.5-refine{args.mla_refine_steps}-vllm", steps),
                      (narrow_label, f"smollm2-135m-mla-0.5-refine{args.mla_refine_steps}-rope48-vllm",
                       {**steps, "mla_rope_dim": 48})]  # fmt: skip
+    # the budget-sized export is also what the padded row's kvconvert side is compared with
+    needed = {label for label, _, _ in mla_runs if wanted(label)} | ({written_label} if wanted(padded_label) else set())
     mla_exports = {label: converted(name, build_method("lorc", LorcConfig(kv_budget=0.5, latent="mla", **extra)))
-                   for label, name, extra in mla_runs if wanted(label) or (label.endswith("RoPE 64)") and
-                                                                            wanted(padded_label))}  # fmt: skip
+                   for label, name, extra in mla_runs if label in needed}  # fmt: skip
 
     scored, prompts, speed_prompt = token_windows(source, args.windows)
     inputs = work / "inputs.json"
@@ -181,7 +183,7 @@ def main() -> None:
         runs.append(("MLA export 0.5 at vLLM's sizes, bfloat16 (vLLM's AMX MLA)", mla_exports[padded_label], "auto",
                      ("--dtype", "bfloat16")))  # fmt: skip
     runs = [run for run in runs if run[0] == "source" or wanted(run[0])]
-    mla = mla_exports.get("MLA export 0.5 (kv_lora_rank 128 + RoPE 64)")
+    mla = mla_exports.get(written_label)
     results: dict[str, Any] = {}
     refused: dict[str, str] = {}
     for label, model_dir, kv_dtype, extra in runs:
