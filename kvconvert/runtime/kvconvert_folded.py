@@ -16,12 +16,15 @@ import torch.nn.functional as F
 from .kvconvert_codec import channel_groups, codes_per_unit, rotation
 from .kvconvert_kernels import combine_partials, env_choice
 
-# Scores more than 87 below a row's largest weigh less than exp(-87) ≈ 1.6e-38 (the smallest normal float32 is
-# 1.2e-38) and are floored there before ``torch.exp``: its CPU code takes a slow path for every argument whose result
-# underflows (measured on 2 AMD EPYC cores: 8 rows × 1K scores of a decode step 26 µs, 275-700 µs when they lie
-# below -88, as a padded batch's masked positions and a peaked head's far tokens do). A weight of 1.6e-38 instead
-# of 0 changes no float32 sum it joins.
-EXP_FLOOR = -87.0
+# Scores more than 64 below a row's largest are floored there before ``torch.exp``: its CPU code takes a slow path for
+# every argument whose result underflows (measured on 2 AMD EPYC cores: 8 rows × 1K scores of a decode step 26 µs,
+# 275-700 µs when they lie below -88, as a padded batch's masked positions and a peaked head's far tokens do). The
+# floor keeps what the weights meet downstream normal too: exp(-64) ≈ 1.6e-28 times a value scale down to 1e-10 is
+# above float32's (and bfloat16's) smallest normal 1.2e-38, where the old floor's exp(-87) ≈ 1.6e-38 made a padded
+# batch's weighted scales subnormal, which torch's int4 kernel reads 15× more slowly (bfloat16 [4, 1024] × int4
+# [1024, 64]: 131 µs against 8.7 µs, Intel Xeon; 22 % of them subnormal at 8 left-padded rows of up to 1K tokens).
+# A weight of 1.6e-28 instead of 0 changes no float32 sum it joins beside the largest weight's 1.
+EXP_FLOOR = -64.0
 
 # The torch reader widens codes to float32 a few blocks (keys) or tokens (values) at a time, about this many bytes of
 # widened codes each: whole, a layer's planes are as large as a float32 copy of its cache (12.6 MB per side at 8 rows
