@@ -16,6 +16,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 CACHE = Path(__file__).resolve().parent / ".cache"
@@ -88,6 +90,30 @@ def prepare_models(include_smollm: bool = True, include_gemma: bool = False) -> 
             import_gguf(_gemma3_gguf(), out, replace=True)
         models["gemma3-270m"] = out
     return models
+
+
+def llama8b_shaped(path: Path, layers: int = 4, max_positions: int = 32768) -> Path:
+    """A random-weight model with Llama-3.1-8B's layer shapes (hidden 4096, 32 query heads, 8 KV heads of 128,
+    MLP 14336, RoPE θ 500000) in bfloat16, ``layers`` of them, SmolLM2's tokenizer and vocabulary (49152) so that
+    the calibrating methods read the shipped text: how a decode step's cost splits between weights, cache and the
+    runtime's small ops on a model of the size people compress (SmolLM2's layers are 1/40 of one). Random weights
+    time as trained ones do (not its quality: its outputs are noise). Built once into ``path``."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=49152, max_position_embeddings=max_positions,
+                         rope_theta=500000.0, tie_word_embeddings=False)  # fmt: skip
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    tokenizer = prepare_models(include_smollm=True)["smollm2-135m"]
+    for file in tokenizer.iterdir():
+        if file.name.startswith("tokenizer") or file.suffix == ".jinja":
+            shutil.copy(file, path / file.name)
+    return path
 
 
 def eval_texts(tmp: Path) -> dict[str, Path]:

@@ -2,8 +2,9 @@
 (``--base``, its files copied into a second output directory and loaded with ``trust_remote_code=True``) and through
 the working tree's (``kvconvert.load``), beside the source, all in one process (``eval.speed.side_by_side``: the
 models take turns, the best round counts). On these noisy machines only such same-process ratios say whether a
-change helped. ``--model mha`` is the random-weight MHA Llama the speed bench times slim on; ``smollm2`` the
-default. Writes bench/results/NAME-<date>.{json,md}.
+change helped. ``--model mha`` is the random-weight MHA Llama the speed bench times slim on; ``llama8b-shape``
+four random layers of Llama-3.1-8B's shapes (``bench.models.llama8b_shaped``); ``smollm2`` the default. Writes
+bench/results/NAME-<date>.{json,md}.
 
     python bench/runtime_ab.py --recipe '{"method": "slim"}' --model mha --contexts 4096,16384 --name ab-slim-pairs
 """
@@ -24,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import machine, markdown_table, write_results  # noqa: E402
-from bench.models import prepare_models  # noqa: E402
+from bench.models import CACHE, llama8b_shaped, prepare_models  # noqa: E402
 from bench.slim_bench import build_source  # noqa: E402
 from bench.speed_bench import _converted  # noqa: E402
 from kvconvert.eval.speed import side_by_side  # noqa: E402
@@ -33,7 +34,8 @@ from kvconvert.eval.speed import side_by_side  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True, help="the conversion, as a JSON recipe")
-    parser.add_argument("--model", choices=["smollm2", "mha"], default="smollm2")
+    parser.add_argument("--model", choices=["smollm2", "mha", "llama8b-shape"], default="smollm2",
+                        help="llama8b-shape: bench.models.llama8b_shaped, 4 layers (bfloat16 weights)")  # fmt: skip
     parser.add_argument("--base", default="HEAD", help="the commit whose runtime is the 'before'")
     parser.add_argument("--contexts", default="4096")
     parser.add_argument("--batches", default="1")
@@ -61,6 +63,8 @@ def main() -> None:
         if args.model == "mha":
             source = Path(tmp) / "mha"
             build_source(source, layers=8, max_positions=max(contexts) + args.steps + 8)
+        elif args.model == "llama8b-shape":
+            source = llama8b_shaped(CACHE / "llama8b-shape-4")
         else:
             source = prepare_models(include_smollm=True)["smollm2-135m"]
         new = _converted(source, json.loads(args.recipe), "converted", Path(tmp) / "new").eval()
