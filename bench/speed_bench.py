@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, markdown_table, write_results  # noqa: E402
-from bench.models import prepare_models  # noqa: E402
+from bench.models import CACHE, llama8b_shaped, prepare_models  # noqa: E402
 from bench.slim_bench import build_source  # noqa: E402
 from kvconvert.eval.speed import side_by_side  # noqa: E402
 from kvconvert.io.source import open_source  # noqa: E402
@@ -85,6 +85,9 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="candidates whose label contains this text ('|': any of several; "
                                                      "'=LABEL': that label exactly)")  # fmt: skip
     parser.add_argument("--name", default="speed", help="results file stem (bench/results/NAME-<date>.*)")
+    parser.add_argument("--source", choices=["smollm2", "llama8b-shape"], default="smollm2",
+                        help="llama8b-shape: four random layers of Llama-3.1-8B's shapes in bfloat16 "
+                             "(bench.models.llama8b_shaped; give --dtype bfloat16), no slim row")  # fmt: skip
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="every model, the source too, cast to it after loading")  # fmt: skip
     parser.add_argument("--static", action="store_true",
@@ -101,7 +104,11 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",") if c]  # "": no grid (--serving alone)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        source_dir = prepare_models(include_smollm=True)["smollm2-135m"]
+        name = "smollm2-135m" if args.source == "smollm2" else "llama-3.1-8b-shaped, 4 random layers"
+        if args.source == "smollm2":
+            source_dir = prepare_models(include_smollm=True)["smollm2-135m"]
+        else:
+            source_dir = llama8b_shaped(CACHE / "llama8b-shape-4")
         models: dict[str, Any] = {"source": AutoModelForCausalLM.from_pretrained(source_dir).eval()}
         recipes: dict[str, Any] = {}
         for label, recipe in CANDIDATES:
@@ -112,12 +119,12 @@ def main() -> None:
         batches = [int(b) for b in args.batches.split(",")]
         dtype, short = getattr(torch, args.dtype), {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]
         models = {label: model.to(dtype) for label, model in models.items()}
-        rows += _measure(f"smollm2-135m ({short})", models, recipes, contexts, args.steps, args.rounds, batches,
+        rows += _measure(f"{name} ({short})", models, recipes, contexts, args.steps, args.rounds, batches,
                          args.compiled, args.static)  # fmt: skip
         if args.serving:
             context, rows_ = args.serving
             serving = _serving(models, context, rows_, args.steps, args.rounds)
-        if args.only is None or "slim" in args.only.split("|"):
+        if args.source == "smollm2" and (args.only is None or "slim" in args.only.split("|")):
             mha = Path(tmp) / "mha"
             build_source(mha, layers=8, max_positions=max(contexts) + args.steps + 8)
             slim = {"method": "slim"}
