@@ -246,7 +246,7 @@ def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | Non
 ABSORB_MAX_QUERY = 16
 
 
-def _absorbed_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def _absorbed_weights(module: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``W_UK [H, nope, r]`` and ``W_UV [H, v, r]``: views of ``kv_b_proj``'s weight, no copy of it kept."""
     heads, nope, rank = module.num_heads, module.qk_nope_head_dim, module.kv_lora_rank
     w_uk, w_uv = module.kv_b_proj.weight.view(heads, -1, rank).split([nope, module.v_head_dim], dim=1)
