@@ -92,16 +92,17 @@ def prepare_models(include_smollm: bool = True, include_gemma: bool = False) -> 
     return models
 
 
-def llama8b_shaped(path: Path, layers: int = 4, max_positions: int = 32768) -> Path:
+def llama8b_shaped(layers: int = 4, max_positions: int = 32768) -> Path:
     """A random-weight model with Llama-3.1-8B's layer shapes (hidden 4096, 32 query heads, 8 KV heads of 128,
     MLP 14336, RoPE θ 500000) in bfloat16, ``layers`` of them, SmolLM2's tokenizer and vocabulary (49152) so that
     the calibrating methods read the shipped text: how a decode step's cost splits between weights, cache and the
     runtime's small ops on a model of the size people compress (SmolLM2's layers are 1/40 of one). Random weights
-    time as trained ones do (not its quality: its outputs are noise). Built once into ``path``."""
+    time as trained ones do (not its quality: its outputs are noise). Built once into ``CACHE``."""
     import shutil
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    path = CACHE / f"llama8b-shape-{layers}"
     if (path / "config.json").exists():
         return path
     torch.manual_seed(0)

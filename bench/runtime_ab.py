@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import machine, markdown_table, write_results  # noqa: E402
-from bench.models import CACHE, llama8b_shaped, prepare_models  # noqa: E402
+from bench.models import llama8b_shaped, prepare_models  # noqa: E402
 from bench.slim_bench import build_source  # noqa: E402
 from bench.speed_bench import _converted  # noqa: E402
 from kvconvert.eval.speed import side_by_side  # noqa: E402
@@ -64,7 +64,7 @@ def main() -> None:
             source = Path(tmp) / "mha"
             build_source(source, layers=8, max_positions=max(contexts) + args.steps + 8)
         elif args.model == "llama8b-shape":
-            source = llama8b_shaped(CACHE / "llama8b-shape-4")
+            source = llama8b_shaped()
         else:
             source = prepare_models(include_smollm=True)["smollm2-135m"]
         new = _converted(source, json.loads(args.recipe), "converted", Path(tmp) / "new").eval()

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, markdown_table, write_results  # noqa: E402
-from bench.models import CACHE, llama8b_shaped, prepare_models  # noqa: E402
+from bench.models import llama8b_shaped, prepare_models  # noqa: E402
 from bench.slim_bench import build_source  # noqa: E402
 from kvconvert.eval.speed import side_by_side  # noqa: E402
 from kvconvert.io.source import open_source  # noqa: E402
@@ -104,11 +104,10 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",") if c]  # "": no grid (--serving alone)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        name = "smollm2-135m" if args.source == "smollm2" else "llama-3.1-8b-shaped, 4 random layers"
         if args.source == "smollm2":
-            source_dir = prepare_models(include_smollm=True)["smollm2-135m"]
+            name, source_dir = "smollm2-135m", prepare_models(include_smollm=True)["smollm2-135m"]
         else:
-            source_dir = llama8b_shaped(CACHE / "llama8b-shape-4")
+            name, source_dir = "llama-3.1-8b-shaped, 4 random layers", llama8b_shaped()
         models: dict[str, Any] = {"source": AutoModelForCausalLM.from_pretrained(source_dir).eval()}
         recipes: dict[str, Any] = {}
         for label, recipe in CANDIDATES:
