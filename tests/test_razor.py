@@ -275,9 +275,9 @@ def test_layer_by_layer_profile_equals_the_loaded_model(kind, tiny_model_dir):
 def test_windows_in_kivi_layout_decode_from_their_codes_while_they_slide(bits, tokenized_model_dir, tmp_path,
                                                                          monkeypatch):  # fmt: skip
     """Razor + KIVI-layout storage on a CPU: the other heads' windows are read from their codes (``kivi_decode`` with
-    razor's sink and compensation token as extra exact tokens, the window's dropped front of its first block
-    masked), as the retrieval heads already were: the same tokens and logits as dequantizing the windows, over 40
-    steps of a left-padded batch in which windows of 20 tokens slide through 8-token blocks."""
+    razor's sink and compensation token as extra exact tokens), as the retrieval heads already were: the same tokens
+    and logits as dequantizing the windows, over 40 steps of a left-padded batch in which windows of 20 tokens slide
+    through 8-token blocks, a whole block leaving at once (``TokenStore.whole_front``: 20 to 27 tokens held)."""
     import kvconvert
     from kvconvert.runtime import kvconvert_quant, kvconvert_razor
 
@@ -290,8 +290,8 @@ def test_windows_in_kivi_layout_decode_from_their_codes_while_they_slide(bits, t
     original = kvconvert_razor.kivi_decode
 
     def recorded(*args, **kwargs):
-        if kwargs.get("extra") is not None:
-            windows.append(args[4].offset)  # the window's store: tokens dropped from its first block
+        if kwargs.get("extra") is not None:  # the window's store: whether its front slid, what it holds
+            windows.append((args[4].front_dropped, len(args[4]), args[4].offset))
         return original(*args, **kwargs)
 
     def run():
@@ -302,7 +302,9 @@ def test_windows_in_kivi_layout_decode_from_their_codes_while_they_slide(bits, t
 
     monkeypatch.setattr(kvconvert_razor, "kivi_decode", recorded)
     codes_logits, codes_tokens = run()
-    assert windows and any(windows) and not all(windows), "the windows were not read from their codes while sliding"
+    slid = [(held, offset) for dropped, held, offset in windows if dropped]
+    assert slid and len(slid) < len(windows), "the windows were not read from their codes while sliding"
+    assert {held for held, _ in slid} == set(range(20, 28)) and not any(offset for _, offset in slid)
     monkeypatch.setattr(kvconvert_razor, "kivi_kernel_reads", lambda *args, **kwargs: False)
     monkeypatch.setattr(kvconvert_quant, "kivi_kernel_reads", lambda *args, **kwargs: False)
     windows.clear()

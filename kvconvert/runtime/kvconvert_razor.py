@@ -188,8 +188,7 @@ class RazorLayer(KVLayer):
         """Move what fell out of the window into the compensation sums. ``valid [b, seen]``: False for
         padding tokens (never compensated); None: no padding."""
         drop = max(0, len(self.recent_k) - self.recent_budget(self.seen)) if self.others else 0
-        if isinstance(self.recent_k, TokenLayoutStore):  # its windows slide by whole blocks
-            drop = self.recent_k.whole_front(drop)
+        drop = self.recent_k.whole_front(drop)  # a quantized window slides by whole blocks
         if drop:
             first = self.seen - len(self.recent_k)  # logical index of the oldest recent token
             dropped_k, dropped_v = self.recent_k.take_front(drop), self.recent_v.take_front(drop)

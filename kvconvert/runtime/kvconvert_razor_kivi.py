@@ -9,8 +9,8 @@ The other heads keep the sink exact, then a window whose quantized blocks lie in
 block i in slot i mod slots, enough slots for the widest window plus the block being written and the one the
 window's front is leaving), the newest tokens exact in the store's own float ring, and the compensation sums.
 Which tokens are quantized depends on the count alone, as in ``StaticTokenStore``: the growing window store
-quantizes blocks aligned with its positions, and drops from its front only tokens already in a block as long as
-the window holds at least ``residual + group`` tokens (``static_refusal`` refuses a shorter one: there the
+quantizes blocks aligned with its positions, and drops from its front only whole blocks (``TokenStore.whole_front``)
+as long as the window holds at least ``residual + group`` tokens (``static_refusal`` refuses a shorter one: there the
 growing store cuts its float tail and its blocks shift). A decode step reads every slot, masking by logical
 position what is dropped, not written or held twice; longer steps go through a growing layer built from the
 buffers and written back, as ``StaticRazorLayer`` does. Copied verbatim into every razor output directory.
@@ -127,7 +127,7 @@ class StaticRazorKiviLayer(StaticRazorLayer):
     ``[b, N, 1, d]`` and counts ``[b]``."""
 
     buffers: tuple[str, ...] = ("sink_k", "sink_v", "comp_k_sum", "comp_v_sum", "comp_count")
-    unit = 1  # tokens that leave the window together (L grows by at most one a step); the token layout: a whole unit
+    unit = 1  # tokens that leave the window together: the growing store's ``_front_unit`` (``_make_stores``)
     sink_k: Any
     sink_v: Any
     full_keys: StaticTokenStore
@@ -143,10 +143,18 @@ class StaticRazorKiviLayer(StaticRazorLayer):
 
     def _make_stores(self, keys: QuantSpec, values: QuantSpec) -> None:
         """The retrieval heads' stores for ``max_cache_len`` tokens and the windows' rings, in KIVI's layout."""
+        self.unit = TokenStore(keys, True)._front_unit()  # what the growing window drops at once (whole blocks)
         self.full_keys = StaticTokenStore(keys, True, self.max_cache_len)
         self.full_values = StaticTokenStore(values, False, self.max_cache_len)
         slots = self._ring_slots(keys.group)
         self.window_keys, self.window_values = RingTokenStore(keys, True, slots), RingTokenStore(values, False, slots)
+
+    def _window_start(self, total: torch.Tensor) -> torch.Tensor:
+        """The window's first logical position after ``total`` tokens: its front moves by whole units, as far as
+        ``max(sink, total − L(total))`` allows (``TokenStore.whole_front``)."""
+        budget = (total.double() * self.window_frac).floor().long().clamp(min=self.window)
+        stored = (total - self.sink).clamp(min=0)
+        return self.sink + (stored - budget).clamp(min=0) // self.unit * self.unit
 
     def _ring_slots(self, group: int) -> int:
         """Blocks a window's ring holds: the widest window before its step's drop with the ``unit`` − 1 tokens that
@@ -256,8 +264,8 @@ class StaticRazorKiviLayer(StaticRazorLayer):
         return start, column_bias, head
 
     def _leaving(self, start: torch.Tensor, head: int, blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
-        """The tokens at the window's front that leave it together (``unit``: one in KIVI's layout, where L grows by at
-        most one a step; a whole unit in the token layout) as the growing store hands them over: dequantized from
+        """The tokens at the window's front that leave it together (``unit``: a block in KIVI's layout, a whole unit in
+        the token layout) as the growing store hands them over: dequantized from
         their blocks (``blocks``: every slot dequantized already; else only theirs), exact from the store's sink where
         it holds them. ``(keys, values) [b, N, unit, d]`` and their logical positions ``[unit]`` (``_add_dropped``
         weighs each by whether it leaves); None where the count says nothing leaves (eagerly on a CPU, where it is

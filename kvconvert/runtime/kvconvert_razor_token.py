@@ -7,7 +7,7 @@ Retrieval heads keep every token in ``StaticTokenLayoutStore``s, read as quant's
 dequantized). The other heads keep the sink exact, then a window whose blocks lie in a ring (``RingTokenLayoutStore``),
 read from their codes in the same pass where the int4 kernel reads them, the sink, the store's float ring and exact
 sink, this step's token and the compensation token (its logit ``ln N_d``) joining as exact columns. The growing
-store's windows slide by whole units (``TokenLayoutStore.whole_front``: a unit leaves at once, dequantized into the
+store's windows slide by whole units (``TokenStore.whole_front``: a unit leaves at once, dequantized into the
 compensation sums), so the window's front after ``n`` tokens is ``sink + ⌊(n − sink − L(n)) / unit⌋·unit``, a
 function of the count alone, as the static layer needs; that holds while the window is at least ``residual + group``
 wide (``window_static_refusal``). Longer steps go through a growing layer built from the buffers and written back,
@@ -56,13 +56,6 @@ class StaticRazorTokenLayer(StaticRazorKiviLayer):
         else:
             self.full_values = StaticTokenStore(values, False, max_len)
             self.window_values = RingTokenStore(values, False, slots)
-
-    def _window_start(self, total: torch.Tensor) -> torch.Tensor:
-        """The window's first logical position after ``total`` tokens: its front moves by whole units, as far as
-        ``max(sink, total − L(total))`` allows (``TokenLayoutStore.whole_front``)."""
-        budget = (total.double() * self.window_frac).floor().long().clamp(min=self.window)
-        stored = (total - self.sink).clamp(min=0)
-        return self.sink + (stored - budget).clamp(min=0) // self.unit * self.unit
 
     def _read_codes(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                     scale: float) -> torch.Tensor | None:  # fmt: skip

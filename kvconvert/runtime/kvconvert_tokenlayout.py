@@ -304,19 +304,6 @@ class TokenLayoutStore(TokenStore):
         # both a block mean's and any packing block's boundary, the same for keys and values (one token count)
         return math.lcm(self.quant.group, max(rows.block for rows in INT4_ROW_LAYOUTS))
 
-    def whole_front(self, count: int) -> int:
-        """How many of the oldest ``count`` tokens to drop so that only whole units leave the quantized part."""
-        # Razor's windows in this layout slide by whole units: a token leaving one by one would be
-        # dequantized from its block at every step (~25 small ops per store: 15 ms of a 4K decode step
-        # of SmolLM2 on 2 cores), or its unit kept dequantized in float (more bytes than the window's
-        # codes at 1.5K tokens). So up to a unit − 1 tokens stay attended past the window's length L,
-        # as stored, and a unit is dequantized once, into the compensation token, when it leaves.
-        quantized_left = self.quantized_tokens - self.offset
-        if count >= quantized_left:  # everything quantized goes (and some of the float tail): blocks freed
-            return count
-        unit = self._front_unit()
-        return max(0, (self.offset + count) // unit * unit - self.offset)
-
 
 class KiviInt4Values(TokenLayoutStore):
     """Values quantized as KIVI's layout quantizes them (``quantize_tokens``: 4-bit, per token in groups of at most
