@@ -223,7 +223,7 @@ class RazorLayer(KVLayer):
         """The extra tokens of windows read from their codes (``token_decode``, ``kivi_decode``): the sink and the
         compensation token as one ``[b, N, sink + 1, d]`` pair, the token's logit ``ln N_d`` ``[b]`` and the pair's
         logits ``[b, N, 1, sink + 1]`` where nothing is masked. Kept with ``derived``'s tensors until the next drop (the
-        token layout's windows drop a block every 64 steps; KIVI's and 16-bit windows a token at every step)."""
+        quantized windows drop a block every 64 steps: ``whole_front``; 16-bit windows a token at every step)."""
         if self._extra is None:
             comp_k, comp_v, count = self.derived(key, value)
             log_count = count_logit(count)
