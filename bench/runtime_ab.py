@@ -3,7 +3,10 @@
 the working tree's (``kvconvert.load``), beside the source, all in one process (``eval.speed.side_by_side``: the
 models take turns, the best round counts). On these noisy machines only such same-process ratios say whether a
 change helped. ``--model mha`` is the random-weight MHA Llama the speed bench times slim on; ``llama8b-shape``
-four random layers of Llama-3.1-8B's shapes (``bench.models.llama8b_shaped``); ``smollm2`` the default. Writes
+four random layers of Llama-3.1-8B's shapes (``bench.models.llama8b_shaped``); ``smollm2`` the default.
+``--quality N``: instead of speed, what a runtime change does to the output: both runtimes' KL to the source and
+perplexity through the cache (the context protocol: the first ``--quality-context`` tokens of each window prefilled
+in chunks of 512, the rest scored through the cache) on N tokens of the shipped wikitext-2 test. Writes
 bench/results/NAME-<date>.{json,md}.
 
     python bench/runtime_ab.py --recipe '{"method": "slim"}' --model mha --contexts 4096,16384 --name ab-slim-pairs
@@ -25,9 +28,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import machine, markdown_table, write_results  # noqa: E402
-from bench.models import llama8b_shaped, prepare_models  # noqa: E402
+from bench.models import SHARED, llama8b_shaped, prepare_models  # noqa: E402
 from bench.slim_bench import build_source  # noqa: E402
 from bench.speed_bench import _converted  # noqa: E402
+from kvconvert.eval.quality import FixedReference, evaluate_quality  # noqa: E402
 from kvconvert.eval.speed import side_by_side  # noqa: E402
 
 
@@ -48,6 +52,9 @@ def main() -> None:
     parser.add_argument("--capacity", type=float, default=None, help="static caches hold this many times the context")
     parser.add_argument("--compiled", action="store_true",
                         help="static caches through torch.compile (batch 1), the source compiled too")  # fmt: skip
+    parser.add_argument("--quality", type=int, default=0, metavar="TOKENS",
+                        help="measure KL and perplexity through the cache on this many wikitext-2 tokens instead")
+    parser.add_argument("--quality-context", type=int, default=1536, help="tokens of each 2048-token window prefilled")
     args = parser.parse_args()
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
@@ -82,6 +89,9 @@ def main() -> None:
                   "working tree": new}  # fmt: skip
         assert type(new).__module__.startswith(kvconvert.__name__)
         models = {label: model.to(getattr(torch, args.dtype)) for label, model in models.items()}
+        if args.quality:
+            rows = _quality(models, args.quality, args.quality_context)
+            contexts = []
         for context in contexts:
             for batch in (int(b) for b in args.batches.split(",")):
                 measured = side_by_side(models, context, args.steps, args.rounds, batch=batch, static=args.static,
@@ -92,15 +102,42 @@ def main() -> None:
                                  "decode_tokens_per_s": row["decode_tokens_per_s"],
                                  "ratio_to_source": row["decode_tokens_per_s"] / speed})  # fmt: skip
                     print(rows[-1], flush=True)
-    table = markdown_table(["context", "batch", "model", "decode tok/s", "× source"],
-                           [[r["context"], r["batch"], r["model"], f"{r['decode_tokens_per_s']:.2f}",
-                             f"{r['ratio_to_source']:.2f}"] for r in rows])  # fmt: skip
+    if args.quality:
+        table = markdown_table(["model", "tokens scored", "ppl", "source ppl", "Δppl", "KL to the source", "top-1"],
+                               [[r["model"], r["tokens"], f"{r['ppl']:.4f}", f"{r['reference_ppl']:.4f}",
+                                 f"{100 * (r['ppl'] / r['reference_ppl'] - 1):+.2f} %", f"{r['kl_mean']:.5f}",
+                                 f"{r['top1_agreement']:.4f}"] for r in rows])  # fmt: skip
+    else:
+        table = markdown_table(["context", "batch", "model", "decode tok/s", "× source"],
+                               [[r["context"], r["batch"], r["model"], f"{r['decode_tokens_per_s']:.2f}",
+                                 f"{r['ratio_to_source']:.2f}"] for r in rows])  # fmt: skip
     payload = {"machine": machine(), "recipe": json.loads(args.recipe), "model": args.model, "base": base,
                "steps": args.steps, "rounds": args.rounds, "static": args.static, "capacity": args.capacity,
-               "compiled": args.compiled,
+               "compiled": args.compiled, "quality_tokens": args.quality, "quality_context": args.quality_context,
                "dtype": args.dtype, "rows": rows,
                "seconds": time.perf_counter() - started}  # fmt: skip
     write_results(args.name, payload, table)
+
+
+def _quality(models: dict[str, Any], tokens: int, context: int) -> list[dict[str, Any]]:
+    """Both runtimes' quality through the cache against the source's on the same windows (2048 tokens each, the
+    first ``context`` prefilled in chunks of 512)."""
+    from transformers import AutoTokenizer
+
+    source = models["source"]
+    text = (SHARED / "data" / "wikitext2" / "wikitext2_raw_test.txt").read_text()
+    tokenizer = AutoTokenizer.from_pretrained(source.config._name_or_path)
+    ids = torch.tensor(tokenizer(text[: 8 * tokens])["input_ids"][:tokens])
+    reference = FixedReference(source, ids, 2048, context)
+    rows = []
+    for label, model in models.items():
+        if label == "source":
+            continue
+        result = evaluate_quality(model, ids, 2048, reference, chunk=512, context=context)
+        rows.append({"model": label, "tokens": result.tokens, "ppl": result.ppl, "reference_ppl": result.reference_ppl,
+                     "kl_mean": result.kl_mean, "top1_agreement": result.top1_agreement})  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
 
 
 if __name__ == "__main__":
