@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true",
                         help="static caches through torch.compile (batch 1), the source compiled too")  # fmt: skip
     parser.add_argument("--quality", type=int, default=0, metavar="TOKENS",
-                        help="measure KL and perplexity through the cache on this many wikitext-2 tokens instead")
+                        help="KL and perplexity through the cache on this many wikitext-2 tokens instead")  # fmt: skip
     parser.add_argument("--quality-context", type=int, default=1536, help="tokens of each 2048-token window prefilled")
     args = parser.parse_args()
     torch.manual_seed(0)
