@@ -81,6 +81,7 @@ class ReferenceStore:
         self.dropped = False  # take_front removed the first tokens: no later token is a sink
         self.aged: torch.Tensor | None = None  # fake-quantized tokens, oldest first (a sink exact)
         self.tail: torch.Tensor | None = None
+        self.aged_dropped = 0  # tokens taken from the front of ``aged`` since it was last empty
 
     def _parts(self) -> list[torch.Tensor]:
         return [t for t in (self.aged, self.tail) if t is not None]
@@ -117,12 +118,22 @@ class ReferenceStore:
         self.append(new)
         return new if past is None else torch.cat([past, new], dim=-2)
 
+    def whole_front(self, count: int) -> int:
+        """Razor's windows slide by whole blocks: of the ``count`` oldest tokens, those up to the last block
+        boundary of the aged part, or all of them once they reach past it."""
+        aged = 0 if self.aged is None else self.aged.shape[-2]
+        if count >= aged:
+            return count
+        group = self.quant.group
+        return max(0, (self.aged_dropped + count) // group * group - self.aged_dropped)
+
     def take_front(self, count: int) -> torch.Tensor:
         front = self.read()[..., :count, :]
         self.dropped = True
         from_aged = 0 if self.aged is None else min(count, self.aged.shape[-2])
         if self.aged is not None:
             self.aged = self.aged[..., from_aged:, :]
+            self.aged_dropped = self.aged_dropped + from_aged if self.aged.shape[-2] else 0
         assert self.tail is not None
         self.tail = self.tail[..., count - from_aged :, :]
         return front
