@@ -33,12 +33,13 @@ def quantized_keys(batch: int, blocks: int, bits: int, dim: int = 48, block: int
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize(("batch", "blocks"), [(1, 1), (3, 5)])
-def test_compiled_scores_are_the_eager_scores(bits, batch, blocks, fused, monkeypatch):
-    """``folded_scores`` compiled (one loop over the codes) against its eager matrix products and against the query
-    times the dequantized keys: the same scores but for the order of float32 sums."""
+@pytest.mark.parametrize(("batch", "blocks", "rows"), [(1, 1, 1), (3, 5, 4)])
+def test_compiled_scores_are_the_eager_scores(bits, batch, blocks, rows, fused, monkeypatch):
+    """``folded_scores`` compiled (one loop over the codes, a sum per query row of a KV head) against its eager matrix
+    products and against the query times the dequantized keys: the same scores but for the order of float32 sums;
+    one query row a head (MHA) or several (GQA)."""
     stored, plain = quantized_keys(batch, blocks, bits)
-    query = torch.randn(batch, 2, 3, plain.shape[-1])
+    query = torch.randn(batch, 2, rows, plain.shape[-1])
     compiled = folded_scores(query, stored.codes, stored.scale, stored.zero, bits)
     assert fused.get("folded_scores") not in (None, False)  # the compiled reader ran
     monkeypatch.setenv("KVCONVERT_COMPILE", "off")
@@ -49,15 +50,15 @@ def test_compiled_scores_are_the_eager_scores(bits, batch, blocks, fused, monkey
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize(("batch", "tokens", "group"), [(1, 8, 48), (3, 40, 16)])
-def test_compiled_value_sums_are_the_eager_sums(bits, batch, tokens, group, fused, monkeypatch):
+@pytest.mark.parametrize(("batch", "tokens", "group", "rows"), [(1, 8, 48, 1), (3, 40, 16, 4)])
+def test_compiled_value_sums_are_the_eager_sums(bits, batch, tokens, group, rows, fused, monkeypatch):
     """``folded_value_sum`` compiled against its eager products and against the weights times the dequantized
-    values, one channel group or several."""
+    values, one channel group or several, one query row a head or several."""
     torch.manual_seed(tokens + bits)
     values = torch.randn(batch, 2, tokens, 48)
     stored = quantize_tokens(values, bits, group, False)
     plain = dequantize_tokens(stored, bits, group, 48, False, torch.float32)
-    weights = torch.rand(batch, 2, 3, tokens)
+    weights = torch.rand(batch, 2, rows, tokens)
     compiled = kvconvert_folded.folded_value_sum(weights, stored.codes, stored.scale, stored.zero, bits)[..., :48]
     assert fused.get("folded_value_sum") not in (None, False)
     monkeypatch.setenv("KVCONVERT_COMPILE", "off")

@@ -175,15 +175,21 @@ def _values_in_one(
     weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
 ) -> torch.Tensor:  # fmt: skip
     """``folded_value_sum`` over rows ``[R, ·]`` (``b·Hkv``) as one expression for Inductor (``_scores_in_one``): per
-    plane, the sum over tokens of ``(p·s_g)·code`` for every channel group at once. ``[R, G, groups·size]``."""
-    rows, _, n = weights.shape
+    query row and plane, the sum over tokens of ``(p·s_g)·code`` for every channel group at once, the rows one by one
+    so that a single loop widens each code once for all of them (8 rows × 4K of SmolLM2, 4-bit: 576 → 365 µs a
+    layer; Llama's 4 rows a head and 2 groups: 2.14 → 1.09 ms). ``[R, G, groups·size]``."""
+    rows, group, n = weights.shape
     groups = scale.shape[-1]
     w = weights.float()
-    weighted = (w[..., None] * scale[:, None])[..., None]  # [R, G, n, groups, 1]
-    # plane k holds channels unit·i + k: per group [R, 1, n, groups, size/unit]
-    parts = [(weighted * plane.view(rows, 1, n, groups, -1)).sum(2) for plane in bit_planes(codes, bits)]
-    summed = torch.stack(parts, dim=-1).flatten(-2)  # [R, G, groups, size]
-    return (summed + (w @ zero.float())[..., None]).flatten(-2)
+    zeros = w @ zero.float()  # [R, G, groups]
+    # plane k holds channels unit·i + k: per group [R, n, groups, size/unit]
+    planes = [plane.view(rows, n, groups, -1) for plane in bit_planes(codes, bits)]
+    summed = []
+    for g in range(group):  # a graph per group size: a model has one
+        weighted = (w[:, g, :, None] * scale)[..., None]  # [R, n, groups, 1]
+        parts = [(weighted * plane).sum(1) for plane in planes]  # [R, groups, size/unit] each
+        summed.append(torch.stack(parts, dim=-1).flatten(-2) + zeros[:, g, :, None])  # [R, groups, size]
+    return torch.stack(summed, dim=1).flatten(-2)
 
 
 def token_values_sum(probs: torch.Tensor, held: tuple[torch.Tensor, ...], values: Any, batch: int,
@@ -274,12 +280,20 @@ def _scores_in_one(
 ) -> torch.Tensor:  # fmt: skip
     """``folded_scores`` over rows ``[R, ·]`` (``b·Hkv``) as one expression for Inductor: each plane's product is a sum
     over channels of broadcast products, which it generates as a loop reading the codes (a matrix product would
-    make it write the planes out first). ``[R, G, nb·B]``."""
+    make it write the planes out first). One sum per query row and plane, not one broadcast over the rows: Inductor
+    then reads and widens each code once for all the rows of its KV head in one loop, where the broadcast made a loop
+    per row (2 AMD EPYC cores, 4-bit, 8 rows × 4K of SmolLM2: 685 → 549 µs a layer; Llama's 4 rows a head 1.50 → 1.08
+    ms; 2-bit 1.25 → 0.70 ms; one row a head unchanged). ``[R, G, nb·B]``."""
     rows, group, _ = query.shape
-    scaled = (query[:, None] * scale[:, :, None, :])[..., None]  # [R, nb, G, d, 1]
-    parts = [(scaled * plane[:, :, None]).sum(-2) for plane in bit_planes(codes, bits)]  # [R, nb, G, B/unit]
-    scores = torch.stack(parts, dim=-1).flatten(-2) + (zero.float() @ query.transpose(-1, -2))[..., None]
-    return scores.transpose(1, 2).reshape(rows, group, -1)
+    scaled = query[:, None] * scale[:, :, None, :]  # [R, nb, G, d]
+    planes = bit_planes(codes, bits)  # [R, nb, d, B/unit] each
+    zeros = zero.float() @ query.transpose(-1, -2)  # [R, nb, G]: q·z per block
+    scores = []
+    for g in range(group):  # a graph per group size: a model has one
+        row = scaled[:, :, g, :, None]  # [R, nb, d, 1]
+        parts = [(row * plane).sum(-2) for plane in planes]  # [R, nb, B/unit] each
+        scores.append(torch.stack(parts, dim=-1).flatten(-2) + zeros[:, :, g, None])  # [R, nb, B]
+    return torch.stack(scores, dim=1).flatten(-2)
 
 
 def folded_channel_mix(
