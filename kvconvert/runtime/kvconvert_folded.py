@@ -178,7 +178,8 @@ def _values_in_one(
     """``folded_value_sum`` over rows ``[R, ·]`` (``b·Hkv``) as one expression for Inductor (``_scores_in_one``): per
     query row and plane, the sum over tokens of ``(p·s_g)·code`` for every channel group at once, the rows one by one
     so that a single loop widens each code once for all of them (8 rows × 4K of SmolLM2, 4-bit: 576 → 365 µs a
-    layer; Llama's 4 rows a head and 2 groups: 2.14 → 1.09 ms). ``[R, G, groups·size]``."""
+    layer; Llama's 4 rows a head and 2 groups: 2.14 → 1.09 ms). ``codes`` as ``fused_codes`` lays them out.
+    ``[R, G, groups·size]``."""
     rows, group, n = weights.shape
     groups = scale.shape[-1]
     w = weights.float()
@@ -285,7 +286,8 @@ def _scores_in_one(
     make it write the planes out first). One sum per query row and plane, not one broadcast over the rows: Inductor
     then reads and widens each code once for all the rows of its KV head in one loop, where the broadcast made a loop
     per row (2 AMD EPYC cores, 4-bit, 8 rows × 4K of SmolLM2: 685 → 549 µs a layer; Llama's 4 rows a head 1.50 → 1.08
-    ms; 2-bit 1.25 → 0.70 ms; one row a head unchanged). ``[R, G, nb·B]``."""
+    ms; 2-bit 1.25 → 0.70 ms; one row a head unchanged). ``codes`` as ``fused_codes`` lays them out.
+    ``[R, G, nb·B]``."""
     rows, group, _ = query.shape
     scaled = query[:, None] * scale[:, :, None, :]  # [R, nb, G, d]
     planes = _fused_planes(codes, bits)  # [R, nb, d, B/unit] each
