@@ -336,8 +336,11 @@ def fused_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     own, ``[..., 3, words]`` (one copy, ``_fused_planes``), at other widths as they are. In the codec's packing the
     bytes of a word lie 3 apart, which Inductor reads one by one into a buffer and then sums each plane in a loop of
     its own: 3-bit KIVI keys at 8 rows × 4K of SmolLM2 took 7.1 ms a layer against 4-bit's 0.55, 2.4 ms from the
-    rows (2 AMD EPYC cores; the copy included)."""
-    return codes.unflatten(-1, (-1, 3)).transpose(-1, -2).contiguous() if bits == 3 else codes
+    rows (2 AMD EPYC cores; the copy included). The rows stacked from three strided slices: a transposed copy of the
+    ``[..., words, 3]`` view took twice as long (1.6-1.8 ms against 0.8 at that size)."""
+    if bits != 3:
+        return codes
+    return torch.stack([codes[..., 0::3], codes[..., 1::3], codes[..., 2::3]], dim=-2)
 
 
 def _fused_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
