@@ -68,6 +68,29 @@ def test_compiled_value_sums_are_the_eager_sums(bits, batch, tokens, group, rows
     torch.testing.assert_close(compiled, weights @ plain, **sums)
 
 
+@pytest.mark.parametrize("block", [24, 64, 128, 256])
+def test_compiled_three_bit_reads_at_every_word_size(block, fused, monkeypatch):
+    """3-bit keys and values whose packed rows hold 24 codes (high bits by eight shifts), 64, 128 (a 16- or 32-bit
+    word of high bits a plane) or 256 (two words a plane): compiled against eager and against the dequantized cache."""
+    torch.manual_seed(block)
+    keys = torch.randn(2, 2, 2 * block, block)
+    stored = quantize_tokens(keys, 3, block, True)
+    plain = dequantize_tokens(stored, 3, block, block, True, torch.float32)
+    values = quantize_tokens(keys, 3, block, False)
+    plain_values = dequantize_tokens(values, 3, block, block, False, torch.float32)
+    query, weights = torch.randn(2, 2, 3, block), torch.randn(2, 2, 3, 2 * block).softmax(-1)  # as attention's
+    scores = folded_scores(query, stored.codes, stored.scale, stored.zero, 3)
+    summed = kvconvert_folded.folded_value_sum(weights, values.codes, values.scale, values.zero, 3)
+    assert fused.get("folded_scores") not in (None, False) and fused.get("folded_value_sum") not in (None, False)
+    monkeypatch.setenv("KVCONVERT_COMPILE", "off")
+    sums = dict(atol=2e-4, rtol=1e-5)  # up to 256 channels or tokens summed in another order
+    torch.testing.assert_close(scores, folded_scores(query, stored.codes, stored.scale, stored.zero, 3), **sums)
+    torch.testing.assert_close(scores, query @ plain.transpose(-1, -2), **sums)
+    eager = kvconvert_folded.folded_value_sum(weights, values.codes, values.scale, values.zero, 3)
+    torch.testing.assert_close(summed, eager, **sums)
+    torch.testing.assert_close(summed, weights @ plain_values, **sums)
+
+
 def test_small_reads_and_the_off_setting_stay_eager(monkeypatch):
     """Below ``FUSE_MIN_CODES`` (a call's guards would cost what the loop saves) nothing is compiled, nor with
     ``KVCONVERT_COMPILE=off``."""

@@ -16,11 +16,10 @@ from kvconvert.runtime.kvconvert_codec import (
     QuantSpec,
     channel_groups,
     dequantize_tokens,
-    pack,
     quantize_tokens,
     rotation,
-    unpack,
 )
+from kvconvert.runtime.kvconvert_packing import pack, unpack
 from kvconvert.runtime.kvconvert_tokenstore import TokenStore
 
 # ----------------------------------------------------------------- plain-torch reference quantizer
@@ -181,6 +180,23 @@ def test_pack_round_trip(bits, width):
     assert packed.dtype == torch.uint8 and packed.shape[-1] == (3 * math.ceil(width / 8) if bits == 3 else
                                                                 math.ceil(width * bits / 8))  # fmt: skip
     assert torch.equal(unpack(packed, bits, width), codes)
+
+
+@pytest.mark.parametrize("width", [8, 24, 32, 64, 96, 128, 256])
+def test_three_bit_planes_hold_every_fourth_code(width):
+    """3-bit codes split into 4 planes, plane k holding codes 4j + k, by the eager split and by the formulas the
+    compiled readers use (a word of high bits a plane where the width is a multiple of 32, eight shifts where not);
+    every code value at every place."""
+    from kvconvert.runtime.kvconvert_folded import _fused_planes, bit_planes
+
+    codes = torch.randint(0, 8, (5, width), dtype=torch.uint8)
+    codes[0] = 7  # every high bit set: the top byte of a 32-bit word of high bits too
+    codes[1] = torch.arange(width) % 8
+    packed = pack(codes, 3)
+    for planes in (bit_planes(packed, 3), _fused_planes(packed, 3)):
+        assert len(planes) == 4
+        for k, plane in enumerate(planes):
+            assert torch.equal(plane, codes[:, k::4].float()), k
 
 
 @pytest.mark.parametrize("size", [64, 58])

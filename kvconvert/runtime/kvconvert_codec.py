@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from .kvconvert_packing import pack, packed_width, unpack
+
 BITS = (16, 8, 4, 3, 2)
 LAYOUTS = ("kivi", "token")
 FORMATS = ("int", "fp8")
@@ -310,17 +312,6 @@ def quantize_groups(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Ten
     return codes.to(torch.uint8), scale, zero
 
 
-def codes_per_unit(bits: int) -> int:
-    """Codes in one packing unit of ``pack``: a byte at 2, 4 and 8 bits, three bytes (a 24-bit word) at 3. A range
-    of whole units is a byte range of the packed codes."""
-    return 8 if bits == 3 else 8 // bits
-
-
-def packed_width(width: int, bits: int) -> int:
-    """Bytes that ``pack`` makes of ``width`` codes."""
-    return 3 * math.ceil(width / 8) if bits == 3 else math.ceil(width / (8 // bits))
-
-
 def rotation(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """An orthogonal ``[size, size]`` float32 matrix that spreads every channel over the group: a
     Hadamard matrix with random column signs (fixed seed) where ``size`` is a power of two, else the
@@ -357,57 +348,6 @@ def _build_rotation(size: int) -> torch.Tensor:
     else:
         matrix, _ = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64))
     return matrix.float()
-
-
-def _pack3(codes: torch.Tensor) -> torch.Tensor:
-    """3-bit codes ``[..., w]`` -> ``[..., 3·ceil(w/8)]``: each 8 codes as one 24-bit little-endian word."""
-    width = codes.shape[-1]
-    padded = math.ceil(width / 8) * 8
-    if padded != width:
-        codes = torch.nn.functional.pad(codes, (0, padded - width))
-    codes = codes.view(*codes.shape[:-1], padded // 8, 8).to(torch.int32)
-    word = (codes << torch.arange(0, 24, 3, dtype=torch.int32, device=codes.device)).sum(-1, keepdim=True)
-    # shifts made on the device (arange), not copied from a host list at every call: a CUDA-graph capture refuses that
-    octets = (word >> torch.arange(0, 24, 8, dtype=torch.int32, device=codes.device)) & 255
-    return octets.to(torch.uint8).flatten(-2)
-
-
-def _unpack3(packed: torch.Tensor, width: int) -> torch.Tensor:
-    octets = packed.view(*packed.shape[:-1], -1, 3).to(torch.int32)
-    word = (octets << torch.arange(0, 24, 8, dtype=torch.int32, device=packed.device)).sum(-1, keepdim=True)
-    codes = (word >> torch.arange(0, 24, 3, dtype=torch.int32, device=packed.device)) & 7
-    return codes.to(torch.uint8).flatten(-2)[..., :width]
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``codes [..., w]`` uint8 < 2^bits -> ``[..., ceil(w·bits/8)]`` uint8, element i in bits i·b… of its byte
-    (3-bit: of its 3-byte word)."""
-    if bits == 3:
-        return _pack3(codes)
-    per_byte = 8 // bits
-    if per_byte == 1:
-        return codes
-    width = codes.shape[-1]
-    padded = math.ceil(width / per_byte) * per_byte
-    if padded != width:
-        codes = torch.nn.functional.pad(codes, (0, padded - width))
-    codes = codes.view(*codes.shape[:-1], padded // per_byte, per_byte)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (codes << shifts).sum(-1, dtype=torch.uint8)
-
-
-def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
-    """Inverse of ``pack``: ``[..., ceil(w·bits/8)]`` -> ``[..., w]`` uint8."""
-    if bits == 3:
-        return _unpack3(packed, width)
-    per_byte = 8 // bits
-    if per_byte == 1:
-        return packed
-    # one scalar shift per position in the byte, then one stack: a shift broadcast against a tensor
-    # of shifts takes torch's slow (unvectorised) path on CPU, 1.7× the time of this (16K tokens)
-    mask = 2**bits - 1
-    parts = [packed >> shift if shift + bits == 8 else (packed >> shift) & mask for shift in range(0, 8, bits)]
-    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)[..., :width]
 
 
 def channel_groups(width: int, group: int) -> tuple[int, int]:

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .kvconvert_codec import channel_groups, codes_per_unit, rotation
+from .kvconvert_codec import channel_groups, rotation
 from .kvconvert_kernels import combine_partials, env_choice
+from .kvconvert_packing import codes_per_unit, plane_count, three_bit_planes
 
 # Scores more than 64 below a row's largest are floored there before ``torch.exp``: its CPU code takes a slow path for
 # every argument whose result underflows (measured on 2 AMD EPYC cores: 8 rows × 1K scores of a decode step 26 µs,
@@ -52,11 +53,13 @@ def compile_requested() -> str:
     return env_choice("KVCONVERT_COMPILE", COMPILE_CHOICES)
 
 
-def fuses(codes: torch.Tensor) -> bool:
+def fuses(codes: torch.Tensor, bits: int = 0) -> bool:
     """Whether reading ``codes`` goes through a compiled reader (``fused_call``): an eager step on a CPU, at least
-    ``FUSE_MIN_CODES`` bytes of them. Inside a step ``torch.compile`` traces already, the caller's own ops are what
-    it fuses."""
-    return codes.device.type == "cpu" and codes.numel() >= FUSE_MIN_CODES and not torch.compiler.is_compiling()
+    ``FUSE_MIN_CODES`` bytes of them, or 3-bit codes of any size (their eager split into planes costs 2-3× the
+    compiled loop even at 1 × 1K of SmolLM2: ~300-600 against ~170-190 µs a layer's keys, 2 AMD EPYC cores). Inside
+    a step ``torch.compile`` traces already, the caller's own ops are what it fuses."""
+    least = 0 if bits == 3 else FUSE_MIN_CODES
+    return codes.device.type == "cpu" and codes.numel() >= least and not torch.compiler.is_compiling()
 
 
 def fused_call(name: str, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, bits: int) -> torch.Tensor | None:
@@ -108,10 +111,10 @@ def kivi_decode_folded(
     """``kivi_decode_reference``'s partial from the codes in torch, the kernel's algebra without a float copy of the
     cache: keys' per-channel scales fold into the query per block (``q·k = Σ (q⊙s)·code + q·z``), values' per-token
     scales into the probabilities (``Σ p·v = Σ (p·s)·code + Σ p·z`` per channel group); each bit plane of the codes
-    (the k-th code of every packing unit: 2 planes at 4 bits, 4 at 2, 8 at 3) is widened to float32 once and meets
-    the G query rows of its KV head in one product. What a CPU decodes with: on 2 cores 1.0 ms against 2.1 ms for
-    dequantize-then-SDPA per layer of SmolLM2 at 4K, 4-bit (3 KV heads × 3 query rows, measured). A packing unit's
-    codes must share a value group (``kivi_folded_fits``). ``key_factor`` / ``value_factor`` ``[b, n]`` (or None):
+    (``bit_planes``: 2 planes at 4 bits, 4 at 2 and at 3) is widened to float32 once and meets the G query rows of
+    its KV head in one product. What a CPU decodes with: on 2 cores 1.0 ms against 2.1 ms for dequantize-then-SDPA
+    per layer of SmolLM2 at 4K, 4-bit (3 KV heads × 3 query rows, measured). A packed byte's codes must share a
+    value group (``kivi_folded_fits``). ``key_factor`` / ``value_factor`` ``[b, n]`` (or None):
     each token's stored key / value stands for itself times this number (MiniCache's merged directions times a
     layer's norms), applied to its score and to its weight in the values' sum, not to the cache.
 
@@ -158,9 +161,8 @@ def folded_value_sum(
     """``Σ p·v`` for weights ``[b, Hkv, G, n]`` over values quantized per token in KIVI's packing (``codes [b, Hkv,
     n, P]``, ``scale/zero [b, Hkv, n, groups]``) without a float copy of them: ``(p⊙s_g)·code + p·z_g`` per channel
     group g. ``[b, Hkv, G, groups·size]`` float32, rotated as stored."""
-    if fuses(codes):
-        rows = fused_codes(codes, bits)
-        fused = fused_call("folded_value_sum", _values_in_one, weights, rows, scale, zero, bits=bits)
+    if fuses(codes, bits):
+        fused = fused_call("folded_value_sum", _values_in_one, weights, codes, scale, zero, bits=bits)
         if fused is not None:
             return fused
     zeros = weights @ zero.float()  # [b, Hkv, G, groups]: Σ p·z of every group at once
@@ -178,18 +180,18 @@ def _values_in_one(
     """``folded_value_sum`` over rows ``[R, ·]`` (``b·Hkv``) as one expression for Inductor (``_scores_in_one``): per
     query row and plane, the sum over tokens of ``(p·s_g)·code`` for every channel group at once, the rows one by one
     so that a single loop widens each code once for all of them (8 rows × 4K of SmolLM2, 4-bit: 576 → 365 µs a
-    layer; Llama's 4 rows a head and 2 groups: 2.14 → 1.09 ms). ``codes`` as ``fused_codes`` lays them out.
+    layer; Llama's 4 rows a head and 2 groups: 2.14 → 1.09 ms).
     ``[R, G, groups·size]``."""
     rows, group, n = weights.shape
     groups = scale.shape[-1]
     w = weights.float()
     zeros = w @ zero.float()  # [R, G, groups]
-    # plane k holds channels unit·i + k: per group [R, n, groups, size/unit]
+    # plane k holds channels planes·i + k: per group [R, n, groups, size/planes]
     planes = [plane.view(rows, n, groups, -1) for plane in _fused_planes(codes, bits)]
     summed = []
     for g in range(group):  # a graph per group size: a model has one
         weighted = (w[:, g, :, None] * scale)[..., None]  # [R, n, groups, 1]
-        parts = [(weighted * plane).sum(1) for plane in planes]  # [R, groups, size/unit] each
+        parts = [(weighted * plane).sum(1) for plane in planes]  # [R, groups, size/planes] each
         summed.append(torch.stack(parts, dim=-1).flatten(-2) + zeros[:, g, :, None])  # [R, groups, size]
     return torch.stack(summed, dim=1).flatten(-2)
 
@@ -226,8 +228,8 @@ def _folded_values(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     """``Σ (p·s_g)·code`` per channel group g over the tokens of ``codes [b, Hkv, n, P]`` (``scale [b, Hkv, n,
     groups]``, ``weights [b, Hkv, G, n]``): ``[b, Hkv, G, groups·size]`` float32, the zeros' part not added."""
     groups = scale.shape[-1]
-    planes = bit_planes(codes, bits)  # channels unit·i + k in plane k [b, Hkv, n, P/unit]
-    columns = planes[0].shape[-1] // groups  # packing units per group
+    planes = bit_planes(codes, bits)  # channels planes·i + k in plane k
+    columns = planes[0].shape[-1] // groups  # each plane's channels per group
     parts = []
     for g in range(groups):
         # a half-precision scale meets float32 weights in the product itself (promoted, exactly): no float copy
@@ -243,7 +245,7 @@ def _pieces(codes: torch.Tensor, axis: int, bits: int) -> list[slice]:
     length = codes.shape[axis]
     if torch.compiler.is_compiling():
         return [slice(0, length)]
-    widened = 4 * codes_per_unit(bits) * codes.numel() // max(length, 1)  # float32 bytes of one index along ``axis``
+    widened = 32 * codes.numel() // bits // max(length, 1)  # float32 bytes of one index along ``axis``
     step = max(1, PLANE_BYTES // max(widened, 1))
     return [slice(start, start + step) for start in range(0, length, step)]
 
@@ -260,17 +262,17 @@ def folded_scores(
     """``query [b, Hkv, G, d]`` times the keys of per-channel blocks (``codes [b, Hkv, nb, d, ·]``, ``scale/zero
     [b, Hkv, nb, d]``) without dequantizing them: ``q·k = Σ (q⊙s)·code + q·z`` per block, the query scaled per
     block against each bit plane (``bit_planes``). Returns ``[b, Hkv, G, nb·B]`` float32 (unscaled scores)."""
-    if fuses(codes):  # the query contiguous: fewer strides for the compiled reader to guard
+    if fuses(codes, bits):  # the query contiguous: fewer strides for the compiled reader to guard
         query = query.float().contiguous()
-        fused = fused_call("folded_scores", _scores_in_one, query, fused_codes(codes, bits), scale, zero, bits=bits)
+        fused = fused_call("folded_scores", _scores_in_one, query, codes, scale, zero, bits=bits)
         if fused is not None:
             return fused
     batch, kv_heads, _, _, _ = codes.shape
     q = query.float()
     parts = []
     for at in _pieces(codes, 2, bits):  # a few blocks at a time
-        # [b, Hkv, nb, G, d] queries scaled per block, against each plane [b, Hkv, nb, d, B/unit]: tokens unit·j + k
-        # of each block in plane k (unit: codes per packing unit)
+        # [b, Hkv, nb, G, d] queries scaled per block, against each plane [b, Hkv, nb, d, B/planes]: tokens
+        # planes·j + k of each block in plane k
         scaled = q[:, :, None] * scale[:, :, at, None, :]  # a half-precision scale promoted in the product, exactly
         part = torch.stack([scaled @ plane for plane in bit_planes(codes[:, :, at], bits)], dim=-1).flatten(-2)
         parts.append(part + (zero[:, :, at].float() @ q.transpose(-1, -2))[..., None])  # q·z per block
@@ -286,16 +288,16 @@ def _scores_in_one(
     make it write the planes out first). One sum per query row and plane, not one broadcast over the rows: Inductor
     then reads and widens each code once for all the rows of its KV head in one loop, where the broadcast made a loop
     per row (2 AMD EPYC cores, 4-bit, 8 rows × 4K of SmolLM2: 685 → 549 µs a layer; Llama's 4 rows a head 1.50 → 1.08
-    ms; 2-bit 1.25 → 0.70 ms; one row a head unchanged). ``codes`` as ``fused_codes`` lays them out.
+    ms; 2-bit 1.25 → 0.70 ms; one row a head unchanged).
     ``[R, G, nb·B]``."""
     rows, group, _ = query.shape
     scaled = query[:, None] * scale[:, :, None, :]  # [R, nb, G, d]
-    planes = _fused_planes(codes, bits)  # [R, nb, d, B/unit] each
+    planes = _fused_planes(codes, bits)  # [R, nb, d, B/planes] each
     zeros = zero.float() @ query.transpose(-1, -2)  # [R, nb, G]: q·z per block
     scores = []
     for g in range(group):  # a graph per group size: a model has one
         row = scaled[:, :, g, :, None]  # [R, nb, d, 1]
-        parts = [(row * plane).sum(-2) for plane in planes]  # [R, nb, B/unit] each
+        parts = [(row * plane).sum(-2) for plane in planes]  # [R, nb, B/planes] each
         scores.append(torch.stack(parts, dim=-1).flatten(-2) + zeros[:, :, g, None])  # [R, nb, B]
     return torch.stack(scores, dim=1).flatten(-2)
 
@@ -308,57 +310,62 @@ def folded_channel_mix(
     ``Σᵢ pᵢ·xᵢ = Σ_blocks s ⊙ (Σᵢ pᵢ·codeᵢ) + z·Σᵢ pᵢ``, each bit plane meeting the weights of its tokens.
     Returns ``[b, R, w]`` float32."""
     batch, rows = weights.shape[:2]
-    blocks, unit = codes.shape[1], codes_per_unit(bits)
-    # [b, nb, unit, R, B/unit], contiguous: the weights of plane k's tokens are one dense matrix per block (a strided
-    # operand sends CPU bmm into a loop over its batch)
+    blocks, unit = codes.shape[1], plane_count(bits)
+    # [b, nb, planes, R, B/planes], contiguous: the weights of plane k's tokens are one dense matrix per block (a
+    # strided operand sends CPU bmm into a loop over its batch)
     p = weights.float().view(batch, rows, blocks, -1, unit).permute(0, 2, 4, 1, 3).contiguous()
-    # plane k holds tokens unit·j + k of each block [b, nb, w, B/unit]
+    # plane k holds tokens planes·j + k of each block [b, nb, w, B/planes]
     summed = sum(p[:, :, k] @ plane.transpose(-1, -2) for k, plane in enumerate(bit_planes(codes, bits)))
     mixed = (summed * scale.float()[:, :, None]).sum(1)  # [b, R, w]
     return mixed + p.sum((2, 4)).transpose(1, 2) @ zero.float()
 
 
 def bit_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """The k-th code of every packing unit, for each k, widened to float32 (the codec packs consecutive codes lowest
-    first: ``pack``, and at 3 bits ``_pack3``'s little-endian 24-bit words)."""
+    """Codes ``planes·j + k`` of each packed row, for each k, widened to float32 (``plane_count``; the codec packs
+    consecutive codes lowest first: ``pack``, at 3 bits ``_pack3``)."""
+    if bits == 3:  # traced inside a compiled step: the compiled readers' formula
+        return _fused_planes(codes, bits) if torch.compiler.is_compiling() else [
+            plane.float() for plane in three_bit_planes(codes)]  # fmt: skip
     mask = 2**bits - 1
-    if bits == 3:
-        octets = codes.view(*codes.shape[:-1], -1, 3).to(torch.int32)
-        word = octets[..., 0] | (octets[..., 1] << 8) | (octets[..., 2] << 16)
-        return [((word >> shift) & mask).float() for shift in range(0, 24, 3)]
     # the lowest code needs no shift and the highest no mask: a pass over the codes fewer each
     return [(codes & mask if not shift else codes >> shift if shift + bits == 8 else (codes >> shift) & mask).float()
             for shift in range(0, 8, bits)]  # fmt: skip
 
 
-def fused_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``codes`` as the compiled readers take them: at 3 bits the three bytes of every 24-bit word each in a row of its
-    own, ``[..., 3, words]`` (one copy, ``_fused_planes``), at other widths as they are. In the codec's packing the
-    bytes of a word lie 3 apart, which Inductor reads one by one into a buffer and then sums each plane in a loop of
-    its own: 3-bit KIVI keys at 8 rows × 4K of SmolLM2 took 7.1 ms a layer against 4-bit's 0.55, 2.4 ms from the
-    rows (2 AMD EPYC cores; the copy included). The rows stacked from three strided slices: a transposed copy of the
-    ``[..., words, 3]`` view took twice as long (1.6-1.8 ms against 0.8 at that size)."""
-    if bits != 3:
-        return codes
-    return torch.stack([codes[..., 0::3], codes[..., 1::3], codes[..., 2::3]], dim=-2)
-
-
 def _fused_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """``bit_planes`` of ``fused_codes``' layout: at 3 bits each code from the one or two bytes of its word that hold
-    its bits (bits 3k… of the little-endian word ``b0 | b1 << 8 | b2 << 16``), bytes only. The eager readers keep
-    ``bit_planes``' int32 words: these formulas on the codec's strided bytes ran 25 % slower in eager torch (2 AMD EPYC
-    cores: 198 against 157 µs on a layer's 3-bit keys at 1 × 1K)."""
+    """``bit_planes`` as the compiled readers build them. At 3 bits each plane's high bits are a run of w/32 bytes
+    (``_pack3``), read as one word per row of up to 32 bits and shifted by each code's place: Inductor loads the word
+    once and shifts a vector of places (a 1-bit unpacking by ``three_bit_planes``' int64 multiply, or by eight
+    shifts, is a gather it reads a byte at a time: 5× slower). Rows whose codes are not a multiple of 32 take those
+    eight shifts."""
     if bits != 3:
         return bit_planes(codes, bits)
-    b0, b1, b2 = codes.unbind(-2)
-    planes = [b0 & 7, (b0 >> 3) & 7, (b0 >> 6) | ((b1 & 1) << 2), (b1 >> 1) & 7, (b1 >> 4) & 7,
-              (b1 >> 7) | ((b2 & 3) << 1), (b2 >> 2) & 7, b2 >> 5]  # fmt: skip
-    return [plane.float() for plane in planes]
+    # a model has one width a side: specialised (``int``), so that the loop indexes bytes by constants
+    width = int(codes.shape[-1]) * 8 // 3
+    low, high = codes[..., : width // 4], codes[..., width // 4 :]
+    lows = [low & 3, (low >> 2) & 3, (low >> 4) & 3, low >> 6]
+    if width % 32:
+        bits_ = torch.stack([(high >> b) & 1 for b in range(8)], dim=-1).view(*high.shape[:-1], 4, width // 4)
+        return [(lo | (bits_[..., k, :] << 2)).float() for k, lo in enumerate(lows)]
+    per_plane = width // 32  # bytes of high bits per plane, read as words of up to 4 bytes (int32 shifts)
+    planes = []
+    for k, lo in enumerate(lows):
+        his = []
+        for start in range(k * per_plane, (k + 1) * per_plane, 4):
+            size = min(4, (k + 1) * per_plane - start)
+            word = high[..., start].to(torch.int32)
+            for b in range(1, size):
+                word = word | (high[..., start + b].to(torch.int32) << (8 * b))
+            places = torch.arange(8 * size, device=codes.device, dtype=torch.int32)
+            his.append((word[..., None] >> places) & 1)
+        hi = his[0] if len(his) == 1 else torch.cat(his, dim=-1)  # [..., w/4]
+        planes.append((lo.to(torch.int32) | (hi << 2)).float())
+    return planes
 
 
 def kivi_folded_fits(bits: int, block: int, value_size: int) -> bool:
-    """What ``kivi_decode_folded`` reads: 2-, 3- or 4-bit codes, blocks and value channel groups of whole packing
-    units (``codes_per_unit``)."""
+    """What ``kivi_decode_folded`` reads: 2-, 3- or 4-bit codes, blocks and value channel groups of whole packed
+    bytes (``codes_per_unit``)."""
     unit = codes_per_unit(bits) if bits in (2, 3, 4) else 0
     return unit > 0 and block % unit == 0 and value_size % unit == 0
 

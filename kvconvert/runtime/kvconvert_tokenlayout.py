@@ -22,9 +22,9 @@ from .kvconvert_codec import (
     rotation,
     round_up,
     token_group_size,
-    unpack,
 )
 from .kvconvert_kernels import kernels_by_default_on, kernels_requested
+from .kvconvert_packing import unpack
 from .kvconvert_staticstore import StaticTokenStore
 from .kvconvert_tokenstore import TokenStore
 

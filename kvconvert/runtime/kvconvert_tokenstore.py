@@ -11,11 +11,10 @@ import torch
 from .kvconvert_codec import (
     QuantizedBlock,
     QuantSpec,
-    codes_per_unit,
     dequantize_tokens,
     quantize_tokens,
-    unpack,
 )
+from .kvconvert_packing import codes_per_unit, unpack
 
 # --------------------------------------------------------------------------- the store
 
@@ -281,9 +280,10 @@ class TokenStore:
             return self._dequantize(part, self.tail.dtype)
         if start + count > spec.group:
             return self._front_blocks(count)
-        unit = codes_per_unit(spec.bits)
-        first, stop = start // unit, -(-(start + count) // unit)  # the packing units, each a byte range
-        width = unit * spec.bits // 8
+        # the packing units holding them, each a byte range (3 bits: the block's whole row, ``_pack3``)
+        unit = codes_per_unit(spec.bits) if spec.bits != 3 else spec.group
+        first, stop = start // unit, -(-(start + count) // unit)
+        width = unit * spec.bits // 8 if spec.bits != 3 else held.codes.shape[-1]
         if count == 1 and width == 1 and spec.bits < 8:  # one code of one byte (2 or 4 bits): a shift and a mask
             shift, byte = (start % unit) * spec.bits, held.codes[..., 0, :, first : first + 1]
             codes = byte >> shift if shift + spec.bits == 8 else (byte >> shift) & (2**spec.bits - 1)
