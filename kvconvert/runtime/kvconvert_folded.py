@@ -55,9 +55,10 @@ def compile_requested() -> str:
 
 def fuses(codes: torch.Tensor, bits: int = 0) -> bool:
     """Whether reading ``codes`` goes through a compiled reader (``fused_call``): an eager step on a CPU, at least
-    ``FUSE_MIN_CODES`` bytes of them, or 3-bit codes of any size (their eager split into planes costs 2-3× the
-    compiled loop even at 1 × 1K of SmolLM2: ~300-600 against ~170-190 µs a layer's keys, 2 AMD EPYC cores). Inside
-    a step ``torch.compile`` traces already, the caller's own ops are what it fuses."""
+    ``FUSE_MIN_CODES`` bytes of them, or 3-bit codes of any size (their eager split into planes costs 1.4-7× the
+    compiled loop from 1 row × 256 tokens of SmolLM2 to 8 × 1K: at 1 × 1K 430 against 159 µs a layer's keys, 2 AMD
+    EPYC cores, ``bench/folded_readers_bench.py``). Inside a step ``torch.compile`` traces already, the caller's own
+    ops are what it fuses."""
     least = 0 if bits == 3 else FUSE_MIN_CODES
     return codes.device.type == "cpu" and codes.numel() >= least and not torch.compiler.is_compiling()
 
@@ -335,9 +336,9 @@ def bit_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
 def _fused_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
     """``bit_planes`` as the compiled readers build them. At 3 bits each plane's high bits are a run of w/32 bytes
     (``_pack3``), read as one word per row of up to 32 bits and shifted by each code's place: Inductor loads the word
-    once and shifts a vector of places (a 1-bit unpacking by ``three_bit_planes``' int64 multiply, or by eight
-    shifts, is a gather it reads a byte at a time: 5× slower). Rows whose codes are not a multiple of 32 take those
-    eight shifts."""
+    once and shifts a vector of places (unpacking them to a byte each first, by eight shifts or a table, makes it
+    index bytes by j // 8, which it gathers a byte at a time: 5× slower). Rows whose codes are not a multiple of 32
+    take the eight shifts."""
     if bits != 3:
         return bit_planes(codes, bits)
     # a model has one width a side: specialised (``int``), so that the loop indexes bytes by constants
