@@ -1,8 +1,9 @@
 """The KIVI readers alone, compiled and eager: ``kvconvert_folded.folded_scores`` (keys) and ``folded_value_sum``
 (values) on random codes, µs a call (best of rounds of 30 calls), for the shapes of a decode step of SmolLM2 (G = 3
-query rows a KV head, d = 64, blocks of 64). Compare runtimes by running it from each checkout.
+query rows a KV head, d = 64, groups of 64; ``--group 4 --dim 128``: Llama-3.1-8B's). Compare runtimes by running it
+from each checkout.
 
-    python bench/folded_readers_bench.py --bits 3 [--shapes 1x3x1024,8x3x4096]
+    python bench/folded_readers_bench.py --bits 3 [--shapes 1x3x1024,8x3x4096] [--group 4 --dim 128]
 """
 
 from __future__ import annotations
@@ -39,16 +40,17 @@ def main() -> None:
     parser.add_argument("--shapes", default="1x3x256,1x3x1024,8x3x256,8x3x1024,8x3x4096",
                         help="rows x KV heads x tokens, comma-separated")  # fmt: skip
     parser.add_argument("--group", type=int, default=3, help="query rows a KV head")
+    parser.add_argument("--dim", type=int, default=64, help="a head's channels")
     args = parser.parse_args()
     torch.manual_seed(0)
     results = []
     for shape in args.shapes.split(","):
         rows, heads, tokens = (int(x) for x in shape.split("x"))
-        states = torch.randn(rows, heads, tokens, 64)
+        states = torch.randn(rows, heads, tokens, args.dim)
         keys, values = quantize_tokens(states, args.bits, 64, True), quantize_tokens(states, args.bits, 64, False)
-        query = torch.randn(rows, heads, args.group, 64)
+        query = torch.randn(rows, heads, args.group, args.dim)
         weights = torch.randn(rows, heads, args.group, tokens).softmax(-1)
-        row = {"shape": shape, "bits": args.bits}
+        row = {"shape": shape, "bits": args.bits, "query_rows": args.group, "dim": args.dim}
         for mode in ("compiled", "eager"):
             os.environ["KVCONVERT_COMPILE"] = "auto" if mode == "compiled" else "off"
             kvconvert_folded.FUSE_MIN_CODES = 0  # every size compiled in the compiled rows
