@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .kvconvert_codec import channel_groups, rotation
 from .kvconvert_kernels import combine_partials, env_choice
-from .kvconvert_packing import codes_per_unit, plane_count, three_bit_planes
+from .kvconvert_packing import codes_per_unit, low_bit_pairs, plane_count, three_bit_planes, unpack
 
 # Scores more than 64 below a row's largest are floored there before ``torch.exp``: its CPU code takes a slow path for
 # every argument whose result underflows (measured on 2 AMD EPYC cores: 8 rows × 1K scores of a decode step 26 µs,
@@ -188,7 +188,7 @@ def _values_in_one(
     w = weights.float()
     zeros = w @ zero.float()  # [R, G, groups]
     # plane k holds channels planes·i + k: per group [R, n, groups, size/planes]
-    planes = [plane.view(rows, n, groups, -1) for plane in _fused_planes(codes, bits)]
+    planes = [plane.view(rows, n, groups, -1) for plane in bit_planes(codes, bits)]
     summed = []
     for g in range(group):  # a graph per group size: a model has one
         weighted = (w[:, g, :, None] * scale)[..., None]  # [R, n, groups, 1]
@@ -293,7 +293,7 @@ def _scores_in_one(
     ``[R, G, nb·B]``."""
     rows, group, _ = query.shape
     scaled = query[:, None] * scale[:, :, None, :]  # [R, nb, G, d]
-    planes = _fused_planes(codes, bits)  # [R, nb, d, B/planes] each
+    planes = bit_planes(codes, bits)  # [R, nb, d, B/planes] each
     zeros = zero.float() @ query.transpose(-1, -2)  # [R, nb, G]: q·z per block
     scores = []
     for g in range(group):  # a graph per group size: a model has one
@@ -324,8 +324,8 @@ def folded_channel_mix(
 def bit_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
     """Codes ``planes·j + k`` of each packed row, for each k, widened to float32 (``plane_count``; the codec packs
     consecutive codes lowest first: ``pack``, at 3 bits ``_pack3``)."""
-    if bits == 3:  # traced inside a compiled step: the compiled readers' formula
-        return _fused_planes(codes, bits) if torch.compiler.is_compiling() else [
+    if bits == 3:  # while ``torch.compile`` traces (a compiled reader, or a compiled step): its own formula
+        return _traced_three_bit_planes(codes) if torch.compiler.is_compiling() else [
             plane.float() for plane in three_bit_planes(codes)]  # fmt: skip
     mask = 2**bits - 1
     # the lowest code needs no shift and the highest no mask: a pass over the codes fewer each
@@ -333,21 +333,19 @@ def bit_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
             for shift in range(0, 8, bits)]  # fmt: skip
 
 
-def _fused_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """``bit_planes`` as the compiled readers build them. At 3 bits each plane's high bits are a run of w/32 bytes
+def _traced_three_bit_planes(codes: torch.Tensor) -> list[torch.Tensor]:
+    """``bit_planes`` of 3-bit codes as ``torch.compile`` traces them. Each plane's high bits are a run of w/32 bytes
     (``_pack3``), read as one word per row of up to 32 bits and shifted by each code's place: Inductor loads the word
     once and shifts a vector of places (unpacking them to a byte each first, by eight shifts or a table, makes it
     index bytes by j // 8, which it gathers a byte at a time: 5× slower). Rows whose codes are not a multiple of 32
-    take the eight shifts."""
-    if bits != 3:
-        return bit_planes(codes, bits)
+    take the eight shifts (``unpack`` at 1 bit)."""
     # a model has one width a side: specialised (``int``), so that the loop indexes bytes by constants
     width = int(codes.shape[-1]) * 8 // 3
     low, high = codes[..., : width // 4], codes[..., width // 4 :]
-    lows = [low & 3, (low >> 2) & 3, (low >> 4) & 3, low >> 6]
+    lows = low_bit_pairs(low)
     if width % 32:
-        bits_ = torch.stack([(high >> b) & 1 for b in range(8)], dim=-1).view(*high.shape[:-1], 4, width // 4)
-        return [(lo | (bits_[..., k, :] << 2)).float() for k, lo in enumerate(lows)]
+        bits = unpack(high, 1, width).view(*high.shape[:-1], 4, width // 4)
+        return [(lo | (bits[..., k, :] << 2)).float() for k, lo in enumerate(lows)]
     per_plane = width // 32  # bytes of high bits per plane, read as words of up to 4 bytes (int32 shifts)
     planes = []
     for k, lo in enumerate(lows):
