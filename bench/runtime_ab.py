@@ -56,6 +56,8 @@ def main() -> None:
                         help="KL and perplexity through the cache on this many wikitext-2 tokens instead")  # fmt: skip
     parser.add_argument("--quality-context", type=int, default=1536, help="tokens of each 2048-token window prefilled")
     args = parser.parse_args()
+    if 0 < args.quality < 2048:
+        parser.error("--quality counts wikitext-2 tokens in windows of 2048: at least 2048")
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
