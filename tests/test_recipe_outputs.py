@@ -5,8 +5,10 @@ one-line refusal recorded then. A refactor that changes one output byte fails he
 
 The bytes of float results differ between CPU families (their BLAS kernels sum in other orders: SVDs, Grams and
 calibration passes end in other last bits), so each recipe and model keeps one set of digests per family it was
-recorded on — AMD EPYC (AVX-512) on 2026-11-25, Intel Xeon (AMX) on 2026-11-26, both with the code of b707c38 —
-and an output must equal one of them, byte for byte. The two quant recipes with ``kv_rotate`` were recorded again
+recorded on — AMD EPYC (AVX-512) on 2026-11-25, Intel Xeon (AMX) on 2026-11-26, both with the code of b707c38;
+AVX2 (CI's host of 2026-12-05) on 2026-12-06, on an AVX-512 EPYC whose outputs equal the first set, with
+``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2``: the digests CI printed — and an
+output must equal one of them, byte for byte. The two quant recipes with ``kv_rotate`` were recorded again
 (once: a quant conversion computes nothing else in floats) when their rotation moved into W_V / W_O (2026-11-26);
 every quant recipe's report and recipe digests when ``quant`` gained ``recall_context`` / ``recall_prompts``
 (2026-11-29: two more options spelled out; every other file's digest asserted unchanged).

@@ -119,6 +119,17 @@ def test_the_kernel_reads_only_the_stores_it_was_built_for(monkeypatch):
     assert DEVICE != "cpu" or cpu_keys.rows != KERNEL_ROWS or cpu_keys.kernel_reads()
 
 
+def without_int4_kernel(monkeypatch) -> None:
+    """The reference reads the stores back dequantized, not through torch's CPU int4 kernel (bfloat16 operands: 3e-3
+    of the logits' scale off the float32 kernel). Where the CPU's int4 packing is the kernel's (``KERNEL_ROWS``: AVX2
+    machines, ``ATEN_CPU_CAPABILITY=avx2``) the torch runtime would otherwise read the kernel's stores through it."""
+    import kvconvert.runtime.kvconvert_quant as runtime
+    import kvconvert.runtime.kvconvert_tokenlayout as layout
+
+    monkeypatch.setattr(layout, "cpu_int4_rows", lambda: None)
+    monkeypatch.setattr(runtime, "cpu_int4_rows", lambda: None)
+
+
 @pytest.mark.parametrize("value_bits", [None, 2], ids=["token-values", "value-bits-2"])
 @pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
 @torch.no_grad()
@@ -151,6 +162,7 @@ def test_decode_with_the_token_kernel_matches_the_torch_runtime(static, value_bi
     # the same stores (packed for the kernel) dequantized for SDPA
     monkeypatch.setattr(runtime, "token_kernel_reads", lambda *a: False)
     monkeypatch.setattr(static_runtime, "static_token_kernel_reads", lambda *a: False)
+    without_int4_kernel(monkeypatch)
     launches.clear()
     dequantized = greedy_twelve(model, **options)
     assert not launches
@@ -217,6 +229,7 @@ def test_razor_in_the_token_layout_decodes_its_static_cache_through_the_kernel(t
     monkeypatch.setattr(token_kernel, "token_decode_triton", lambda *a, **k: launches.append(1) or real(*a, **k))
     options = {"cache_implementation": "static", "disable_compile": True}
     monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
+    without_int4_kernel(monkeypatch)  # the windows' ring: dequantized in both runs, whatever the CPU
     with_kernel = greedy_twelve(model, **options)
     kinds = {type(layer).__name__ for layer in with_kernel.past_key_values.layers}
     assert kinds == {"StaticRazorTokenLayer"} and with_retrieval and len(launches) == 11 * with_retrieval
