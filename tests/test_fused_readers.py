@@ -104,6 +104,17 @@ def test_small_reads_and_the_off_setting_stay_eager(monkeypatch):
     assert kvconvert_folded._FUSED == {}
 
 
+def test_the_bound_counts_codes_not_bytes():
+    """``FUSE_MIN_CODES`` is a count of codes (in bytes of 4-bit ones): 2-bit codes reach it from half the bytes, 8-bit
+    from twice; 3-bit codes always compile; unpacked tensors (``bits`` 0) count their elements."""
+    least = kvconvert_folded.FUSE_MIN_CODES
+    for bits, nbytes in ((4, least), (2, least // 2), (8, 2 * least)):
+        assert kvconvert_folded.fuses(torch.zeros(nbytes, dtype=torch.uint8), bits), bits
+        assert not kvconvert_folded.fuses(torch.zeros(nbytes - 1, dtype=torch.uint8), bits), bits
+    assert kvconvert_folded.fuses(torch.zeros(3, dtype=torch.uint8), 3)
+    assert kvconvert_folded.fuses(torch.zeros(least)) and not kvconvert_folded.fuses(torch.zeros(least - 1))
+
+
 def dynamo_settings() -> tuple:
     return (torch.fx.experimental._config.use_duck_shape, torch._dynamo.config.recompile_limit,
             torch._dynamo.config.fail_on_recompile_limit_hit)  # fmt: skip

@@ -38,11 +38,12 @@ PLANE_BYTES = 1 << 23
 # On a CPU, eager decode steps read the largest caches' codes through readers compiled by ``torch.compile`` (Inductor:
 # one C++ loop that widens each code in registers and never writes a plane): KIVI's keys at 8 rows × 4K tokens of
 # SmolLM2 1.6–1.8 → 0.5 ms a layer, 4-bit KIVI's decode 1.19–1.26 → 1.45–1.58× the source's (2 AMD EPYC cores, the
-# runtimes before and after in one process, two runs). Below ``FUSE_MIN_CODES`` bytes of codes the compiled call
-# loses inside a real step though it wins alone (SmolLM2 at 1 × 1K, 92 KB of keys a layer: 54–68 µs a call against
-# 94 µs eager in isolation, yet 0.85 → 0.82×, 0.80 → 0.76× and 0.73 → 0.71× the source for KIVI, MiniCache + 4 and
-# razor + KIVI with the bound at 64 KB); at 1 × 4K, 384 KB, within ±4 %. ``KVCONVERT_COMPILE=off`` keeps torch's
-# eager ops; a machine where Inductor cannot build (no C++ compiler) falls back to them, said once.
+# runtimes before and after in one process, two runs). Below ``FUSE_MIN_CODES`` bytes of 4-bit codes (as many codes
+# at other widths) the compiled call loses inside a real step though it wins alone (SmolLM2 at 1 × 1K, 92 KB of keys a
+# layer: 54–68 µs a call against 94 µs eager in isolation, yet 0.85 → 0.82×, 0.80 → 0.76× and 0.73 → 0.71× the source
+# for KIVI, MiniCache + 4 and razor + KIVI with the bound at 64 KB); at 1 × 4K, 384 KB, within ±4 %.
+# ``KVCONVERT_COMPILE=off`` keeps torch's eager ops; a machine where Inductor cannot build (no C++ compiler) falls back
+# to them, said once.
 COMPILE_CHOICES = ("auto", "off")
 FUSE_MIN_CODES = 1 << 18
 _FUSED: dict[str, Any] = {}  # reader name → its compiled function, or False once it failed to build
@@ -54,13 +55,16 @@ def compile_requested() -> str:
 
 
 def fuses(codes: torch.Tensor, bits: int = 0) -> bool:
-    """Whether reading ``codes`` goes through a compiled reader (``fused_call``): an eager step on a CPU, at least
-    ``FUSE_MIN_CODES`` bytes of them, or 3-bit codes of any size (their eager split into planes costs 1.4-7× the
-    compiled loop from 1 row × 256 tokens of SmolLM2 to 8 × 1K: at 1 × 1K 430 against 159 µs a layer's keys, 2 AMD
-    EPYC cores, ``bench/folded_readers_bench.py``). Inside a step ``torch.compile`` traces already, the caller's own
-    ops are what it fuses."""
+    """Whether reading ``codes`` goes through a compiled reader (``fused_call``): an eager step on a CPU, as many
+    codes as ``FUSE_MIN_CODES`` bytes of 4-bit ones (the eager ops' cost follows the codes, not the bytes: 2-bit codes
+    compile from half the bytes, 8-bit from twice; unpacked ``codes``, ``bits`` 0, count their elements), or 3-bit
+    codes of any size (their eager split into planes costs 1.4-7× the compiled loop from 1 row × 256 tokens of
+    SmolLM2 to 8 × 1K: at 1 × 1K 430 against 159 µs a layer's keys, 2 AMD EPYC cores,
+    ``bench/folded_readers_bench.py``). Inside a step ``torch.compile`` traces already, the caller's own ops are what
+    it fuses."""
+    held = codes.numel() * 4 // bits if bits else codes.numel()  # in bytes of 4-bit codes
     least = 0 if bits == 3 else FUSE_MIN_CODES
-    return codes.device.type == "cpu" and codes.numel() >= least and not torch.compiler.is_compiling()
+    return codes.device.type == "cpu" and held >= least and not torch.compiler.is_compiling()
 
 
 def fused_call(name: str, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, bits: int) -> torch.Tensor | None:
