@@ -1,4 +1,4 @@
-"""Why a half-precision decode step splits its products with the cache (``kvconvert_common.cache_scores`` /
+"""Why a half-precision decode step splits its products with the cache (``kvconvert_products.cache_scores`` /
 ``cache_mix``): per-call times of one layer's products with a cache that grows by one token a call (a decode step)
 against the same products at a fixed length, in bfloat16 and float32; and ``q @ kᵀ`` against ``(k @ qᵀ)ᵀ`` (the
 cache handed to oneDNN transposed or not). Writes bench/results/NAME-<date>.{json,md}.
@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import machine, markdown_table, write_results  # noqa: E402
-from kvconvert.runtime.kvconvert_common import cache_mix, cache_scores  # noqa: E402
+from kvconvert.runtime.kvconvert_products import cache_mix, cache_scores  # noqa: E402
 
 
 def per_call_us(product: Any, start: int, calls: int, growing: bool) -> float:

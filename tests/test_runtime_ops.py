@@ -207,7 +207,7 @@ def test_products_with_a_cache_split_its_length_as_the_plain_products(dtype, len
     """``cache_scores`` / ``cache_mix`` (whole 64-token blocks in the cache's dtype, the rest in float32, so that a
     growing half-precision cache does not make oneDNN build a kernel every step): the plain products' values to the
     dtype's rounding, against float64, in batched and broadcast shapes; float32 is the plain product itself."""
-    from kvconvert.runtime.kvconvert_common import cache_mix, cache_scores
+    from kvconvert.runtime.kvconvert_products import cache_mix, cache_scores
 
     torch.manual_seed(length)
     cache = torch.randn(2, 3, 200, 48)[:, :, :length]  # a view of a longer buffer, as a growing store's is
@@ -222,3 +222,23 @@ def test_products_with_a_cache_split_its_length_as_the_plain_products(dtype, len
             torch.testing.assert_close(got.double(), expected, atol=0.05, rtol=0.02)
     flat = cache[0].to(dtype)  # [b, n, w], as torch.bmm takes it
     torch.testing.assert_close(cache_scores(query[0].to(dtype), flat), query[0].to(dtype) @ flat.mT)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_products_with_a_half_cache_widen_where_onednn_has_no_half_kernels(dtype, monkeypatch):
+    """On a CPU whose oneDNN has no products in the cache's dtype (AVX2-only: ``onednn_half`` false) ``cache_scores``,
+    ``cache_mix`` and ``keys_first`` are float32 products of the widened operands, rounded once to the dtype; where it
+    has them, half products (the whole 64-token blocks)."""
+    from kvconvert.runtime import kvconvert_products as products
+
+    torch.manual_seed(7)
+    cache = torch.randn(2, 3, 200, 48)[:, :, :130].to(dtype)
+    query, weights = torch.randn(2, 3, 4, 48).to(dtype), torch.softmax(torch.randn(2, 3, 4, 130), -1).to(dtype)
+    monkeypatch.setattr(products, "onednn_half", lambda dtype: False)
+    assert products.widened(cache) and not products.widened(cache.float())
+    scores = (query.float() @ cache.float().mT).to(dtype)
+    assert torch.equal(products.cache_scores(query, cache), scores)
+    assert torch.equal(products.keys_first(query, cache), scores)
+    assert torch.equal(products.cache_mix(weights, cache), (weights.float() @ cache.float()).to(dtype))
+    monkeypatch.setattr(products, "onednn_half", lambda dtype: True)
+    assert not products.widened(cache)

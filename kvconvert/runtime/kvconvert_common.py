@@ -393,58 +393,6 @@ def query_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return query @ keys.transpose(-1, -2)
 
 
-# torch takes a CPU's bfloat16 / float16 products to oneDNN, which builds a kernel for every new shape: 0.5–0.7 ms a
-# product (AMD EPYC, measured), where the product itself takes 20–60 µs. A decode step's products with a cache one
-# token longer than the last step's would build one every step, two a layer. So the cache's length is split: whole
-# blocks of LENGTH_BLOCK tokens in the cache's dtype (a new shape every LENGTH_BLOCK steps), the rest in float32,
-# which torch takes to MKL (no per-shape build) and which those few tokens cost little to widen. Not every shape pays
-# the build: measured in one process on SmolLM2 in bfloat16 at 1 × 1K, ZACK's packed products 52 → 31 ms a step and
-# razor's whole heads 36 → 33 ms with the split (MiniCache's 16-bit subspace latents gain too), LoRC's latent and
-# slim's key rows no change, so they keep theirs.
-LENGTH_BLOCK = 64
-
-
-def _half_on_cpu(cache: torch.Tensor) -> bool:
-    """Products with ``cache`` go to oneDNN (half precision on a CPU, eagerly: compiled steps are Inductor's)."""
-    half = cache.dtype in (torch.bfloat16, torch.float16)
-    return cache.device.type == "cpu" and half and not torch.compiler.is_compiling()
-
-
-def keys_first(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``query [..., m, d] @ keys [..., n, d]ᵀ``; in oneDNN as ``keys @ queryᵀ``, transposed back (a view): oneDNN
-    copies a batch of matrices that are views into a store's buffer with room to grow, and copies one handed to it
-    transposed far more slowly (bfloat16, 3 query rows against 8 × 3 heads × 513 tokens of 64 channels: 249 against
-    67 µs; 288 against 74 µs at 9 rows × 107 channels; a contiguous cache 40 against 47 µs), and a product's result
-    costs nothing to transpose."""
-    if not _half_on_cpu(keys):
-        return query @ keys.transpose(-1, -2)
-    return (keys @ query.transpose(-1, -2)).transpose(-1, -2)
-
-
-def cache_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``query [..., m, d] @ keys [..., n, d]ᵀ`` over a cache's ``n`` tokens, in the query's dtype, split as above
-    (the whole blocks ``keys_first``)."""
-    n = keys.shape[-2]
-    whole = n - n % LENGTH_BLOCK
-    if not _half_on_cpu(keys) or whole == n:
-        return keys_first(query, keys)
-    rest = (query.float() @ keys[..., whole:, :].float().transpose(-1, -2)).to(query.dtype)
-    return torch.cat([keys_first(query, keys[..., :whole, :]), rest], dim=-1) if whole else rest
-
-
-def cache_mix(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``weights [..., m, n] @ values [..., n, d]`` over a cache's ``n`` tokens, in the weights' dtype, split as
-    above (the two partial sums added in float32)."""
-    n = values.shape[-2]
-    whole = n - n % LENGTH_BLOCK
-    if not _half_on_cpu(values) or whole == n:
-        return weights @ values
-    rest = weights[..., whole:].float() @ values[..., whole:, :].float()
-    if whole:
-        rest = rest + (weights[..., :whole] @ values[..., :whole, :]).float()
-    return rest.to(weights.dtype)
-
-
 class HeadNorm(nn.Module):
     """The source's QK-norm, an RMSNorm before RoPE: over each head's ``head_dim`` channels of ``[..., heads·dk]``
     (Qwen3) or, with ``head_dim`` None, over all of them at once (OLMo 2); scaled by ``weight + offset`` (Gemma 3

@@ -38,17 +38,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec
-from .kvconvert_common import (
-    LayerStateCache,
-    additive_mask,
-    cache_layer_of,
-    cache_mix,
-    cache_scores,
-    softmax_rows,
-    static_refusal,
-)
+from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows, static_refusal
 from .kvconvert_folded import folded_channel_mix, folded_scores, kivi_folded_fits
 from .kvconvert_merge import MergedStream, merged_decode, merged_reads_codes
+from .kvconvert_products import cache_mix, cache_scores
 from .kvconvert_quant import kivi_stock_layer, static_quant_layer
 from .kvconvert_storage import KVLayer, select_rows_fn
 from .kvconvert_tokenstore import TokenStore

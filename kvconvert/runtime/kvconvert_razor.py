@@ -20,15 +20,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec
-from .kvconvert_common import (
-    LayerStateCache,
-    additive_mask,
-    cache_layer_of,
-    keys_first,
-    softmax_rows,
-    static_refusal,
-)
+from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows, static_refusal
 from .kvconvert_kernels import razor_decode_triton, use_kernels
+from .kvconvert_products import keys_first
 from .kvconvert_quant import int4_values_or, kivi_decode, kivi_kernel_reads, token_reader, token_values_store
 from .kvconvert_razor_ops import (
     compensated_attention,

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from .kvconvert_common import cache_scores, softmax_rows
+from .kvconvert_common import softmax_rows
 from .kvconvert_kernels import chunk_attention
+from .kvconvert_products import cache_scores
 
 
 def count_logit(count: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

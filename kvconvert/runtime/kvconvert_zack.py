@@ -20,8 +20,6 @@ from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
     additive_mask,
-    cache_mix,
-    cache_scores,
     default_position_ids,
     family_rotary,
     latent_layers,
@@ -29,6 +27,7 @@ from .kvconvert_common import (
     softmax_rows,
 )
 from .kvconvert_kernels import chunk_attention, use_kernels
+from .kvconvert_products import cache_mix, cache_scores
 from .kvconvert_rope import apply_rotary
 
 
