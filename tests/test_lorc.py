@@ -366,8 +366,9 @@ def test_bf16_rebuild_stays_within_its_rounding_and_is_chosen_by_the_cpu(tiny_mo
     """KVCONVERT_REBUILD=bf16: keys rebuilt from bfloat16 operands change a LoRC model's logits by bfloat16's rounding
     of the keys (well under 1 % of their scale here, where the latent's own truncation moves them by far more),
     and every generate mode runs; ``auto`` picks it only for a float32 latent on a CPU that multiplies bfloat16 in
-    hardware; a misspelt value is one line."""
-    from kvconvert.runtime import kvconvert_kernels as kernels
+    hardware; a bfloat16 latent is rebuilt as it is, or in float32 where oneDNN has no bfloat16 products (AVX2);
+    a misspelt value is one line."""
+    from kvconvert.runtime import kvconvert_products as products
     from tests.helpers import generate_in_every_mode
 
     src = tiny_model_dir("llama_gqa")
@@ -389,12 +390,15 @@ def test_bf16_rebuild_stays_within_its_rounding_and_is_chosen_by_the_cpu(tiny_mo
     for choice, cpu_bf16, expected in [("exact", True, torch.float32), ("bf16", False, torch.bfloat16),
                                        ("auto", True, torch.bfloat16), ("auto", False, torch.float32)]:  # fmt: skip
         monkeypatch.setenv("KVCONVERT_REBUILD", choice)
-        monkeypatch.setattr(kernels, "_CPU_BF16", cpu_bf16)
-        assert kernels.rebuild_dtype(latent) == expected
-        assert kernels.rebuild_dtype(latent.bfloat16()) == torch.bfloat16  # a 16-bit latent is rebuilt as it is
+        monkeypatch.setattr(products, "_CPU_BF16", cpu_bf16)
+        monkeypatch.setattr(products, "onednn_half", lambda dtype: True)
+        assert products.rebuild_dtype(latent) == expected
+        assert products.rebuild_dtype(latent.bfloat16()) == torch.bfloat16  # a 16-bit latent is rebuilt as it is
+        monkeypatch.setattr(products, "onednn_half", lambda dtype: False)  # unless oneDNN has no bfloat16 products
+        assert products.rebuild_dtype(latent.bfloat16()) == torch.float32
     monkeypatch.setenv("KVCONVERT_REBUILD", "fast")
     with pytest.raises(ValueError, match="KVCONVERT_REBUILD='fast' is not one of auto, bf16, exact"):
-        kernels.rebuild_dtype(latent)
+        products.rebuild_dtype(latent)
 
 
 def test_joint_latent_user_errors(tokenized_model_dir, tmp_path):

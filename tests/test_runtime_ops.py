@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox_rope
@@ -242,3 +244,49 @@ def test_products_with_a_half_cache_widen_where_onednn_has_no_half_kernels(dtype
     assert torch.equal(products.cache_mix(weights, cache), (weights.float() @ cache.float()).to(dtype))
     monkeypatch.setattr(products, "onednn_half", lambda dtype: True)
     assert not products.widened(cache)
+
+
+class _HalfProducts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shapes of every half-precision matrix product dispatched (mm, bmm, addmm, baddbmm)."""
+
+    PRODUCTS = ("mm", "bmm", "addmm", "baddbmm")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[tuple[int, ...], ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if func.overloadpacket.__name__ in self.PRODUCTS and any(t.dtype == torch.bfloat16 for t in tensors):
+            self.shapes.append(tuple(tuple(t.shape) for t in tensors))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method", ["lorc", "slim"])
+def test_lorc_and_slim_steps_take_no_half_cache_products_where_onednn_has_none(method, tiny_model_dir, tmp_path,
+                                                                               monkeypatch):  # fmt: skip
+    """A bfloat16 LoRC / slim checkpoint on a CPU whose oneDNN has no bfloat16 products (``onednn_half`` false, as on
+    AVX2 CPUs, where oneDNN would convert every operand element by element): a decode step's products over the cache
+    (LoRC's key rebuild, scores and latent values; slim's scores and weighted key rows) are float32 ones; with oneDNN's
+    bfloat16 kernels, its whole 64-token blocks stay bfloat16 (so the check below sees them when they are there).
+    A cache of 200 tokens then one step: 201 tokens, 192 of them in whole blocks, sizes no weight of the model has."""
+    from tests.helpers import convert_slim, load_converted
+    from tests.test_lorc import convert_lorc
+
+    if method == "lorc":
+        convert_lorc(tiny_model_dir("llama_gqa"), tmp_path / "out", "--kv-budget", "0.5", "--schedule", "uniform")
+    else:
+        convert_slim(tiny_model_dir("llama"), tmp_path / "out")
+    model = load_converted(tmp_path / "out").to(torch.bfloat16)
+    # the products module the checkpoint's own runtime imports (its copy in the output directory, not kvconvert's)
+    products = importlib.import_module(type(model).__module__.rsplit(".", 1)[0] + ".kvconvert_products")
+    ids = torch.randint(3, 97, (1, 201), generator=torch.Generator().manual_seed(3))
+    cache_sizes = {192, 201}
+    for has_half in (True, False):
+        monkeypatch.setattr(products, "onednn_half", lambda dtype, has_half=has_half: has_half)
+        with torch.no_grad():
+            cache = model(input_ids=ids[:, :200], use_cache=True).past_key_values
+            with _HalfProducts() as recorded:
+                model(input_ids=ids[:, 200:], past_key_values=cache, use_cache=True)
+        over_cache = [shapes for shapes in recorded.shapes if cache_sizes & {n for shape in shapes for n in shape}]
+        assert bool(over_cache) == has_half, (has_half, over_cache)

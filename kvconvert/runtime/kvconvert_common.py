@@ -14,6 +14,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .kvconvert_codec import QuantSpec, eager_on_cpu
 from .kvconvert_kernels import HeadColumns, packed_decode_triton
+from .kvconvert_products import cache_scores
 from .kvconvert_rope import rotary_pairs
 from .kvconvert_storage import (
     KVLayer,
@@ -390,7 +391,7 @@ def query_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     if query.shape[-2] == 1 and query.device.type == "cpu" and torch.compiler.is_compiling():
         padded = torch.cat([query, torch.zeros_like(query)], dim=-2)
         return (padded @ keys.transpose(-1, -2))[..., :1, :]
-    return query @ keys.transpose(-1, -2)
+    return cache_scores(query, keys)  # eagerly: shaped for oneDNN / widened where it has no half products
 
 
 class HeadNorm(nn.Module):

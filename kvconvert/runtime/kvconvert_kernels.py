@@ -115,7 +115,6 @@ def triton_available() -> bool:
 
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
-REBUILD_CHOICES = ("auto", "bf16", "exact")
 KERNEL_DEVICES = ("cuda", "xpu")  # where compiled Triton kernels run (ROCm GPUs are "cuda" to torch)
 
 
@@ -135,40 +134,6 @@ def kernels_requested() -> str:
         raise ValueError("KVCONVERT_KERNELS=triton, but Triton is not installed (pip install triton); "
                          "KVCONVERT_KERNELS=torch runs the torch path")  # fmt: skip
     return choice
-
-
-# whether this CPU multiplies bfloat16 in hardware (AVX512-BF16, AMX tiles): read once at import, so that a compiled
-# step sees a constant (torch's private probes: a torch without them counts as a CPU without)
-_CPU_BF16 = any(getattr(torch.cpu, probe, bool)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-
-
-def rebuild_requested() -> str:
-    """``KVCONVERT_REBUILD``, checked (``rebuild_dtype``): a misspelt value raises a one-line ``ValueError``."""
-    return env_choice("KVCONVERT_REBUILD", REBUILD_CHOICES)
-
-
-def rebuild_dtype(latent: torch.Tensor) -> torch.dtype:
-    """The dtype in which a step rebuilds keys from a cached latent (LoRC: ``[n, r] @ [r, Hkv·d]`` every step, its
-    decode's one compute-bound product). ``KVCONVERT_REBUILD``: ``auto`` (unset) takes bfloat16 operands, float32
-    accumulation, for a float32 latent on a CPU that multiplies them in hardware: 2.1× as fast there (1.87 → 0.89 ms,
-    4096 tokens of rank 96 into 192 channels, AMD EPYC with AVX512-BF16; LoRC 0.5 on SmolLM2 0.65 → 0.68× the source
-    at 4K, bench/results/ab-lorc-bf16-2026-11-27.md) for 0.3 % more error per key (KL 0.0790 → 0.0794 through the
-    cache). ``exact``: the latent's dtype (the equivalence tests'); ``bf16``: bfloat16 wherever it is float32."""
-    choice = rebuild_requested()
-    if latent.dtype != torch.float32 or choice == "exact":
-        return latent.dtype
-    if choice == "bf16" or (latent.device.type == "cpu" and _CPU_BF16):
-        return torch.bfloat16
-    return latent.dtype
-
-
-def rebuild(latent: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``linear(latent, weight, bias)`` in ``rebuild_dtype``, returned in the latent's dtype."""
-    dtype = rebuild_dtype(latent)
-    if dtype == latent.dtype:
-        return torch.nn.functional.linear(latent, weight, bias)
-    out = torch.nn.functional.linear(latent.to(dtype), weight.to(dtype)).to(latent.dtype)
-    return out if bias is None else out + bias
 
 
 def chunk_attention(

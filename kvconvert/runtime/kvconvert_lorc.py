@@ -33,7 +33,8 @@ from .kvconvert_common import (
     softmax_rows,
 )
 from .kvconvert_folded import compiled_call, fuses
-from .kvconvert_kernels import chunk_attention, rebuild, use_kernels
+from .kvconvert_kernels import chunk_attention, use_kernels
+from .kvconvert_products import cache_mix, cache_scores, rebuild
 from .kvconvert_rope import (
     KEY_PIECE_BYTES,
     apply_rotary,
@@ -216,10 +217,10 @@ class LorcAttention(LatentAttention):
             return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
         if scores is None and self.absorbed_keys:
             # scores against the shared latent: [b, h·q, r_k] @ [b, r_k, n]
-            scores = torch.bmm(query.reshape(batch, h * q_len, -1), keys.transpose(1, 2)).view(batch, h, q_len, kv_len)
+            scores = cache_scores(query.reshape(batch, h * q_len, -1), keys).reshape(batch, h, q_len, kv_len)
         elif scores is None:
             grouped_query = query.reshape(batch, hkv, group * q_len, self.head_dim)  # heads of a group are adjacent
-            scores = (grouped_query @ key_heads.transpose(-1, -2)).view(batch, h, q_len, kv_len)
+            scores = cache_scores(grouped_query, key_heads).reshape(batch, h, q_len, kv_len)  # a view
 
         scores = scores * self.scaling
         bias = additive_mask(attention_mask, q_len, kv_len, scores.dtype, scores.device)
@@ -228,11 +229,11 @@ class LorcAttention(LatentAttention):
         probs = softmax_rows(scores, hidden_states.dtype)  # [b, h, q, n]
 
         if self.rank_v is None:
-            grouped = probs.reshape(batch, hkv, group * q_len, kv_len) @ self._grouped(values)
+            grouped = cache_mix(probs.reshape(batch, hkv, group * q_len, kv_len), self._grouped(values))
             out = grouped.view(batch, h, q_len, self.head_dim)
         else:
             # each head's weighted latent; U_V lives in o_proj
-            out = torch.bmm(probs.reshape(batch, h * q_len, kv_len), values).view(batch, h, q_len, self.rank_v)
+            out = cache_mix(probs.reshape(batch, h * q_len, kv_len), values).view(batch, h, q_len, self.rank_v)
         out = out.transpose(1, 2).reshape(batch, q_len, -1)
         return self.o_proj(out)
 

@@ -1,5 +1,5 @@
-"""Products of a decode step's query rows with a cache (scores ``q·Kᵀ``, outputs ``p·V``) shaped for the CPU library
-torch hands them to: oneDNN for half precision, MKL for float32.
+"""Products of a decode step with a cache (scores ``q·Kᵀ``, outputs ``p·V``, keys rebuilt from a latent) shaped for
+the CPU library torch hands them to: oneDNN for half precision, MKL for float32.
 
 Copied verbatim into every kvconvert output directory; imports only torch.
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from .kvconvert_kernels import env_choice
 
 # torch takes a CPU's bfloat16 / float16 products to oneDNN, which builds a kernel for every new shape: 0.5–0.7 ms a
 # product (AMD EPYC, measured), where the product itself takes 20–60 µs. A decode step's products with a cache one
@@ -81,3 +83,45 @@ def cache_mix(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     if whole:
         rest = rest + (weights[..., :whole] @ values[..., :whole, :]).float()
     return rest.to(weights.dtype)
+
+
+REBUILD_CHOICES = ("auto", "bf16", "exact")
+
+# whether this CPU multiplies bfloat16 in hardware (AVX512-BF16, AMX tiles) and oneDNN takes it there: read once at
+# import, so that a compiled step sees a constant (torch's private probes: a torch without them counts as a CPU
+# without). oneDNN also runs bfloat16 on AVX-512 CPUs without those instructions, converting, no faster than float32
+_CPU_BF16 = onednn_half(torch.bfloat16) and any(
+    getattr(torch.cpu, probe, bool)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+)
+
+
+def rebuild_requested() -> str:
+    """``KVCONVERT_REBUILD``, checked (``rebuild_dtype``): a misspelt value raises a one-line ``ValueError``."""
+    return env_choice("KVCONVERT_REBUILD", REBUILD_CHOICES)
+
+
+def rebuild_dtype(latent: torch.Tensor) -> torch.dtype:
+    """The dtype in which a step rebuilds keys from a cached latent (LoRC: ``[n, r] @ [r, Hkv·d]`` every step, its
+    decode's one compute-bound product). ``KVCONVERT_REBUILD``: ``auto`` (unset) takes bfloat16 operands, float32
+    accumulation, for a float32 latent on a CPU that multiplies them in hardware: 2.1× as fast there (1.87 → 0.89 ms,
+    4096 tokens of rank 96 into 192 channels, AMD EPYC with AVX512-BF16; LoRC 0.5 on SmolLM2 0.65 → 0.68× the source
+    at 4K, bench/results/ab-lorc-bf16-2026-11-27.md) for 0.3 % more error per key (KL 0.0790 → 0.0794 through the
+    cache), and float32 for a half-precision latent where oneDNN has no products in its dtype (``widened``).
+    ``exact``: the latent's dtype (the equivalence tests'); ``bf16``: bfloat16 wherever it is float32."""
+    choice = rebuild_requested()
+    if widened(latent):
+        return torch.float32
+    if latent.dtype != torch.float32 or choice == "exact":
+        return latent.dtype
+    if choice == "bf16" or (latent.device.type == "cpu" and _CPU_BF16):
+        return torch.bfloat16
+    return latent.dtype
+
+
+def rebuild(latent: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear(latent, weight, bias)`` in ``rebuild_dtype``, returned in the latent's dtype."""
+    dtype = rebuild_dtype(latent)
+    if dtype == latent.dtype:
+        return torch.nn.functional.linear(latent, weight, bias)
+    out = torch.nn.functional.linear(latent.to(dtype), weight.to(dtype)).to(latent.dtype)
+    return out if bias is None else out + bias
