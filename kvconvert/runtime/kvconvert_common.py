@@ -391,7 +391,7 @@ def query_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     if query.shape[-2] == 1 and query.device.type == "cpu" and torch.compiler.is_compiling():
         padded = torch.cat([query, torch.zeros_like(query)], dim=-2)
         return (padded @ keys.transpose(-1, -2))[..., :1, :]
-    return cache_scores(query, keys)  # eagerly: shaped for oneDNN / widened where it has no half products
+    return cache_scores(query, keys, blocks=False)  # eagerly: widened where oneDNN has no half products
 
 
 class HeadNorm(nn.Module):

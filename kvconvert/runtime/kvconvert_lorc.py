@@ -217,10 +217,10 @@ class LorcAttention(LatentAttention):
             return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
         if scores is None and self.absorbed_keys:
             # scores against the shared latent: [b, h·q, r_k] @ [b, r_k, n]
-            scores = cache_scores(query.reshape(batch, h * q_len, -1), keys).reshape(batch, h, q_len, kv_len)
+            scores = cache_scores(query.reshape(batch, h * q_len, -1), keys, blocks=False).view(batch, h, q_len, -1)
         elif scores is None:
             grouped_query = query.reshape(batch, hkv, group * q_len, self.head_dim)  # heads of a group are adjacent
-            scores = cache_scores(grouped_query, key_heads).reshape(batch, h, q_len, kv_len)  # a view
+            scores = cache_scores(grouped_query, key_heads, blocks=False).view(batch, h, q_len, kv_len)
 
         scores = scores * self.scaling
         bias = additive_mask(attention_mask, q_len, kv_len, scores.dtype, scores.device)
@@ -229,11 +229,11 @@ class LorcAttention(LatentAttention):
         probs = softmax_rows(scores, hidden_states.dtype)  # [b, h, q, n]
 
         if self.rank_v is None:
-            grouped = cache_mix(probs.reshape(batch, hkv, group * q_len, kv_len), self._grouped(values))
+            grouped = cache_mix(probs.reshape(batch, hkv, group * q_len, kv_len), self._grouped(values), blocks=False)
             out = grouped.view(batch, h, q_len, self.head_dim)
         else:
             # each head's weighted latent; U_V lives in o_proj
-            out = cache_mix(probs.reshape(batch, h * q_len, kv_len), values).view(batch, h, q_len, self.rank_v)
+            out = cache_mix(probs.reshape(batch, h * q_len, kv_len), values, blocks=False).view(batch, h, q_len, -1)
         out = out.transpose(1, 2).reshape(batch, q_len, -1)
         return self.o_proj(out)
 

@@ -164,7 +164,7 @@ class SlimAttention(LatentAttention):
             probs = softmax_rows(scores, query.dtype)
             # option 2, softmax·K first; one bmm over all heads ([b, h·q, n] @ [b, n, e]) because a
             # broadcast matmul against keys[:, None] would copy K once per head.
-            mixed_keys = cache_mix(probs.reshape(batch, h * q_len, kv_len), keys).view(batch, h, q_len, h * dk)
+            mixed_keys = cache_mix(probs.reshape(batch, h * q_len, -1), keys, blocks=False).view(batch, h, q_len, -1)
             mixed_keys = model_order(mixed_keys)
             kv_per_head = self.kv_proj.weight.view(h, dk, h * dk)  # [h, dk, e]
             out = torch.einsum("bhqe,hde->bhqd", mixed_keys, kv_per_head)
