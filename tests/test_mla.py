@@ -175,6 +175,23 @@ def test_decode_steps_in_the_latent_space_equal_the_expanded_attention(exports):
     assert torch.equal(greedy[0], greedy[1])
 
 
+def test_latent_products_widen_where_onednn_has_no_half_kernels(monkeypatch):
+    """On a CPU whose oneDNN has no bfloat16 products (AVX2), the absorbed decode's products over a bfloat16 latent
+    are float32 ones (``widened``): exactly the float32 attention over the same rounded operands, returned in
+    bfloat16; a left-padded row's masked tokens included."""
+    from kvconvert.runtime import kvconvert_lorc as lorc
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(2, 4, 1, 16), torch.randn(2, 4, 1, 8), torch.randn(2, 1, 70, 16), torch.randn(2, 1, 70, 8)]
+    half = [t.bfloat16() for t in tensors]
+    mask = torch.ones(2, 1, 1, 70, dtype=torch.bool)
+    mask[1, ..., :5] = False
+    expected = lorc.latent_attention(*(t.float() for t in half), mask, 0.25).bfloat16()
+    monkeypatch.setattr(lorc, "widened", lambda tensor: True)
+    got = lorc.latent_attention(*half, mask, 0.25)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+
+
 def test_shared_rotary_key_is_exact_for_keys_that_share_one_direction():
     """Keys of 3 heads that are one complex key times per-head complex factors (per frequency): the shared
     key keeps all of it, and a·(bᴴ z) rebuilds every head; a second independent direction is partly lost."""

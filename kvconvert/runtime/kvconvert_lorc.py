@@ -34,7 +34,7 @@ from .kvconvert_common import (
 )
 from .kvconvert_folded import compiled_call, fuses
 from .kvconvert_kernels import chunk_attention, use_kernels
-from .kvconvert_products import cache_mix, cache_scores, rebuild
+from .kvconvert_products import cache_mix, cache_scores, rebuild, widened
 from .kvconvert_rope import (
     KEY_PIECE_BYTES,
     apply_rotary,
@@ -263,7 +263,11 @@ def latent_attention(query: torch.Tensor, q_rot: torch.Tensor, latent: torch.Ten
     differing, SDPA took its unfused path, which copied and scaled the whole key again (Llama-3-8B-shaped layers, 8
     rows × 1K, bfloat16, ``torch.profiler`` on 2 Intel Xeon cores: 13.6 ms a layer for those passes, 4.0 for these
     products). ``attention_mask``: transformers' boolean (True: attend) or additive ``[b, 1, q, n]``, or None.
-    Softmax in float32."""
+    Softmax in float32; the products in float32 where oneDNN has none in the cache's half dtype (``widened``).
+    Returns the latent's dtype."""
+    dtype = latent.dtype
+    if widened(latent):
+        query, q_rot, latent, k_rot = (t.float() for t in (query, q_rot, latent, k_rot))
     batch, heads, q_len, rank = query.shape
     n, lat, rot = latent.shape[-2], latent[:, 0], k_rot[:, 0]
     rows = heads * q_len
@@ -277,7 +281,7 @@ def latent_attention(query: torch.Tensor, q_rot: torch.Tensor, latent: torch.Ten
         else:
             scores = scores.add_(mask.float())
     probs = torch.softmax(scores, dim=-1).to(lat.dtype)
-    return torch.bmm(probs.view(batch, rows, n), lat).view(batch, heads, q_len, rank).transpose(1, 2)
+    return torch.bmm(probs.view(batch, rows, n), lat).view(batch, heads, q_len, rank).transpose(1, 2).to(dtype)
 
 
 def absorbed_mla_forward(
