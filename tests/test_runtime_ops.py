@@ -247,7 +247,7 @@ def test_products_with_a_half_cache_widen_where_onednn_has_no_half_kernels(dtype
 
 
 class _HalfProducts(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the shapes of every half-precision matrix product dispatched (mm, bmm, addmm, baddbmm)."""
+    """Records the operand shapes of every matrix product (mm, bmm, addmm, baddbmm) with a bfloat16 operand."""
 
     PRODUCTS = ("mm", "bmm", "addmm", "baddbmm")
 

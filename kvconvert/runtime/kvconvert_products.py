@@ -1,7 +1,7 @@
 """Products of a decode step with a cache (scores ``q·Kᵀ``, outputs ``p·V``, keys rebuilt from a latent) shaped for
 the CPU library torch hands them to: oneDNN for half precision, MKL for float32.
 
-Copied verbatim into every kvconvert output directory; imports only torch.
+Copied verbatim into every kvconvert output directory; imports only torch and the runtime's own kvconvert_kernels.
 """
 
 from __future__ import annotations
