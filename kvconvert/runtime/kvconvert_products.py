@@ -64,11 +64,13 @@ def cache_scores(query: torch.Tensor, keys: torch.Tensor, blocks: bool = True) -
     (the whole blocks ``keys_first``). ``blocks`` False: one product as torch takes it, widened all the same (LoRC's
     latent, slim's key rows: split, they decode no faster, and slim in bfloat16 at 8 × 1K 1.58 → 1.23× the source,
     AMD EPYC with AVX-512 BF16)."""
-    if not blocks and not widened(keys):
+    if widened(keys) or not _half_on_cpu(keys):  # float32 products: widened, or the cache's own
+        return keys_first(query, keys)
+    if not blocks:
         return query @ keys.transpose(-1, -2)
     n = keys.shape[-2]
     whole = n - n % LENGTH_BLOCK
-    if not _half_on_cpu(keys) or widened(keys) or whole == n:  # keys_first widens
+    if whole == n:
         return keys_first(query, keys)
     rest = (query.float() @ keys[..., whole:, :].float().transpose(-1, -2)).to(query.dtype)
     return torch.cat([keys_first(query, keys[..., :whole, :]), rest], dim=-1) if whole else rest
