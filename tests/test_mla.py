@@ -192,6 +192,33 @@ def test_latent_products_widen_where_onednn_has_no_half_kernels(monkeypatch):
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
 
 
+def test_absorbed_step_widens_its_weight_products_where_onednn_has_no_half_kernels(exports, monkeypatch):
+    """A bfloat16 export on a CPU whose oneDNN has no bfloat16 products (``onednn_half`` false, as on AVX2 CPUs): a
+    decode step's batched products (the per-head W_UK / W_UV ones and the latent's) are float32 ones, where torch's
+    batched bfloat16 loop would run element by element; with oneDNN's kernels they stay bfloat16 (so the check sees
+    them when they are there). Either way the heads' output reaches o_proj contiguous: as the transposed view it
+    was, the bfloat16 product took a path 10x slower under AVX2."""
+    from kvconvert.runtime import kvconvert_products as products
+    from tests.test_runtime_ops import _HalfProducts
+
+    _, out = exports["llama_gqa", "0.5"]
+    model = kvconvert.load(out).eval().to(torch.bfloat16)
+    contiguous: list[bool] = []
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.register_forward_pre_hook(lambda _, args: contiguous.append(args[0].is_contiguous()))
+    ids = torch.randint(3, model.config.vocab_size, (2, 41), generator=torch.Generator().manual_seed(5))
+    for has_half in (True, False):
+        monkeypatch.setattr(products, "onednn_half", lambda dtype, has_half=has_half: has_half)
+        with torch.no_grad():
+            cache = model(input_ids=ids[:, :40], use_cache=True).past_key_values
+            contiguous.clear()
+            with _HalfProducts() as recorded:
+                model(input_ids=ids[:, 40:], past_key_values=cache, use_cache=True)
+        batched = [shapes for shapes in recorded.shapes if len(shapes[0]) == 3]  # the linears' products are 2-D
+        assert bool(batched) == has_half, (has_half, batched)
+        assert contiguous and all(contiguous)
+
+
 def test_shared_rotary_key_is_exact_for_keys_that_share_one_direction():
     """Keys of 3 heads that are one complex key times per-head complex factors (per frequency): the shared
     key keeps all of it, and a·(bᴴ z) rebuilds every head; a second independent direction is partly lost."""
