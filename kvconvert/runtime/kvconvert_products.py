@@ -46,6 +46,11 @@ def widened(cache: torch.Tensor) -> bool:
     return _half_on_cpu(cache) and not onednn_half(cache.dtype)
 
 
+def in_float32(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``left @ right`` with both operands widened to float32 (MKL's products), the result in ``left``'s dtype."""
+    return (left.float() @ right.float()).to(left.dtype)
+
+
 def keys_first(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``query [..., m, d] @ keys [..., n, d]ᵀ``; in oneDNN as ``keys @ queryᵀ``, transposed back (a view): oneDNN
     copies a batch of matrices that are views into a store's buffer with room to grow, and copies one handed to it
@@ -53,7 +58,7 @@ def keys_first(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     67 µs; 288 against 74 µs at 9 rows × 107 channels; a contiguous cache 40 against 47 µs), and a product's result
     costs nothing to transpose."""
     if widened(keys):
-        return (query.float() @ keys.float().transpose(-1, -2)).to(query.dtype)
+        return in_float32(query, keys.transpose(-1, -2))
     if not _half_on_cpu(keys):
         return query @ keys.transpose(-1, -2)
     return (keys @ query.transpose(-1, -2)).transpose(-1, -2)
@@ -72,7 +77,7 @@ def cache_scores(query: torch.Tensor, keys: torch.Tensor, blocks: bool = True) -
     whole = n - n % LENGTH_BLOCK
     if whole == n:
         return keys_first(query, keys)
-    rest = (query.float() @ keys[..., whole:, :].float().transpose(-1, -2)).to(query.dtype)
+    rest = in_float32(query, keys[..., whole:, :].transpose(-1, -2))
     return torch.cat([keys_first(query, keys[..., :whole, :]), rest], dim=-1) if whole else rest
 
 
@@ -81,7 +86,7 @@ def cache_mix(weights: torch.Tensor, values: torch.Tensor, blocks: bool = True) 
     above (the two partial sums added in float32); ``blocks`` False: one product, widened all the same
     (``cache_scores``)."""
     if widened(values):
-        return (weights.float() @ values.float()).to(weights.dtype)
+        return in_float32(weights, values)
     n = values.shape[-2]
     whole = n - n % LENGTH_BLOCK
     if not blocks or not _half_on_cpu(values) or whole == n:
@@ -139,6 +144,4 @@ def widened_bmm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     result in ``left``'s dtype. For a step's products with weights (the MLA export's per-head ``W_UK`` / ``W_UV``),
     which torch's batched half-precision loop then runs element by element: bfloat16 ``[32, 8, 128] @ [32, 128, 512]``
     12.5 ms against 0.87 ms widened, the weight's conversion included (oneDNN capped at AVX2, AMD EPYC)."""
-    if widened(right):
-        return torch.bmm(left.float(), right.float()).to(left.dtype)
-    return torch.bmm(left, right)
+    return in_float32(left, right) if widened(right) else torch.bmm(left, right)
