@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from kvconvert.methods.razor.heads import HeadScores, profile_heads
 from kvconvert.methods.razor.method import retrieval_kv_heads, top_heads
 from kvconvert.runtime.kvconvert_razor import compensated_attention
 from tests.conftest import build_tiny_model
-from tests.helpers import assert_equivalent, convert, left_padded, load_converted, load_reference
+from tests.helpers import assert_equivalent, convert, left_padded, load_converted, load_reference, run_cli
 
 
 def convert_razor(src, dst, *extra: str) -> dict:
@@ -312,3 +313,83 @@ def test_windows_in_kivi_layout_decode_from_their_codes_while_they_slide(bits, t
     assert not windows
     assert torch.equal(codes_tokens, float_tokens)
     torch.testing.assert_close(codes_logits, float_logits, rtol=1e-4, atol=1e-4)
+
+
+def _windowed_reference(q, k, v, row, sink, kept_recent, scaling):
+    """Razor's windowed attention of one query row, written out token by token: the kept tokens' logits and the
+    compensation token's (mean dropped key, logit + ln N_d) in one softmax."""
+    dropped = [p for p in range(sink, row + 1) if p <= row - kept_recent]
+    kept = [p for p in range(row + 1) if p not in dropped]
+    logits = [float(q @ k[p]) * scaling for p in kept]
+    tokens = [v[p] for p in kept]
+    if dropped:
+        mean_k, mean_v = k[dropped].mean(0), v[dropped].mean(0)
+        logits.append(float(q @ mean_k) * scaling + math.log(len(dropped)))
+        tokens.append(mean_v)
+    weights = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+    return sum(w * t for w, t in zip(weights, tokens, strict=True))
+
+
+def test_window_errors_follow_razors_windowed_attention_through_the_output_projection():
+    from kvconvert.linalg import head_output_grams
+    from kvconvert.methods.razor.heads import window_errors
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, n, dk, sink, window, frac = 4, 2, 40, 8, 2, 6, 0.25
+    q, k, v = (torch.randn(h, n, dk, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    o_weight = torch.randn(12, heads * dk, generator=g, dtype=torch.float64)
+    rows = torch.tensor([9, 25, 39])
+    got = window_errors(q, k, v, rows, sink, window, frac, head_output_grams(o_weight, heads, dk), 0.3)
+    expected = torch.zeros(heads, dtype=torch.float64)
+    for h in range(heads):
+        kh, vh = k[h // (heads // kv_heads)], v[h // (heads // kv_heads)]
+        for row in rows.tolist():
+            probs = torch.softmax((q[h, row] @ kh[: row + 1].T) * 0.3, 0)
+            full = probs @ vh[: row + 1]
+            kept_recent = max(window, int((row + 1) * frac))
+            approx = _windowed_reference(q[h, row], kh, vh, row, sink, kept_recent, 0.3)
+            expected[h] += (o_weight[:, h * dk : (h + 1) * dk] @ (full - approx)).norm() / len(rows)
+    torch.testing.assert_close(got, expected)
+    assert (got > 0).all()
+    # a window that holds every token changes nothing
+    nothing = window_errors(q, k, v, rows, sink, n, frac, head_output_grams(o_weight, heads, dk), 0.3)
+    torch.testing.assert_close(nothing, torch.zeros(heads, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+def test_costliest_kv_heads_rank_whole_groups_of_the_layers_given():
+    from kvconvert.methods.razor.method import costliest_kv_heads
+
+    errors = torch.tensor([[0.1, 0.1, 5.0, 0.0], [0.4, 0.4, 0.3, 0.3], [9.0, 9.0, 9.0, 9.0]])  # 2 KV heads of 2
+    assert costliest_kv_heads(errors, (0, 1), group=2, count=2) == [[1], [0], []]  # layer 2 is not compressed
+    assert costliest_kv_heads(errors, (0, 1), group=2, count=0) == [[], [], []]
+    assert costliest_kv_heads(errors, (0, 1, 2), group=2, count=3) == [[1], [], [0, 1]]
+
+
+def test_heads_by_window_error_keeps_the_share_asked_and_converts(tokenized_model_dir, tmp_path):
+    src = tokenized_model_dir("llama_gqa")
+    report = convert("razor", src, tmp_path / "half", "--heads-by", "window-error", "--whole-share", "0.5",
+                     "--profile-context", "128", "--window", "8", "--window-frac", "0")  # fmt: skip
+    kept = [r["retrieval_kv_heads"] for r in report["layers"]]
+    assert sum(map(len, kept)) == 3  # half of 3 layers × 2 KV heads
+    errors = torch.tensor([r["window_errors"] for r in report["layers"]]).view(3, 2, -1).sum(-1)
+    assert min(errors[i, g] for i, row in enumerate(kept) for g in row) >= max(
+        errors[i, g] for i, row in enumerate(kept) for g in range(2) if g not in row
+    )
+    assert "induction_scores" not in report["layers"][0]
+    spec = json.loads((tmp_path / "half" / "config.json").read_text())["kvconvert"]["razor"]
+    assert spec["retrieval_kv_heads"] == kept
+    # every head whole: the source's outputs exactly
+    convert("razor", src, tmp_path / "all", "--heads-by", "window-error", "--whole-share", "1", "--profile-context",
+            "128")  # fmt: skip
+    assert_equivalent(load_reference(src), load_converted(tmp_path / "all"), *left_padded())
+
+
+def test_heads_by_window_error_refuses_windows_the_text_or_model_cannot_hold(tokenized_model_dir, tmp_path):
+    src = tokenized_model_dir("llama_gqa")
+    calib = tmp_path / "short.txt"
+    calib.write_text("a few words only. " * 3)
+    for extra, words in ((("--calib", str(calib)), "--profile-context"), (("--profile-context", "100000"), "context")):
+        result = run_cli("razor", "--model", str(src), "--out", str(tmp_path / "out"), "--heads-by", "window-error",
+                         "--profile-context", "128", *extra)  # fmt: skip
+        assert result.exit_code == 2 and words in result.output, result.output
+        assert not (tmp_path / "out").exists()

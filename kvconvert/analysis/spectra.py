@@ -69,6 +69,7 @@ def analyze_heads(source: SourceCheckpoint, profile_tokens: int | None = None) -
     method = RazorMethod(RazorConfig(profile_tokens=profile_tokens))
     layout = adapter_for(source.config).layout()
     plan = method.plan(PlanContext(layout, source=source, progress=False))
+    assert plan.echo is not None and plan.induction is not None  # the default config profiles by induction
     return {
         "echo": plan.echo.tolist(),
         "induction": plan.induction.tolist(),

@@ -63,18 +63,19 @@ def load_tokenizer(model_path: Path) -> Any:
         ) from None
 
 
-def tokenize_chunks(ids: list[int], tokens: int, chunk_len: int, seed: int, source: str,
-                    bos: int | None = None, fewer: bool = False) -> CalibrationSet:  # fmt: skip
-    """Cut ``ids`` into chunks of ``chunk_len`` (``bos`` first in each when the model expects it)."""
+def tokenize_chunks(ids: list[int], tokens: int, chunk_len: int, seed: int, source: str, bos: int | None = None,
+                    fewer: bool = False, asked: str = "--calib-tokens") -> CalibrationSet:  # fmt: skip
+    """Cut ``ids`` into chunks of ``chunk_len`` (``bos`` first in each when the model expects it); ``asked``: the
+    option a too short text is blamed on."""
     body = chunk_len - (1 if bos is not None else 0)
     count = len(ids) // body
     needed = -(-tokens // chunk_len)  # ceil
-    if fewer and count:
-        needed = min(needed, count)
+    if fewer:  # at least one chunk
+        needed = min(needed, max(count, 1))
     if count < needed:
         raise KVConvertError(
             f"calibration text {source!r} gives {count * chunk_len} tokens in {chunk_len}-token chunks; "
-            f"--calib-tokens asks for {needed * chunk_len}: pass more text or lower --calib-tokens"
+            f"{asked} asks for {needed * chunk_len}: pass more text or lower {asked}"
         )
     rows = torch.tensor(ids[: count * body], dtype=torch.long).view(count, body)
     if bos is not None:
@@ -84,7 +85,7 @@ def tokenize_chunks(ids: list[int], tokens: int, chunk_len: int, seed: int, sour
 
 
 def calibration_set(model_path: Path, spec: str | None, tokens: int, chunk_len: int, seed: int,
-                    fewer: bool = False) -> CalibrationSet:  # fmt: skip
+                    fewer: bool = False, asked: str = "--calib-tokens") -> CalibrationSet:  # fmt: skip
     """Token chunks of a calibration source for the model at ``model_path``; ``fewer``: as many as the text gives
     when that is fewer than ``tokens`` asks for (at least one)."""
     if tokens < 1 or chunk_len < 2:
@@ -94,4 +95,4 @@ def calibration_set(model_path: Path, spec: str | None, tokens: int, chunk_len: 
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
-    return tokenize_chunks(ids, tokens, chunk_len, seed, source, bos if adds_bos else None, fewer)
+    return tokenize_chunks(ids, tokens, chunk_len, seed, source, bos if adds_bos else None, fewer, asked)

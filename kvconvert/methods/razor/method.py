@@ -5,6 +5,9 @@ score ∪ top ``echo_frac`` by echo score; for GQA a KV head is kept whole if an
 qualifies (§4.1.1). Weights are copied unchanged. The other heads keep ``sink`` first tokens, the
 most recent L = max(window, N·window_frac) tokens and one compensation token (runtime).
 ALiBi's analytic scope L_h (theorem 1) is not implemented: no supported architecture uses ALiBi.
+
+``--heads-by window-error`` (kvconvert extension) keeps whole the ``whole_share`` of KV heads whose window would
+move the layer's output most (``heads.window_errors``, measured on calibration text at long context) instead.
 """
 
 from __future__ import annotations
@@ -36,18 +39,30 @@ def retrieval_kv_heads(chosen: set[tuple[int, int]], num_layers: int, group: int
     return [sorted({head // group for layer_, head in chosen if layer_ == layer}) for layer in range(num_layers)]
 
 
+def costliest_kv_heads(errors: torch.Tensor, layers: tuple[int, ...], group: int, count: int) -> list[list[int]]:
+    """Per layer, the KV heads kept in full: the ``count`` KV heads of ``layers`` whose query heads' ``errors [L, H]``
+    (what windowing each would add to the layer's output) sum highest; a KV head windowed windows its whole group."""
+    per_kv = errors.reshape(errors.shape[0], -1, group).sum(dim=-1)  # [L, Hkv]
+    kv_heads = per_kv.shape[1]
+    candidates = torch.tensor([layer * kv_heads + g for layer in layers for g in range(kv_heads)], dtype=torch.long)
+    chosen = candidates[torch.topk(per_kv.flatten()[candidates], count).indices] if count else candidates[:0]
+    picked = [(int(i) // kv_heads, int(i) % kv_heads) for i in chosen]
+    return [sorted(g for layer_, g in picked if layer_ == layer) for layer in range(errors.shape[0])]
+
+
 @dataclass(frozen=True)
 class RazorPlan:
     """What razor decided for a model: every head's scores, the KV heads kept whole per layer, and the
     window of the others."""
 
-    echo: torch.Tensor  # [layers, query heads]
-    induction: torch.Tensor
+    echo: torch.Tensor | None  # [layers, query heads]; None when the heads were chosen by window error
+    induction: torch.Tensor | None
     retrieval_kv_heads: list[list[int]]
     retrieval_share: float  # of the global layers' KV heads
     window: int
     window_frac: float
-    profile_tokens: int
+    profile_tokens: int  # K random tokens (induction), or tokens per calibration window (window error)
+    window_error: torch.Tensor | None = None  # [layers, query heads]: ``heads.window_errors``, when chosen by it
 
 
 class RazorMethod(Method[RazorPlan]):
@@ -75,45 +90,77 @@ class RazorMethod(Method[RazorPlan]):
 
     @classmethod
     def report_table(cls, report: dict[str, Any]) -> str:
-        lines = [f"{'layer':>5}  {'retrieval KV heads':<24}  {'max induction':>13}  {'max echo':>9}"]
+        by_error = "window_errors" in report["layers"][0]
+        scores = ("window_errors",) if by_error else ("induction_scores", "echo_scores")
+        titles = ("max window error",) if by_error else ("max induction", "max echo")
+        lines = [f"{'layer':>5}  {'retrieval KV heads':<24}" + "".join(f"  {t:>16}" for t in titles)]
         for row in report["layers"]:
             heads = ",".join(map(str, row["retrieval_kv_heads"])) or "-"
-            lines.append(f"{row['layer']:>5}  {heads:<24}  {max(row['induction_scores']):>13.3f}  "
-                         f"{max(row['echo_scores']):>9.3f}")  # fmt: skip
+            lines.append(f"{row['layer']:>5}  {heads:<24}" + "".join(f"  {max(row[s]):>16.3f}" for s in scores))
         return "\n".join(lines)
 
     def plan(self, ctx: PlanContext) -> RazorPlan:
-        """Profile echo/induction scores on the source model (one layer in memory at a time) and choose
-        the retrieval heads."""
-        layout, source = ctx.layout, ctx.source
-        from kvconvert.arch import adapter_for
-        from kvconvert.methods.razor.heads import profile_heads_layer_by_layer
-
-        config = source.config
-        context = layout.context
-        tokens = self.config.profile_tokens or max(2, min(2500, context // 4))
-        if 4 * tokens > context:
-            raise KVConvertError(f"profile_tokens {tokens} × 4 exceeds the model's context ({context})")
-        special = {t for t in (config.bos_token_id, config.eos_token_id, config.pad_token_id) if isinstance(t, int)}
-        scores = profile_heads_layer_by_layer(source, adapter_for(config), tokens, special, seed=self.config.seed,
-                                              progress=ctx.progress)  # fmt: skip
-        chosen = top_heads(scores.induction, self.config.induction_frac) | top_heads(scores.echo, self.config.echo_frac)
-        group = layout.num_heads // layout.num_kv_heads
-        kept = retrieval_kv_heads(chosen, layout.num_layers, group)
+        """Profile the source (one layer in memory at a time) and choose the KV heads kept whole: by echo/induction
+        score, or by the error their window would make (``--heads-by window-error``)."""
+        layout, config = ctx.layout, ctx.source.config
         # sliding-window layers keep transformers' own windowed cache (runtime ``sliding_layer``): the budget
         # is spent on the global layers, whose cache grows with the sequence
         compressed = layout.global_layers
-        share = sum(len(kept[i]) for i in compressed) / (len(compressed) * layout.num_kv_heads)
-        window_frac = self.config.window_frac
-        if self.config.kv_budget is not None:
-            if self.config.kv_budget <= share:
-                raise KVConvertError(
-                    f"kv_budget {self.config.kv_budget} is not above the retrieval heads' share of the cache "
-                    f"({share:.3f}); lower --induction-frac/--echo-frac or raise the budget"
-                )
-            window_frac = (self.config.kv_budget - share) / (1 - share) if share < 1 else 1.0
-        window = self.config.window or min(PAPER_WINDOW, max(16, context // 16))
-        return RazorPlan(scores.echo, scores.induction, kept, share, window, window_frac, tokens)
+        group, total = layout.num_heads // layout.num_kv_heads, len(compressed) * layout.num_kv_heads
+        window = self.config.window or min(PAPER_WINDOW, max(16, layout.context // 16))
+        if self.config.heads_by == "window-error":
+            count = round(self.config.whole_share * total)
+            share = count / total
+            window_frac = self._window_frac(share)
+            errors, tokens = self._window_errors(ctx, window, window_frac)
+            kept = costliest_kv_heads(errors, compressed, group, count)
+            return RazorPlan(None, None, kept, share, window, window_frac, tokens, errors)
+        from kvconvert.arch import adapter_for
+        from kvconvert.methods.razor.heads import profile_heads_layer_by_layer
+
+        tokens = self.config.profile_tokens or max(2, min(2500, layout.context // 4))
+        if 4 * tokens > layout.context:
+            raise KVConvertError(f"profile_tokens {tokens} × 4 exceeds the model's context ({layout.context})")
+        special = {t for t in (config.bos_token_id, config.eos_token_id, config.pad_token_id) if isinstance(t, int)}
+        scores = profile_heads_layer_by_layer(ctx.source, adapter_for(config), tokens, special, seed=self.config.seed,
+                                              progress=ctx.progress)  # fmt: skip
+        chosen = top_heads(scores.induction, self.config.induction_frac) | top_heads(scores.echo, self.config.echo_frac)
+        kept = retrieval_kv_heads(chosen, layout.num_layers, group)
+        share = sum(len(kept[i]) for i in compressed) / total
+        return RazorPlan(scores.echo, scores.induction, kept, share, window, self._window_frac(share), tokens)
+
+    def _window_frac(self, share: float) -> float:
+        """``--window-frac``, or what ``--kv-budget`` leaves the windows beside ``share`` of the KV heads whole."""
+        budget = self.config.kv_budget
+        if budget is None:
+            return self.config.window_frac
+        if budget <= share:
+            raise KVConvertError(
+                f"kv_budget {budget} is not above the retrieval heads' share of the cache ({share:.3f}); lower "
+                + ("--whole-share" if self.config.heads_by == "window-error" else "--induction-frac/--echo-frac")
+                + " or raise the budget"
+            )
+        return (budget - share) / (1 - share) if share < 1 else 1.0
+
+    def _window_errors(self, ctx: PlanContext, window: int, window_frac: float) -> tuple[torch.Tensor, int]:
+        """``heads.window_errors`` of every head ``[L, H]`` on ``--profile-windows`` windows of calibration text,
+        and the windows' length."""
+        from kvconvert.arch import adapter_for
+        from kvconvert.calib.text import calibration_set
+        from kvconvert.linalg import head_output_grams
+        from kvconvert.methods.razor.heads import profile_window_errors_layer_by_layer
+
+        layout, config = ctx.layout, self.config
+        tokens = config.profile_context or min(layout.context, 8192)
+        if tokens > layout.context:
+            raise KVConvertError(f"--profile-context {tokens} exceeds the model's context ({layout.context})")
+        chunks = calibration_set(ctx.source.path, config.calib, tokens * config.profile_windows, tokens, config.seed,
+                                 fewer=True, asked="--profile-context").chunks  # fmt: skip
+        o_grams = [head_output_grams(w.o_weight, layout.num_heads, layout.head_dim) for w in ctx.layers]
+        adapter = adapter_for(ctx.source.config)
+        errors = profile_window_errors_layer_by_layer(ctx.source, adapter, chunks, o_grams, config.sink, window,
+                                                      window_frac, progress=ctx.progress)  # fmt: skip
+        return errors, tokens
 
     def expected_kv_budget(self, plan: RazorPlan, layout: AttentionLayout) -> float:
         """Long-context limit: retrieval heads in full, the others at window_frac of the tokens (global
@@ -124,9 +171,11 @@ class RazorMethod(Method[RazorPlan]):
         report = {
             "layer": layer,
             "retrieval_kv_heads": plan.retrieval_kv_heads[layer],
-            "echo_scores": [round(float(x), 6) for x in plan.echo[layer]],
-            "induction_scores": [round(float(x), 6) for x in plan.induction[layer]],
         }
+        scores = {"echo_scores": plan.echo, "induction_scores": plan.induction, "window_errors": plan.window_error}
+        for name, values in scores.items():
+            if values is not None:
+                report[name] = [round(float(x), 6) for x in values[layer]]
         return LayerOutput(tensors={}, report=report, passthrough=True)
 
     def runtime_spec(self, plan: RazorPlan, layout: AttentionLayout, tensor_names: list[list[str]]) -> dict[str, Any]:
