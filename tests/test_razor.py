@@ -378,6 +378,12 @@ def test_heads_by_window_error_keeps_the_share_asked_and_converts(tokenized_mode
     assert "induction_scores" not in report["layers"][0]
     spec = json.loads((tmp_path / "half" / "config.json").read_text())["kvconvert"]["razor"]
     assert spec["retrieval_kv_heads"] == kept
+    # the recipe names this ranking's options, not induction's, and repeats the conversion
+    assert report["params"]["heads_by"] == "window-error" and "induction_frac" not in report["params"]
+    recipe, again_dir = tmp_path / "half" / "recipe.yaml", tmp_path / "again"
+    again = run_cli("run", str(recipe), "--model", str(src), "--out", str(again_dir), "--quiet")
+    assert again.exit_code == 0, again.output
+    assert json.loads((again_dir / "kvconvert.json").read_text())["layers"] == report["layers"]
     # every head whole: the source's outputs exactly
     convert("razor", src, tmp_path / "all", "--heads-by", "window-error", "--whole-share", "1", "--profile-context",
             "128")  # fmt: skip

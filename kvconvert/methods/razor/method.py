@@ -23,6 +23,9 @@ from kvconvert.methods.base import LayerOutput, Method, PlanContext, budget_word
 from kvconvert.methods.razor.config import RazorConfig
 
 PAPER_WINDOW = 4000  # Table 2: buffer length max(4000, N/5), for 32K-context models
+# the options of each head ranking (``--heads-by``): those of the ranking not chosen act on nothing
+BY_INDUCTION = ("induction_frac", "echo_frac", "profile_tokens")
+BY_WINDOW_ERROR = ("heads_by", "whole_share", "profile_context", "profile_windows", "calib")
 
 
 def top_heads(scores: torch.Tensor, fraction: float) -> set[tuple[int, int]]:
@@ -79,6 +82,12 @@ class RazorMethod(Method[RazorPlan]):
 
     def __init__(self, config: RazorConfig | None = None):
         self.config = config or RazorConfig()
+
+    def params(self) -> dict[str, Any]:
+        """The config's fields but the other head ranking's, which act on nothing: a recipe says what its conversion
+        used, and razor's outputs from before ``--heads-by`` stay what they were, byte for byte."""
+        unused = BY_INDUCTION if self.config.heads_by == "window-error" else BY_WINDOW_ERROR
+        return {name: value for name, value in super().params().items() if name not in unused}
 
     @classmethod
     def describe(cls, report: dict[str, Any]) -> str:
