@@ -11,6 +11,7 @@ a registered attention function, so memory stays at one chunk's attention rows p
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +20,8 @@ import torch
 from tqdm import tqdm
 
 from kvconvert.calib.hooks import AttentionObserver, observed_attention
-
-F64 = torch.float64
+from kvconvert.linalg import F64
+from kvconvert.runtime.kvconvert_razor_ops import count_logit, window_budget
 
 
 @dataclass
@@ -104,14 +105,20 @@ def profile_heads_layer_by_layer(
 ) -> HeadScores:
     """``profile_heads`` of a checkpoint on disk, one decoder layer in memory at a time
     (``run_layer_by_layer``): the same scores, with conversion memory bounded by one layer."""
+    ids = profiling_ids(source.config.vocab_size, tokens, exclude, seed)
+    return _layer_by_layer(source, adapter, ids, lambda model: scoring_heads(model, period=tokens), progress)
+
+
+def _layer_by_layer(source: Any, adapter: Any, ids: torch.Tensor, scoring: Any, progress: bool) -> Any:
+    """What ``scoring(model)`` (a context manager yielding its accumulator) gathers while ``ids [n, T]`` run through
+    ``source`` one decoder layer in memory at a time (``run_layer_by_layer``)."""
     from kvconvert.calib.sequential import run_layer_by_layer
 
-    ids = profiling_ids(source.config.vocab_size, tokens, exclude, seed)
-    found: list[HeadScores] = []
+    found: list[Any] = []
 
     @contextlib.contextmanager
     def observe(model: Any) -> Iterator[None]:
-        with scoring_heads(model, period=tokens) as scores:
+        with scoring(model) as scores:
             found.append(scores)
             yield
 
@@ -147,7 +154,7 @@ def window_errors(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     logits = (q @ k.transpose(-1, -2)) * scaling  # [Hkv, G·r, n]
     causal = pos[None, :] <= at[:, None]
     full = torch.softmax(logits.masked_fill(~causal, -torch.inf), dim=-1) @ v
-    kept_recent = torch.clamp((at + 1).double().mul(window_frac).long(), min=window)  # L per row
+    kept_recent = torch.tensor([window_budget(p + 1, window, window_frac) for p in at.tolist()])  # L per row
     last_dropped = at - kept_recent  # tokens sink..last_dropped fall out of the window
     kept = causal & ((pos[None, :] < sink) | (pos[None, :] > last_dropped[:, None]))
     dropped = (last_dropped - sink + 1).clamp(min=0)  # N_d
@@ -156,7 +163,7 @@ def window_errors(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     sums_k, sums_v = (torch.cat([zero, t.cumsum(dim=1)], dim=1) for t in (k, v))
     mean_k, mean_v = ((s[:, upto] - s[:, sink : sink + 1]) / dropped.clamp(min=1)[:, None].to(F64)
                       for s in (sums_k, sums_v))  # fmt: skip
-    comp = (q * mean_k).sum(-1) * scaling + dropped.to(F64).log()  # -inf where nothing was dropped
+    comp = (q * mean_k).sum(-1) * scaling + count_logit(dropped.to(F64), F64)  # no weight where nothing was dropped
     probs = torch.softmax(torch.cat([logits.masked_fill(~kept, -torch.inf), comp[..., None]], dim=-1), dim=-1)
     approx = probs[..., :-1] @ v + probs[..., -1:] * mean_v
     error = (full - approx).reshape(heads, r, dk)
@@ -208,15 +215,7 @@ def profile_window_errors_layer_by_layer(source: Any, adapter: Any, chunks: torc
                                          progress: bool = True) -> torch.Tensor:  # fmt: skip
     """``window_errors`` of every head ``[L, H]``, averaged over ``chunks [n, T]`` (their last ``rows`` positions),
     one decoder layer in memory at a time."""
-    from kvconvert.calib.sequential import run_layer_by_layer
-
-    found: list[WindowErrors] = []
-
-    @contextlib.contextmanager
-    def observe(model: Any) -> Iterator[None]:
-        with scoring_window_errors(model, o_grams, sink, window, window_frac, rows) as errors:
-            found.append(errors)
-            yield
-
-    run_layer_by_layer(source, adapter, chunks, observe, progress=progress)
-    return found[0].mean
+    scoring = functools.partial(scoring_window_errors, o_grams=o_grams, sink=sink, window=window,
+                                window_frac=window_frac, rows=rows)  # fmt: skip
+    errors: WindowErrors = _layer_by_layer(source, adapter, chunks, scoring, progress)
+    return errors.mean
