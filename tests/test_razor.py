@@ -390,6 +390,17 @@ def test_heads_by_window_error_keeps_the_share_asked_and_converts(tokenized_mode
     assert_equivalent(load_reference(src), load_converted(tmp_path / "all"), *left_padded())
 
 
+def test_window_errors_are_measured_on_the_layers_razor_windows_only(tokenized_model_dir, tmp_path):
+    # Gemma 3's sliding layers keep transformers' own window: an error razor's window would make there is not one
+    # the checkpoint can make, so those rows stay 0 and only the global layer's KV head is a candidate
+    src = tokenized_model_dir("gemma3")
+    report = convert("razor", src, tmp_path / "out", "--heads-by", "window-error", "--whole-share", "1",
+                     "--profile-context", "128", "--window", "8", "--window-frac", "0")  # fmt: skip
+    errors = [max(r["window_errors"]) for r in report["layers"]]
+    assert errors[0] == errors[2] == 0 and errors[1] > 0, errors
+    assert [r["retrieval_kv_heads"] for r in report["layers"]] == [[], [0], []]
+
+
 def test_heads_by_window_error_refuses_windows_the_text_or_model_cannot_hold(tokenized_model_dir, tmp_path):
     src = tokenized_model_dir("llama_gqa")
     calib = tmp_path / "short.txt"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,15 +190,17 @@ class WindowErrors:
 
 @contextlib.contextmanager
 def scoring_window_errors(model: Any, o_grams: list[torch.Tensor], sink: int, window: int, window_frac: float,
-                          rows: int) -> Iterator[WindowErrors]:  # fmt: skip
-    """Accumulate ``window_errors`` at the last ``rows`` positions of every sequence ``model`` reads in the block;
-    ``o_grams[layer] [H, dk, dk]``."""
+                          rows: int, layers: Collection[int] | None = None) -> Iterator[WindowErrors]:  # fmt: skip
+    """Accumulate ``window_errors`` at the last ``rows`` positions of every sequence ``model`` reads in the block, in
+    ``layers`` (default all; the others stay 0); ``o_grams[layer] [H, dk, dk]``."""
     config = model.config
     errors = WindowErrors(config.num_hidden_layers, config.num_attention_heads)
 
     def observe(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scaling: float | None) -> None:  # fmt: skip
         layer, n = getattr(module, "layer_idx"), query.shape[2]  # noqa: B009
+        if layers is not None and layer not in layers:
+            return
         positions = torch.arange(max(0, n - rows), n)
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         for b in range(query.shape[0]):
@@ -212,10 +214,11 @@ def scoring_window_errors(model: Any, o_grams: list[torch.Tensor], sink: int, wi
 
 def profile_window_errors_layer_by_layer(source: Any, adapter: Any, chunks: torch.Tensor, o_grams: list[torch.Tensor],
                                          sink: int, window: int, window_frac: float, rows: int = 64,
+                                         layers: Collection[int] | None = None,
                                          progress: bool = True) -> torch.Tensor:  # fmt: skip
-    """``window_errors`` of every head ``[L, H]``, averaged over ``chunks [n, T]`` (their last ``rows`` positions),
-    one decoder layer in memory at a time."""
+    """``window_errors`` of every head ``[L, H]`` in ``layers`` (default all; the others 0), averaged over ``chunks
+    [n, T]`` (their last ``rows`` positions), one decoder layer in memory at a time."""
     scoring = functools.partial(scoring_window_errors, o_grams=o_grams, sink=sink, window=window,
-                                window_frac=window_frac, rows=rows)  # fmt: skip
+                                window_frac=window_frac, rows=rows, layers=layers)  # fmt: skip
     errors: WindowErrors = _layer_by_layer(source, adapter, chunks, scoring, progress)
     return errors.mean

@@ -167,8 +167,10 @@ class RazorMethod(Method[RazorPlan]):
                                  fewer=True, asked="--profile-context").chunks  # fmt: skip
         o_grams = [head_output_grams(w.o_weight, layout.num_heads, layout.head_dim) for w in ctx.layers]
         adapter = adapter_for(ctx.source.config)
+        # only the layers razor windows: sliding-window layers keep transformers' own window (their rows stay 0)
         errors = profile_window_errors_layer_by_layer(ctx.source, adapter, chunks, o_grams, config.sink, window,
-                                                      window_frac, progress=ctx.progress)  # fmt: skip
+                                                      window_frac, layers=layout.global_layers,
+                                                      progress=ctx.progress)  # fmt: skip
         return errors, tokens
 
     def expected_kv_budget(self, plan: RazorPlan, layout: AttentionLayout) -> float:
