@@ -120,6 +120,18 @@ LOCAL_CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("quant token-layout keys 4-bit, values 2-bit, groups of 128, sink 4, local layers at 8 bits (ext.)",
      {"method": "quant", "kv_bits": 4, "kv_value_bits": 2, "kv_group": 128, "kv_residual": 0, "kv_sink": 4,
       "kv_layout": "token", "kv_local_bits": 8}),
+    # razor by window error on the global layers (one KV head each on Gemma 3 270M: 1 of 3 kept whole, the others a
+    # window of 0.15 of the tokens) beside the recipe above: 0.147 of the cache at 16K
+    ("razor by window error, 1 of 3 global KV heads whole, windows 0.15 + token-layout keys 4-bit, values 2-bit, "
+     "groups of 128, sink 4, local layers at 8 bits (ext.)",
+     {"method": "razor", "heads_by": "window-error", "whole_share": 0.34, "window_frac": 0.15, "kv_bits": 4,
+      "kv_value_bits": 2, "kv_group": 128, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token", "kv_local_bits": 8}),
+    # 2 of 3 kept whole (the third a window of 0.05 of the tokens), the windows at 4 bits: what razor's bytes come to
+    # when it windows one global layer only (0.158 at 16K)
+    ("razor by window error, 2 of 3 global KV heads whole, windows 0.05 + token-layout keys 4-bit, values 2-bit, "
+     "groups of 128, sink 4, local layers at 4 bits (ext.)",
+     {"method": "razor", "heads_by": "window-error", "whole_share": 0.67, "window_frac": 0.05, "kv_bits": 4,
+      "kv_value_bits": 2, "kv_group": 128, "kv_residual": 0, "kv_sink": 4, "kv_layout": "token", "kv_local_bits": 4}),
     ("quant 2-bit, groups of 128, sink 4 + rotated values, local layers too (ext.)",
      {"method": "quant", "kv_bits": 2, "kv_group": 128, "kv_residual": 0, "kv_sink": 4, "kv_rotate": True,
       "kv_include_local": True}),
