@@ -69,6 +69,13 @@ CANDIDATES: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("razor + keys 3-bit, values 2-bit, sink 4 + rotated values (ext.)",
          {"kv_bits": 3, "kv_value_bits": 2, "kv_residual": 32, **SINK_ROTATE, **PROFILE}),
         ("razor + 2-bit, sink 4 + rotated values (ext.)", {"kv_bits": 2, "kv_residual": 32, **SINK_ROTATE, **PROFILE}),
+        # half the KV heads kept whole, chosen by the error their window would make in the layer's output at long
+        # context, beside the token-layout keys and 2-bit values: at 8K on SmolLM2 (0.556 of the heads, 0.146 of the
+        # cache) the source's needle accuracy over 25 samples a task, where induction's choice of as many heads lost
+        # half the needles (bench/results/longctx-8k-razor-53-heads*, longctx-8k-razor-window-error*)
+        ("razor by window error, half the KV heads whole + token-layout keys 4-bit, values 2-bit, sink 4 (ext.)",
+         {"heads_by": "window-error", "whole_share": 0.5, "kv_bits": 4, "kv_value_bits": 2, "kv_residual": 0,
+          "kv_sink": 4, "kv_layout": "token"}),
     ],
     "lorc": [
         ("lorc 0.5, progressive ranks (paper)", {"kv_budget": 0.5}),

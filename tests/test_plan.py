@@ -339,3 +339,16 @@ def test_plan_quantizes_sliding_windows_of_models_that_have_them(tokenized_model
     assert all("local layers at 8 bits" in label and rows[label]["recipe"]["kv_local_bits"] == 8 for label in integer)
     refused = {entry["label"] for entry in frontier["refused"]}
     assert not refused & set(integer) and set(integer) <= set(rows)
+
+
+def test_every_candidate_is_a_recipe_its_method_accepts():
+    """A candidate's recipe is what ``kvconvert run`` reads back: each parses, builds its method and writes itself
+    out again with its options (a misspelled or misplaced key would fail here, not minutes into a plan)."""
+    from kvconvert import plan
+    from kvconvert.methods import build_method
+    from kvconvert.recipe import parse_recipe, recipe_text
+
+    for method, label, recipe in plan.candidates(tuple(plan.CANDIDATES), local_layers=True):
+        name, config, storage = parse_recipe({"method": method, **recipe}, label)
+        written = yaml.safe_load(recipe_text(build_method(name, config, storage)))
+        assert all(written[key] == value for key, value in recipe.items()), (label, written)
