@@ -93,6 +93,10 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
     ("razor by window error, 0.556 of the KV heads whole + token-layout keys 4-bit, values 2-bit, sink 4 (ext.)",
      {"method": "razor", "heads_by": "window-error", "whole_share": 0.556, "kv_bits": 4, "kv_value_bits": 2,
       "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
+    # the option's default share, as `kvconvert plan` tries it (0.140 of the cache at 8K on SmolLM2)
+    ("razor by window error, half the KV heads whole + token-layout keys 4-bit, values 2-bit, sink 4 (ext.)",
+     {"method": "razor", "heads_by": "window-error", "whole_share": 0.5, "kv_bits": 4, "kv_value_bits": 2,
+      "kv_residual": 0, "kv_sink": 4, "kv_layout": "token"}),
 ]  # fmt: skip
 
 # added for models with sliding-window layers (Gemma 3: 5 of 6 layers attend over 512 tokens): their windows
