@@ -295,6 +295,8 @@ def output_gram(o_weight: torch.Tensor, heads: int, kv_heads: int, head_dim: int
     """Σ over each KV group's query heads of W_Oʰᵀ W_Oʰ: ``[Hkv, dk, dk]`` float64 — what the output
     projection makes of an error in that group's values (``o_weight [D, H·dk]``, Linear; query head h
     reads columns ``h·dk:(h+1)·dk``, heads of a group adjacent)."""
+    # one contraction over D and the group together, not head_output_grams summed per group: the float64 sums of
+    # the outputs written before head_output_grams existed stay bit for bit (tests/test_recipe_outputs.py)
     blocks = o_weight.to(F64).view(-1, kv_heads, heads // kv_heads, head_dim)  # [D, Hkv, G, dk]
     return torch.einsum("xgjd,xgje->gde", blocks, blocks)
 
