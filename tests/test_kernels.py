@@ -673,6 +673,25 @@ def test_kernels_asked_for_where_they_cannot_run_are_an_error_not_a_fall_back(mo
         assert not kernels.use_kernels(torch.zeros(1))
 
 
+@pytest.mark.parametrize("method", ["quant", "razor", "slim", "lorc", "zack", "minicache"])
+@torch.no_grad()
+def test_every_method_refuses_kernels_on_a_cpu_at_its_first_forward(method, converted, monkeypatch):
+    """``KVCONVERT_KERNELS=triton`` on a CPU without the interpreter is refused by every converted checkpoint at its
+    first forward, a prompt's too: checked only where a decode step asked for a kernel, a prefill (which never asks)
+    and every storage with no kernel of its own (3-bit codes, MiniCache's) ran through torch in silence."""
+    import kvconvert
+
+    _, out = converted(method, "compressing")
+    model = kvconvert.load(out).eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    monkeypatch.setenv("KVCONVERT_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="runs on cpu; set KVCONVERT_KERNELS=torch|Triton is not installed"):
+        model(ids)
+    monkeypatch.setenv("KVCONVERT_KERNELS", "torch")
+    assert torch.isfinite(model(ids).logits).all()
+
+
 @pytest.mark.parametrize("command", ["eval", "plan"])
 @pytest.mark.parametrize(
     ("variable", "value", "choices"),

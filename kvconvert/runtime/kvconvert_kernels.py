@@ -166,6 +166,15 @@ def check_kernel_device(device: torch.device) -> None:
                          "them")  # fmt: skip
 
 
+def check_requested_kernels(model: torch.nn.Module) -> None:
+    """``KVCONVERT_KERNELS=triton`` where the model's device cannot run the kernels: ``check_kernel_device``'s one-line
+    error at every forward, whichever path the method's layers take. Checked in ``use_kernels`` alone, a prefill (which
+    never asks for a kernel) and every storage with no kernel of its own (3-bit codes, a head width the kernels do not
+    take) ran through torch in silence."""
+    if kernels_requested() == "triton":
+        check_kernel_device(next(model.parameters()).device)
+
+
 def kernels_by_default_on(device: torch.device) -> bool:
     """Where ``KVCONVERT_KERNELS=auto`` may run a kernel: NVIDIA from Ampere on (compiled for sm_80/90), Triton in."""
     nvidia = triton is not None and device.type == "cuda" and torch.version.hip is None

@@ -23,6 +23,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .kvconvert_common import static_refusal
+from .kvconvert_kernels import check_requested_kernels
 from .kvconvert_lorc import configure as configure_lorc
 from .kvconvert_lorc import make_attention as make_lorc_attention
 from .kvconvert_lorc import make_cache as make_lorc_cache
@@ -122,6 +123,7 @@ class KVConvertMixin:
         )
 
     def forward(self, *args: Any, past_key_values: Cache | None = None, use_cache: bool | None = None, **kwargs: Any):
+        check_requested_kernels(self)  # type: ignore[arg-type]
         if use_cache if use_cache is not None else self.config.use_cache:
             past_key_values = self.kvconvert_cache(past_key_values)
         try:
