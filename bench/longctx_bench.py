@@ -276,6 +276,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "gemma3-270m"))
     parser.add_argument("--name", default=None, help="results file stem (default longctx / longdoc)")
     parser.add_argument("--seed", type=int, default=0, help="the task samples' seed (another seed: fresh samples)")
+    parser.add_argument("--from-sample", type=int, default=0, metavar="K",
+                        help="skip the seed's first K samples (to extend an earlier run)")  # fmt: skip
     parser.add_argument("--no-source", action="store_true", help="leave out kvconvert's run of the source")
     parser.add_argument("--no-kvpress-source", action="store_true",
                         help="leave out kvpress's run of the uncompressed source (the protocols' check: at 16K on "
@@ -318,10 +320,11 @@ def main() -> None:
                 budgets[label] = storage_factor(held, layout, max(config.lengths), report["kv_budget_expected"])
             models[label] = kvconvert.load(Path(tmp) / str(i)).eval()
         outcome = run_tasks(models, tokenizer, config.tasks, config.lengths, config.samples, seed=args.seed,
-                            progress=True)  # fmt: skip
+                            progress=True, first=args.from_sample)  # fmt: skip
     labels = list(models)
     if args.kvpress_python:
-        batches = make_batches(tokenizer, config.tasks, config.lengths, config.samples, args.seed)  # run_tasks'
+        batches = make_batches(tokenizer, config.tasks, config.lengths, config.samples, args.seed,
+                               args.from_sample)  # run_tasks' own  # fmt: skip
         pressed, scored = kvpress_accuracy(args, source, batches)
         outcome["answers"].update(scored)
         for label, accuracy in pressed.items():
@@ -337,8 +340,9 @@ def main() -> None:
                      *(f"{outcome['average'][label][str(n)]:.1f}" for n in config.lengths)])  # fmt: skip
     headers = ["model", "KV budget", *(f"{t} {n}" for n in config.lengths for t in config.tasks),
                *(f"average {n}" for n in config.lengths)]  # fmt: skip
-    table = (f"{args.model} (float32), {config.samples} samples per task and length (seed {args.seed}), accuracy in %; "
-             f"budgets against a 16-bit cache\n\n" + markdown_table(headers, rows))  # fmt: skip
+    first = f", its samples {args.from_sample + 1}–{args.from_sample + config.samples}" if args.from_sample else ""
+    table = (f"{args.model} (float32), {config.samples} samples per task and length (seed {args.seed}{first}), "
+             f"accuracy in %; budgets against a 16-bit cache\n\n" + markdown_table(headers, rows))  # fmt: skip
     payload = {"machine": machine(), "budgets": budgets, "recipes": dict(wanted), **outcome,
                "seconds": time.time() - started}  # fmt: skip
     write_results(args.name or "longctx", payload, table)

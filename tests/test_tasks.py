@@ -33,6 +33,8 @@ def test_samples_fit_their_length_hold_their_answers_and_repeat_with_the_seed(to
     samples = make_samples(tokenizer, task, length, 3, seed=0)
     assert make_samples(tokenizer, task, length, 3, seed=0) == samples
     assert make_samples(tokenizer, task, length, 3, seed=1) != samples
+    # a later run extends an earlier one: samples 2-3 of the seed are the same whether made with the first or not
+    assert make_samples(tokenizer, task, length, 2, seed=0, first=1) == samples[1:]
     for sample in samples:
         # prompt + answer fit, and the haystack filled most of the room (RULER sizes it by binary search)
         assert 0.8 * length <= len(sample.prompt) + sample.new_tokens <= length

@@ -221,9 +221,11 @@ def cwe_vocabulary(sentences: list[str]) -> list[str]:
     return list(seen)
 
 
-def make_samples(tokenizer: Any, task: str, length: int, count: int, seed: int) -> list[Sample]:
+def make_samples(tokenizer: Any, task: str, length: int, count: int, seed: int, first: int = 0) -> list[Sample]:
     """``count`` samples of ``task`` at ``length`` tokens (prompt + answer); the same arguments give the same
-    samples, so a model and its reference answer the very same prompts."""
+    samples, so a model and its reference answer the very same prompts. Each sample is seeded by its index:
+    ``first`` > 0 gives samples ``first``, ``first + 1``, … of the same seed (a run extended to more samples
+    without repeating the ones already answered)."""
     if task not in TASKS:
         raise KVConvertError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
     tokens, sentences = _Tokens(tokenizer), essay_sentences()
@@ -232,7 +234,7 @@ def make_samples(tokenizer: Any, task: str, length: int, count: int, seed: int) 
     # to their first needle, which a model answering them prefills once (``SharedPrefixes``)
     start = random.Random(f"{seed}/{length}").randrange(len(sentences))
     out = []
-    for i in range(count):
+    for i in range(first, first + count):
         rng = random.Random(f"{seed}/{task}/{length}/{i}")
         if task.startswith("niah"):
             out.append(_niah(task, tokens, length, rng, sentences, start))
@@ -338,11 +340,11 @@ SampleKey = tuple[tuple[str, int], int]  # ((task, length), index in its batch)
 
 
 def make_batches(
-    tokenizer: Any, tasks: tuple[str, ...], lengths: tuple[int, ...], samples: int, seed: int = 0
+    tokenizer: Any, tasks: tuple[str, ...], lengths: tuple[int, ...], samples: int, seed: int = 0, first: int = 0
 ) -> Batches:
     """Every sample of every task and length, made before any model runs (a length too short for a task is one
     error up front), so that each model answers the very same prompts."""
-    return {(task, length): make_samples(tokenizer, task, length, samples, seed) for length in lengths
+    return {(task, length): make_samples(tokenizer, task, length, samples, seed, first) for length in lengths
             for task in tasks}  # fmt: skip
 
 
@@ -405,13 +407,13 @@ def average_accuracy(accuracy: dict[str, dict[str, float]]) -> dict[str, float]:
 
 def run_tasks(
     models: dict[str, Any], tokenizer: Any, tasks: tuple[str, ...], lengths: tuple[int, ...], samples: int,
-    seed: int = 0, chunk: int = 512, progress: bool = False,
+    seed: int = 0, chunk: int = 512, progress: bool = False, first: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """Accuracy (0–100) per model, task and length on the same samples: ``{"accuracy": {model: {task:
     {length: acc}}}, "average": {model: {length: acc}}, "samples": samples, "answers": {model: {task: {length:
     [[score, text], ...]}}}}``: every sample's score and generated text too, so that two models' misses can be told
     apart (the same samples lost, or others; a distractor's value answered, or nothing)."""
-    batches = make_batches(tokenizer, tasks, lengths, samples, seed)
+    batches = make_batches(tokenizer, tasks, lengths, samples, seed, first)
     accuracy, answers = {}, {}
     for name, model in models.items():
         scores: dict[SampleKey, float] = {}
@@ -424,5 +426,5 @@ def run_tasks(
                                                          for i in range(len(batch))]  # fmt: skip
         answers[name] = by_task
     average = {name: average_accuracy(by_task) for name, by_task in accuracy.items()}
-    return {"tasks": list(tasks), "lengths": list(lengths), "samples": samples, "seed": seed,
+    return {"tasks": list(tasks), "lengths": list(lengths), "samples": samples, "seed": seed, "first": first,
             "accuracy": accuracy, "average": average, "answers": answers}  # fmt: skip
