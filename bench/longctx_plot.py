@@ -51,6 +51,10 @@ def panel_points(files: list[Path], samples: int | None) -> tuple[int, int, list
     seeds, lengths = {run["seed"] for run in runs}, {tuple(run["lengths"]) for run in runs}
     if len(seeds) != 1 or len(lengths) != 1 or len(next(iter(lengths))) != 1:
         raise SystemExit(f"a panel's files share one seed and one length: {sorted(seeds)}, {sorted(lengths)}")
+    for path, run in zip(files, runs, strict=True):  # a run of later samples (--from-sample) answered other prompts
+        if run.get("first", 0):
+            raise SystemExit(f"{path.name}: its samples start at the seed's {run['first'] + 1}th; a panel scores the "
+                             "first ones")  # fmt: skip
     length = str(next(iter(lengths))[0])
     scores: dict[str, dict[str, float]] = {}
     budgets: dict[str, float] = {}

@@ -52,6 +52,18 @@ def test_a_run_whose_source_answers_differently_is_refused(tmp_path):
         panel_points([first, other], None)
 
 
+def test_a_run_of_later_samples_is_refused(tmp_path):
+    """A run extended with ``--from-sample`` answered the seed's later prompts: its first answers are not the panel's
+    first samples, whichever labels it holds (a kvpress-only run has no source to catch it)."""
+    first = _run(tmp_path / "a.json", 5, {"source": (1.0, {task: [1.0] * 5 for task in TASKS})}, answers=True)
+    later = _run(tmp_path / "b.json", 5, {"kvpress KVzip@0.15": (0.15, {task: [0.0] * 5 for task in TASKS})},
+                 answers=True)  # fmt: skip
+    assert panel_points([first, later], None)[1] == 5
+    later.write_text(json.dumps({**json.loads(later.read_text()), "first": 5}))
+    with pytest.raises(SystemExit, match="start at the seed's 6th"):
+        panel_points([first, later], None)
+
+
 def test_a_methods_line_joins_its_best_recipe_at_each_budget():
     points = [{"budget": b, "average": a} for b, a in ((0.15, 40.0), (0.17, 35.0), (0.2, 50.0), (0.25, 50.0))]
     assert [(p["budget"], p["average"]) for p in front(points)] == [(0.15, 40.0), (0.2, 50.0)]
