@@ -166,7 +166,7 @@ def check_kernel_device(device: torch.device) -> None:
                          "them")  # fmt: skip
 
 
-def check_requested_kernels(model: torch.nn.Module) -> None:
+def check_requested_kernels(model: Any) -> None:
     """``KVCONVERT_KERNELS=triton`` where the model's device cannot run the kernels: ``check_kernel_device``'s one-line
     error at every forward, whichever path the method's layers take. Checked in ``use_kernels`` alone, a prefill (which
     never asks for a kernel) and every storage with no kernel of its own (3-bit codes, a head width the kernels do not

@@ -123,7 +123,7 @@ class KVConvertMixin:
         )
 
     def forward(self, *args: Any, past_key_values: Cache | None = None, use_cache: bool | None = None, **kwargs: Any):
-        check_requested_kernels(self)  # type: ignore[arg-type]
+        check_requested_kernels(self)
         if use_cache if use_cache is not None else self.config.use_cache:
             past_key_values = self.kvconvert_cache(past_key_values)
         try:
