@@ -4,6 +4,8 @@ method's beams and return sequences equal the stock model's."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from default_methods import COMPRESSING, CONTEXT, LOSSLESS
@@ -78,3 +80,47 @@ def test_half_precision_masks_reach_sdpa_in_the_query_dtype(method, static, conv
     _decode(model, state, 4)
     if not any(seen):  # lorc and ZACK attend with their own products (no SDPA, so nothing for CUDA to refuse)
         pytest.skip(f"{method} sends no mask through SDPA")
+
+
+@pytest.mark.parametrize("method", sorted(COMPRESSING))
+@torch.no_grad()
+def test_a_prompt_in_one_forward_builds_its_bias_a_block_of_rows_at_a_time(method, converted, monkeypatch):
+    """A prompt that goes in as one forward (``generate``'s prefill) never hands SDPA a bias built for every query
+    row: whole, in float32, ``[b, 1, n, n]`` is 4 GB at 32K tokens, where the source's SDPA takes ``is_causal`` and
+    holds none. With ``BIAS_BYTES`` at 16 rows' worth, every float mask SDPA gets (the boolean ones are
+    transformers' own, the source's too) has at most 16 rows; an unpadded prompt passes none at all. A prompt of
+    128 tokens, a chunk of 64 after it (past razor's windows, which have dropped tokens by then) and a decode step
+    give the same logits as with one block."""
+    model = load_converted(converted(method, "compressing")[1])
+    prefill = sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".kvconvert_prefill"]
+    sdpa, rows = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recorded(query, key, value, attn_mask=None, *args, **kwargs):
+        if query.shape[-2] > 1:
+            rows.append(0 if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.shape[-2])
+        return sdpa(query, key, value, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+
+    def run(bias_bytes: int, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[torch.Tensor], int, int]:
+        monkeypatch.setattr(prefill, "BIAS_BYTES", bias_bytes)
+        rows.clear()
+        unpadded = bool(mask.all())
+        first = model(input_ids=ids[:, :128], attention_mask=None if unpadded else mask[:, :128], use_cache=True)
+        first_rows = max(rows, default=0)
+        cache = first.past_key_values
+        second = model(input_ids=ids[:, 128:], attention_mask=mask, past_key_values=cache)
+        step = torch.full((ids.shape[0], 1), 5)
+        step_mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+        last = model(input_ids=step, attention_mask=step_mask, past_key_values=cache).logits
+        return [first.logits, second.logits, last], first_rows, max(rows, default=0)
+
+    ids, mask = left_padded(length=CONTEXT)
+    for batch, batch_mask in ((ids, mask), (ids[:1], mask[:1])):
+        whole, _, _ = run(1 << 40, batch, batch_mask)
+        blocks, first_rows, most_rows = run(4 * 128 * len(batch) * 16, batch, batch_mask)  # 16 rows over 128 keys
+        assert most_rows <= 16, f"{method}: a {most_rows}-row bias"
+        if batch_mask.all():
+            assert first_rows == 0, f"{method}: an unpadded prompt with no past took a {first_rows}-row bias"
+        for a, b in zip(whole, blocks, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

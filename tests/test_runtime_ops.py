@@ -9,7 +9,7 @@ import torch
 from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox_rope
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
 
-from kvconvert.runtime.kvconvert_common import additive_mask
+from kvconvert.runtime.kvconvert_prefill import additive_mask
 from kvconvert.runtime.kvconvert_rope import (
     apply_rotary,
     from_pairs,
@@ -151,7 +151,7 @@ def test_chunk_attention_is_softmax_attention(kv_heads, key_width, value_width, 
     """``chunk_attention`` (LoRC's and ZACK's prefill through SDPA's fused kernel) against scores, softmax and
     product in plain torch: grouped query heads, a shared latent on either side, keys and values of different
     widths (zero-padded for the kernel), a causal bias over a past."""
-    from kvconvert.runtime.kvconvert_kernels import chunk_attention
+    from kvconvert.runtime.kvconvert_prefill import chunk_attention
 
     generator = torch.Generator().manual_seed(kv_heads + key_width)
     heads, q_len, kv_len = 9, 24, 80
@@ -289,3 +289,36 @@ def test_lorc_and_slim_steps_take_no_half_cache_products_where_onednn_has_none(m
                 model(input_ids=ids[:, 200:], past_key_values=cache, use_cache=True)
         over_cache = [shapes for shapes in recorded.shapes if any(201 in shape for shape in shapes)]
         assert bool(over_cache) == has_half, (has_half, over_cache)
+
+
+@pytest.mark.parametrize("form", ["causal", "causal over a past", "padded", "additive"])
+def test_prefill_attention_by_query_blocks_equals_one_bias(form, monkeypatch):
+    """``prefill_attention`` builds the bias a block of query rows at a time (``BIAS_BYTES``; here 5 rows' worth)
+    and takes ``is_causal`` with no bias where nothing is masked or past: the same attention as ``chunk_attention``
+    under the whole bias, for every form of mask transformers hands over (None, boolean with padded rows that see
+    nothing, additive float), and ``additive_mask``'s rows and columns are the whole bias's."""
+    from kvconvert.runtime import kvconvert_prefill as prefill
+
+    generator = torch.Generator().manual_seed(3)
+    heads, kv_heads, q_len, dim = 6, 2, 23, 16
+    kv_len = q_len + (9 if form == "causal over a past" else 0)
+    query = torch.randn(2, heads, q_len, dim, generator=generator)
+    keys, values = (torch.randn(2, kv_heads, kv_len, dim, generator=generator) for _ in range(2))
+    causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    mask = {"causal": None, "causal over a past": None, "padded": causal.expand(2, 1, -1, -1).clone(),
+            "additive": torch.where(causal, 0.0, float("-inf")).expand(2, 1, -1, -1).clone()}[form]  # fmt: skip
+    if form == "padded":
+        mask[1, :, :, :4] = False  # the second row's first 4 tokens are padding: its first 4 queries see nothing
+    whole = prefill.additive_mask(mask, q_len, kv_len, torch.float32, query.device)
+    expected = prefill.chunk_attention(query, keys, values, whole, 0.25)
+    monkeypatch.setattr(prefill, "BIAS_BYTES", 4 * kv_len * (1 if mask is None else 2) * 5)  # float32 × batch
+    blocks = list(prefill.query_blocks(mask, 2, q_len, kv_len))
+    assert len(blocks) == 5 and all(rows.stop - rows.start <= 5 for rows in blocks)
+    kept = torch.tensor([0, 1, 2, 3, kv_len - 7, kv_len - 3, kv_len - 1])  # razor's windows: a sink and the last few
+    for rows in blocks:
+        assert torch.equal(prefill.additive_mask(mask, q_len, kv_len, torch.float32, query.device, rows=rows),
+                           whole[..., rows, :])  # fmt: skip
+        picked = prefill.additive_mask(mask, q_len, kv_len, torch.float32, query.device, rows=rows, columns=kept)
+        assert torch.equal(picked, whole[..., rows, :][..., kept])
+    torch.testing.assert_close(prefill.prefill_attention(query, keys, values, mask, 0.25), expected)
+    assert torch.equal(prefill.last_row_valid(mask, q_len, kv_len, query.device), whole[:, 0, -1] == 0)

@@ -362,28 +362,6 @@ def default_position_ids(cache: Cache | None, layer_idx: int, q_len: int, device
     return (torch.arange(q_len, device=device) + past)[None]
 
 
-def additive_mask(
-    mask: torch.Tensor | None, q_len: int, kv_len: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor | None:
-    """Normalise whatever mask transformers built into a finite additive bias ``[b|1, 1, q, kv]``.
-
-    transformers passes a boolean mask (True = attend), an additive float mask, or None when
-    plain causal masking suffices. A finite minimum instead of -inf keeps rows that are fully
-    masked (left-padding positions) NaN-free, so their garbage never poisons cached keys.
-    """
-    minimum = torch.finfo(dtype).min
-    if mask is None:
-        if q_len == 1:
-            return None
-        query_pos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
-        allowed = torch.arange(kv_len, device=device)[None, :] <= query_pos
-        return torch.where(allowed, 0.0, minimum).to(dtype)[None, None]
-    mask = mask[..., -q_len:, :kv_len]
-    if mask.dtype == torch.bool:
-        return torch.where(mask, 0.0, minimum).to(dtype)
-    return mask.to(dtype).clamp(min=minimum)
-
-
 def query_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``query [..., m, d] @ keys [..., n, d]ᵀ``. Compiled for a CPU, inductor lowers a batched product with one row
     (m = 1: a decode step of an MHA head) to multiply-and-sum, which fused with the keys' RoPE runs as a slow scalar

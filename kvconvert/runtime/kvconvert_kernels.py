@@ -136,28 +136,6 @@ def kernels_requested() -> str:
     return choice
 
 
-def chunk_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, scale: float
-) -> torch.Tensor:  # fmt: skip
-    """Attention of a chunk of queries ``[b, H, q, e]`` (a prefill) over keys ``[b, k|1, n, e]`` and values
-    ``[b, k|1, n, v]`` with the additive ``bias [b|1, 1, q, n]``, through SDPA's fused kernel: the scores are never
-    materialised (in float32 ``[b, H, q, n]``: 150 MB a layer for 512 queries over 8K tokens of SmolLM2), and on a
-    CPU it runs several times faster than scores, softmax and product apart. A latent every head shares (one head)
-    stands on either side, broadcast to the other's heads. Keys and values of different widths are padded with zeros
-    to the wider (the same scores and sums): torch's CPU kernel takes only equal widths, else runs its unfused math.
-    ``[b, H, q, v]``."""
-    heads, width = max(keys.shape[1], values.shape[1]), max(keys.shape[-1], values.shape[-1])
-    keys, values = keys.expand(-1, heads, -1, -1), values.expand(-1, heads, -1, -1)
-    pad = torch.nn.functional.pad
-    if keys.shape[-1] < width:
-        query, keys = pad(query, (0, width - keys.shape[-1])), pad(keys, (0, width - keys.shape[-1]))
-    wide = values if values.shape[-1] == width else pad(values, (0, width - values.shape[-1]))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, wide, attn_mask=bias, scale=scale, enable_gqa=heads != query.shape[1]
-    )
-    return out[..., : values.shape[-1]]
-
-
 def check_kernel_device(device: torch.device) -> None:
     """The kernels run on ``device`` (a GPU, any under ``TRITON_INTERPRET=1``), else a one-line ``ValueError``."""
     if device.type not in KERNEL_DEVICES and os.environ.get("TRITON_INTERPRET") != "1":

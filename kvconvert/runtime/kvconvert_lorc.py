@@ -25,7 +25,6 @@ from transformers.cache_utils import Cache
 from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
-    additive_mask,
     latent_layers,
     pairs_for_keys,
     qk_norms,
@@ -33,7 +32,8 @@ from .kvconvert_common import (
     softmax_rows,
 )
 from .kvconvert_folded import compiled_call, fuses
-from .kvconvert_kernels import chunk_attention, use_kernels
+from .kvconvert_kernels import use_kernels
+from .kvconvert_prefill import additive_mask, prefill_attention
 from .kvconvert_products import cache_mix, cache_scores, rebuild, widened, widened_bmm
 from .kvconvert_rope import (
     KEY_PIECE_BYTES,
@@ -210,10 +210,9 @@ class LorcAttention(LatentAttention):
             out = self.decode_with_kernel(query.reshape(batch, -1), key_tokens, values, bias)
             return self.o_proj(out.to(hidden_states.dtype)[:, None])
         if q_len > 1:  # a chunk: the fused kernel (keys per KV head or the shared latent, values likewise)
-            bias = additive_mask(attention_mask, q_len, kv_len, query.dtype, query.device)
             k = keys[:, None] if self.absorbed_keys else key_heads
             v = self._grouped(values) if self.rank_v is None else values[:, None]
-            out = chunk_attention(query, k, v, bias, self.scaling)
+            out = prefill_attention(query, k, v, attention_mask, self.scaling)
             return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
         if scores is None and self.absorbed_keys:
             # scores against the shared latent: [b, h·q, r_k] @ [b, r_k, n]

@@ -38,9 +38,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec
-from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows, static_refusal
+from .kvconvert_common import LayerStateCache, cache_layer_of, softmax_rows, static_refusal
 from .kvconvert_folded import folded_channel_mix, folded_scores, kivi_folded_fits
 from .kvconvert_merge import MergedStream, merged_decode, merged_reads_codes
+from .kvconvert_prefill import additive_mask, last_row_valid
 from .kvconvert_products import cache_mix, cache_scores
 from .kvconvert_quant import kivi_stock_layer, static_quant_layer
 from .kvconvert_storage import KVLayer, select_rows_fn
@@ -425,11 +426,13 @@ def _paired_attention(
     pair, member = layer.pair, layer.member
     out = pair.attend_past(member, module, query, key, value, attention_mask, **kwargs)
     batch, q_len = key.shape[0], key.shape[2]
-    bias = additive_mask(attention_mask, q_len, pair.seen + q_len, query.dtype, query.device)
     # the last query row sees every non-padding token: padding is neither retained nor ranged
-    valid = (bias[:, 0, -1, -q_len:] == 0).expand(batch, q_len) if bias is not None else None
-    if valid is None:
-        valid = torch.ones(batch, q_len, dtype=torch.bool, device=key.device)
+    seen = last_row_valid(attention_mask, q_len, pair.seen + q_len, key.device)
+    valid = (
+        torch.ones(batch, q_len, dtype=torch.bool, device=key.device)
+        if seen is None
+        else seen[:, -q_len:].expand(batch, q_len)
+    )
     pair.commit(member, key, value, valid, module)
     return out, None
 

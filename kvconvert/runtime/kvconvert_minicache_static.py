@@ -20,9 +20,9 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kvconvert_codec import QuantSpec, eager_on_cpu
-from .kvconvert_common import additive_mask
 from .kvconvert_folded import folded_channel_mix, folded_scores, kivi_folded_fits
 from .kvconvert_minicache import LATENT_MAX_QUERIES, PairedLayer, PairFirst, _encode, latent_attention, restored_states
+from .kvconvert_prefill import additive_mask
 from .kvconvert_staticstore import StaticTokenStore, ring_positions
 from .kvconvert_storage import StaticKVLayer
 from .kvconvert_tokenstatic import written_blocks

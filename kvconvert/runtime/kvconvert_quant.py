@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec, channel_groups, eager_on_cpu, rotation
-from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, static_refusal
+from .kvconvert_common import LayerStateCache, cache_layer_of, static_refusal
 from .kvconvert_folded import (
     decode_columns,
     exact_partial,
@@ -44,6 +44,7 @@ from .kvconvert_folded import (
 )
 from .kvconvert_kernels import kernels_requested, use_kernels
 from .kvconvert_kivi_kernel import kivi_decode_triton, kivi_kernel_fits
+from .kvconvert_prefill import additive_mask
 from .kvconvert_staticstore import StaticTokenStore
 from .kvconvert_storage import (
     Fp8Layer,

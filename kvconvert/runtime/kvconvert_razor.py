@@ -20,17 +20,17 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kvconvert_codec import QuantSpec
-from .kvconvert_common import LayerStateCache, additive_mask, cache_layer_of, softmax_rows, static_refusal
+from .kvconvert_common import LayerStateCache, cache_layer_of, static_refusal
 from .kvconvert_kernels import razor_decode_triton, use_kernels
+from .kvconvert_prefill import additive_mask, last_row_valid, prefill_attention
 from .kvconvert_products import keys_first
 from .kvconvert_quant import int4_values_or, kivi_decode, kivi_kernel_reads, token_reader, token_values_store
 from .kvconvert_razor_ops import (
+    attend_chunk,
     compensated_attention,
     count_logit,
     extra_logits,
-    fused_attention,
     grouped_bias,
-    grouped_scores,
     head_span,
     head_tables,
     query_heads,
@@ -290,10 +290,11 @@ def attend_state(
     scale = dim**-0.5 if scaling is None else scaling
     seen = layer.seen if layer is not None else 0
     total = seen + q_len
-    bias = additive_mask(attention_mask, q_len, total, query.dtype, query.device)
-    # bias None: a decode step without padding, every held token visible. valid [b, total]: the tokens
-    # the last query sees (None: every token; no padding)
-    valid = None if bias is None else (bias[:, 0, -1, :] == 0).expand(batch, total)
+    # bias None: a decode step without padding, every held token visible (a chunk builds its bias a block of query rows
+    # at a time, ``_attend_chunk``). valid [b, total]: the tokens the last query sees (None: every token; no padding)
+    bias = additive_mask(attention_mask, 1, total, query.dtype, query.device) if q_len == 1 else None
+    valid = last_row_valid(attention_mask, q_len, total, query.device)
+    valid = None if valid is None else valid.expand(batch, total)
     # the head-wise kernel reads stores dequantized: token-layout stores go to their own kernel below instead
     if q_len == 1 and layer is not None and not isinstance(layer.full_k, TokenLayoutStore) and use_kernels(query):
         if bias is None:
@@ -301,14 +302,12 @@ def attend_state(
         out = _decode_with_kernel(layer, query, key, value, bias, group, scale)
         layer.commit(key, value, valid)
         return out.transpose(1, 2).contiguous(), None
+    if layer is None:  # no cache: plain causal attention over this step
+        return prefill_attention(query, key, value, attention_mask, scale).transpose(1, 2).contiguous(), None
     # Work per KV head: the G query heads of a group are adjacent, so ``[b, k·G, q, d]`` views as
     # ``[b, k, G·q, d]`` and one matmul serves the group (no G-fold copy of the keys and values).
     out = query.new_empty(batch, kv_heads, group * q_len, dim)
     grouped_query = query.reshape(batch, kv_heads, group * q_len, dim)
-    if layer is None:  # no cache: plain causal attention over this step
-        scores = grouped_scores(grouped_query, key, bias, scale, group)
-        out = softmax_rows(scores, value.dtype) @ value
-        return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
     # comp state before this step (the step's drops are compensated from the next step on)
     comp_k, comp_v, count = layer.derived(key, value)
     kept_bias = None  # the mask of the positions the other heads hold
@@ -345,24 +344,20 @@ def attend_state(
                                                                                            extra=extra)  # fmt: skip
         out[:, at] = decoded.to(query.dtype).view(batch, len(o), group, dim)
     full, short = layer.extend(key, value, read_full=not from_codes, read_short=not (window_codes or window_kivi))
-    # chunks (prefill): SDPA's fused kernel, 4x faster on CPU at 4K than scores in float32 (the compensation token's
-    # ln N_d goes into its mask); one token: the G query heads of a KV head as one matrix (the window heads through
-    # the grouped products: through SDPA, their merge with the sink and compensation token measured slower)
-    if full is not None and q_len > 1 and bias is not None:
-        out[:, layer.retrieval] = fused_attention(query, layer.retrieval, group, full, bias, scale)
-    elif full is not None:  # one token (a chunk always has a bias: ``additive_mask``)
+    if q_len > 1:
+        kept = _kept_index(layer, total, query.device)
+        attend_chunk(layer, query, attention_mask, full, short, (comp_k, comp_v, count), kept, scale, out)
+        layer.evict(valid)
+        return out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+    # one token: the G query heads of a KV head as one matrix (the window heads through the grouped products: through
+    # SDPA, their merge with the sink and compensation token measured slower)
+    if full is not None:
         # SDPA's fused kernel too, its G stacked query rows sharing the bias. It reads the store's view with room to
         # grow as it is, where oneDNN's half-precision products copy it, and at batch 1 it is 1.2-2.8x faster than
         # scores, softmax and product apart (SmolLM2's heads at 1K-4K, float32 and bfloat16)
         out[:, layer.retrieval] = F.scaled_dot_product_attention(grouped_query[:, layer.retrieval], full[0], full[1],
                                                                  attn_mask=bias, scale=scale)  # fmt: skip
-    if short is not None and q_len > 1 and kept_bias is not None:
-        (sink_k, recent_k), (sink_v, recent_v) = short
-        comp_logit = count_logit(count, query.dtype).view(-1, 1, 1, 1).expand(batch, 1, q_len, 1)
-        mask = torch.cat([kept_bias.expand(batch, 1, q_len, -1), comp_logit], dim=-1)
-        kv = torch.cat([sink_k, recent_k, comp_k], dim=2), torch.cat([sink_v, recent_v, comp_v], dim=2)
-        out[:, layer.others] = fused_attention(query, layer.others, group, kv, mask, scale)
-    elif short is not None:
+    if short is not None:
         (sink_k, recent_k), (sink_v, recent_v) = short
         rows = grouped_query[:, layer.others]
         # sink and window scored apart: concatenating the window's keys would copy it every step

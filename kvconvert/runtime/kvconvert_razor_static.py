@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from .kvconvert_codec import QuantSpec
-from .kvconvert_common import additive_mask, softmax_rows
+from .kvconvert_common import softmax_rows
 from .kvconvert_kernels import razor_decode_triton, use_kernels
+from .kvconvert_prefill import additive_mask
 from .kvconvert_razor import RazorLayer, attend_state
 from .kvconvert_razor_ops import compensated_attention, count_logit, head_span, head_tables, window_budget
 from .kvconvert_storage import StaticKVLayer

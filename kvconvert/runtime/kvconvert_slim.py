@@ -18,7 +18,6 @@ from transformers.cache_utils import Cache
 from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
-    additive_mask,
     default_position_ids,
     latent_layers,
     pairs_for_keys,
@@ -29,6 +28,7 @@ from .kvconvert_common import (
 )
 from .kvconvert_folded import compiled_call, fuses
 from .kvconvert_kernels import use_kernels
+from .kvconvert_prefill import additive_mask, prefill_attention
 from .kvconvert_products import cache_mix
 from .kvconvert_rope import (
     from_pairs,
@@ -147,8 +147,8 @@ class SlimAttention(LatentAttention):
             query = query.view(batch, q_len, h, dk).transpose(1, 2)  # [b, h, q, dk]
             key_heads = keys.view(batch, kv_len, h, dk).transpose(1, 2)  # [b, h, n, dk]
 
-        bias = additive_mask(attention_mask, q_len, kv_len, query.dtype, query.device)
         if kernel:
+            bias = additive_mask(attention_mask, q_len, kv_len, query.dtype, query.device)
             # option 2 in one launch: scores on the RoPE'd keys, weights applied to the pre-RoPE rows
             rotated_rows = key_heads.transpose(1, 2).reshape(batch, kv_len, h * dk)
             mixed = self.decode_with_kernel(query.reshape(batch, h * dk), rotated_rows, keys, bias)
@@ -159,6 +159,7 @@ class SlimAttention(LatentAttention):
             return self.o_proj(out.reshape(batch, 1, h * dk))
         if self._decode_order_is_cheaper(q_len, kv_len):
             scores = (query_scores(query, key_heads) if scores is None else scores) * self.scaling  # [b, h, q, n]
+            bias = additive_mask(attention_mask, q_len, kv_len, query.dtype, query.device)
             if bias is not None:
                 scores = scores + bias
             probs = softmax_rows(scores, query.dtype)
@@ -171,9 +172,7 @@ class SlimAttention(LatentAttention):
         else:
             values = self.kv_proj(model_order(keys))  # option 1: V = K·W_KV
             values = values.view(batch, kv_len, h, dk).transpose(1, 2)
-            out = nn.functional.scaled_dot_product_attention(
-                query, key_heads, values, attn_mask=bias, scale=self.scaling
-            )
+            out = prefill_attention(query, key_heads, values, attention_mask, self.scaling)
         out = out.transpose(1, 2).reshape(batch, q_len, h * dk)
         return self.o_proj(out)
 

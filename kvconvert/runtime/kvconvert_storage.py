@@ -19,6 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .kvconvert_codec import FP8, QuantSpec, fp8_read, fp8_store
 from .kvconvert_fp8_kernel import fp8_decode_triton
 from .kvconvert_kernels import use_kernels
+from .kvconvert_prefill import additive_mask
 from .kvconvert_staticstore import StaticTokenStore
 from .kvconvert_tokenstore import TokenStore
 
@@ -163,8 +164,6 @@ class Fp8Reads(RoutedLayer):
                       attention_mask: Any, scaling: float, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
         keys, values, length = self._codes()
         if query.shape[2] == 1 and use_kernels(query, default="gpu"):
-            from .kvconvert_common import additive_mask  # (that module imports this one)
-
             batch, heads, _, dim = query.shape
             bias = additive_mask(attention_mask, 1, keys.shape[2], torch.float32, query.device)
             bias = None if bias is None else bias[:, 0, 0].expand(batch, -1)

@@ -12,9 +12,9 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kvconvert_codec import QuantSpec, eager_on_cpu, rotation
-from .kvconvert_common import additive_mask
 from .kvconvert_folded import token_values_fit, token_values_sum
 from .kvconvert_kernels import use_kernels
+from .kvconvert_prefill import additive_mask
 from .kvconvert_staticstore import StaticTokenStore, ring_positions
 from .kvconvert_storage import StaticStoreLayer
 from .kvconvert_token_kernel import static_token_kernel_decode, static_token_kernel_reads

@@ -19,14 +19,14 @@ from transformers.cache_utils import Cache
 from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
-    additive_mask,
     default_position_ids,
     family_rotary,
     latent_layers,
     qk_norms,
     softmax_rows,
 )
-from .kvconvert_kernels import chunk_attention, use_kernels
+from .kvconvert_kernels import use_kernels
+from .kvconvert_prefill import additive_mask, prefill_attention
 from .kvconvert_products import cache_mix, cache_scores
 from .kvconvert_rope import apply_rotary
 
@@ -121,17 +121,17 @@ class ZackAttention(LatentAttention):
         keys, values, _, _ = self.append_step(cache, new_keys, self.v_proj(hidden_states), position_ids)
         assert values is not None
         kv_len = keys.shape[1]
-        bias = additive_mask(attention_mask, q_len, kv_len, hidden_states.dtype, hidden_states.device)
-        if q_len == 1 and use_kernels(hidden_states):
-            packed_query = torch.cat([q.reshape(batch, -1) for q in queries], dim=-1)  # [b, Σ_h r_k,g(h)]
-            out = self.decode_with_kernel(packed_query, keys, values, bias)
-            return self.o_proj(out.to(hidden_states.dtype)[:, None])
-        if q_len <= 4:
+        if q_len <= 4:  # a decode step (or a few tokens)
+            bias = additive_mask(attention_mask, q_len, kv_len, hidden_states.dtype, hidden_states.device)
+            if q_len == 1 and use_kernels(hidden_states):
+                packed_query = torch.cat([q.reshape(batch, -1) for q in queries], dim=-1)  # [b, Σ_h r_k,g(h)]
+                out = self.decode_with_kernel(packed_query, keys, values, bias)
+                return self.o_proj(out.to(hidden_states.dtype)[:, None])
             return self.o_proj(self._decode_packed(queries, keys, values, bias))
         outputs = []
         per_head = zip(keys.split(self.rank_k, dim=-1), values.split(self.rank_v, dim=-1), strict=True)
         for g, (key_g, value_g) in enumerate(per_head):  # a chunk: the fused kernel, group by group
-            out = chunk_attention(queries[g], key_g[:, None], value_g[:, None], bias, self.scaling)
+            out = prefill_attention(queries[g], key_g[:, None], value_g[:, None], attention_mask, self.scaling)
             outputs.append(out.transpose(1, 2).reshape(batch, q_len, -1))  # [b, q, G·r_v,g]: W_O undoes the rotation
         return self.o_proj(torch.cat(outputs, dim=-1))
 
