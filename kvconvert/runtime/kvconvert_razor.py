@@ -292,9 +292,12 @@ def attend_state(
     total = seen + q_len
     # bias None: a decode step without padding, every held token visible (a chunk builds its bias a block of query rows
     # at a time, ``_attend_chunk``). valid [b, total]: the tokens the last query sees (None: every token; no padding)
-    bias = additive_mask(attention_mask, 1, total, query.dtype, query.device) if q_len == 1 else None
-    valid = last_row_valid(attention_mask, q_len, total, query.device)
-    valid = None if valid is None else valid.expand(batch, total)
+    if q_len == 1:
+        bias = additive_mask(attention_mask, 1, total, query.dtype, query.device)
+        valid = None if bias is None else (bias[:, 0, -1, :] == 0).expand(batch, total)
+    else:
+        bias, valid = None, last_row_valid(attention_mask, q_len, total, query.device)
+        valid = None if valid is None else valid.expand(batch, total)
     # the head-wise kernel reads stores dequantized: token-layout stores go to their own kernel below instead
     if q_len == 1 and layer is not None and not isinstance(layer.full_k, TokenLayoutStore) and use_kernels(query):
         if bias is None:
