@@ -291,7 +291,7 @@ def attend_state(
     seen = layer.seen if layer is not None else 0
     total = seen + q_len
     # bias None: a decode step without padding, every held token visible (a chunk builds its bias a block of query rows
-    # at a time, ``_attend_chunk``). valid [b, total]: the tokens the last query sees (None: every token; no padding)
+    # at a time, ``attend_chunk``). valid [b, total]: the tokens the last query sees (None: every token; no padding)
     if q_len == 1:
         bias = additive_mask(attention_mask, 1, total, query.dtype, query.device)
         valid = None if bias is None else (bias[:, 0, -1, :] == 0).expand(batch, total)
