@@ -1,7 +1,8 @@
 """Peak memory and time of a prompt that goes into the cache in one forward (what ``generate`` does with a prompt),
-converted checkpoints beside their source, each in a fresh process.
+or ``--chunk`` tokens a forward (``eval --chunk``, engines' chunked prefill), converted checkpoints beside their
+source, each in a fresh process.
 
-    python bench/prefill_memory_bench.py DIR [DIR ...] [--tokens 8192] [--runtime CHECKOUT] [--name prefill-memory]
+    python bench/prefill_memory_bench.py DIR [DIR ...] [--tokens 8192] [--chunk 0] [--runtime CHECKOUT] [--name N]
 
 Peak: the process's peak resident memory during the forward over what it held once the model was loaded and warm;
 glibc is told to return every freed block of 64 KB or more (``MALLOC_MMAP_THRESHOLD_``), so that the peak follows the
@@ -25,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, markdown_table, write_results  # noqa: E402
 
 
-def child(model_dir: str, tokens: int) -> dict[str, Any]:
-    """One model's one-forward prefill, in this process (freshly started by ``main``)."""
+def child(model_dir: str, tokens: int, chunk: int) -> dict[str, Any]:
+    """One model's prefill (``chunk`` tokens a forward, 0: one forward), in this process (freshly started by
+    ``main``)."""
     import resource
 
     import torch
@@ -34,6 +36,7 @@ def child(model_dir: str, tokens: int) -> dict[str, Any]:
 
     sys.path.insert(0, os.environ["BENCH_RUNTIME"])  # the checkout whose runtime loads the models
     import kvconvert
+    from kvconvert.eval.quality import prefill
 
     def resident_mib() -> float:
         return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
@@ -44,7 +47,7 @@ def child(model_dir: str, tokens: int) -> dict[str, Any]:
     with torch.inference_mode():
         model(ids[:, :64], use_cache=True, logits_to_keep=1)  # lazy kernels and first-call allocations
         loaded, began = resident_mib(), time.perf_counter()
-        out = model(ids, use_cache=True, logits_to_keep=1)
+        cache, _ = prefill(model, ids, chunk or None)
         seconds = time.perf_counter() - began
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     storages: dict[int, int] = {}
@@ -59,7 +62,7 @@ def child(model_dir: str, tokens: int) -> dict[str, Any]:
             for item in vars(obj).values():
                 walk(item, depth - 1)
 
-    walk(out.past_key_values, 8)
+    walk(cache, 8)
     return {"peak_mib": round(peak - loaded, 1), "held_mib": round(sum(storages.values()) / 2**20, 1),
             "seconds": round(seconds, 2), "runtime": kvconvert.__file__}  # fmt: skip
 
@@ -69,12 +72,13 @@ def main() -> None:
     parser.add_argument("models", nargs="*", help="converted checkpoint directories (of SmolLM2-135M by default)")
     parser.add_argument("--source", default=None, help="their source (default: SmolLM2-135M fp32)")
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--chunk", type=int, default=0, help="tokens a forward (0: the whole prompt in one)")
     parser.add_argument("--runtime", default=None, help="a kvconvert checkout whose runtime loads the models too")
     parser.add_argument("--name", default="prefill-memory")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child, args.tokens)))
+        print(json.dumps(child(args.child, args.tokens, args.chunk)))
         return
     if args.source is None:
         from bench.models import prepare_models
@@ -86,17 +90,27 @@ def main() -> None:
     rows, results, started = [], [], time.perf_counter()
     for model in [args.source, *args.models]:
         for label, root in runtimes.items() if model != args.source else [("", here)]:
-            command = [sys.executable, __file__, "--child", model, "--tokens", str(args.tokens)]
+            command = [
+                sys.executable,
+                __file__,
+                "--child",
+                model,
+                "--tokens",
+                str(args.tokens),
+                "--chunk",
+                str(args.chunk),
+            ]
             child_env = {**env, "BENCH_RUNTIME": root}
             done = subprocess.run(command, env=child_env, capture_output=True, text=True, check=True)
             result = {"model": model, "runtime": label, **json.loads(done.stdout.strip().splitlines()[-1])}
             results.append(result)
             rows.append([Path(model).name, label, result["peak_mib"], result["held_mib"], result["seconds"]])
             print(rows[-1], flush=True)
-    headers = ["model", "runtime", f"peak over the loaded model, MiB ({args.tokens} tokens in one forward)",
+    how = f"{args.chunk} a forward" if args.chunk else "in one forward"
+    headers = ["model", "runtime", f"peak over the loaded model, MiB ({args.tokens} tokens {how})",
                "cache held, MiB", "seconds"]  # fmt: skip
-    payload = {"machine": machine(), "source": args.source, "tokens": args.tokens, "results": results,
-               "seconds": time.perf_counter() - started, "command": " ".join(sys.argv)}  # fmt: skip
+    payload = {"machine": machine(), "source": args.source, "tokens": args.tokens, "chunk": args.chunk,
+               "results": results, "seconds": time.perf_counter() - started, "command": " ".join(sys.argv)}  # fmt: skip
     write_results(args.name, payload, markdown_table(headers, rows))
 
 
