@@ -4,11 +4,11 @@ source, each in a fresh process.
 
     python bench/prefill_memory_bench.py DIR [DIR ...] [--tokens 8192] [--chunk 0] [--runtime CHECKOUT] [--name N]
 
-Peak: the process's peak resident memory during the forward over what it held once the model was loaded and warm;
-glibc is told to return every freed block of 64 KB or more (``MALLOC_MMAP_THRESHOLD_``), so that the peak follows the
-live tensors instead of the heap's high-water mark. Held: the cache's own tensors after the forward (their storages'
-bytes). ``--runtime``: another checkout of kvconvert whose runtime loads the converted directories (the runtime before
-a change, side by side with this one's).
+Peak: the process's peak resident memory during the prefill over what it held once the model was loaded and warm
+(``kvconvert.eval.memory.PeakMemory``); glibc is told to return every freed block of 64 KB or more
+(``MALLOC_MMAP_THRESHOLD_``), so that the peak follows the live tensors instead of the heap's high-water mark. Held:
+the bytes of the cache's tensors after it (``cache_nbytes``). ``--runtime``: another checkout of kvconvert whose
+runtime loads the converted directories (the runtime before a change, side by side with this one's).
 """
 
 from __future__ import annotations
@@ -28,42 +28,26 @@ from bench.common import machine, markdown_table, write_results  # noqa: E402
 
 def child(model_dir: str, tokens: int, chunk: int) -> dict[str, Any]:
     """One model's prefill (``chunk`` tokens a forward, 0: one forward), in this process (freshly started by
-    ``main``)."""
-    import resource
-
+    ``main``): its peak above the warm model (``PeakMemory``) and the bytes its cache holds (``cache_nbytes``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, os.environ["BENCH_RUNTIME"])  # the checkout whose runtime loads the models
     import kvconvert
+    from kvconvert.eval.memory import PeakMemory, cache_nbytes
     from kvconvert.eval.quality import prefill
-
-    def resident_mib() -> float:
-        return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
 
     converted = (Path(model_dir) / "kvconvert.json").exists()
     model = (kvconvert.load(model_dir) if converted else AutoModelForCausalLM.from_pretrained(model_dir)).eval()
     ids = torch.randint(3, model.config.vocab_size - 1, (1, tokens), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        model(ids[:, :64], use_cache=True, logits_to_keep=1)  # lazy kernels and first-call allocations
-        loaded, began = resident_mib(), time.perf_counter()
-        cache, _ = prefill(model, ids, chunk or None)
-        seconds = time.perf_counter() - began
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    storages: dict[int, int] = {}
-
-    def walk(obj: object, depth: int) -> None:  # the cache's tensors, however deep its layers keep them
-        if isinstance(obj, torch.Tensor):
-            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
-        elif depth and isinstance(obj, (list, tuple, dict)):
-            for item in obj.values() if isinstance(obj, dict) else obj:
-                walk(item, depth - 1)
-        elif depth and hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
-            for item in vars(obj).values():
-                walk(item, depth - 1)
-
-    walk(cache, 8)
-    return {"peak_mib": round(peak - loaded, 1), "held_mib": round(sum(storages.values()) / 2**20, 1),
+        model(ids[:, :64], use_cache=True, logits_to_keep=1)  # every weight read, lazy kernels, first-call allocations
+        with PeakMemory("cpu") as peak:
+            began = time.perf_counter()
+            cache, _ = prefill(model, ids, chunk or None)
+            seconds = time.perf_counter() - began
+    assert peak.bytes is not None, "the peak needs Linux's /proc/self/clear_refs"
+    return {"peak_mib": round(peak.bytes / 2**20, 1), "held_mib": round(cache_nbytes(cache) / 2**20, 1),
             "seconds": round(seconds, 2), "runtime": kvconvert.__file__}  # fmt: skip
 
 
