@@ -32,7 +32,7 @@ def quantized_keys(batch: int, blocks: int, bits: int, dim: int = 48, block: int
     return stored, dequantize_tokens(stored, bits, block, dim, True, torch.float32)
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize(("batch", "blocks", "rows"), [(1, 1, 1), (3, 5, 4)])
 def test_compiled_scores_are_the_eager_scores(bits, batch, blocks, rows, fused, monkeypatch):
     """``folded_scores`` compiled (one loop over the codes, a sum per query row of a KV head) against its eager matrix
@@ -49,7 +49,7 @@ def test_compiled_scores_are_the_eager_scores(bits, batch, blocks, rows, fused, 
     torch.testing.assert_close(compiled, query @ plain.transpose(-1, -2), **sums)
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize(("batch", "tokens", "group", "rows"), [(1, 8, 48, 1), (3, 40, 16, 4)])
 def test_compiled_value_sums_are_the_eager_sums(bits, batch, tokens, group, rows, fused, monkeypatch):
     """``folded_value_sum`` compiled against its eager products and against the weights times the dequantized
@@ -63,6 +63,29 @@ def test_compiled_value_sums_are_the_eager_sums(bits, batch, tokens, group, rows
     assert fused.get("folded_value_sum") not in (None, False)
     monkeypatch.setenv("KVCONVERT_COMPILE", "off")
     eager = kvconvert_folded.folded_value_sum(weights, stored.codes, stored.scale, stored.zero, bits)[..., :48]
+    sums = dict(atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(compiled, eager, **sums)
+    torch.testing.assert_close(compiled, weights @ plain, **sums)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize(("width", "group"), [(93, 64), (26, 8)])
+def test_compiled_value_sums_take_groups_that_end_inside_a_byte(bits, width, group, fused, monkeypatch):
+    """Values whose channel groups end inside a packed byte (ZACK's packed columns: 93 channels in 2 groups of 47,
+    26 in 4 of 7): the compiled reader looks up each column's group (``_values_by_index``; at 8 bits every group is
+    whole bytes), against the eager products over each plane's runs of columns and against the weights times the
+    dequantized values."""
+    torch.manual_seed(width + bits)
+    values = torch.randn(2, 1, 40, width)
+    stored = quantize_tokens(values, bits, group, False)
+    plain = dequantize_tokens(stored, bits, group, width, False, torch.float32)
+    weights = torch.rand(2, 1, 5, 40)
+    args = (weights, stored.codes, stored.scale, stored.zero, bits, width)
+    compiled = kvconvert_folded.folded_value_sum(*args)[..., :width]
+    names = [name for name, built in fused.items() if built is not False]
+    assert names == ["folded_value_sum" if bits == 8 else "folded_value_sum_spans"]  # 8 bits: one code a byte
+    monkeypatch.setenv("KVCONVERT_COMPILE", "off")
+    eager = kvconvert_folded.folded_value_sum(*args)[..., :width]
     sums = dict(atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(compiled, eager, **sums)
     torch.testing.assert_close(compiled, weights @ plain, **sums)

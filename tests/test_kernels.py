@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from kvconvert.runtime import kvconvert_folded
 from kvconvert.runtime.kvconvert_codec import QuantSpec, dequantize_tokens, quantize_tokens
 from kvconvert.runtime.kvconvert_folded import kivi_decode_folded, merge_partials
 from kvconvert.runtime.kvconvert_fp8_kernel import fp8_decode_reference, fp8_decode_triton
@@ -262,14 +263,17 @@ def test_fp8_decode_matches_reference(batch, kv_heads, group, dim, tokens, per_h
         torch.testing.assert_close(moved, out, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize("dim,block,value_group", [(64, 32, 64), (32, 64, 16), (128, 32, 64), (48, 32, 32)])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize(
+    "dim,block,value_group", [(64, 32, 64), (32, 64, 16), (128, 32, 64), (48, 32, 32), (54, 32, 32), (26, 32, 8)]
+)
 @pytest.mark.parametrize("peak", [1.0, 40.0], ids=["plain", "peaked"])
 @pytest.mark.parametrize("piece_bytes", [None, 1, 6000], ids=["whole", "single", "pieces"])
 def test_folded_reader_is_attention_over_the_dequantized_codes(bits, dim, block, value_group, peak, piece_bytes,
                                                                monkeypatch):  # fmt: skip
-    """``kivi_decode_folded`` at 2, 3 and 4 bits (4 codes a byte, 8 in three bytes, 2 a byte), heads that are not a
-    power of two (48: value groups padded), left padding: attention over the codec's own dequantized cache. A peaked
+    """``kivi_decode_folded`` at 2, 3, 4 and 8 bits (4 codes a byte, 8 in three bytes, 2 a byte, 1), heads that are
+    not a power of two (48: value groups padded; 54 and 26, groups of 27 and 7 channels: groups that end inside a
+    packed byte), left padding: attention over the codec's own dequantized cache. A peaked
     query (scores hundreds apart: most of them more than ``EXP_FLOOR`` below their row's largest, where the reader
     floors them before ``torch.exp``) too: the far tokens weigh nothing that shows. Codes widened whole, a block or
     token at a time, or in pieces of a few (``PLANE_BYTES``; the last one short): the same attention."""
@@ -283,7 +287,7 @@ def test_folded_reader_is_attention_over_the_dequantized_codes(bits, dim, block,
     k, v = quantize_tokens(keys, bits, block, True), quantize_tokens(values, bits, value_group, False)
     plain_k = dequantize_tokens(k, bits, block, dim, True, torch.float32)
     plain_v = dequantize_tokens(v, bits, value_group, dim, False, torch.float32)
-    assert kivi_folded_fits(bits, block, math.ceil(dim / math.ceil(dim / value_group)))
+    assert kivi_folded_fits(bits, block)
     query, bias = peak * torch.randn(2, 2, 3, dim), torch.zeros(2, 3 * block)
     bias[-1, : block + 5] = NEG
     if peak > 1:
@@ -295,7 +299,7 @@ def test_folded_reader_is_attention_over_the_dequantized_codes(bits, dim, block,
     torch.testing.assert_close(merge_partials([got]), attention(query, plain_k, plain_v, bias, 0.3), **tolerance)
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_folded_reads_take_per_token_factors_and_per_channel_values(bits):
     """What MiniCache reads folded: per-token factors on the stored keys and values (``kivi_decode_folded``'s
     ``key_factor`` / ``value_factor``: merged directions times a layer's norms) against attention over the scaled
@@ -383,6 +387,7 @@ STATIC_KIVI = [name for name in KIVI_RECIPES if name != "razor-4bit"]  # razor-4
 FOLDED_RECIPES = {
     "quant-2bit": ["quant", "--kv-bits", "2", "--kv-group", "32", "--kv-residual", "0", "--kv-sink", "4"],
     "quant-3bit": ["quant", "--kv-bits", "3", "--kv-group", "32", "--kv-residual", "0", "--kv-sink", "4"],
+    "quant-8bit": ["quant", "--kv-bits", "8", "--kv-group", "32", "--kv-residual", "0", "--kv-sink", "4"],
 }  # fmt: skip
 
 
@@ -556,6 +561,7 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, static, to
         return kivi_decode_folded(*a, **k)
 
     monkeypatch.setattr(runtime, "kivi_decode_folded", counted)
+    monkeypatch.setattr(kvconvert_folded, "BYTE_CODES_MIN", 0)  # 8-bit codes are read from a size these are not
     kivi_packed_values(monkeypatch)  # float32 products (4-bit values in int4 rows: tests/test_kivi_int4.py)
     from_codes = greedy_twelve(model, **options)
     read = len(calls)
@@ -568,6 +574,34 @@ def test_cpu_decode_from_the_codes_matches_dequantize_then_sdpa(name, static, to
     dequantized = greedy_twelve(model, **options)
     assert len(calls) == read
     assert_same_generation(dequantized, from_codes, f"{name}, static" if static else name)
+
+
+@torch.no_grad()
+def test_eight_bit_codes_are_read_from_a_cache_size_on(tokenized_model_dir, tmp_path, monkeypatch):
+    """8-bit KIVI storage on a CPU: a cache of fewer codes a layer than ``BYTE_CODES_MIN`` decodes dequantized (there
+    faster than widening the bytes in the reader), a larger one from its codes; the same generation either way."""
+    import kvconvert
+    import kvconvert.runtime.kvconvert_quant as runtime
+
+    if DEVICE != "cpu":
+        pytest.skip("a GPU keeps dequantize-then-SDPA by default")
+    monkeypatch.delenv("KVCONVERT_KERNELS", raising=False)
+    _, layers = kivi_checkpoint("quant-8bit", tokenized_model_dir, tmp_path / "m")
+    model = kvconvert.load(tmp_path / "m").eval()
+    calls = []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return kivi_decode_folded(*a, **k)
+
+    monkeypatch.setattr(runtime, "kivi_decode_folded", counted)
+    dequantized = greedy_twelve(model)
+    held = min(layer.key_store.blocks.codes.numel() for layer in dequantized.past_key_values.layers)
+    assert not calls and held < kvconvert_folded.BYTE_CODES_MIN
+    monkeypatch.setattr(kvconvert_folded, "BYTE_CODES_MIN", held)  # what the prompt's quantized blocks hold
+    from_codes = greedy_twelve(model)
+    assert len(calls) == 11 * layers
+    assert_same_generation(dequantized, from_codes, "quant-8bit")
 
 
 # -- the kernels inside converted models -----------------------------------------------------

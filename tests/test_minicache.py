@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -537,9 +538,11 @@ def test_subspace_plan_without_a_dtype_still_reads_every_layer(tokenized_model_d
 
 
 @pytest.mark.parametrize("merge, bits, padded", [("slerp", "4", True), ("slerp", "3", True), ("slerp", "2", True),
+                                                  ("slerp", "8", True),
                                                   ("average", "4", True), ("slerp", "4", False)])  # fmt: skip
 @torch.no_grad()
-def test_merged_codes_decode_equals_restoring_the_past(merge, bits, padded, tokenized_model_dir, tmp_path):
+def test_merged_codes_decode_equals_restoring_the_past(merge, bits, padded, tokenized_model_dir, tmp_path,
+                                                        monkeypatch):  # fmt: skip
     """A CPU decode step reads the merged directions' codes with each layer's norms folded in (``merged_decode``),
     the unpaired layers theirs (``KiviLayer``); restoring each layer's past and running SDPA over it is the
     reference. A high ``gamma`` retains tokens on one side and not the other; sink, rotated values, a float tail
@@ -548,6 +551,8 @@ def test_merged_codes_decode_equals_restoring_the_past(merge, bits, padded, toke
     convert_minicache(src, tmp_path / "m", "--merge", merge, "--gamma", "0.4", "--kv-bits", bits, "--kv-group", "16",
                       "--kv-residual", "4", "--kv-sink", "2", "--kv-rotate")  # fmt: skip
     converted = load_converted(tmp_path / "m")
+    package = type(converted).__module__.rsplit(".", 1)[0]  # the directory's own runtime (remote code)
+    monkeypatch.setattr(sys.modules[f"{package}.kvconvert_folded"], "BYTE_CODES_MIN", 0)  # 8-bit: from a size on
     ids, mask = left_padded(length=40, pad=7 if padded else 0)
     kwargs = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False, output_logits=True,
                   return_dict_in_generate=True, pad_token_id=0)  # fmt: skip

@@ -328,7 +328,7 @@ def test_bits_16_store_is_a_plain_tensor():
     assert store.extend(x[:, 3:]) is store.tail and torch.equal(store.read(), x) and store.blocks is None
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("per_channel", [True, False], ids=["keys", "values"])
 def test_a_store_reads_single_tokens_as_it_reads_them_all(bits, per_channel):
     """``states_at`` (MiniCache's retained tokens, read beside the codes) equals ``read`` at those tokens: in the

@@ -272,7 +272,7 @@ def test_layer_by_layer_profile_equals_the_loaded_model(kind, tiny_model_dir):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [4, 2, 8])
 def test_windows_in_kivi_layout_decode_from_their_codes_while_they_slide(bits, tokenized_model_dir, tmp_path,
                                                                          monkeypatch):  # fmt: skip
     """Razor + KIVI-layout storage on a CPU: the other heads' windows are read from their codes (``kivi_decode`` with
@@ -280,7 +280,7 @@ def test_windows_in_kivi_layout_decode_from_their_codes_while_they_slide(bits, t
     and logits as dequantizing the windows, over 40 steps of a left-padded batch in which windows of 20 tokens slide
     through 8-token blocks, a whole block leaving at once (``TokenStore.whole_front``: 20 to 27 tokens held)."""
     import kvconvert
-    from kvconvert.runtime import kvconvert_quant, kvconvert_razor
+    from kvconvert.runtime import kvconvert_folded, kvconvert_quant, kvconvert_razor
 
     src = tokenized_model_dir("llama_gqa")
     convert("razor", src, tmp_path / "r", "--profile-tokens", "16", "--induction-frac", "0.3", "--echo-frac", "0",
@@ -302,6 +302,7 @@ def test_windows_in_kivi_layout_decode_from_their_codes_while_they_slide(bits, t
         return torch.stack(out.logits), out.sequences
 
     monkeypatch.setattr(kvconvert_razor, "kivi_decode", recorded)
+    monkeypatch.setattr(kvconvert_folded, "BYTE_CODES_MIN", 0)  # 8-bit codes are read from a size these are not
     codes_logits, codes_tokens = run()
     slid = [(held, offset) for dropped, held, offset in windows if dropped]
     assert slid and len(slid) < len(windows), "the windows were not read from their codes while sliding"
@@ -312,7 +313,10 @@ def test_windows_in_kivi_layout_decode_from_their_codes_while_they_slide(bits, t
     float_logits, float_tokens = run()
     assert not windows
     assert torch.equal(codes_tokens, float_tokens)
-    torch.testing.assert_close(codes_logits, float_logits, rtol=1e-4, atol=1e-4)
+    # at 8 bits a code is range/255 wide: the two paths' float32 roundings (~2e-6 in a layer's new states) now and then
+    # round a later layer's token to the next code, which moves logits by ~1e-4 (seen: 2.4e-4, tokens equal)
+    tolerance = 1e-3 if bits == 8 else 1e-4
+    torch.testing.assert_close(codes_logits, float_logits, rtol=tolerance, atol=tolerance)
 
 
 def _windowed_reference(q, k, v, row, sink, kept_recent, scaling):

@@ -29,7 +29,8 @@ from .kvconvert_tokenstore import TokenStore
 
 class LatentLayer(KVLayer):
     """One layer's compressed state: keys ``[b, n, wk]`` and optional values ``[b, n, wv]``, each in a
-    ``TokenStore`` (quantized when the checkpoint asks for it: keys per channel, values per token).
+    ``TokenStore`` (quantized when the checkpoint asks for it: keys per channel, values per token) as one KV head,
+    ``[b, 1, n, w]``: what KIVI's codes reader takes (``kivi_decode``, ZACK's decode steps), views of it given out.
 
     What the widths hold is the method's business (slim: pre-RoPE K and no V; lorc: rank-d_c
     latents; zack: packed per-head columns). The keys also give the sequence length masks are built from.
@@ -48,12 +49,20 @@ class LatentLayer(KVLayer):
         if not self.is_initialized:
             self.dtype, self.device = key_states.dtype, key_states.device
             self.is_initialized = True
-        keys = self.key_store.extend(key_states)
+        keys = self.key_store.extend(key_states[:, None])[:, 0]
         if value_states is None:
             return keys, None
+        return keys, self._values().extend(value_states[:, None])[:, 0]
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """``update`` for a step that read the stores itself (from their codes): nothing is read back."""
+        self.key_store.append(key_states[:, None])
+        self._values().append(value_states[:, None])
+
+    def _values(self) -> TokenStore:
         if self.value_store is None:
             self.value_store = TokenStore(self.quant.side(self.layer, keys=False), per_channel=False)
-        return keys, self.value_store.extend(value_states)
+        return self.value_store
 
     def _stores(self) -> list[TokenStore]:
         return [self.key_store] + ([] if self.value_store is None else [self.value_store])

@@ -111,7 +111,7 @@ def kivi_decode_folded(
     value_factor: torch.Tensor | None = None,
     exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     value_rotation: torch.Tensor | None = None, skip: int = 0,
-    value_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    value_sum: Callable[[torch.Tensor], torch.Tensor] | None = None, value_width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``kivi_decode_reference``'s partial from the codes in torch, the kernel's algebra without a float copy of the
     cache: keys' per-channel scales fold into the query per block (``q·k = Σ (q⊙s)·code + q·z``), values' per-token
@@ -131,8 +131,9 @@ def kivi_decode_folded(
     ``skip``: the first tokens held are left out (a sliding window dropped them from the front of its first block):
     cheaper than masking them, and ``bias`` and the factors then cover only the tokens after them. ``value_sum``:
     where the values' codes are not in KIVI's packing (``KiviInt4Values``), ``Σ p·v`` of weights ``[b, Hkv, G, n]``
-    over all the quantized tokens, rotated as stored (``value_codes/scale/zero`` are then not read)."""
-    dim = key_codes.shape[3]
+    over all the quantized tokens, rotated as stored (``value_codes/scale/zero`` are then not read). ``value_width``:
+    the values' channels where they are not as many as the keys' (ZACK's packed columns)."""
+    dim = value_width or key_codes.shape[3]
     scores = folded_scores(query, key_codes, key_scale, key_zero, key_bits)[..., skip:] * scale
     n = scores.shape[-1]  # the quantized tokens read
     if skip and value_sum is None:
@@ -150,33 +151,65 @@ def kivi_decode_folded(
     weights = probs if value_factor is None else probs * value_factor.float()[:, None, None, :]
     # values: per channel group g, (p ⊙ s_g) against the group's byte columns in every plane; p·z_g for its zeros
     if value_sum is not None:  # the values' codes are another store's to read (the dropped tokens weigh 0)
-        acc = value_sum(F.pad(weights, (skip, 0)) if skip else weights)[..., :dim]
+        acc = value_sum(F.pad(weights, (skip, 0)) if skip else weights)
     else:
-        acc = folded_value_sum(weights, value_codes, value_scale, value_zero, value_bits)[..., :dim]
-    if value_rotation is not None:
+        acc = folded_value_sum(weights, value_codes, value_scale, value_zero, value_bits, dim)
+    if value_rotation is not None:  # over whole channel groups, the padded last one too (as the codec rotated them)
         acc = unrotated(acc, value_rotation)
+    acc = acc[..., :dim]
     if exact is not None:
         acc = acc + torch.matmul(every[..., n:], exact[1].float())
     return acc, torch.stack([top, every.sum(-1)], dim=-1)
 
 
 def folded_value_sum(
-    weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
+    weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+    width: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``Σ p·v`` for weights ``[b, Hkv, G, n]`` over values quantized per token in KIVI's packing (``codes [b, Hkv,
     n, P]``, ``scale/zero [b, Hkv, n, groups]``) without a float copy of them: ``(p⊙s_g)·code + p·z_g`` per channel
-    group g. ``[b, Hkv, G, groups·size]`` float32, rotated as stored."""
+    group g. ``width``: the values' channels, whose groups of ``ceil(width / groups)`` (the codec's ``channel_groups``)
+    may end inside a packed byte (ZACK's packed columns: 93 values in 2 groups of 47); None: groups of whole bytes.
+    ``[b, Hkv, G, C]`` float32 (C ≥ width: the packed row's codes), rotated as stored."""
+    groups, channels, planes = scale.shape[-1], codes.shape[-1] * 8 // bits, plane_count(bits)
+    size = channels // groups if width is None else -(-width // groups)
+    # each group's channels a whole run of columns in every plane, or else each column's group looked up
+    aligned, columns = groups * size == channels and size % planes == 0, channels // planes
     if fuses(codes, bits):
-        fused = fused_call("folded_value_sum", _values_in_one, weights, codes, scale, zero, bits=bits)
+        if aligned:
+            fused = fused_call("folded_value_sum", _values_in_one, weights, codes, scale, zero, bits=bits)
+        else:  # each column's group given as indices: one graph for every layer's widths
+            rows = [t.flatten(0, 1) for t in (weights, codes, scale, zero)]
+            fused = compiled_call("folded_value_sum_spans", _values_by_index, *rows,
+                                  *column_groups(planes, columns, groups, size, codes.device), bits)  # fmt: skip
+            fused = None if fused is None else fused.unflatten(0, codes.shape[:2])
         if fused is not None:
             return fused
     zeros = weights @ zero.float()  # [b, Hkv, G, groups]: Σ p·z of every group at once
     summed = None
     for at in _pieces(codes, 2, bits):  # tokens a few at a time, their partial sums added up
-        piece = _folded_values(weights[..., at], codes[:, :, at], scale[:, :, at], bits)
+        piece = _folded_values(weights[..., at], codes[:, :, at], scale[:, :, at], bits, size)
         summed = piece if summed is None else summed + piece
     assert summed is not None
-    return (summed.unflatten(-1, (zeros.shape[-1], -1)) + zeros[..., None]).flatten(-2)
+    if aligned:
+        return (summed.unflatten(-1, (groups, -1)) + zeros[..., None]).flatten(-2)
+    return summed + zeros.index_select(-1, column_groups(planes, columns, groups, size, codes.device)[1])
+
+
+_COLUMN_GROUPS: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def column_groups(planes: int, columns: int, groups: int, size: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The channel group of every column of every bit plane ``[planes, columns]`` (channel ``planes·j + k`` in column
+    j of plane k) and of every channel ``[planes·columns]``, groups of ``size`` channels (a packed row's codes past the
+    last group's end take the last group's; they are cut off). Kept per shape and device: a step asks once a layer."""
+    key = (planes, columns, groups, size, device)
+    if key not in _COLUMN_GROUPS:
+        channel = torch.arange(planes * columns, device=device)
+        of_channel = (channel // size).clamp_(max=groups - 1)
+        _COLUMN_GROUPS[key] = of_channel.view(columns, planes).T.contiguous(), of_channel
+    return _COLUMN_GROUPS[key]
 
 
 def _values_in_one(
@@ -201,6 +234,24 @@ def _values_in_one(
     return torch.stack(summed, dim=1).flatten(-2)
 
 
+def _values_by_index(
+    weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, of_column: torch.Tensor,
+    of_channel: torch.Tensor, bits: int,
+) -> torch.Tensor:  # fmt: skip
+    """``_values_in_one`` for channel groups that end inside a packed byte: each plane's column takes its group's
+    scale by index (``column_groups``: ``of_column [planes, columns]``, ``of_channel [C]``). ``[R, G, C]``."""
+    group = weights.shape[1]
+    w = weights.float()
+    zeros = (w @ zero.float()).index_select(-1, of_channel)  # [R, G, C]
+    planes = bit_planes(codes, bits)
+    scales = [scale.index_select(-1, of_column[k]) for k in range(len(planes))]  # [R, n, columns] each
+    summed = []
+    for g in range(group):
+        parts = [(w[:, g, :, None] * scales[k] * plane).sum(1) for k, plane in enumerate(planes)]  # [R, columns]
+        summed.append(torch.stack(parts, dim=-1).flatten(-2))  # [R, C]
+    return torch.stack(summed, dim=1) + zeros
+
+
 def token_values_sum(probs: torch.Tensor, held: tuple[torch.Tensor, ...], values: Any, batch: int,
                      dim: int) -> torch.Tensor:  # fmt: skip
     """``Σ p·v`` for probabilities ``[b·Hkv, G, n]`` over the first n tokens of values stored per token in KIVI's
@@ -208,7 +259,7 @@ def token_values_sum(probs: torch.Tensor, held: tuple[torch.Tensor, ...], values
     buffers), rotated back: ``[b·Hkv, G, d]`` float32. How the token layout's keys read ``--kv-value-bits`` values
     (``token_decode``, ``StaticTokenLayoutLayer``)."""
     codes, scale, zero = (t[:, :, : probs.shape[-1]] for t in held)
-    summed = folded_value_sum(probs.unflatten(0, (batch, -1)), codes, scale, zero, values.quant.bits)
+    summed = folded_value_sum(probs.unflatten(0, (batch, -1)), codes, scale, zero, values.quant.bits, dim)
     back = value_rotation(values, dim, probs.device)
     summed = summed[..., :dim].flatten(0, 1)
     return summed if back is None else unrotated(summed, back)
@@ -216,9 +267,8 @@ def token_values_sum(probs: torch.Tensor, held: tuple[torch.Tensor, ...], values
 
 def token_values_fit(values: Any, dim: int) -> bool:
     """``values`` (a ``TokenStore`` or ``StaticTokenStore`` of width ``dim``) are what ``token_values_sum`` reads:
-    per token, at a width and channel groups the torch reader folds (``kivi_folded_fits``)."""
-    size = channel_groups(dim, values.quant.group)[1]
-    return not values.per_channel and kivi_folded_fits(values.quant.bits, values.quant.group, size)
+    per token, at a width the torch reader folds (``kivi_folded_fits``)."""
+    return not values.per_channel and kivi_folded_fits(values.quant.bits, values.quant.group)
 
 
 def value_rotation(values: Any, dim: int, device: torch.device) -> torch.Tensor | None:
@@ -229,19 +279,24 @@ def value_rotation(values: Any, dim: int, device: torch.device) -> torch.Tensor 
     return rotation(channel_groups(dim, values.quant.group)[1], device)
 
 
-def _folded_values(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """``Σ (p·s_g)·code`` per channel group g over the tokens of ``codes [b, Hkv, n, P]`` (``scale [b, Hkv, n,
-    groups]``, ``weights [b, Hkv, G, n]``): ``[b, Hkv, G, groups·size]`` float32, the zeros' part not added."""
+def _folded_values(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bits: int,
+                   size: int) -> torch.Tensor:  # fmt: skip
+    """``Σ (p·s_g)·code`` per channel group g of ``size`` channels over the tokens of ``codes [b, Hkv, n, P]``
+    (``scale [b, Hkv, n, groups]``, ``weights [b, Hkv, G, n]``): ``[b, Hkv, G, C]`` float32 (C: the packed row's
+    codes), the zeros' part not added. Each plane meets each group's weights in that group's columns of the plane: a
+    contiguous range, the planes' ranges apart where a group ends inside a packed byte."""
     groups = scale.shape[-1]
     planes = bit_planes(codes, bits)  # channels planes·i + k in plane k
-    columns = planes[0].shape[-1] // groups  # each plane's channels per group
-    parts = []
-    for g in range(groups):
-        # a half-precision scale meets float32 weights in the product itself (promoted, exactly): no float copy
-        weighted = weights * scale[..., g][:, :, None, :]
-        at = slice(g * columns, (g + 1) * columns) if groups > 1 else slice(None)  # one group: no slicing
-        parts.append(torch.stack([weighted @ plane[..., at] for plane in planes], dim=-1).flatten(-2))
-    return parts[0] if groups == 1 else torch.cat(parts, dim=-1)
+    # a half-precision scale meets float32 weights in the product itself (promoted, exactly): no float copy
+    weighted = [weights * scale[..., g][:, :, None, :] for g in range(groups)]
+    if groups == 1:  # one group: no slicing
+        return torch.stack([weighted[0] @ plane for plane in planes], dim=-1).flatten(-2)
+    unit, columns = len(planes), planes[0].shape[-1]
+    sums = []
+    for k, plane in enumerate(planes):  # group g's channels planes·j + k: columns from ceil((g·size − k) / planes)
+        starts = [0] + [min(columns, max(0, -(-(g * size - k) // unit))) for g in range(1, groups)] + [columns]
+        sums.append(torch.cat([weighted[g] @ plane[..., starts[g] : starts[g + 1]] for g in range(groups)], dim=-1))
+    return torch.stack(sums, dim=-1).flatten(-2)
 
 
 def _pieces(codes: torch.Tensor, axis: int, bits: int) -> list[slice]:
@@ -366,11 +421,32 @@ def _traced_three_bit_planes(codes: torch.Tensor) -> list[torch.Tensor]:
     return planes
 
 
-def kivi_folded_fits(bits: int, block: int, value_size: int) -> bool:
-    """What ``kivi_decode_folded`` reads: 2-, 3- or 4-bit codes, blocks and value channel groups of whole packed
-    bytes (``codes_per_unit``)."""
-    unit = codes_per_unit(bits) if bits in (2, 3, 4) else 0
-    return unit > 0 and block % unit == 0 and value_size % unit == 0
+def kivi_folded_fits(bits: int, block: int) -> bool:
+    """What ``kivi_decode_folded`` reads: 2-, 3-, 4- or 8-bit codes in blocks of whole packed bytes
+    (``codes_per_unit``); value channel groups of any size (``folded_value_sum``). 8-bit codes are one plane, the bytes
+    themselves: read so, 8-bit KIVI decodes at 1.51× the source at 8 rows × 4K of SmolLM2 where dequantize-then-SDPA
+    took 0.67× (2 AMD EPYC cores, same process, ``bench/results/ab-q8-folded-2026-12-07.md``)."""
+    unit = codes_per_unit(bits) if bits in (2, 3, 4, 8) else 0
+    return unit > 0 and block % unit == 0
+
+
+def folded_fits(keys: Any, values: Any) -> bool:
+    """Both stores' widths and blocks are what ``kivi_decode_folded`` reads (``kivi_folded_fits``)."""
+    return all(kivi_folded_fits(store.quant.bits, keys.quant.group) for store in (keys, values))
+
+
+# 8-bit codes (one plane: the bytes themselves) are read by the torch reader only once a layer's quantized keys hold
+# this many codes, where ``fuses`` compiles its reader; below it, widening the bytes costs a step more than
+# dequantizing them once for SDPA. SmolLM2, 2 AMD EPYC cores, × the source in one process, read from the codes against
+# dequantized: 1 × 1K (196K codes a layer) 0.80-0.81× against 0.88× (eager or compiled reader alike); 1 × 4K 0.99×
+# against 0.79×, 8 × 1K 1.01× against 0.89×, 8 × 4K 1.51× against 0.67× (``bench/results/ab-q8-folded-*``).
+BYTE_CODES_MIN = 2 * FUSE_MIN_CODES
+
+
+def byte_codes_pay(keys: Any) -> bool:
+    """A growing store's keys (``TokenStore``) are worth reading from their codes: any but 8-bit, or 8-bit ones from
+    ``BYTE_CODES_MIN`` codes on."""
+    return keys.quant.bits != 8 or keys.blocks is None or keys.blocks.codes.numel() >= BYTE_CODES_MIN
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

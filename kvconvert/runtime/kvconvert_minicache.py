@@ -276,7 +276,7 @@ class SubspaceState(PairedLayer):
 
 def _folded(store: TokenStore) -> bool:
     """A latent store whose quantized blocks ``folded_scores`` / ``folded_channel_mix`` read from their codes."""
-    return store.blocks is not None and kivi_folded_fits(store.quant.bits, store.quant.group, store.quant.group)
+    return store.blocks is not None and kivi_folded_fits(store.quant.bits, store.quant.group)
 
 
 def _latent_scores(store: TokenStore, x: torch.Tensor) -> torch.Tensor:

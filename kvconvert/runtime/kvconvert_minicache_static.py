@@ -143,7 +143,7 @@ class _BufferReader:
 
 def _reads_codes(store: StaticTokenStore) -> bool:
     """A static store of quantized latents whose blocks ``folded_scores`` / ``folded_channel_mix`` read."""
-    return store.codes is not None and kivi_folded_fits(store.quant.bits, store.quant.group, store.quant.group)
+    return store.codes is not None and kivi_folded_fits(store.quant.bits, store.quant.group)
 
 
 class _CodesReader:

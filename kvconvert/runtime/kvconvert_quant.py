@@ -29,13 +29,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kvconvert_codec import QuantSpec, channel_groups, eager_on_cpu, rotation
+from .kvconvert_codec import QuantSpec, eager_on_cpu, rotation
 from .kvconvert_common import LayerStateCache, cache_layer_of, static_refusal
 from .kvconvert_folded import (
+    byte_codes_pay,
     decode_columns,
     exact_partial,
+    folded_fits,
     kivi_decode_folded,
-    kivi_folded_fits,
     merge_partials,
     token_values_fit,
     token_values_sum,
@@ -170,7 +171,7 @@ def kivi_decode(
     extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One decode step over a cache in KIVI's layout from its codes: the Triton kernel (``kivi_decode_triton``,
-    ``kernel``: 4-bit) or its algebra in torch (``kivi_decode_folded``, 2 to 4 bits: a CPU's default), as
+    ``kernel``: 4-bit) or its algebra in torch (``kivi_decode_folded``, 2 to 4 and 8 bits: a CPU's default), as
     ``kivi_kernel_reads`` allows. ``query [b, H, 1, d]``, this step's ``key/value [b, Hkv, 1, d]``, ``bias [b|1, 1,
     1, n]`` additive or None over the held tokens (the stores hold the ``n − 1`` earlier ones, a block quantized).
     The reader takes the quantized blocks, the sink's stand-ins and the tokens a window dropped from the front of
@@ -178,21 +179,22 @@ def kivi_decode(
     reader's softmax (``exact``), or are attended here and merged with the kernel's partial. ``extra``: more exact
     tokens in the same softmax, ``(keys, values) [b, Hkv, t, d]`` and their logits ``[b, Hkv, 1, t]`` (razor's sink
     and compensation token). Values the store rotated come out of the reader rotated: the rotation is undone on
-    the ``[b, H, d]`` weighted sum, not on the cache. Returns ``[b, H, 1, d]`` float32."""
+    the ``[b, H, d]`` weighted sum, not on the cache. Values may be of another width ``e`` than the keys (ZACK's
+    packed columns): ``value [b, Hkv, 1, e]``, the result ``[b, H, 1, e]``. Returns ``[b, H, 1, e]`` float32."""
     batch, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
+    kv_heads, width = key.shape[1], value.shape[-1]
     kb, vb = keys.blocks, values.blocks
     assert kb is not None and vb is not None and keys.tail is not None and values.tail is not None
     skip = 0 if kernel else keys.offset  # the torch reader leaves the dropped tokens out; the kernel masks them
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
     bias_q, exact_k, exact_v, exact_bias = decode_columns(bias, keys, values, key, value, extra, skip)
     codes = (kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero)
-    rotated = value_rotation(values, dim, query.device)
+    rotated = value_rotation(values, width, query.device)
     if not kernel:  # the exact tokens in the reader's own softmax
         acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits, skip=skip,
                                      exact=(exact_k, exact_v, exact_bias), value_rotation=rotated,
-                                     value_sum=int4_value_sum(values))  # fmt: skip
-        return (acc / ml[..., 1:]).view(batch, heads, 1, dim)
+                                     value_sum=int4_value_sum(values), value_width=width)  # fmt: skip
+        return (acc / ml[..., 1:]).view(batch, heads, 1, width)
     acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32)
     if rotated is not None:
         acc = unrotated(acc, rotated)
@@ -231,23 +233,18 @@ def int4_value_sum(values: TokenStore) -> Any:
     return (lambda weights: kivi_int4_values(values, weights)) if isinstance(values, KiviInt4Values) else None
 
 
-def folded_fits(keys: Any, values: Any, dim: int) -> bool:
-    """Both stores' widths, blocks and value groups are what ``kivi_decode_folded`` reads (``kivi_folded_fits``)."""
-    size = channel_groups(dim, values.quant.group)[1]
-    return all(kivi_folded_fits(store.quant.bits, keys.quant.group, size) for store in (keys, values))
-
-
 def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int, kernel: bool = True) -> bool:
     """``kivi_decode`` can read these stores, through the kernel (``kernel``) or else in torch: KIVI's layout (keys per
-    channel), widths and blocks its reader takes (``kivi_kernel_fits``: 4-bit; ``kivi_folded_fits``: 2 to 4 bits),
-    for the kernel none dropped from the front, and quantized blocks that cover the exact sink's stand-ins."""
+    channel), widths and blocks its reader takes (``kivi_kernel_fits``: 4-bit; ``kivi_folded_fits``: 2 to 4 bits, and
+    8-bit keys from ``BYTE_CODES_MIN`` codes: ``byte_codes_pay``), for the kernel none dropped from the front, and
+    quantized blocks that cover the exact sink's stand-ins."""
     if not (isinstance(keys, TokenStore) and isinstance(values, TokenStore)):  # e.g. the tests' float reference
         return False
     if kernel:
         fits = all(kivi_kernel_fits(store.quant.bits, keys.quant.group, dim) for store in (keys, values))
         fits = fits and not isinstance(values, KiviInt4Values)  # its codes are the int4 kernel's to read
     else:
-        fits = folded_fits(keys, values, dim)
+        fits = folded_fits(keys, values) and byte_codes_pay(keys)
     layout = keys.per_channel and not isinstance(keys, TokenLayoutStore)
     sink = 0 if keys.head is None else keys.head.shape[-2]
     front, quantized = not keys.offset or not kernel, keys.quantized_tokens - keys.offset  # a window's: masked
@@ -259,7 +256,8 @@ class KiviLayer(RoutedLayer, QuantizedLayer):
     ``update`` returns the past dequantized); then ``update`` only records and ``attend`` does the work: decode steps
     from the codes (``kivi_decode``) through
     the kernel when it reads them (4-bit) and is asked for (``use_kernels``: by default only in captured CUDA graphs,
-    which a growing cache never is), else on a CPU through the torch reader (2 to 4 bits), else dequantize-then-SDPA
+    which a growing cache never is), else on a CPU through the torch reader (2 to 4 and 8 bits), else
+    dequantize-then-SDPA
     (the torch reader is not measured on a GPU). On a CPU 4-bit values go into the int4 kernel's rows
     (``int4_values_or``: ``KiviInt4Values``), which the torch reader weighs with that kernel."""
 
@@ -337,7 +335,7 @@ def static_reads_codes(keys: StaticTokenStore, values: StaticTokenStore, dim: in
         return False
     same_ring = keys.ring_len == values.ring_len and keys.quant.sink == values.quant.sink
     fits = all(kivi_kernel_fits(s.quant.bits, keys.quant.group, dim) for s in (keys, values)) if kernel else True
-    return same_ring and fits and folded_fits(keys, values, dim)
+    return same_ring and fits and folded_fits(keys, values)
 
 
 def static_kivi_decode(

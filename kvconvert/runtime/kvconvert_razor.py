@@ -316,7 +316,7 @@ def attend_state(
     kept_bias = None  # the mask of the positions the other heads hold
     if bias is not None and layer.others:
         kept_bias = bias.index_select(-1, _kept_index(layer, total, query.device))
-    # retrieval heads read from their codes: in the token layout (torch's int4 kernel), or 2- to 4-bit in KIVI's
+    # retrieval heads read from their codes: in the token layout (torch's int4 kernel), or 2- to 4- and 8-bit in KIVI's
     # layout on a CPU (``kivi_decode`` in torch, as quant does)
     full_reader = layer.token_reader(query) if q_len == 1 else None
     token_codes = full_reader is not None

@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache
 from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
+    LatentLayer,
     default_position_ids,
     family_rotary,
     latent_layers,
@@ -28,6 +29,7 @@ from .kvconvert_common import (
 from .kvconvert_kernels import use_kernels
 from .kvconvert_prefill import additive_mask, prefill_attention
 from .kvconvert_products import cache_mix, cache_scores
+from .kvconvert_quant import kivi_decode, kivi_kernel_reads
 from .kvconvert_rope import apply_rotary
 
 
@@ -118,7 +120,15 @@ class ZackAttention(LatentAttention):
                 for block in query.split([self.group * r for r in self.rank_k], dim=-1)
             ]
             new_keys = key
-        keys, values, _, _ = self.append_step(cache, new_keys, self.v_proj(hidden_states), position_ids)
+        new_values = self.v_proj(hidden_states)
+        layer = codes_layer(cache, self.layer_idx, hidden_states, new_keys.shape[-1])
+        if layer is not None and layer.value_store is not None:  # a CPU decode step: the codes, as one KV head
+            bias = additive_mask(attention_mask, 1, len(layer.key_store) + 1, torch.float32, hidden_states.device)
+            mixed = kivi_decode(self._packed_queries(queries), new_keys[:, None], new_values[:, None], bias,
+                                layer.key_store, layer.value_store, self.scaling, kernel=False)  # fmt: skip
+            layer.append(new_keys, new_values)
+            return self.o_proj(self._head_values(mixed.to(hidden_states.dtype)))
+        keys, values, _, _ = self.append_step(cache, new_keys, new_values, position_ids)
         assert values is not None
         kv_len = keys.shape[1]
         if q_len <= 4:  # a decode step (or a few tokens)
@@ -146,21 +156,47 @@ class ZackAttention(LatentAttention):
         ``values [b, n, Σ r_v]``; returns ``[b, q, Σ_h r_v,g(h)]``, o_proj's input."""
         batch, _, q_len, _ = queries[0].shape
         kv_len = keys.shape[1]
-        packed = keys.new_zeros(batch, self.heads, q_len, keys.shape[-1])
-        k_off = v_off = 0
-        for g, query_g in enumerate(queries):
-            packed[:, g * self.group : (g + 1) * self.group, :, k_off : k_off + self.rank_k[g]] = query_g
-            k_off += self.rank_k[g]
-        scores = cache_scores(packed.view(batch, self.heads * q_len, -1), keys) * self.scaling
+        packed = self._packed_queries(queries).view(batch, self.heads * q_len, -1)
+        scores = cache_scores(packed, keys) * self.scaling
         if bias is not None:
             scores = (scores.view(batch, self.heads, q_len, kv_len) + bias).view(batch, -1, kv_len)
         mixed = cache_mix(softmax_rows(scores, values.dtype), values).view(batch, self.heads, q_len, -1)
-        outputs = []
-        for g in range(self.kv_heads):  # [b, G, q, r_v,g] per group: still rotated; W_O undoes it
+        return self._head_values(mixed)
+
+    def _packed_queries(self, queries: list[torch.Tensor]) -> torch.Tensor:
+        """Queries per group ``[b, G, q, r_k,g]`` as ``[b, H, q, Σ r_k]``, each head zero outside its group's key
+        columns: one product with the packed keys scores every head."""
+        batch, _, q_len, _ = queries[0].shape
+        packed = queries[0].new_zeros(batch, self.heads, q_len, sum(self.rank_k))
+        k_off = 0
+        for g, query_g in enumerate(queries):
+            packed[:, g * self.group : (g + 1) * self.group, :, k_off : k_off + self.rank_k[g]] = query_g
+            k_off += self.rank_k[g]
+        return packed
+
+    def _head_values(self, mixed: torch.Tensor) -> torch.Tensor:
+        """Every head's weighted sum over the packed values ``[b, H, q, Σ r_v]`` down to its group's value columns,
+        o_proj's input ``[b, q, Σ_h r_v,g(h)]`` (still rotated: W_O undoes it)."""
+        batch, _, q_len, _ = mixed.shape
+        outputs, v_off = [], 0
+        for g in range(self.kv_heads):  # [b, G, q, r_v,g] per group
             out = mixed[:, g * self.group : (g + 1) * self.group, :, v_off : v_off + self.rank_v[g]]
             outputs.append(out.transpose(1, 2).reshape(batch, q_len, -1))
             v_off += self.rank_v[g]
         return torch.cat(outputs, dim=-1)
+
+
+def codes_layer(cache: Cache | None, layer_idx: int, states: torch.Tensor, width: int) -> LatentLayer | None:
+    """The layer whose quantized latents this decode step reads from their codes (``kivi_decode`` in torch, KIVI's
+    widths and blocks: ``kivi_kernel_reads``), on a CPU with no kernels asked for; None elsewhere (16-bit latents,
+    no quantized block yet, a static cache, a prefill chunk: the latents read back dequantized). ``width``: the
+    packed keys'."""
+    if not isinstance(cache, CompressedCache) or states.shape[1] != 1 or states.device.type != "cpu":
+        return None
+    layer = cache.layers[layer_idx]
+    if not isinstance(layer, LatentLayer) or layer.value_store is None or use_kernels(states):
+        return None
+    return layer if kivi_kernel_reads(layer.key_store, layer.value_store, width, kernel=False) else None
 
 
 def make_attention(spec: dict[str, Any], layer_idx: int, rotary: nn.Module | None) -> ZackAttention | None:
