@@ -254,12 +254,11 @@ def kivi_kernel_reads(keys: TokenStore, values: TokenStore, dim: int, kernel: bo
 class KiviLayer(RoutedLayer, QuantizedLayer):
     """``QuantizedLayer`` whose decode steps read the codes once its attention is routed (``RoutedLayer``: until then
     ``update`` returns the past dequantized); then ``update`` only records and ``attend`` does the work: decode steps
-    from the codes (``kivi_decode``) through
-    the kernel when it reads them (4-bit) and is asked for (``use_kernels``: by default only in captured CUDA graphs,
-    which a growing cache never is), else on a CPU through the torch reader (2 to 4 and 8 bits), else
-    dequantize-then-SDPA
-    (the torch reader is not measured on a GPU). On a CPU 4-bit values go into the int4 kernel's rows
-    (``int4_values_or``: ``KiviInt4Values``), which the torch reader weighs with that kernel."""
+    from the codes (``kivi_decode``) through the kernel when it reads them (4-bit) and is asked for (``use_kernels``:
+    by default only in captured CUDA graphs, which a growing cache never is), else on a CPU through the torch reader
+    (2 to 4 and 8 bits), else dequantize-then-SDPA (the torch reader is not measured on a GPU). On a CPU 4-bit values
+    go into the int4 kernel's rows (``int4_values_or``: ``KiviInt4Values``), which the torch reader weighs with that
+    kernel."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
