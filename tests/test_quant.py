@@ -443,11 +443,13 @@ def test_quantized_runtime_equals_fake_quant_reference(method, tokenized_model_d
     torch.testing.assert_close(quantized[0][valid], expected[0][valid], rtol=1e-4, atol=1e-4)
     # decoding: the readers sum in another order than dequantize-then-SDPA (≤ 1e-6 per step, test_kernels), and a
     # state that lands within that of a rounding boundary takes the neighbouring code when its block is quantized:
-    # from that step on one row's logits move by up to ~1e-3 (measured: 1.8e-4 on an Intel Xeon; 6.1e-4 on an AMD
-    # EPYC, row 0 from step 25 of 32), where a wrong reader would move every step of every row
+    # from that step on one row's logits move by up to a few 1e-3 (measured: 1.8e-4 on an Intel Xeon; 6.1e-4 on an AMD
+    # EPYC, row 0 from step 25 of 32; ZACK's latents read from their codes, whose leading channels span a wide range:
+    # 2.3e-3 from step 25 under PYTHONHASHSEED=4, under 1e-5 before it), where a wrong reader would move every step of
+    # every row
     worst = (quantized[1] - expected[1]).abs().amax(dim=-1)  # [steps, rows]
     assert (worst > 1e-4).float().mean().item() <= 0.25, worst
-    torch.testing.assert_close(quantized[1], expected[1], rtol=1e-4, atol=2e-3)
+    torch.testing.assert_close(quantized[1], expected[1], rtol=1e-4, atol=5e-3)
     assert torch.equal(quantized[2], expected[2])
     # and the quantization is really there: the 16-bit conversion (for quant: the source) decodes differently
     if method.startswith("quant"):
