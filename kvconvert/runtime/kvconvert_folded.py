@@ -6,6 +6,7 @@ algebra (``fused_call``). Copied verbatim into every output directory; imports o
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -175,40 +176,43 @@ def folded_value_sum(
     size = channels // groups if width is None else -(-width // groups)
     # each group's channels a whole run of columns in every plane, or else each column's group looked up
     aligned, columns = groups * size == channels and size % planes == 0, channels // planes
+    of_column, of_channel, starts = column_groups(planes, columns, groups, size, codes.device)
     if fuses(codes, bits):
         if aligned:
             fused = fused_call("folded_value_sum", _values_in_one, weights, codes, scale, zero, bits=bits)
         else:  # each column's group given as indices: one graph for every layer's widths
             rows = [t.flatten(0, 1) for t in (weights, codes, scale, zero)]
-            fused = compiled_call("folded_value_sum_spans", _values_by_index, *rows,
-                                  *column_groups(planes, columns, groups, size, codes.device), bits)  # fmt: skip
+            fused = compiled_call("folded_value_sum_spans", _values_by_index, *rows, of_column, of_channel, bits)
             fused = None if fused is None else fused.unflatten(0, codes.shape[:2])
         if fused is not None:
             return fused
     zeros = weights @ zero.float()  # [b, Hkv, G, groups]: Σ p·z of every group at once
     summed = None
     for at in _pieces(codes, 2, bits):  # tokens a few at a time, their partial sums added up
-        piece = _folded_values(weights[..., at], codes[:, :, at], scale[:, :, at], bits, size)
+        piece = _folded_values(weights[..., at], codes[:, :, at], scale[:, :, at], bits, starts)
         summed = piece if summed is None else summed + piece
     assert summed is not None
     if aligned:
         return (summed.unflatten(-1, (groups, -1)) + zeros[..., None]).flatten(-2)
-    return summed + zeros.index_select(-1, column_groups(planes, columns, groups, size, codes.device)[1])
+    return summed + zeros.index_select(-1, of_channel)
 
 
-_COLUMN_GROUPS: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+_COLUMN_GROUPS: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, list[list[int]]]] = {}
 
 
 def column_groups(planes: int, columns: int, groups: int, size: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:  # fmt: skip
     """The channel group of every column of every bit plane ``[planes, columns]`` (channel ``planes·j + k`` in column
-    j of plane k) and of every channel ``[planes·columns]``, groups of ``size`` channels (a packed row's codes past the
-    last group's end take the last group's; they are cut off). Kept per shape and device: a step asks once a layer."""
+    j of plane k), of every channel ``[planes·columns]``, and per plane the column each group starts at (``groups +
+    1`` of them, the last ``columns``: a group's columns are a run in every plane), groups of ``size`` channels (a
+    packed row's codes past the last group's end take the last group's; they are cut off). Kept per shape and
+    device: a step asks once a layer."""
     key = (planes, columns, groups, size, device)
     if key not in _COLUMN_GROUPS:
-        channel = torch.arange(planes * columns, device=device)
-        of_channel = (channel // size).clamp_(max=groups - 1)
-        _COLUMN_GROUPS[key] = of_channel.view(columns, planes).T.contiguous(), of_channel
+        of_channel = (torch.arange(planes * columns) // size).clamp_(max=groups - 1)
+        of_column = of_channel.view(columns, planes).T.contiguous()
+        starts = [[bisect.bisect_left(row, g) for g in range(groups)] + [columns] for row in of_column.tolist()]
+        _COLUMN_GROUPS[key] = of_column.to(device), of_channel.to(device), starts
     return _COLUMN_GROUPS[key]
 
 
@@ -280,22 +284,20 @@ def value_rotation(values: Any, dim: int, device: torch.device) -> torch.Tensor 
 
 
 def _folded_values(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bits: int,
-                   size: int) -> torch.Tensor:  # fmt: skip
-    """``Σ (p·s_g)·code`` per channel group g of ``size`` channels over the tokens of ``codes [b, Hkv, n, P]``
-    (``scale [b, Hkv, n, groups]``, ``weights [b, Hkv, G, n]``): ``[b, Hkv, G, C]`` float32 (C: the packed row's
-    codes), the zeros' part not added. Each plane meets each group's weights in that group's columns of the plane: a
-    contiguous range, the planes' ranges apart where a group ends inside a packed byte."""
+                   starts: list[list[int]]) -> torch.Tensor:  # fmt: skip
+    """``Σ (p·s_g)·code`` per channel group g over the tokens of ``codes [b, Hkv, n, P]`` (``scale [b, Hkv, n,
+    groups]``, ``weights [b, Hkv, G, n]``): ``[b, Hkv, G, C]`` float32 (C: the packed row's codes), the zeros' part
+    not added. Each plane meets each group's weights in that group's run of the plane's columns (``starts``:
+    ``column_groups``), the planes' runs apart where a group ends inside a packed byte."""
     groups = scale.shape[-1]
     planes = bit_planes(codes, bits)  # channels planes·i + k in plane k
     # a half-precision scale meets float32 weights in the product itself (promoted, exactly): no float copy
     weighted = [weights * scale[..., g][:, :, None, :] for g in range(groups)]
     if groups == 1:  # one group: no slicing
         return torch.stack([weighted[0] @ plane for plane in planes], dim=-1).flatten(-2)
-    unit, columns = len(planes), planes[0].shape[-1]
     sums = []
-    for k, plane in enumerate(planes):  # group g's channels planes·j + k: columns from ceil((g·size − k) / planes)
-        starts = [0] + [min(columns, max(0, -(-(g * size - k) // unit))) for g in range(1, groups)] + [columns]
-        sums.append(torch.cat([weighted[g] @ plane[..., starts[g] : starts[g + 1]] for g in range(groups)], dim=-1))
+    for plane, at in zip(planes, starts, strict=True):
+        sums.append(torch.cat([weighted[g] @ plane[..., at[g] : at[g + 1]] for g in range(groups)], dim=-1))
     return torch.stack(sums, dim=-1).flatten(-2)
 
 
