@@ -9,7 +9,7 @@ import torch
 from tests.helpers import assert_same_logits, left_padded, run_cli
 
 # (source, bits): with RoPE (keys rotated after it) and without (the rotation folded into the weights)
-CASES = [("llama_gqa", "4"), ("llama_gqa", "2"), ("llama_gqa", "8"), ("gpt2", "4")]
+CASES = [("llama_gqa", "4"), ("llama_gqa", "2"), ("llama_gqa", "8"), ("gpt2", "4"), ("gpt2", "2")]
 
 
 @pytest.mark.parametrize(("kind", "bits"), CASES)

@@ -155,8 +155,8 @@ def kivi_decode_folded(
         acc = value_sum(F.pad(weights, (skip, 0)) if skip else weights)
     else:
         acc = folded_value_sum(weights, value_codes, value_scale, value_zero, value_bits, dim)
-    if value_rotation is not None:  # over whole channel groups, the padded last one too (as the codec rotated them)
-        acc = unrotated(acc, value_rotation)
+    if value_rotation is not None:  # whole channel groups, the padded last one too (as the codec rotated them)
+        acc = unrotated(acc[..., : -(-dim // len(value_rotation)) * len(value_rotation)], value_rotation)
     acc = acc[..., :dim]
     if exact is not None:
         acc = acc + torch.matmul(every[..., n:], exact[1].float())
