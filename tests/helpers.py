@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -185,12 +186,28 @@ def static_store_steps(growing, static, width: int = 64):
         yield filled, got, expected, x
 
 
+# The runtime's tables kept per shape and device (built on first use; a compiled step in a fresh process is the first
+# to ask, so it must build them inside the trace). Module attribute names, per runtime module.
+RUNTIME_TABLES = {"kvconvert_codec": ("_ROTATIONS", "_rotation_cached"), "kvconvert_packing": ("_HIGH_BITS",
+                  "_COLUMN_GROUPS"), "kvconvert_tokenlayout": ("_UNIT_SCALES",)}  # fmt: skip
+
+
+def forget_runtime_tables() -> None:
+    """Every runtime table of ``RUNTIME_TABLES`` emptied, in the installed package's runtime and in every output
+    directory's copy loaded as remote code: what a fresh process holds."""
+    for name, module in list(sys.modules.items()):
+        for attr in RUNTIME_TABLES.get(name.rsplit(".", 1)[-1], ()):
+            table = getattr(module, attr)
+            table.cache_clear() if hasattr(table, "cache_clear") else table.clear()
+
+
 def compiled_generate(model, generate: Any, backend: str = "inductor") -> Any:
     """``generate(model, cache_implementation="static", compile_config=…)`` through generate's own compiled decode
     step (fullgraph) on whatever device the model is on, asserting that generate really took that path."""
     config = transformers.CompileConfig(fullgraph=True, mode="default", backend=backend)
     config._compile_all_devices = True  # transformers' switch to compile on CPU (its tests use it too)
     torch._dynamo.reset()
+    forget_runtime_tables()
     out = generate(model, cache_implementation="static", compile_config=config)
     assert getattr(model, "_compiled_call", None) is not None  # generate really took the compiled path
     return out

@@ -6,7 +6,6 @@ algebra (``fused_call``). Copied verbatim into every output directory; imports o
 
 from __future__ import annotations
 
-import bisect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 
 from .kvconvert_codec import channel_groups, rotation
 from .kvconvert_kernels import combine_partials, env_choice
-from .kvconvert_packing import codes_per_unit, low_bit_pairs, plane_count, three_bit_planes, unpack
+from .kvconvert_packing import codes_per_unit, column_groups, low_bit_pairs, plane_count, three_bit_planes, unpack
 
 # Scores more than 64 below a row's largest are floored there before ``torch.exp``: its CPU code takes a slow path for
 # every argument whose result underflows (measured on 2 AMD EPYC cores: 8 rows × 1K scores of a decode step 26 µs,
@@ -195,25 +194,6 @@ def folded_value_sum(
     if aligned:
         return (summed.unflatten(-1, (groups, -1)) + zeros[..., None]).flatten(-2)
     return summed + zeros.index_select(-1, of_channel)
-
-
-_COLUMN_GROUPS: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, list[list[int]]]] = {}
-
-
-def column_groups(planes: int, columns: int, groups: int, size: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:  # fmt: skip
-    """The channel group of every column of every bit plane ``[planes, columns]`` (channel ``planes·j + k`` in column
-    j of plane k), of every channel ``[planes·columns]``, and per plane the column each group starts at (``groups +
-    1`` of them, the last ``columns``: a group's columns are a run in every plane), groups of ``size`` channels (a
-    packed row's codes past the last group's end take the last group's; they are cut off). Kept per shape and
-    device: a step asks once a layer."""
-    key = (planes, columns, groups, size, device)
-    if key not in _COLUMN_GROUPS:
-        of_channel = (torch.arange(planes * columns) // size).clamp_(max=groups - 1)
-        of_column = of_channel.view(columns, planes).T.contiguous()
-        starts = [[bisect.bisect_left(row, g) for g in range(groups)] + [columns] for row in of_column.tolist()]
-        _COLUMN_GROUPS[key] = of_column.to(device), of_channel.to(device), starts
-    return _COLUMN_GROUPS[key]
 
 
 def _values_in_one(
