@@ -90,7 +90,23 @@ class LatentLayer(KVLayer):
 
 class StaticLatentLayer(StaticStoreLayer):
     """``LatentLayer`` preallocated for ``max_cache_len`` tokens (``StaticStoreLayer``): keys ``[b, max_cache_len,
-    wk]`` and optional values, quantized as ``LatentLayer``'s are where the checkpoint asks for it."""
+    wk]`` and optional values, quantized as ``LatentLayer``'s are where the checkpoint asks for it. Like
+    ``LatentLayer``'s, the stores hold them as one KV head, ``[b, 1, ·, w]``, what KIVI's codes reader takes
+    (``static_kivi_decode``: ZACK's decode steps)."""
+
+    def update(  # type: ignore[override]
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        keys, values = super().update(key_states[:, None], None if value_states is None else value_states[:, None])
+        return keys[:, 0], None if values is None else values[:, 0]
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """``update`` of one decode step that read the stores itself (from their codes): nothing is read back."""
+        assert self.value_store is not None
+        self._check_room(1)
+        self.key_store.extend_only(key_states[:, None], self.filled)
+        self.value_store.extend_only(value_states[:, None], self.filled)
+        self._advance(1)
 
 
 class CompressedCache(Cache):

@@ -344,16 +344,17 @@ def static_kivi_decode(
     """One decode step ``[b, H, 1, d]`` float32 over static stores (``static_reads_codes``) from their codes, writing
     nothing: every block's room through the torch reader (eagerly on a CPU the blocks written so far), or
     (``kernel``) the Triton kernel over the blocks quantized so far, its partial merged with the exact part's (the
-    sink, the ring's tokens not quantized yet, this step's token: ``static_columns``)."""
+    sink, the ring's tokens not quantized yet, this step's token: ``static_columns``). Values may be of another width
+    ``e`` than the keys, as ``kivi_decode``'s (ZACK's packed columns; the torch reader): the result ``[b, H, 1, e]``."""
     assert keys.codes is not None and keys.scale is not None and keys.zero is not None
     assert values.codes is not None and values.scale is not None and values.zero is not None
     batch, heads, _, dim = query.shape
-    kv_heads, device = key.shape[1], query.device
+    kv_heads, device, width = key.shape[1], query.device, value.shape[-1]
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
     bias_q, exact = static_columns(keys, values, key, value, attention_mask, filled, max_cache_len)
     quantized = keys.quantized_count(filled)
     codes = (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)
-    rotated = value_rotation(values, dim, device)
+    rotated = value_rotation(values, width, device)
     if kernel:
         acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32,
                                      length=quantized)  # the blocks quantized so far  # fmt: skip
@@ -366,8 +367,8 @@ def static_kivi_decode(
                  vc[:, :, :tokens], vs[:, :, :tokens], vz[:, :, :tokens])  # fmt: skip
         bias_q = bias_q[:, :tokens]
     acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits, exact=exact,
-                                 value_rotation=rotated)  # fmt: skip
-    return (acc / ml[..., 1:]).view(batch, heads, 1, dim)
+                                 value_rotation=rotated, value_width=width)  # fmt: skip
+    return (acc / ml[..., 1:]).view(batch, heads, 1, width)
 
 
 def _kivi_quantized(quant: QuantSpec, layer: int) -> bool:

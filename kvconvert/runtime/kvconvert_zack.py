@@ -20,6 +20,7 @@ from .kvconvert_common import (
     CompressedCache,
     LatentAttention,
     LatentLayer,
+    StaticLatentLayer,
     default_position_ids,
     family_rotary,
     latent_layers,
@@ -29,7 +30,7 @@ from .kvconvert_common import (
 from .kvconvert_kernels import use_kernels
 from .kvconvert_prefill import additive_mask, prefill_attention
 from .kvconvert_products import cache_mix, cache_scores
-from .kvconvert_quant import kivi_decode, kivi_kernel_reads
+from .kvconvert_quant import kivi_decode, kivi_kernel_reads, static_kivi_decode, static_reads_codes
 from .kvconvert_rope import apply_rotary
 
 
@@ -123,9 +124,14 @@ class ZackAttention(LatentAttention):
         new_values = self.v_proj(hidden_states)
         layer = codes_layer(cache, self.layer_idx, hidden_states, new_keys.shape[-1])
         if layer is not None and layer.value_store is not None:  # a CPU decode step: the codes, as one KV head
-            bias = additive_mask(attention_mask, 1, len(layer.key_store) + 1, torch.float32, hidden_states.device)
-            mixed = kivi_decode(self._packed_queries(queries), new_keys[:, None], new_values[:, None], bias,
-                                layer.key_store, layer.value_store, self.scaling, kernel=False)  # fmt: skip
+            packed, key_1, value_1 = self._packed_queries(queries), new_keys[:, None], new_values[:, None]
+            if isinstance(layer, StaticLatentLayer):  # every slot, fixed shapes (compiled steps)
+                mixed = static_kivi_decode(packed, key_1, value_1, attention_mask, self.scaling, layer.key_store,
+                                           layer.value_store, layer.filled, layer.max_cache_len)  # fmt: skip
+            else:
+                bias = additive_mask(attention_mask, 1, len(layer.key_store) + 1, torch.float32, hidden_states.device)
+                mixed = kivi_decode(packed, key_1, value_1, bias, layer.key_store, layer.value_store, self.scaling,
+                                    kernel=False)  # fmt: skip
             layer.append(new_keys, new_values)
             return self.o_proj(self._head_values(mixed.to(hidden_states.dtype)))
         keys, values, _, _ = self.append_step(cache, new_keys, new_values, position_ids)
@@ -186,15 +192,21 @@ class ZackAttention(LatentAttention):
         return torch.cat(outputs, dim=-1)
 
 
-def codes_layer(cache: Cache | None, layer_idx: int, states: torch.Tensor, width: int) -> LatentLayer | None:
-    """The layer whose quantized latents this decode step reads from their codes (``kivi_decode`` in torch, KIVI's
-    widths and blocks: ``kivi_kernel_reads``), on a CPU with no kernels asked for; None elsewhere (16-bit latents,
-    no quantized block yet, a static cache, a prefill chunk: the latents read back dequantized). ``width``: the
-    packed keys'."""
+def codes_layer(
+    cache: Cache | None, layer_idx: int, states: torch.Tensor, width: int
+) -> LatentLayer | StaticLatentLayer | None:
+    """The layer whose quantized latents this decode step reads from their codes (``kivi_decode`` in torch, or
+    ``static_kivi_decode`` from a static cache: KIVI's widths and blocks, ``kivi_kernel_reads`` /
+    ``static_reads_codes``), on a CPU with no kernels asked for; None elsewhere (16-bit latents, no quantized block
+    yet, a prefill chunk, a GPU: the latents read back dequantized). ``width``: the packed keys'."""
     if not isinstance(cache, CompressedCache) or states.shape[1] != 1 or states.device.type != "cpu":
         return None
     layer = cache.layers[layer_idx]
-    if not isinstance(layer, LatentLayer) or layer.value_store is None or use_kernels(states):
+    if use_kernels(states):
+        return None
+    if isinstance(layer, StaticLatentLayer) and layer.value_store is not None:
+        return layer if static_reads_codes(layer.key_store, layer.value_store, width) else None
+    if not isinstance(layer, LatentLayer) or layer.value_store is None:
         return None
     return layer if kivi_kernel_reads(layer.key_store, layer.value_store, width, kernel=False) else None
 
