@@ -20,22 +20,13 @@ def test_zack_decodes_its_quantized_latents_from_their_codes(kind, bits, tokeniz
     step of every layer whose widths KIVI's reader takes reads the codes (``kivi_decode`` in the ZACK runtime), and
     gives the tokens and logits of reading them back dequantized; the cache holds the same bytes either way."""
     import kvconvert.runtime.kvconvert_folded as kvconvert_folded
-    import kvconvert.runtime.kvconvert_quant as quant
     import kvconvert.runtime.kvconvert_zack as zack
     from kvconvert.eval.memory import cache_nbytes
 
     monkeypatch.setattr(kvconvert_folded, "BYTE_CODES_MIN", 0)  # 8-bit codes are read from a cache size these are not
     model = _converted(kind, bits, tokenized_model_dir, tmp_path, monkeypatch)
-    ids, mask = left_padded(length=60, pad=9, seed=3)
-    kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
-                  return_dict_in_generate=True, output_logits=True)  # fmt: skip
-    calls = []
-
-    def counted(*a, **k):
-        calls.append(1)
-        return quant.kivi_decode(*a, **k)
-
-    monkeypatch.setattr(zack, "kivi_decode", counted)
+    ids, kwargs = _batch()
+    calls = _counted(monkeypatch, "kivi_decode")
     from_codes = model.generate(ids, **kwargs)
     layers = [layer for layer in from_codes.past_key_values.layers if type(layer).__name__ == "LatentLayer"]
     reads = sum(zack.kivi_kernel_reads(layer.key_store, layer.value_store, 0, kernel=False) for layer in layers)
@@ -48,6 +39,27 @@ def test_zack_decodes_its_quantized_latents_from_their_codes(kind, bits, tokeniz
         assert_same_logits(a, b, f"zack {kind} {bits}-bit decode step {step}")
     assert torch.equal(dequantized.sequences, from_codes.sequences)
     assert cache_nbytes(from_codes.past_key_values) == cache_nbytes(dequantized.past_key_values)
+
+
+def _batch():
+    """A left-padded batch and greedy ``generate`` arguments that return every step's logits."""
+    ids, mask = left_padded(length=60, pad=9, seed=3)
+    return ids, dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                     return_dict_in_generate=True, output_logits=True)  # fmt: skip
+
+
+def _counted(monkeypatch, name: str) -> list[int]:
+    """The ZACK runtime's ``name`` (a reader it calls) counting its calls into the list returned."""
+    import kvconvert.runtime.kvconvert_zack as zack
+
+    calls, original = [], getattr(zack, name)
+
+    def counted(*a, **k):
+        calls.append(1)
+        return original(*a, **k)
+
+    monkeypatch.setattr(zack, name, counted)
+    return calls
 
 
 def _converted(kind, bits, tokenized_model_dir, tmp_path, monkeypatch):
@@ -72,20 +84,11 @@ def test_zack_decodes_its_quantized_latents_from_a_static_cache_s_codes(
     """From a static cache (``generate(cache_implementation="static")``) every decode step of a layer whose widths
     KIVI's reader takes reads every slot's codes (``static_kivi_decode``): the tokens and logits of the same static
     cache read back dequantized, and of the growing cache; compiled (fullgraph, traced), the same again."""
-    import kvconvert.runtime.kvconvert_quant as quant
     import kvconvert.runtime.kvconvert_zack as zack
 
     model = _converted(kind, bits, tokenized_model_dir, tmp_path, monkeypatch)
-    ids, mask = left_padded(length=60, pad=9, seed=3)
-    kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
-                  return_dict_in_generate=True, output_logits=True)  # fmt: skip
-    calls = []
-
-    def counted(*a, **k):
-        calls.append(1)
-        return quant.static_kivi_decode(*a, **k)
-
-    monkeypatch.setattr(zack, "static_kivi_decode", counted)
+    ids, kwargs = _batch()
+    calls = _counted(monkeypatch, "static_kivi_decode")
     from_codes = model.generate(ids, cache_implementation="static", **kwargs)
     layers = [layer for layer in from_codes.past_key_values.layers if type(layer).__name__ == "StaticLatentLayer"]
     reads = sum(zack.static_reads_codes(layer.key_store, layer.value_store, 0) for layer in layers)
