@@ -154,9 +154,7 @@ def kivi_decode_folded(
         acc = value_sum(F.pad(weights, (skip, 0)) if skip else weights)
     else:
         acc = folded_value_sum(weights, value_codes, value_scale, value_zero, value_bits, dim)
-    if value_rotation is not None:  # whole channel groups, the padded last one too (as the codec rotated them)
-        acc = unrotated(acc[..., : -(-dim // len(value_rotation)) * len(value_rotation)], value_rotation)
-    acc = acc[..., :dim]
+    acc = value_channels(acc, value_rotation, dim)
     if exact is not None:
         acc = acc + torch.matmul(every[..., n:], exact[1].float())
     return acc, torch.stack([top, every.sum(-1)], dim=-1)
@@ -244,9 +242,7 @@ def token_values_sum(probs: torch.Tensor, held: tuple[torch.Tensor, ...], values
     (``token_decode``, ``StaticTokenLayoutLayer``)."""
     codes, scale, zero = (t[:, :, : probs.shape[-1]] for t in held)
     summed = folded_value_sum(probs.unflatten(0, (batch, -1)), codes, scale, zero, values.quant.bits, dim)
-    back = value_rotation(values, dim, probs.device)
-    summed = summed[..., :dim].flatten(0, 1)
-    return summed if back is None else unrotated(summed, back)
+    return value_channels(summed.flatten(0, 1), value_rotation(values, dim, probs.device), dim)
 
 
 def token_values_fit(values: Any, dim: int) -> bool:
@@ -290,6 +286,16 @@ def _pieces(codes: torch.Tensor, axis: int, bits: int) -> list[slice]:
     widened = 32 * codes.numel() // bits // max(length, 1)  # float32 bytes of one index along ``axis``
     step = max(1, PLANE_BYTES // max(widened, 1))
     return [slice(start, start + step) for start in range(0, length, step)]
+
+
+def value_channels(acc: torch.Tensor, rotation: torch.Tensor | None, width: int) -> torch.Tensor:
+    """A codes reader's weighted sum over a packed row's codes ``[..., C]`` (``folded_value_sum``) as the values'
+    ``width`` channels: the store's rotation per channel group (or None) undone over whole groups, the padded last one
+    too (as the codec rotated them; not the codes that fill the row's last byte past them), then cut to ``width``."""
+    if rotation is not None:
+        size = rotation.shape[0]
+        acc = unrotated(acc[..., : -(-width // size) * size], rotation)
+    return acc[..., :width]
 
 
 def unrotated(acc: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
