@@ -91,6 +91,36 @@ def test_compiled_value_sums_take_groups_that_end_inside_a_byte(bits, width, gro
     torch.testing.assert_close(compiled, weights @ plain, **sums)
 
 
+@pytest.mark.parametrize(("bits", "width", "group", "rotate"),
+                         [(2, 93, 64, True), (3, 93, 64, True), (4, 93, 64, True), (8, 93, 64, True), (4, 26, 8, False),
+                          (3, 26, 8, False)])  # fmt: skip
+def test_value_sums_over_one_head_s_columns(bits, width, group, rotate, fused, monkeypatch):
+    """``folded_value_span`` (ZACK's decode step, one KV head's columns of the packed values at a time: spans that
+    start and end inside packed bytes and channel groups, one channel, the whole row), compiled and eager, against the
+    whole row's sum (``folded_value_sum``, rotated back by ``value_channels``) cut to the span, and without a rotation
+    against the weights times the dequantized values."""
+    torch.manual_seed(width + bits + rotate)
+    groups = -(-width // group)
+    size = -(-width // groups)
+    # as the codec stores rotated values: padded to whole channel groups
+    stored = quantize_tokens(torch.randn(2, 1, 40, groups * size if rotate else width), bits, group, False)
+    plain = dequantize_tokens(stored, bits, group, width, False, torch.float32)
+    weights = torch.rand(2, 1, 5, 40)
+    rotation = torch.linalg.qr(torch.randn(size, size, dtype=torch.float64))[0].float() if rotate else None
+    args = (weights, stored.codes, stored.scale, stored.zero, bits)
+    spans = [(0, width), (0, 25), (25, 61), (61, width), (47, 48), (3, 4), (width - 1, width)]
+    spans = [(lo, min(hi, width)) for lo, hi in spans if lo < width]
+    for compiled in (True, False):
+        monkeypatch.setenv("KVCONVERT_COMPILE", "auto" if compiled else "off")
+        whole = kvconvert_folded.value_channels(kvconvert_folded.folded_value_sum(*args, width), rotation, width)
+        for lo, hi in spans:
+            part = kvconvert_folded.folded_value_span(*args, width, (lo, hi), rotation)
+            torch.testing.assert_close(part, whole[..., lo:hi], atol=1e-4, rtol=1e-5)
+            if rotation is None:
+                torch.testing.assert_close(part, (weights @ plain)[..., lo:hi], atol=1e-4, rtol=1e-5)
+    assert fused.get("folded_value_sum_spans") not in (None, False) or bits == 8
+
+
 @pytest.mark.parametrize("block", [24, 64, 128, 256])
 def test_compiled_three_bit_reads_at_every_word_size(block, fused, monkeypatch):
     """3-bit keys and values whose packed rows hold 24 codes (high bits by eight shifts), 64, 128 (a 16- or 32-bit

@@ -9,24 +9,29 @@ import torch
 
 from tests.helpers import assert_same_logits, compiled_generate, left_padded, run_cli
 
-# (source, bits): with RoPE (keys rotated after it) and without (the rotation folded into the weights)
-CASES = [("llama_gqa", "4"), ("llama_gqa", "2"), ("llama_gqa", "8"), ("gpt2", "4"), ("gpt2", "2")]
+# (source, bits, heads apart): with RoPE (keys rotated after it) and without (the rotation folded into the weights);
+# each KV head's columns read apart (``kivi_decode_heads``, what large caches take) or all heads against the packed row
+CASES = [("llama_gqa", "4", True), ("llama_gqa", "4", False), ("llama_gqa", "2", True), ("llama_gqa", "3", True),
+         ("llama_gqa", "8", False), ("gpt2", "4", True), ("gpt2", "2", False), ("gpt2", "3", True)]  # fmt: skip
 
 
-@pytest.mark.parametrize(("kind", "bits"), CASES)
+@pytest.mark.parametrize(("kind", "bits", "apart"), CASES)
 @torch.no_grad()
-def test_zack_decodes_its_quantized_latents_from_their_codes(kind, bits, tokenized_model_dir, tmp_path, monkeypatch):
+def test_zack_decodes_its_quantized_latents_from_their_codes(kind, bits, apart, tokenized_model_dir, tmp_path,
+                                                             monkeypatch):  # fmt: skip
     """Greedy decoding of a left-padded batch whose latents hold quantized blocks, a sink and a float tail: every
-    step of every layer whose widths KIVI's reader takes reads the codes (``kivi_decode`` in the ZACK runtime), and
-    gives the tokens and logits of reading them back dequantized; the cache holds the same bytes either way."""
+    step of every layer whose widths KIVI's reader takes reads the codes (``kivi_decode`` or ``kivi_decode_heads`` in
+    the ZACK runtime), and gives the tokens and logits of reading them back dequantized; the cache holds the same
+    bytes either way."""
     import kvconvert.runtime.kvconvert_folded as kvconvert_folded
     import kvconvert.runtime.kvconvert_zack as zack
     from kvconvert.eval.memory import cache_nbytes
 
     monkeypatch.setattr(kvconvert_folded, "BYTE_CODES_MIN", 0)  # 8-bit codes are read from a cache size these are not
+    monkeypatch.setattr(zack, "HEADS_APART_MIN", 0 if apart else 1 << 62)
     model = _converted(kind, bits, tokenized_model_dir, tmp_path, monkeypatch)
     ids, kwargs = _batch()
-    calls = _counted(monkeypatch, "kivi_decode")
+    calls = _counted(monkeypatch, "kivi_decode_heads" if apart else "kivi_decode")
     from_codes = model.generate(ids, **kwargs)
     layers = [layer for layer in from_codes.past_key_values.layers if type(layer).__name__ == "LatentLayer"]
     reads = sum(zack.kivi_kernel_reads(layer.key_store, layer.value_store, 0, kernel=False) for layer in layers)
@@ -48,17 +53,21 @@ def _batch():
                      return_dict_in_generate=True, output_logits=True)  # fmt: skip
 
 
-def _counted(monkeypatch, name: str) -> list[int]:
-    """The ZACK runtime's ``name`` (a reader it calls) counting its calls into the list returned."""
+def _counted(monkeypatch, *names: str) -> list[int]:
+    """The ZACK runtime's readers ``names`` counting their calls into the list returned."""
     import kvconvert.runtime.kvconvert_zack as zack
 
-    calls, original = [], getattr(zack, name)
+    calls: list[int] = []
 
-    def counted(*a, **k):
-        calls.append(1)
-        return original(*a, **k)
+    def counted(original):
+        def call(*a, **k):
+            calls.append(1)
+            return original(*a, **k)
 
-    monkeypatch.setattr(zack, name, counted)
+        return call
+
+    for name in names:
+        monkeypatch.setattr(zack, name, counted(getattr(zack, name)))
     return calls
 
 

@@ -112,6 +112,7 @@ def kivi_decode_folded(
     exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     value_rotation: torch.Tensor | None = None, skip: int = 0,
     value_sum: Callable[[torch.Tensor], torch.Tensor] | None = None, value_width: int | None = None,
+    value_span: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``kivi_decode_reference``'s partial from the codes in torch, the kernel's algebra without a float copy of the
     cache: keys' per-channel scales fold into the query per block (``q·k = Σ (q⊙s)·code + q·z``), values' per-token
@@ -132,7 +133,8 @@ def kivi_decode_folded(
     cheaper than masking them, and ``bias`` and the factors then cover only the tokens after them. ``value_sum``:
     where the values' codes are not in KIVI's packing (``KiviInt4Values``), ``Σ p·v`` of weights ``[b, Hkv, G, n]``
     over all the quantized tokens, rotated as stored (``value_codes/scale/zero`` are then not read). ``value_width``:
-    the values' channels where they are not as many as the keys' (ZACK's packed columns)."""
+    the values' channels where they are not as many as the keys' (ZACK's packed columns); ``value_span``: only the
+    values' channels ``[lo, hi)`` are summed and returned (one KV head's of ZACK's: ``folded_value_span``)."""
     dim = value_width or key_codes.shape[3]
     scores = folded_scores(query, key_codes, key_scale, key_zero, key_bits)[..., skip:] * scale
     n = scores.shape[-1]  # the quantized tokens read
@@ -151,29 +153,57 @@ def kivi_decode_folded(
     weights = probs if value_factor is None else probs * value_factor.float()[:, None, None, :]
     # values: per channel group g, (p ⊙ s_g) against the group's byte columns in every plane; p·z_g for its zeros
     if value_sum is not None:  # the values' codes are another store's to read (the dropped tokens weigh 0)
-        acc = value_sum(F.pad(weights, (skip, 0)) if skip else weights)
+        acc = value_channels(value_sum(F.pad(weights, (skip, 0)) if skip else weights), value_rotation, dim)
+    elif value_span is not None:
+        acc = folded_value_span(weights, value_codes, value_scale, value_zero, value_bits, dim, value_span,
+                                value_rotation)  # fmt: skip
     else:
-        acc = folded_value_sum(weights, value_codes, value_scale, value_zero, value_bits, dim)
-    acc = value_channels(acc, value_rotation, dim)
+        acc = value_channels(folded_value_sum(weights, value_codes, value_scale, value_zero, value_bits, dim),
+                             value_rotation, dim)  # fmt: skip
     if exact is not None:
         acc = acc + torch.matmul(every[..., n:], exact[1].float())
     return acc, torch.stack([top, every.sum(-1)], dim=-1)
 
 
+def folded_value_span(
+    weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, width: int,
+    span: tuple[int, int], rotation: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """``Σ p·v`` over the channels ``span = [lo, hi)`` of values of ``width`` channels only (``folded_value_sum``'s
+    arguments), rotated back (``value_channels``): ``[b, Hkv, G, hi − lo]`` float32. Reads the packed bytes that hold
+    those channels (at 3 bits, whose bytes mix a row's channels, the whole row), and where the store rotated its
+    values, the whole channel groups around them (a group's rotation mixes its channels)."""
+    groups, planes = scale.shape[-1], plane_count(bits)
+    size = -(-width // groups)
+    lo, hi = span if rotation is None else (span[0] // size * size, -(-span[1] // size) * size)
+    # the bytes (one per column of every plane) of channels lo … hi − 1, and the groups of their channels
+    first, last = (lo // planes, -(-hi // planes)) if bits != 3 else (0, codes.shape[-1] * 8 // bits // planes)
+    start, end = min(first * planes // size, groups - 1), min((last * planes - 1) // size, groups - 1) + 1
+    read, at = (codes if bits == 3 else codes[..., first:last]), first * planes
+    acc = folded_value_sum(weights, read, scale[..., start:end], zero[..., start:end], bits, size=size,
+                           offset=at - start * size)[..., lo - at : hi - at]  # fmt: skip
+    if rotation is not None:
+        acc = unrotated(acc, rotation)
+    return acc[..., span[0] - lo : span[1] - lo]
+
+
 def folded_value_sum(
     weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-    width: int | None = None,
+    width: int | None = None, size: int | None = None, offset: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """``Σ p·v`` for weights ``[b, Hkv, G, n]`` over values quantized per token in KIVI's packing (``codes [b, Hkv,
     n, P]``, ``scale/zero [b, Hkv, n, groups]``) without a float copy of them: ``(p⊙s_g)·code + p·z_g`` per channel
     group g. ``width``: the values' channels, whose groups of ``ceil(width / groups)`` (the codec's ``channel_groups``)
     may end inside a packed byte (ZACK's packed columns: 93 values in 2 groups of 47); None: groups of whole bytes.
+    ``size`` and ``offset``: the codes are a slice of a packed row (``folded_value_span``), its groups of ``size``
+    channels, its first channel ``offset`` into the first group ``scale`` holds.
     ``[b, Hkv, G, C]`` float32 (C ≥ width: the packed row's codes), rotated as stored."""
     groups, channels, planes = scale.shape[-1], codes.shape[-1] * 8 // bits, plane_count(bits)
-    size = channels // groups if width is None else -(-width // groups)
+    if size is None:
+        size = channels // groups if width is None else -(-width // groups)
     # each group's channels a whole run of columns in every plane, or else each column's group looked up
-    aligned, columns = groups * size == channels and size % planes == 0, channels // planes
-    of_column, of_channel, starts = column_groups(planes, columns, groups, size, codes.device)
+    aligned, columns = not offset and groups * size == channels and size % planes == 0, channels // planes
+    of_column, of_channel, starts = column_groups(planes, columns, groups, size, codes.device, offset)
     if fuses(codes, bits):
         if aligned:
             fused = fused_call("folded_value_sum", _values_in_one, weights, codes, scale, zero, bits=bits)
@@ -455,32 +485,3 @@ def exact_partial(
     top = scores.amax(-1)
     probs = torch.exp((scores - top[..., None]).clamp_(min=EXP_FLOOR))
     return torch.einsum("bhgn,bhnd->bhgd", probs, values.float()), torch.stack([top, probs.sum(-1)], dim=-1)
-
-
-def decode_columns(
-    bias: torch.Tensor | None, keys: Any, values: Any, key: torch.Tensor, value: torch.Tensor,
-    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, skip: int = 0,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """What a decode step from the codes of growing stores (``TokenStore``s: KIVI's layout or the token layout)
-    attends beside them, for ``bias [b|1, 1, 1, n]`` additive or None over the held tokens and this step's
-    ``key``/``value [b, Hkv, 1, d]``: the bias ``[b, n_q − skip]`` of the quantized tokens read (the sink's stand-ins,
-    whose exact copies are attended instead, and the tokens a window dropped from the front of its first block
-    masked; the first ``skip`` dropped tokens not read at all), or None; the exact keys and values ``[b, Hkv, t, d]``
-    (``extra``'s, the sink's, the float tail's, this step's) and their bias ``[b|1, 1|Hkv, 1, t]`` or None
-    (``extra``: more exact tokens and their logits ``[b, Hkv, 1, ·]``, razor's sink and compensation token)."""
-    batch = key.shape[0]
-    n_q, sink, dropped = keys.quantized_tokens, (0 if keys.head is None else keys.head.shape[-2]), keys.offset
-    held = n_q - dropped  # quantized tokens still in the window
-    bias_q = None if bias is None else bias[:, 0, 0, :held].float().expand(batch, held)
-    if sink or dropped > skip:
-        pad = dropped - skip
-        bias_q = torch.zeros(batch, n_q - skip, device=key.device) if bias_q is None else F.pad(bias_q, (pad, 0))
-        bias_q[:, : pad + sink] = torch.finfo(torch.float32).min
-    exact_k = torch.cat([t for t in (extra and extra[0], keys.head, keys.tail, key) if t is not None], dim=-2)
-    exact_v = torch.cat([t for t in (extra and extra[1], values.head, values.tail, value) if t is not None], dim=-2)
-    exact_bias = None if bias is None else torch.cat([bias[..., :sink], bias[..., held:]], dim=-1)  # [b|1, 1, 1, ·]
-    if extra is not None:  # [b, Hkv, 1, t + ·]: the extra tokens' logits before the others' mask
-        rest, logits = exact_k.shape[-2] - extra[0].shape[-2], extra[2].float()
-        others = logits.new_zeros(1, 1, 1, rest) if exact_bias is None else exact_bias.float()
-        exact_bias = torch.cat([logits, others.expand(*logits.shape[:-1], rest)], dim=-1)
-    return bias_q, exact_k, exact_v, exact_bias

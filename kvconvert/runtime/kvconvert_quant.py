@@ -33,7 +33,6 @@ from .kvconvert_codec import QuantSpec, eager_on_cpu, rotation
 from .kvconvert_common import LayerStateCache, cache_layer_of, static_refusal
 from .kvconvert_folded import (
     byte_codes_pay,
-    decode_columns,
     exact_partial,
     folded_fits,
     kivi_decode_folded,
@@ -68,7 +67,7 @@ from .kvconvert_tokenlayout import (
     kivi_int4_values,
 )
 from .kvconvert_tokenstatic import StaticTokenLayoutLayer, static_columns, written_blocks
-from .kvconvert_tokenstore import TokenStore
+from .kvconvert_tokenstore import TokenStore, decode_columns
 
 IMPLEMENTATION = "kvconvert_quant"
 

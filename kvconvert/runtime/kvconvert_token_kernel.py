@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .kvconvert_codec import channel_groups, rotation
-from .kvconvert_folded import decode_columns, exact_partial, merge_partials, unrotated, value_rotation
+from .kvconvert_folded import exact_partial, merge_partials, unrotated, value_rotation
 from .kvconvert_kernels import (
     _pow2,
     _split_len,
@@ -23,7 +23,7 @@ from .kvconvert_kernels import (
 )
 from .kvconvert_staticstore import StaticTokenStore
 from .kvconvert_tokenlayout import KERNEL_ROWS, StaticTokenLayoutStore, TokenLayoutStore
-from .kvconvert_tokenstore import TokenStore
+from .kvconvert_tokenstore import TokenStore, decode_columns
 
 if triton is not None:
     import triton.language as tl

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .kvconvert_codec import (
     QuantizedBlock,
@@ -354,3 +355,32 @@ class TokenStore:
         self._clear()
         self.front_dropped = front_dropped
         self.append(kept)
+
+
+def decode_columns(
+    bias: torch.Tensor | None, keys: Any, values: Any, key: torch.Tensor, value: torch.Tensor,
+    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, skip: int = 0,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """What a decode step from the codes of growing stores (``TokenStore``s: KIVI's layout or the token layout)
+    attends beside them, for ``bias [b|1, 1, 1, n]`` additive or None over the held tokens and this step's
+    ``key``/``value [b, Hkv, 1, d]``: the bias ``[b, n_q − skip]`` of the quantized tokens read (the sink's stand-ins,
+    whose exact copies are attended instead, and the tokens a window dropped from the front of its first block
+    masked; the first ``skip`` dropped tokens not read at all), or None; the exact keys and values ``[b, Hkv, t, d]``
+    (``extra``'s, the sink's, the float tail's, this step's) and their bias ``[b|1, 1|Hkv, 1, t]`` or None
+    (``extra``: more exact tokens and their logits ``[b, Hkv, 1, ·]``, razor's sink and compensation token)."""
+    batch = key.shape[0]
+    n_q, sink, dropped = keys.quantized_tokens, (0 if keys.head is None else keys.head.shape[-2]), keys.offset
+    held = n_q - dropped  # quantized tokens still in the window
+    bias_q = None if bias is None else bias[:, 0, 0, :held].float().expand(batch, held)
+    if sink or dropped > skip:
+        pad = dropped - skip
+        bias_q = torch.zeros(batch, n_q - skip, device=key.device) if bias_q is None else F.pad(bias_q, (pad, 0))
+        bias_q[:, : pad + sink] = torch.finfo(torch.float32).min
+    exact_k = torch.cat([t for t in (extra and extra[0], keys.head, keys.tail, key) if t is not None], dim=-2)
+    exact_v = torch.cat([t for t in (extra and extra[1], values.head, values.tail, value) if t is not None], dim=-2)
+    exact_bias = None if bias is None else torch.cat([bias[..., :sink], bias[..., held:]], dim=-1)  # [b|1, 1, 1, ·]
+    if extra is not None:  # [b, Hkv, 1, t + ·]: the extra tokens' logits before the others' mask
+        rest, logits = exact_k.shape[-2] - extra[0].shape[-2], extra[2].float()
+        others = logits.new_zeros(1, 1, 1, rest) if exact_bias is None else exact_bias.float()
+        exact_bias = torch.cat([logits, others.expand(*logits.shape[:-1], rest)], dim=-1)
+    return bias_q, exact_k, exact_v, exact_bias

@@ -27,11 +27,21 @@ from .kvconvert_common import (
     qk_norms,
     softmax_rows,
 )
+from .kvconvert_folded import kivi_decode_folded, value_rotation
 from .kvconvert_kernels import use_kernels
 from .kvconvert_prefill import additive_mask, prefill_attention
 from .kvconvert_products import cache_mix, cache_scores
 from .kvconvert_quant import kivi_decode, kivi_kernel_reads, static_kivi_decode, static_reads_codes
 from .kvconvert_rope import apply_rotary
+from .kvconvert_tokenstore import TokenStore, decode_columns
+
+# A decode step from the codes reads each KV head's query rows against that head's columns alone (``kivi_decode_heads``)
+# once this saves 10⁸ multiply-adds a layer over the packed product, which scores every query head against every
+# column: there Llama-3.1-8B's shapes (8 KV heads) at 1 × 4K save 1.2·10⁸ and decode 1.21 → 1.26× the source, at
+# 8 × 4K 0.62 → 0.89× (bfloat16); below it a reader's calls a head cost more than they save: SmolLM2 (3 KV heads) at
+# 8 × 4K saves 3·10⁷ and went 0.83 → 0.68×, at 1 × 1K 0.82 → 0.68× (2 AMD EPYC cores, one process,
+# ``bench/results/ab-zack4-heads-*-2026-12-07.md``).
+HEADS_APART_MIN = 10**8
 
 
 class ZackAttention(LatentAttention):
@@ -123,17 +133,24 @@ class ZackAttention(LatentAttention):
             new_keys = key
         new_values = self.v_proj(hidden_states)
         layer = codes_layer(cache, self.layer_idx, hidden_states, new_keys.shape[-1])
-        if layer is not None and layer.value_store is not None:  # a CPU decode step: the codes, as one KV head
-            packed, key_1, value_1 = self._packed_queries(queries), new_keys[:, None], new_values[:, None]
-            if isinstance(layer, StaticLatentLayer):  # every slot, fixed shapes (compiled steps)
-                mixed = static_kivi_decode(packed, key_1, value_1, attention_mask, self.scaling, layer.key_store,
-                                           layer.value_store, layer.filled, layer.max_cache_len)  # fmt: skip
+        if layer is not None and layer.value_store is not None:  # a CPU decode step: the codes
+            key_1, value_1 = new_keys[:, None], new_values[:, None]
+            if isinstance(layer, StaticLatentLayer):  # every slot, fixed shapes (compiled steps), as one KV head
+                stores = (layer.key_store, layer.value_store, layer.filled, layer.max_cache_len)
+                packed = static_kivi_decode(self._packed_queries(queries), key_1, value_1, attention_mask,
+                                            self.scaling, *stores)  # fmt: skip
+                mixed = self._head_values(packed)
             else:
                 bias = additive_mask(attention_mask, 1, len(layer.key_store) + 1, torch.float32, hidden_states.device)
-                mixed = kivi_decode(packed, key_1, value_1, bias, layer.key_store, layer.value_store, self.scaling,
-                                    kernel=False)  # fmt: skip
+                if self._heads_apart(batch, len(layer.key_store) + 1):
+                    mixed = kivi_decode_heads(queries, key_1, value_1, bias, layer.key_store, layer.value_store,
+                                              self.scaling, self.rank_k, self.rank_v)  # fmt: skip
+                else:
+                    packed = kivi_decode(self._packed_queries(queries), key_1, value_1, bias, layer.key_store,
+                                         layer.value_store, self.scaling, kernel=False)  # fmt: skip
+                    mixed = self._head_values(packed)
             layer.append(new_keys, new_values)
-            return self.o_proj(self._head_values(mixed.to(hidden_states.dtype)))
+            return self.o_proj(mixed.to(hidden_states.dtype))
         keys, values, _, _ = self.append_step(cache, new_keys, new_values, position_ids)
         assert values is not None
         kv_len = keys.shape[1]
@@ -150,6 +167,13 @@ class ZackAttention(LatentAttention):
             out = prefill_attention(queries[g], key_g[:, None], value_g[:, None], attention_mask, self.scaling)
             outputs.append(out.transpose(1, 2).reshape(batch, q_len, -1))  # [b, q, G·r_v,g]: W_O undoes the rotation
         return self.o_proj(torch.cat(outputs, dim=-1))
+
+    def _heads_apart(self, rows: int, tokens: int) -> bool:
+        """A decode step from the codes reads each KV head's columns apart (``kivi_decode_heads``) where that saves
+        ``HEADS_APART_MIN`` multiply-adds or more: below it a reader's calls for every KV head cost more than the packed
+        product's extra arithmetic."""
+        saved = (self.heads - self.group) * rows * tokens * (sum(self.rank_k) + sum(self.rank_v))
+        return saved >= HEADS_APART_MIN
 
     def _decode_packed(
         self, queries: list[torch.Tensor], keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
@@ -190,6 +214,34 @@ class ZackAttention(LatentAttention):
             outputs.append(out.transpose(1, 2).reshape(batch, q_len, -1))
             v_off += self.rank_v[g]
         return torch.cat(outputs, dim=-1)
+
+
+def kivi_decode_heads(
+    queries: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None, keys: TokenStore,
+    values: TokenStore, scaling: float, rank_k: list[int], rank_v: list[int],
+) -> torch.Tensor:  # fmt: skip
+    """A decode step from the codes of ZACK's packed latents (``kivi_decode_folded``), each KV head's query rows
+    against its own columns only: ``queries`` per group ``[b, G, 1, r_k,g]``, this step's packed ``key/value [b, 1, 1,
+    Σ r]``, ``bias [b|1, 1, 1, n]`` or None. The packed product (``_decode_packed``, ``kivi_decode``) scores every
+    query head against every column, Hkv times the arithmetic, which reading 4-bit codes makes the step's cost:
+    ZACK 0.5 + 4-bit on Llama-3.1-8B's shapes at 8 × 4K decoded at 0.64× the source (zack 0.5 alone 1.17×).
+    Returns o_proj's input ``[b, 1, Σ_h r_v,g(h)]`` float32."""
+    kb, vb = keys.blocks, values.blocks
+    assert kb is not None and vb is not None
+    bias_q, exact_k, exact_v, exact_bias = decode_columns(bias, keys, values, key, value)
+    width = value.shape[-1]
+    rotated = value_rotation(values, width, key.device)
+    outputs, k_at, v_at = [], 0, 0
+    for query, r_k, r_v in zip(queries, rank_k, rank_v, strict=True):
+        k_cols, v_cols = slice(k_at, k_at + r_k), slice(v_at, v_at + r_v)
+        acc, ml = kivi_decode_folded(query.transpose(1, 2).float(), kb.codes[:, :, :, k_cols], kb.scale[..., k_cols],
+                                     kb.zero[..., k_cols], vb.codes, vb.scale, vb.zero, bias_q, scaling,
+                                     keys.quant.bits, values.quant.bits, value_rotation=rotated, value_width=width,
+                                     exact=(exact_k[..., k_cols], exact_v[..., v_cols], exact_bias),
+                                     value_span=(v_at, v_at + r_v))  # fmt: skip
+        outputs.append((acc / ml[..., 1:]).flatten(1))  # [b, G · r_v,g]: head after head, as o_proj reads them
+        k_at, v_at = k_at + r_k, v_at + r_v
+    return torch.cat(outputs, dim=-1)[:, None]
 
 
 def codes_layer(
