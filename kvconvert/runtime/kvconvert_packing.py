@@ -110,21 +110,20 @@ def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
 _COLUMN_GROUPS: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, list[list[int]]]] = {}
 
 
-def column_groups(planes: int, columns: int, groups: int, size: int, device: torch.device,
-                  offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:  # fmt: skip
+def column_groups(planes: int, columns: int, groups: int, size: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:  # fmt: skip
     """The channel group of every column of every bit plane ``[planes, columns]`` (channel ``planes·j + k`` in column
     j of plane k), of every channel ``[planes·columns]``, and per plane the column each group starts at (``groups +
     1`` of them, the last ``columns``: a group's columns are a run in every plane), groups of ``size`` channels (a
-    packed row's codes past the last group's end take the last group's; they are cut off). ``offset``: the codes'
-    first channel lies that far into the first group (a slice of a packed row that starts inside a group). Kept per
-    shape and device: a step asks once a layer; a compiled step traces them (plain arithmetic, no tensor read back)."""
-    key, traced = (planes, columns, groups, size, device, offset), torch.compiler.is_compiling()
+    packed row's codes past the last group's end take the last group's; they are cut off). Kept per shape and
+    device: a step asks once a layer; a compiled step traces them (plain arithmetic, no tensor read back)."""
+    key, traced = (planes, columns, groups, size, device), torch.compiler.is_compiling()
     if key in _COLUMN_GROUPS and not traced:
         return _COLUMN_GROUPS[key]
-    of_channel = ((torch.arange(planes * columns, device=device) + offset) // size).clamp_(max=groups - 1)
+    of_channel = (torch.arange(planes * columns, device=device) // size).clamp_(max=groups - 1)
     of_column = of_channel.view(columns, planes).T.contiguous()
-    # plane k's first column of group g: the first j with offset + planes·j + k >= g·size
-    starts = [[min(columns, max(0, -(-(g * size - offset - k) // planes))) for g in range(groups)] + [columns]
+    # plane k's first column of group g: the first j with planes·j + k >= g·size
+    starts = [[min(columns, max(0, -(-(g * size - k) // planes))) for g in range(groups)] + [columns]
               for k in range(planes)]  # fmt: skip
     if not traced:
         _COLUMN_GROUPS[key] = of_column, of_channel, starts
