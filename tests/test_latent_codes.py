@@ -53,21 +53,17 @@ def _batch():
                      return_dict_in_generate=True, output_logits=True)  # fmt: skip
 
 
-def _counted(monkeypatch, *names: str) -> list[int]:
-    """The ZACK runtime's readers ``names`` counting their calls into the list returned."""
+def _counted(monkeypatch, name: str) -> list[int]:
+    """The ZACK runtime's reader ``name`` counting its calls into the list returned."""
     import kvconvert.runtime.kvconvert_zack as zack
 
-    calls: list[int] = []
+    calls, original = [], getattr(zack, name)
 
-    def counted(original):
-        def call(*a, **k):
-            calls.append(1)
-            return original(*a, **k)
+    def counted(*a, **k):
+        calls.append(1)
+        return original(*a, **k)
 
-        return call
-
-    for name in names:
-        monkeypatch.setattr(zack, name, counted(getattr(zack, name)))
+    monkeypatch.setattr(zack, name, counted)
     return calls
 
 
