@@ -72,9 +72,9 @@ def test_compiled_value_sums_are_the_eager_sums(bits, batch, tokens, group, rows
 @pytest.mark.parametrize(("width", "group"), [(93, 64), (26, 8)])
 def test_compiled_value_sums_take_groups_that_end_inside_a_byte(bits, width, group, fused, monkeypatch):
     """Values whose channel groups end inside a packed byte (ZACK's packed columns: 93 channels in 2 groups of 47,
-    26 in 4 of 7): the compiled reader looks up each column's group (``_values_by_index``; at 8 bits every group is
-    whole bytes), against the eager products over each plane's runs of columns and against the weights times the
-    dequantized values."""
+    26 in 4 of 7): compiled group by group over the bytes holding each group's channels (``_values_by_group``), at 3
+    bits, whose bytes mix channels, each column's group looked up (``_values_by_index``), against the eager products
+    over each plane's runs of columns and against the weights times the dequantized values."""
     torch.manual_seed(width + bits)
     values = torch.randn(2, 1, 40, width)
     stored = quantize_tokens(values, bits, group, False)
@@ -83,7 +83,7 @@ def test_compiled_value_sums_take_groups_that_end_inside_a_byte(bits, width, gro
     args = (weights, stored.codes, stored.scale, stored.zero, bits, width)
     compiled = kvconvert_folded.folded_value_sum(*args)[..., :width]
     names = [name for name, built in fused.items() if built is not False]
-    assert names == ["folded_value_sum" if bits == 8 else "folded_value_sum_spans"]  # 8 bits: one code a byte
+    assert names == ["folded_value_sum_spans" if bits == 3 else "folded_value_sum"]
     monkeypatch.setenv("KVCONVERT_COMPILE", "off")
     eager = kvconvert_folded.folded_value_sum(*args)[..., :width]
     sums = dict(atol=1e-4, rtol=1e-5)
