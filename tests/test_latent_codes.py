@@ -1,6 +1,6 @@
 """ZACK with quantized latents (``--kv-bits``) decodes on a CPU from their codes: its packed columns as one KV head of
-KIVI's layout (``kivi_decode``; ``static_kivi_decode`` from a static cache, compiled too), against the same cache read
-back dequantized."""
+KIVI's layout (``kivi_decode``; ``static_kivi_decode`` from a static cache, compiled too) or each KV head's columns
+apart (``kivi_decode_heads``, ``heads_decode``), against the same cache read back dequantized."""
 
 from __future__ import annotations
 
@@ -81,19 +81,23 @@ def _converted(kind, bits, tokenized_model_dir, tmp_path, monkeypatch):
     return kvconvert.load(tmp_path / "m").eval()
 
 
-@pytest.mark.parametrize(("kind", "bits"), [("llama_gqa", "4"), ("llama_gqa", "8"), ("gpt2", "2")])
+@pytest.mark.parametrize(("kind", "bits", "apart"),
+                         [("llama_gqa", "4", False), ("llama_gqa", "4", True), ("llama_gqa", "8", False),
+                          ("gpt2", "2", True)])  # fmt: skip
 @torch.no_grad()
 def test_zack_decodes_its_quantized_latents_from_a_static_cache_s_codes(
-    kind, bits, tokenized_model_dir, tmp_path, monkeypatch
+    kind, bits, apart, tokenized_model_dir, tmp_path, monkeypatch
 ):
     """From a static cache (``generate(cache_implementation="static")``) every decode step of a layer whose widths
-    KIVI's reader takes reads every slot's codes (``static_kivi_decode``): the tokens and logits of the same static
-    cache read back dequantized, and of the growing cache; compiled (fullgraph, traced), the same again."""
+    KIVI's reader takes reads every slot's codes (as one KV head, ``static_kivi_decode``, or each KV head's columns
+    apart, ``heads_decode``): the tokens and logits of the same static cache read back dequantized, and of the growing
+    cache; compiled (fullgraph, traced), the same again."""
     import kvconvert.runtime.kvconvert_zack as zack
 
+    monkeypatch.setattr(zack, "HEADS_APART_MIN", 0 if apart else 1 << 62)
     model = _converted(kind, bits, tokenized_model_dir, tmp_path, monkeypatch)
     ids, kwargs = _batch()
-    calls = _counted(monkeypatch, "static_kivi_decode")
+    calls = _counted(monkeypatch, "heads_decode" if apart else "static_kivi_decode")
     from_codes = model.generate(ids, cache_implementation="static", **kwargs)
     layers = [layer for layer in from_codes.past_key_values.layers if type(layer).__name__ == "StaticLatentLayer"]
     reads = sum(zack.static_reads_codes(layer.key_store, layer.value_store, 0) for layer in layers)
@@ -108,6 +112,7 @@ def test_zack_decodes_its_quantized_latents_from_a_static_cache_s_codes(
             assert_same_logits(a, b, f"zack {kind} {bits}-bit static decode step {step} against {name}")
         assert torch.equal(reference.sequences, from_codes.sequences)
     monkeypatch.undo()  # the compiled step traces the module's own functions
+    monkeypatch.setattr(zack, "HEADS_APART_MIN", 0 if apart else 1 << 62)
     compiled = compiled_generate(model, lambda m, **kw: m.generate(ids, **kwargs, **kw), backend="aot_eager")
     for step, (a, b) in enumerate(zip(from_codes.logits, compiled.logits, strict=True)):
         assert_same_logits(a, b, f"zack {kind} {bits}-bit compiled step {step}")

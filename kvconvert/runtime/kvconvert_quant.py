@@ -345,29 +345,38 @@ def static_kivi_decode(
     (``kernel``) the Triton kernel over the blocks quantized so far, its partial merged with the exact part's (the
     sink, the ring's tokens not quantized yet, this step's token: ``static_columns``). Values may be of another width
     ``e`` than the keys, as ``kivi_decode``'s (ZACK's packed columns; the torch reader): the result ``[b, H, 1, e]``."""
-    assert keys.codes is not None and keys.scale is not None and keys.zero is not None
-    assert values.codes is not None and values.scale is not None and values.zero is not None
     batch, heads, _, dim = query.shape
     kv_heads, device, width = key.shape[1], query.device, value.shape[-1]
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
-    bias_q, exact = static_columns(keys, values, key, value, attention_mask, filled, max_cache_len)
-    quantized = keys.quantized_count(filled)
-    codes = (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)
+    codes, bias_q, exact = static_codes(keys, values, key, value, attention_mask, filled, max_cache_len, not kernel)
     rotated = value_rotation(values, width, device)
     if kernel:
         acc, ml = kivi_decode_triton(q, *codes, bias_q, scaling, precise=query.dtype == torch.float32,
-                                     length=quantized)  # the blocks quantized so far  # fmt: skip
+                                     length=keys.quantized_count(filled))  # the blocks quantized so far  # fmt: skip
         parts = [(acc if rotated is None else unrotated(acc, rotated), ml), exact_partial(q, *exact, scaling)]
         return merge_partials(parts).view(batch, heads, 1, dim)
-    if eager_on_cpu(device):  # the count is free to read: the blocks written so far, not every one held
-        upto = written_blocks(keys, filled)
-        (kc, ks, kz, vc, vs, vz), tokens = codes, upto * keys.quant.group
-        codes = (kc[:, :, :upto], ks[:, :, :upto], kz[:, :, :upto],
-                 vc[:, :, :tokens], vs[:, :, :tokens], vz[:, :, :tokens])  # fmt: skip
-        bias_q = bias_q[:, :tokens]
     acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits, exact=exact,
                                  value_rotation=rotated, value_width=width)  # fmt: skip
     return (acc / ml[..., 1:]).view(batch, heads, 1, width)
+
+
+def static_codes(
+    keys: StaticTokenStore, values: StaticTokenStore, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    filled: torch.Tensor, max_cache_len: int, written: bool = True,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """What a decode step reads from static stores in KIVI's layout: their codes (keys' codes, scales, zeros, then
+    values'), the bias of the tokens they hold and the exact part (``static_columns``). ``written``: eagerly on a CPU,
+    where the count is free to read, only the blocks written so far, not every one the buffers have room for."""
+    assert keys.codes is not None and keys.scale is not None and keys.zero is not None
+    assert values.codes is not None and values.scale is not None and values.zero is not None
+    bias_q, exact = static_columns(keys, values, key, value, attention_mask, filled, max_cache_len)
+    codes = (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)
+    if written and eager_on_cpu(key.device):
+        upto = written_blocks(keys, filled)
+        tokens = upto * keys.quant.group
+        codes = (*(t[:, :, :upto] for t in codes[:3]), *(t[:, :, :tokens] for t in codes[3:]))
+        bias_q = bias_q[:, :tokens]
+    return codes, bias_q, exact
 
 
 def _kivi_quantized(quant: QuantSpec, layer: int) -> bool:

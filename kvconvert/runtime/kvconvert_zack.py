@@ -31,7 +31,7 @@ from .kvconvert_folded import kivi_decode_folded, value_rotation
 from .kvconvert_kernels import use_kernels
 from .kvconvert_prefill import additive_mask, prefill_attention
 from .kvconvert_products import cache_mix, cache_scores
-from .kvconvert_quant import kivi_decode, kivi_kernel_reads, static_kivi_decode, static_reads_codes
+from .kvconvert_quant import kivi_decode, kivi_kernel_reads, static_codes, static_kivi_decode, static_reads_codes
 from .kvconvert_rope import apply_rotary
 from .kvconvert_tokenstore import TokenStore, decode_columns
 
@@ -40,7 +40,8 @@ from .kvconvert_tokenstore import TokenStore, decode_columns
 # column: there Llama-3.1-8B's shapes (8 KV heads) at 1 × 4K save 1.2·10⁸ and decode 1.21 → 1.26× the source, at
 # 8 × 4K 0.62 → 0.89× (bfloat16); below it a reader's calls a head cost more than they save: SmolLM2 (3 KV heads) at
 # 8 × 4K saves 3·10⁷ and went 0.83 → 0.68×, at 1 × 1K 0.82 → 0.68× (2 AMD EPYC cores, one process,
-# ``bench/results/ab-zack4-heads-*-2026-12-07.md``).
+# ``bench/results/ab-zack4-heads-*-2026-12-07.md``); with each head's values read group by group, 1.05 → 1.06× at
+# 8 × 4K, 0.84 → 0.69× at 8 × 1K (``ab-zack4-heads-apart-smollm2-again-2026-12-07.md``).
 HEADS_APART_MIN = 10**8
 
 
@@ -135,11 +136,16 @@ class ZackAttention(LatentAttention):
         layer = codes_layer(cache, self.layer_idx, hidden_states, new_keys.shape[-1])
         if layer is not None and layer.value_store is not None:  # a CPU decode step: the codes
             key_1, value_1 = new_keys[:, None], new_values[:, None]
-            if isinstance(layer, StaticLatentLayer):  # every slot, fixed shapes (compiled steps), as one KV head
+            if isinstance(layer, StaticLatentLayer):  # every slot, fixed shapes (compiled steps)
                 stores = (layer.key_store, layer.value_store, layer.filled, layer.max_cache_len)
-                packed = static_kivi_decode(self._packed_queries(queries), key_1, value_1, attention_mask,
-                                            self.scaling, *stores)  # fmt: skip
-                mixed = self._head_values(packed)
+                if self._heads_apart(batch, layer.max_cache_len):
+                    codes, bias_q, exact = static_codes(*stores[:2], key_1, value_1, attention_mask, *stores[2:])
+                    mixed = heads_decode(queries, codes, bias_q, exact, *stores[:2], self.scaling, self.rank_k,
+                                         self.rank_v)  # fmt: skip
+                else:  # as one KV head
+                    packed = static_kivi_decode(self._packed_queries(queries), key_1, value_1, attention_mask,
+                                                self.scaling, *stores)  # fmt: skip
+                    mixed = self._head_values(packed)
             else:
                 bias = additive_mask(attention_mask, 1, len(layer.key_store) + 1, torch.float32, hidden_states.device)
                 if self._heads_apart(batch, len(layer.key_store) + 1):
@@ -169,9 +175,10 @@ class ZackAttention(LatentAttention):
         return self.o_proj(torch.cat(outputs, dim=-1))
 
     def _heads_apart(self, rows: int, tokens: int) -> bool:
-        """A decode step from the codes reads each KV head's columns apart (``kivi_decode_heads``) where that saves
-        ``HEADS_APART_MIN`` multiply-adds or more: below it a reader's calls for every KV head cost more than the packed
-        product's extra arithmetic."""
+        """A decode step from the codes reads each KV head's columns apart (``kivi_decode_heads``, ``heads_decode``)
+        where that saves ``HEADS_APART_MIN`` multiply-adds or more: below it a reader's calls for every KV head cost
+        more than the packed product's extra arithmetic (compiled from a static cache, SmolLM2 at 1 × 4K: 1.01× the
+        compiled source packed, 0.99× heads apart, ``ab-zack4-heads-compiled-2026-12-07.md``)."""
         saved = (self.heads - self.group) * rows * tokens * (sum(self.rank_k) + sum(self.rank_v))
         return saved >= HEADS_APART_MIN
 
@@ -220,23 +227,37 @@ def kivi_decode_heads(
     queries: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None, keys: TokenStore,
     values: TokenStore, scaling: float, rank_k: list[int], rank_v: list[int],
 ) -> torch.Tensor:  # fmt: skip
-    """A decode step from the codes of ZACK's packed latents (``kivi_decode_folded``), each KV head's query rows
-    against its own columns only: ``queries`` per group ``[b, G, 1, r_k,g]``, this step's packed ``key/value [b, 1, 1,
-    Σ r]``, ``bias [b|1, 1, 1, n]`` or None. The packed product (``_decode_packed``, ``kivi_decode``) scores every
-    query head against every column, Hkv times the arithmetic, which reading 4-bit codes makes the step's cost:
-    ZACK 0.5 + 4-bit on Llama-3.1-8B's shapes at 8 × 4K decoded at 0.64× the source (zack 0.5 alone 1.17×).
-    Returns o_proj's input ``[b, 1, Σ_h r_v,g(h)]`` float32."""
+    """``heads_decode`` over growing stores: this step's packed ``key/value [b, 1, 1, Σ r]``, ``bias [b|1, 1, 1, n]``
+    or None over the tokens held."""
     kb, vb = keys.blocks, values.blocks
     assert kb is not None and vb is not None
     bias_q, exact_k, exact_v, exact_bias = decode_columns(bias, keys, values, key, value)
-    width = value.shape[-1]
-    rotated = value_rotation(values, width, key.device)
+    codes = (kb.codes, kb.scale, kb.zero, vb.codes, vb.scale, vb.zero)
+    return heads_decode(queries, codes, bias_q, (exact_k, exact_v, exact_bias), keys, values, scaling, rank_k, rank_v)
+
+
+def heads_decode(
+    queries: list[torch.Tensor], codes: tuple[torch.Tensor, ...], bias_q: torch.Tensor | None,
+    exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], keys: Any, values: Any, scaling: float,
+    rank_k: list[int], rank_v: list[int],
+) -> torch.Tensor:  # fmt: skip
+    """A decode step from the codes of ZACK's packed latents (``kivi_decode_folded``: ``codes`` keys' codes, scales,
+    zeros, then values', ``bias_q`` theirs, ``exact`` the exact tokens, of ``keys``/``values``, ``TokenStore``s or
+    ``StaticTokenStore``s), each KV head's query rows (``queries`` per group ``[b, G, 1, r_k,g]``) against its own
+    columns only. The packed product (``_decode_packed``, ``kivi_decode``) scores every query head against every
+    column, Hkv times the arithmetic, which reading 4-bit codes makes the step's cost: ZACK 0.5 + 4-bit on
+    Llama-3.1-8B's shapes at 8 × 4K decoded at 0.64× the source (zack 0.5 alone 1.17×).
+    Returns o_proj's input ``[b, 1, Σ_h r_v,g(h)]`` float32."""
+    kc, ks, kz, vc, vs, vz = codes
+    exact_k, exact_v, exact_bias = exact
+    width = exact_v.shape[-1]
+    rotated = value_rotation(values, width, kc.device)
     outputs, k_at, v_at = [], 0, 0
     for query, r_k, r_v in zip(queries, rank_k, rank_v, strict=True):
         k_cols, v_cols = slice(k_at, k_at + r_k), slice(v_at, v_at + r_v)
-        acc, ml = kivi_decode_folded(query.transpose(1, 2).float(), kb.codes[:, :, :, k_cols], kb.scale[..., k_cols],
-                                     kb.zero[..., k_cols], vb.codes, vb.scale, vb.zero, bias_q, scaling,
-                                     keys.quant.bits, values.quant.bits, value_rotation=rotated, value_width=width,
+        acc, ml = kivi_decode_folded(query.transpose(1, 2).float(), kc[:, :, :, k_cols], ks[..., k_cols],
+                                     kz[..., k_cols], vc, vs, vz, bias_q, scaling, keys.quant.bits, values.quant.bits,
+                                     value_rotation=rotated, value_width=width,
                                      exact=(exact_k[..., k_cols], exact_v[..., v_cols], exact_bias),
                                      value_span=(v_at, v_at + r_v))  # fmt: skip
         outputs.append((acc / ml[..., 1:]).flatten(1))  # [b, G · r_v,g]: head after head, as o_proj reads them
