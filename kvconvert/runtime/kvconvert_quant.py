@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kvconvert_codec import QuantSpec, eager_on_cpu, rotation
+from .kvconvert_codec import QuantSpec, rotation
 from .kvconvert_common import LayerStateCache, cache_layer_of, static_refusal
 from .kvconvert_folded import (
     byte_codes_pay,
@@ -66,7 +66,7 @@ from .kvconvert_tokenlayout import (
     kivi_int4_fits,
     kivi_int4_values,
 )
-from .kvconvert_tokenstatic import StaticTokenLayoutLayer, static_columns, written_blocks
+from .kvconvert_tokenstatic import StaticTokenLayoutLayer, static_codes
 from .kvconvert_tokenstore import TokenStore, decode_columns
 
 IMPLEMENTATION = "kvconvert_quant"
@@ -340,11 +340,10 @@ def static_kivi_decode(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, scaling: float,
     keys: StaticTokenStore, values: StaticTokenStore, filled: torch.Tensor, max_cache_len: int, kernel: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """One decode step ``[b, H, 1, d]`` float32 over static stores (``static_reads_codes``) from their codes, writing
-    nothing: every block's room through the torch reader (eagerly on a CPU the blocks written so far), or
-    (``kernel``) the Triton kernel over the blocks quantized so far, its partial merged with the exact part's (the
-    sink, the ring's tokens not quantized yet, this step's token: ``static_columns``). Values may be of another width
-    ``e`` than the keys, as ``kivi_decode``'s (ZACK's packed columns; the torch reader): the result ``[b, H, 1, e]``."""
+    """One decode step ``[b, H, 1, d]`` float32 over static stores (``static_reads_codes``) from their codes
+    (``static_codes``), writing nothing: the torch reader, or (``kernel``) the Triton kernel over the blocks quantized
+    so far, its partial merged with the exact part's. Values may be of another width ``e`` than the keys, as
+    ``kivi_decode``'s (ZACK's packed columns; the torch reader): the result ``[b, H, 1, e]``."""
     batch, heads, _, dim = query.shape
     kv_heads, device, width = key.shape[1], query.device, value.shape[-1]
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim).float()
@@ -358,25 +357,6 @@ def static_kivi_decode(
     acc, ml = kivi_decode_folded(q, *codes, bias_q, scaling, keys.quant.bits, values.quant.bits, exact=exact,
                                  value_rotation=rotated, value_width=width)  # fmt: skip
     return (acc / ml[..., 1:]).view(batch, heads, 1, width)
-
-
-def static_codes(
-    keys: StaticTokenStore, values: StaticTokenStore, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-    filled: torch.Tensor, max_cache_len: int, written: bool = True,
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
-    """What a decode step reads from static stores in KIVI's layout: their codes (keys' codes, scales, zeros, then
-    values'), the bias of the tokens they hold and the exact part (``static_columns``). ``written``: eagerly on a CPU,
-    where the count is free to read, only the blocks written so far, not every one the buffers have room for."""
-    assert keys.codes is not None and keys.scale is not None and keys.zero is not None
-    assert values.codes is not None and values.scale is not None and values.zero is not None
-    bias_q, exact = static_columns(keys, values, key, value, attention_mask, filled, max_cache_len)
-    codes = (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)
-    if written and eager_on_cpu(key.device):
-        upto = written_blocks(keys, filled)
-        tokens = upto * keys.quant.group
-        codes = (*(t[:, :, :upto] for t in codes[:3]), *(t[:, :, :tokens] for t in codes[3:]))
-        bias_q = bias_q[:, :tokens]
-    return codes, bias_q, exact
 
 
 def _kivi_quantized(quant: QuantSpec, layer: int) -> bool:

@@ -1,5 +1,6 @@
-"""Static (preallocated) quantized caches decoded from their codes: what a step attends beside the codes
-(``static_columns``, shared with KIVI's layout), and the token layout's layer (``StaticTokenLayoutLayer``).
+"""Static (preallocated) quantized caches decoded from their codes: what a step reads (``static_codes``, KIVI's
+layout) and attends beside the codes (``static_columns``, shared with it), and the token layout's layer
+(``StaticTokenLayoutLayer``).
 
 Copied verbatim into every output directory; imports only torch and transformers.
 """
@@ -19,6 +20,9 @@ from .kvconvert_staticstore import StaticTokenStore, ring_positions
 from .kvconvert_storage import StaticStoreLayer
 from .kvconvert_token_kernel import static_token_kernel_decode, static_token_kernel_reads
 from .kvconvert_tokenlayout import StaticTokenLayoutStore, code_outputs, code_scores
+
+# a KIVI store pair's codes as its readers take them: keys' codes, scales, zeros, then values'
+SixCodes = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def written_blocks(store: StaticTokenStore, filled: torch.Tensor) -> int:
@@ -59,6 +63,26 @@ def static_columns(
     at, ok = torch.cat(where), torch.cat(valid)
     exact_bias = torch.where(ok, bias.index_select(1, at.clamp(0, max_cache_len - 1)), minimum)
     return bias_q, (torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2), exact_bias[:, None, None])
+
+
+def static_codes(
+    keys: StaticTokenStore, values: StaticTokenStore, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    filled: torch.Tensor, max_cache_len: int, written: bool = True,
+) -> tuple[SixCodes, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """What a decode step reads from static stores in KIVI's layout: their codes (keys' codes, scales, zeros, then
+    values'), the bias of the tokens they hold and the exact part (``static_columns``). ``written``: eagerly on a CPU,
+    where the count is free to read, only the blocks written so far, not every one the buffers have room for."""
+    assert keys.codes is not None and keys.scale is not None and keys.zero is not None
+    assert values.codes is not None and values.scale is not None and values.zero is not None
+    bias_q, exact = static_columns(keys, values, key, value, attention_mask, filled, max_cache_len)
+    codes = (keys.codes, keys.scale, keys.zero, values.codes, values.scale, values.zero)
+    if written and eager_on_cpu(key.device):
+        upto = written_blocks(keys, filled)
+        kc, ks, kz, vc, vs, vz, tokens = *codes, upto * keys.quant.group
+        codes = (kc[:, :, :upto], ks[:, :, :upto], kz[:, :, :upto],
+                 vc[:, :, :tokens], vs[:, :, :tokens], vz[:, :, :tokens])  # fmt: skip
+        bias_q = bias_q[:, :tokens]
+    return codes, bias_q, exact
 
 
 class StaticTokenLayoutLayer(StaticStoreLayer):

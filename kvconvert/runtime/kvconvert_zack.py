@@ -31,8 +31,9 @@ from .kvconvert_folded import kivi_decode_folded, value_rotation
 from .kvconvert_kernels import use_kernels
 from .kvconvert_prefill import additive_mask, prefill_attention
 from .kvconvert_products import cache_mix, cache_scores
-from .kvconvert_quant import kivi_decode, kivi_kernel_reads, static_codes, static_kivi_decode, static_reads_codes
+from .kvconvert_quant import kivi_decode, kivi_kernel_reads, static_kivi_decode, static_reads_codes
 from .kvconvert_rope import apply_rotary
+from .kvconvert_tokenstatic import static_codes
 from .kvconvert_tokenstore import TokenStore, decode_columns
 
 # A decode step from the codes reads each KV head's query rows against that head's columns alone (``kivi_decode_heads``)
