@@ -33,7 +33,7 @@ from .kvconvert_prefill import additive_mask, prefill_attention
 from .kvconvert_products import cache_mix, cache_scores
 from .kvconvert_quant import kivi_decode, kivi_kernel_reads, static_kivi_decode, static_reads_codes
 from .kvconvert_rope import apply_rotary
-from .kvconvert_tokenstatic import static_codes
+from .kvconvert_tokenstatic import SixCodes, static_codes
 from .kvconvert_tokenstore import TokenStore, decode_columns
 
 # A decode step from the codes reads each KV head's query rows against that head's columns alone (``kivi_decode_heads``)
@@ -238,7 +238,7 @@ def kivi_decode_heads(
 
 
 def heads_decode(
-    queries: list[torch.Tensor], codes: tuple[torch.Tensor, ...], bias_q: torch.Tensor | None,
+    queries: list[torch.Tensor], codes: SixCodes, bias_q: torch.Tensor | None,
     exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], keys: Any, values: Any, scaling: float,
     rank_k: list[int], rank_v: list[int],
 ) -> torch.Tensor:  # fmt: skip
