@@ -9,7 +9,7 @@ import torch
 from default_methods import LOSSLESS
 from helpers import load_converted, load_reference
 
-from kvconvert.eval.speed import _decode, _prefill, ragged_batch, side_by_side
+from kvconvert.eval.speed import PACKED_DECODE, _decode, _prefill, packed_decode, ragged_batch, side_by_side
 
 
 def test_a_ragged_batch_is_left_padded_rows_of_different_lengths():
@@ -47,3 +47,38 @@ def test_side_by_side_counts_every_row(tokenized_model_dir):
     four = side_by_side({"m": model}, 32, steps=2, rounds=1, batch=4)["m"]
     assert four["cache_bytes"] > 2 * one["cache_bytes"]  # four rows of 16 to 32 tokens
     assert four["decode_tokens_per_s"] > 0 and one["decode_tokens_per_s"] > 0
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_packed_source_decodes_as_the_source_reading_each_kv_head_once(rows, tokenized_model_dir, monkeypatch):
+    """The reference the benches also time a converted model against (``packed_decode``): the same logits at every
+    step, batch 1 without a mask and left-padded rows, its steps' attention on ``[b, Hkv, G, d]`` queries."""
+    source = load_reference(tokenized_model_dir("llama_gqa"))
+    packed = packed_decode(load_reference(tokenized_model_dir("llama_gqa")))
+    assert packed.config._attn_implementation == PACKED_DECODE
+    assert source.config.num_key_value_heads < source.config.num_attention_heads  # a GQA model: heads to pack
+    shapes = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **k: shapes.append(tuple(q.shape)) or sdpa(q, *a, **k))  # fmt: skip
+    ids, mask = ragged_batch(source.config.vocab_size, 24, rows, seed=5)
+    mask = mask if rows > 1 else None
+    states = [_prefill(model, ids, 8, mask) for model in (source, packed)]
+    token, position = states[0]["token"], states[0].get("next")
+    config = packed.config
+    stacked = (rows, config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads,
+               config.head_dim)  # fmt: skip
+    for _ in range(3):
+        padded = {}
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+            padded, position = {"attention_mask": mask, "position_ids": position}, position + 1
+        logits = []
+        for model, state in zip((source, packed), states, strict=True):
+            shapes.clear()
+            out = model(token, past_key_values=state["cache"], use_cache=True, **padded)
+            logits.append(out.logits)
+        assert shapes and all(shape == stacked for shape in shapes)  # the packed model's step
+        assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+        token = logits[0][:, -1:].argmax(-1)
