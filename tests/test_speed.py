@@ -9,7 +9,15 @@ import torch
 from default_methods import LOSSLESS
 from helpers import load_converted, load_reference
 
-from kvconvert.eval.speed import PACKED_DECODE, _decode, _prefill, packed_decode, ragged_batch, side_by_side
+from kvconvert.eval.speed import (
+    PACKED_DECODE,
+    _decode,
+    _prefill,
+    packed_decode,
+    ragged_batch,
+    side_by_side,
+    timed_packed,
+)
 
 
 def test_a_ragged_batch_is_left_padded_rows_of_different_lengths():
@@ -82,3 +90,16 @@ def test_the_packed_source_decodes_as_the_source_reading_each_kv_head_once(rows,
         assert shapes and all(shape == stacked for shape in shapes)  # the packed model's step
         assert torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4)
         token = logits[0][:, -1:].argmax(-1)
+
+
+def test_eval_times_an_sdpa_reference_packed_and_gives_it_back_its_attention(tokenized_model_dir):
+    """``kvconvert eval``'s reference is timed through ``packed_decode`` (``timed_packed``) and leaves the block on its
+    own attention, for the forwards after it; a reference on another attention is timed as it is."""
+    model = load_reference(tokenized_model_dir("llama_gqa"))
+    assert model.config._attn_implementation == "sdpa"
+    with timed_packed(model) as timed:
+        assert timed is model and model.config._attn_implementation == PACKED_DECODE
+    assert model.config._attn_implementation == "sdpa"
+    model.set_attn_implementation("eager")
+    with timed_packed(model):
+        assert model.config._attn_implementation == "eager"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -74,6 +76,22 @@ def packed_decode(model: Any) -> Any:
     AttentionMaskInterface.register(PACKED_DECODE, sdpa_mask)
     model.set_attn_implementation(PACKED_DECODE)
     return model
+
+
+@contextlib.contextmanager
+def timed_packed(model: Any) -> Iterator[Any]:
+    """``model`` through ``packed_decode`` inside the block where it runs on transformers' SDPA, its own attention
+    again after: ``kvconvert eval`` times its reference so, against the source at its fastest, not against the slower
+    unmasked path of batch 1."""
+    before = getattr(model.config, "_attn_implementation", None)
+    if before != "sdpa":
+        yield model
+        return
+    packed_decode(model)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
 
 
 @torch.no_grad()
