@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import machine, markdown_table, write_results  # noqa: E402
 from bench.models import SHARED, llama8b_shaped, prepare_models  # noqa: E402
 from bench.slim_bench import build_source  # noqa: E402
-from bench.speed_bench import PACKED, _converted  # noqa: E402
+from bench.speed_bench import PACKED, _converted, fastest_source, timed_at  # noqa: E402
 from kvconvert.eval.quality import FixedReference, evaluate_quality  # noqa: E402
 from kvconvert.eval.speed import packed_decode, side_by_side  # noqa: E402
 
@@ -100,12 +100,10 @@ def main() -> None:
             contexts = []
         for context in contexts:
             for batch in (int(b) for b in args.batches.split(",")):
-                # padded rows (batch > 1): transformers packs the source's heads itself, the same computation
-                timed = {label: model for label, model in models.items() if batch == 1 or label != PACKED}
-                measured = side_by_side(timed, context, args.steps, args.rounds, batch=batch, static=args.static,
-                                        capacity=args.capacity, compiled=args.compiled)  # fmt: skip
-                speed = measured["source"]["decode_tokens_per_s"]
-                fastest = max(measured[name]["decode_tokens_per_s"] for name in ("source", PACKED) if name in measured)
+                measured = side_by_side(timed_at(models, batch), context, args.steps, args.rounds, batch=batch,
+                                        static=args.static, capacity=args.capacity,
+                                        compiled=args.compiled)  # fmt: skip
+                speed, fastest = measured["source"]["decode_tokens_per_s"], fastest_source(measured)
                 for label, row in measured.items():
                     rows.append({"context": context, "batch": batch, "model": label,
                                  "decode_tokens_per_s": row["decode_tokens_per_s"],

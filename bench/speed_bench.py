@@ -219,6 +219,18 @@ def _chunk(rows: int) -> int:
     return max(128, min(2048, 16384 // rows))
 
 
+def timed_at(models: dict[str, Any], batch: int) -> dict[str, Any]:
+    """The models timed at ``batch`` rows: ``PACKED`` at batch 1 only. More rows are left-padded, and under their mask
+    transformers packs the source's heads itself: the same computation (timed anyway at 8 × 1K it came out 1.17× the
+    source, the machine's noise)."""
+    return {label: model for label, model in models.items() if batch == 1 or label != PACKED}
+
+
+def fastest_source(measured: dict[str, dict[str, float]]) -> float:
+    """Decode tokens/s of the faster of the source as run and ``PACKED`` in ``side_by_side``'s result."""
+    return max(measured[name]["decode_tokens_per_s"] for name in ("source", PACKED) if name in measured)
+
+
 def _measure(source: str, models: dict[str, Any], recipes: dict[str, Any], contexts: list[int], steps: int,
              rounds: int, batches: list[int], compiled: bool = False,
              static: bool = False) -> list[dict[str, Any]]:  # fmt: skip
@@ -229,14 +241,12 @@ def _measure(source: str, models: dict[str, Any], recipes: dict[str, Any], conte
     runs = [(c, b, "") for c in contexts for b in batches] + [(c, 1, "compiled") for c in contexts if compiled]
     runs += [(c, 1, "static") for c in contexts if static]
     for context, batch, mode in runs:
-        # rows left-padded (batch > 1): under their mask transformers packs the source's heads itself, the packed
-        # source is the same computation (timed anyway at 8 × 1K it came out 1.17× the source: the machine's noise)
-        timed = {label: model for label, model in models.items() if batch == 1 or label != PACKED}
         # prefill in chunks of 2048 tokens
-        measured = side_by_side(timed, context, steps, rounds, batch=batch, compiled=mode == "compiled",
-                                static=mode == "static", capacity=2.0 if mode == "static" else None)  # fmt: skip
+        measured = side_by_side(timed_at(models, batch), context, steps, rounds, batch=batch,
+                                compiled=mode == "compiled", static=mode == "static",
+                                capacity=2.0 if mode == "static" else None)  # fmt: skip
         source_speed, source_bytes = measured["source"]["decode_tokens_per_s"], measured["source"]["cache_bytes"]
-        fastest = max(measured[name]["decode_tokens_per_s"] for name in ("source", PACKED) if name in measured)
+        fastest = fastest_source(measured)
         for label, row in measured.items():
             rows.append({
                 "source": source, "context": context, "batch": batch, "compiled": mode == "compiled",

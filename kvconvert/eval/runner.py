@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from dataclasses import dataclass
@@ -244,7 +243,7 @@ def run_eval(model_path: str, reference_path: str | None, config: EvalConfig) ->
         models = {"model": model} if reference is None else {"model": model, "reference": reference}
         result["speed_at"] = []
         for length in config.speed_contexts:
-            with timed_packed(reference) if reference is not None else contextlib.nullcontext():
+            with timed_packed(reference):
                 measured = side_by_side(models, length, config.new_tokens)
             row = {"context": length, **measured["model"]}
             if reference is not None:

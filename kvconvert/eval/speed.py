@@ -82,8 +82,9 @@ def packed_decode(model: Any) -> Any:
 def timed_packed(model: Any) -> Iterator[Any]:
     """``model`` through ``packed_decode`` inside the block where it runs on transformers' SDPA on a CPU, its own
     attention again after: ``kvconvert eval`` times its reference so, against the source at its fastest, not against
-    the slower unmasked path of batch 1 (measured on CPUs only: a GPU's kernels take ``enable_gqa`` natively)."""
-    before = getattr(model.config, "_attn_implementation", None)
+    the slower unmasked path of batch 1 (measured on CPUs only: a GPU's kernels take ``enable_gqa`` natively). None
+    (no reference): nothing to do."""
+    before = None if model is None else getattr(model.config, "_attn_implementation", None)
     if before != "sdpa" or model_device(model).type != "cpu":
         yield model
         return
