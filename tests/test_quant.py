@@ -187,7 +187,7 @@ def test_three_bit_planes_hold_every_fourth_code(width):
     """3-bit codes split into 4 planes, plane k holding codes 4j + k, by the eager split and by the formulas the
     compiled readers use (a word of high bits a plane where the width is a multiple of 32, eight shifts where not);
     every code value at every place."""
-    from kvconvert.runtime.kvconvert_folded import _traced_three_bit_planes, bit_planes
+    from kvconvert.runtime.kvconvert_packing import _traced_three_bit_planes, bit_planes
 
     codes = torch.randint(0, 8, (5, width), dtype=torch.uint8)
     codes[0] = 7  # every high bit set: the top byte of a 32-bit word of high bits too

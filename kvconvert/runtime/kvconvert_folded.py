@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from .kvconvert_codec import channel_groups, rotation
 from .kvconvert_kernels import combine_partials, env_choice
-from .kvconvert_packing import codes_per_unit, column_groups, low_bit_pairs, plane_count, three_bit_planes, unpack
+from .kvconvert_packing import bit_planes, codes_per_unit, column_groups, plane_count
 
 # Scores more than 64 below a row's largest are floored there before ``torch.exp``: its CPU code takes a slow path for
 # every argument whose result underflows (measured on 2 AMD EPYC cores: 8 rows × 1K scores of a decode step 26 µs,
@@ -46,6 +47,7 @@ PLANE_BYTES = 1 << 23
 # to them, said once.
 COMPILE_CHOICES = ("auto", "off")
 FUSE_MIN_CODES = 1 << 18
+WHOLE_MIN_CODES = 1 << 15
 _FUSED: dict[str, Any] = {}  # reader name → its compiled function, or False once it failed to build
 
 
@@ -54,29 +56,31 @@ def compile_requested() -> str:
     return env_choice("KVCONVERT_COMPILE", COMPILE_CHOICES)
 
 
-def fuses(codes: torch.Tensor, bits: int = 0) -> bool:
+def fuses(codes: torch.Tensor, bits: int = 0, least: int | None = None) -> bool:
     """Whether reading ``codes`` goes through a compiled reader (``fused_call``): an eager step on a CPU, as many
     codes as ``FUSE_MIN_CODES`` bytes of 4-bit ones (the eager ops' cost follows the codes, not the bytes: 2-bit codes
     compile from half the bytes, 8-bit from twice; unpacked ``codes``, ``bits`` 0, count their elements), or 3-bit
     codes of any size (their eager split into planes costs 1.4-7× the compiled loop from 1 row × 256 tokens of
     SmolLM2 to 8 × 1K: at 1 × 1K 430 against 159 µs a layer's keys, 2 AMD EPYC cores,
     ``bench/folded_readers_bench.py``). Inside a step ``torch.compile`` traces already, the caller's own ops are what
-    it fuses."""
+    it fuses. ``least``: another bound than ``FUSE_MIN_CODES`` (``kivi_decode_folded``'s whole read)."""
     held = codes.numel() * 4 // bits if bits else codes.numel()  # in bytes of 4-bit codes
-    least = 0 if bits == 3 else FUSE_MIN_CODES
+    least = 0 if bits == 3 else FUSE_MIN_CODES if least is None else least
     return codes.device.type == "cpu" and held >= least and not torch.compiler.is_compiling()
 
 
-def fused_call(name: str, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, bits: int) -> torch.Tensor | None:
+def fused_call(
+    name: str, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, bits: int, traced: bool = False
+) -> torch.Tensor | None:  # fmt: skip
     """``fn`` compiled by Inductor (``compiled_call``) on ``tensors [b, Hkv, ...]`` as rows of b·Hkv (fewer sizes for
-    its guards), its ``[b·Hkv, ...]`` result back as ``[b, Hkv, ...]``; or None where it cannot run."""
-    out = compiled_call(name, fn, *(t.flatten(0, 1) for t in tensors), bits)
+    its guards), its ``[b·Hkv, ...]`` result back as ``[b, Hkv, ...]``; or None where it cannot run. ``traced``: called
+    as it is, inside a function ``compiled_call`` is tracing whole (``kivi_decode_folded``)."""
+    rows = (t.flatten(0, 1) for t in tensors)
+    out = fn(*rows, bits) if traced else compiled_call(name, fn, *rows, bits)
     return None if out is None else out.unflatten(0, tensors[0].shape[:2])
 
 
-def compiled_call(
-    name: str, fn: Callable[..., torch.Tensor], *args: Any, dynamic: bool | None = True
-) -> torch.Tensor | None:  # fmt: skip
+def compiled_call(name: str, fn: Callable[..., Any], *args: Any, dynamic: bool | None = True) -> Any:
     """``fn(*args)`` compiled by Inductor (once per process; ``dynamic``: every size symbolic, or None: only those
     that change between calls, such as a cache's length, which compiles tighter loops); or None where it cannot run:
     the caller's eager ops then (``KVCONVERT_COMPILE=off``, or Inductor failed to build it here: said once)."""
@@ -134,9 +138,32 @@ def kivi_decode_folded(
     where the values' codes are not in KIVI's packing (``KiviInt4Values``), ``Σ p·v`` of weights ``[b, Hkv, G, n]``
     over all the quantized tokens, rotated as stored (``value_codes/scale/zero`` are then not read). ``value_width``:
     the values' channels where they are not as many as the keys' (ZACK's packed columns); ``value_span``: only the
-    values' channels ``[lo, hi)`` are summed and returned (one KV head's of ZACK's: ``folded_value_span``)."""
+    values' channels ``[lo, hi)`` are summed and returned (one KV head's of ZACK's: ``folded_value_span``).
+
+    On a CPU, values in KIVI's packing are read by this function compiled whole (``compiled_call``, from
+    ``WHOLE_MIN_CODES``): one call where the eager step was some 80 small ops a layer."""
+    args = (query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias, scale, key_bits,
+            value_bits, key_factor, value_factor, exact, value_rotation, skip, value_sum, value_width,
+            value_span)  # fmt: skip
+    if value_sum is None and fuses(key_codes, key_bits, WHOLE_MIN_CODES):
+        whole = compiled_call("kivi_decode_folded", _DECODE_TRACED, query.float().contiguous(), *args[1:])
+        if whole is not None:
+            return whole
+    return _decode(*args)
+
+
+def _decode(
+    query: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor, key_zero: torch.Tensor,
+    value_codes: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, bias: torch.Tensor | None,
+    scale: float, key_bits: int, value_bits: int, key_factor: torch.Tensor | None, value_factor: torch.Tensor | None,
+    exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None, value_rotation: torch.Tensor | None,
+    skip: int, value_sum: Callable[[torch.Tensor], torch.Tensor] | None, value_width: int | None,
+    value_span: tuple[int, int] | None, traced: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``kivi_decode_folded``'s arithmetic (its arguments in order); ``traced``: inside ``torch.compile``'s trace of
+    it whole, each reader as the expression its compiled call builds (``fused_call``)."""
     dim = value_width or key_codes.shape[3]
-    scores = folded_scores(query, key_codes, key_scale, key_zero, key_bits)[..., skip:] * scale
+    scores = folded_scores(query, key_codes, key_scale, key_zero, key_bits, traced)[..., skip:] * scale
     n = scores.shape[-1]  # the quantized tokens read
     if skip and value_sum is None:
         value_codes, value_scale, value_zero = (t[:, :, skip:] for t in (value_codes, value_scale, value_zero))
@@ -156,18 +183,21 @@ def kivi_decode_folded(
         acc = value_channels(value_sum(F.pad(weights, (skip, 0)) if skip else weights), value_rotation, dim)
     elif value_span is not None:
         acc = folded_value_span(weights, value_codes, value_scale, value_zero, value_bits, dim, value_span,
-                                value_rotation)  # fmt: skip
+                                value_rotation, traced)  # fmt: skip
     else:
-        acc = value_channels(folded_value_sum(weights, value_codes, value_scale, value_zero, value_bits, dim),
-                             value_rotation, dim)  # fmt: skip
+        summed = folded_value_sum(weights, value_codes, value_scale, value_zero, value_bits, dim, traced)
+        acc = value_channels(summed, value_rotation, dim)
     if exact is not None:
         acc = acc + torch.matmul(every[..., n:], exact[1].float())
     return acc, torch.stack([top, every.sum(-1)], dim=-1)
 
 
+_DECODE_TRACED = partial(_decode, traced=True)  # what ``torch.compile`` traces whole: the readers' compiled expressions
+
+
 def folded_value_span(
     weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, width: int,
-    span: tuple[int, int], rotation: torch.Tensor | None,
+    span: tuple[int, int], rotation: torch.Tensor | None, traced: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """``Σ p·v`` over the channels ``span = [lo, hi)`` of values of ``width`` channels only (``folded_value_sum``'s
     arguments), rotated back (``value_channels``): ``[b, Hkv, G, hi − lo]`` float32; where the store rotated its
@@ -176,9 +206,9 @@ def folded_value_span(
     size = -(-width // scale.shape[-1])
     lo, hi = span if rotation is None else (span[0] // size * size, -(-span[1] // size) * size)
     if bits == 3:
-        acc = folded_value_sum(weights, codes, scale, zero, bits, width)[..., lo:hi]
+        acc = folded_value_sum(weights, codes, scale, zero, bits, width, traced)[..., lo:hi]
     else:
-        acc = _values_by_group(weights, codes, scale, zero, bits, size, lo, hi)
+        acc = _values_by_group(weights, codes, scale, zero, bits, size, lo, hi, traced)
     if rotation is not None:
         acc = unrotated(acc, rotation)
     return acc[..., span[0] - lo : span[1] - lo]
@@ -186,26 +216,30 @@ def folded_value_span(
 
 def folded_value_sum(
     weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-    width: int | None = None,
+    width: int | None = None, traced: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """``Σ p·v`` for weights ``[b, Hkv, G, n]`` over values quantized per token in KIVI's packing (``codes [b, Hkv,
     n, P]``, ``scale/zero [b, Hkv, n, groups]``) without a float copy of them: ``(p⊙s_g)·code + p·z_g`` per channel
     group g. ``width``: the values' channels, whose groups of ``ceil(width / groups)`` (the codec's ``channel_groups``)
     may end inside a packed byte (ZACK's packed columns: 93 values in 2 groups of 47); None: groups of whole bytes.
-    ``[b, Hkv, G, C]`` float32 (C ≥ width: the packed row's codes), rotated as stored."""
+    ``[b, Hkv, G, C]`` float32 (C ≥ width: the packed row's codes), rotated as stored. ``traced``: as
+    ``folded_scores``'."""
     groups, channels, planes = scale.shape[-1], codes.shape[-1] * 8 // bits, plane_count(bits)
     size = channels // groups if width is None else -(-width // groups)
     # each group's channels a whole run of columns in every plane, or else each column's group looked up
     aligned, columns = groups * size == channels and size % planes == 0, channels // planes
     of_column, of_channel, starts = column_groups(planes, columns, groups, size, codes.device)
-    if fuses(codes, bits):
+    if traced or fuses(codes, bits):
         if aligned:
-            fused = fused_call("folded_value_sum", _values_in_one, weights, codes, scale, zero, bits=bits)
+            fused = fused_call("folded_value_sum", _values_in_one, weights, codes, scale, zero, bits=bits,
+                               traced=traced)  # fmt: skip
         elif bits != 3:
-            return _values_by_group(weights, codes, scale, zero, bits, size, 0, channels)
+            return _values_by_group(weights, codes, scale, zero, bits, size, 0, channels, traced)
         else:  # 3-bit bytes mix channels: each column's group given as indices, one graph for every layer's widths
             rows = [t.flatten(0, 1) for t in (weights, codes, scale, zero)]
-            fused = compiled_call("folded_value_sum_spans", _values_by_index, *rows, of_column, of_channel, bits)
+            call: Callable[..., Any] = _values_by_index if traced else partial(
+                compiled_call, "folded_value_sum_spans", _values_by_index)  # fmt: skip
+            fused = call(*rows, of_column, of_channel, bits)
             fused = None if fused is None else fused.unflatten(0, codes.shape[:2])
         if fused is not None:
             return fused
@@ -222,7 +256,7 @@ def folded_value_sum(
 
 def _values_by_group(
     weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, size: int,
-    lo: int, hi: int,
+    lo: int, hi: int, traced: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """``folded_value_sum`` over channels ``[lo, hi)`` (groups of ``size`` that may end inside a packed byte: ZACK's
     packed columns) group by group, each over the bytes holding its channels, one scale a token (``_values_in_one``),
@@ -234,7 +268,7 @@ def _values_by_group(
         start, end = max(lo, g * size), hi if g == groups - 1 else min(hi, (g + 1) * size)
         first = start // planes
         part = folded_value_sum(weights, codes[..., first : -(-end // planes)], scale[..., g : g + 1],
-                                zero[..., g : g + 1], bits)  # fmt: skip
+                                zero[..., g : g + 1], bits, traced=traced)  # fmt: skip
         parts.append(part[..., start - first * planes : end - first * planes])
     return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
@@ -347,14 +381,15 @@ def unrotated(acc: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 
 
 def folded_scores(
-    query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
+    query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, traced: bool = False
 ) -> torch.Tensor:  # fmt: skip
     """``query [b, Hkv, G, d]`` times the keys of per-channel blocks (``codes [b, Hkv, nb, d, ·]``, ``scale/zero
     [b, Hkv, nb, d]``) without dequantizing them: ``q·k = Σ (q⊙s)·code + q·z`` per block, the query scaled per
-    block against each bit plane (``bit_planes``). Returns ``[b, Hkv, G, nb·B]`` float32 (unscaled scores)."""
-    if fuses(codes, bits):  # the query contiguous: fewer strides for the compiled reader to guard
+    block against each bit plane (``bit_planes``). Returns ``[b, Hkv, G, nb·B]`` float32 (unscaled scores).
+    ``traced``: inside ``kivi_decode_folded`` traced whole, the compiled reader's expression (``fused_call``)."""
+    if traced or fuses(codes, bits):  # the query contiguous: fewer strides for the compiled reader to guard
         query = query.float().contiguous()
-        fused = fused_call("folded_scores", _scores_in_one, query, codes, scale, zero, bits=bits)
+        fused = fused_call("folded_scores", _scores_in_one, query, codes, scale, zero, bits=bits, traced=traced)
         if fused is not None:
             return fused
     batch, kv_heads, _, _, _ = codes.shape
@@ -408,47 +443,6 @@ def folded_channel_mix(
     summed = sum(p[:, :, k] @ plane.transpose(-1, -2) for k, plane in enumerate(bit_planes(codes, bits)))
     mixed = (summed * scale.float()[:, :, None]).sum(1)  # [b, R, w]
     return mixed + p.sum((2, 4)).transpose(1, 2) @ zero.float()
-
-
-def bit_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """Codes ``planes·j + k`` of each packed row, for each k, widened to float32 (``plane_count``; the codec packs
-    consecutive codes lowest first: ``pack``, at 3 bits ``_pack3``)."""
-    if bits == 3:  # while ``torch.compile`` traces (a compiled reader, or a compiled step): its own formula
-        return _traced_three_bit_planes(codes) if torch.compiler.is_compiling() else [
-            plane.float() for plane in three_bit_planes(codes)]  # fmt: skip
-    mask = 2**bits - 1
-    # the lowest code needs no shift and the highest no mask: a pass over the codes fewer each
-    return [(codes & mask if not shift else codes >> shift if shift + bits == 8 else (codes >> shift) & mask).float()
-            for shift in range(0, 8, bits)]  # fmt: skip
-
-
-def _traced_three_bit_planes(codes: torch.Tensor) -> list[torch.Tensor]:
-    """``bit_planes`` of 3-bit codes as ``torch.compile`` traces them. Each plane's high bits are a run of w/32 bytes
-    (``_pack3``), read as one word per row of up to 32 bits and shifted by each code's place: Inductor loads the word
-    once and shifts a vector of places (unpacking them to a byte each first, by eight shifts or a table, makes it
-    index bytes by j // 8, which it gathers a byte at a time: 5× slower). Rows whose codes are not a multiple of 32
-    take the eight shifts (``unpack`` at 1 bit)."""
-    # a model has one width a side: specialised (``int``), so that the loop indexes bytes by constants
-    width = int(codes.shape[-1]) * 8 // 3
-    low, high = codes[..., : width // 4], codes[..., width // 4 :]
-    lows = low_bit_pairs(low)
-    if width % 32:
-        bits = unpack(high, 1, width).view(*high.shape[:-1], 4, width // 4)
-        return [(lo | (bits[..., k, :] << 2)).float() for k, lo in enumerate(lows)]
-    per_plane = width // 32  # bytes of high bits per plane, read as words of up to 4 bytes (int32 shifts)
-    planes = []
-    for k, lo in enumerate(lows):
-        his = []
-        for start in range(k * per_plane, (k + 1) * per_plane, 4):
-            size = min(4, (k + 1) * per_plane - start)
-            word = high[..., start].to(torch.int32)
-            for b in range(1, size):
-                word = word | (high[..., start + b].to(torch.int32) << (8 * b))
-            places = torch.arange(8 * size, device=codes.device, dtype=torch.int32)
-            his.append((word[..., None] >> places) & 1)
-        hi = his[0] if len(his) == 1 else torch.cat(his, dim=-1)  # [..., w/4]
-        planes.append((lo.to(torch.int32) | (hi << 2)).float())
-    return planes
 
 
 def kivi_folded_fits(bits: int, block: int) -> bool:

@@ -64,7 +64,7 @@ def three_bit_planes(packed: torch.Tensor) -> list[torch.Tensor]:
     """``_pack3``'s codes ``[..., 3·w/8]`` as 4 planes of uint8 codes ``[..., w/4]``, plane k holding codes 4j + k.
     Eager torch: each high byte looked up as the 8 bytes it spreads to, then each plane in one pass (stacked); the
     lookup took 0.6-0.75× the time of spreading by shifts or an int64 multiply (2 AMD EPYC cores). CPU decode steps
-    read 3-bit codes through ``torch.compile``'s loop instead (``kvconvert_folded._traced_three_bit_planes``)."""
+    read 3-bit codes through ``torch.compile``'s loop instead (``_traced_three_bit_planes``)."""
     width = packed.shape[-1] * 8 // 3
     low, high = packed[..., : width // 4], packed[..., width // 4 :]
     his = _high_bits(packed.device)[high.long()].view(torch.uint8).view(*high.shape[:-1], 4, width // 4)
@@ -128,3 +128,44 @@ def column_groups(planes: int, columns: int, groups: int, size: int,
     if not traced:
         _COLUMN_GROUPS[key] = of_column, of_channel, starts
     return of_column, of_channel, starts
+
+
+def bit_planes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """Codes ``planes·j + k`` of each packed row, for each k, widened to float32 (``plane_count``; the codec packs
+    consecutive codes lowest first: ``pack``, at 3 bits ``_pack3``)."""
+    if bits == 3:  # while ``torch.compile`` traces (a compiled reader, or a compiled step): its own formula
+        return _traced_three_bit_planes(codes) if torch.compiler.is_compiling() else [
+            plane.float() for plane in three_bit_planes(codes)]  # fmt: skip
+    mask = 2**bits - 1
+    # the lowest code needs no shift and the highest no mask: a pass over the codes fewer each
+    return [(codes & mask if not shift else codes >> shift if shift + bits == 8 else (codes >> shift) & mask).float()
+            for shift in range(0, 8, bits)]  # fmt: skip
+
+
+def _traced_three_bit_planes(codes: torch.Tensor) -> list[torch.Tensor]:
+    """``bit_planes`` of 3-bit codes as ``torch.compile`` traces them. Each plane's high bits are a run of w/32 bytes
+    (``_pack3``), read as one word per row of up to 32 bits and shifted by each code's place: Inductor loads the word
+    once and shifts a vector of places (unpacking them to a byte each first, by eight shifts or a table, makes it
+    index bytes by j // 8, which it gathers a byte at a time: 5× slower). Rows whose codes are not a multiple of 32
+    take the eight shifts (``unpack`` at 1 bit)."""
+    # a model has one width a side: specialised (``int``), so that the loop indexes bytes by constants
+    width = int(codes.shape[-1]) * 8 // 3
+    low, high = codes[..., : width // 4], codes[..., width // 4 :]
+    lows = low_bit_pairs(low)
+    if width % 32:
+        bits = unpack(high, 1, width).view(*high.shape[:-1], 4, width // 4)
+        return [(lo | (bits[..., k, :] << 2)).float() for k, lo in enumerate(lows)]
+    per_plane = width // 32  # bytes of high bits per plane, read as words of up to 4 bytes (int32 shifts)
+    planes = []
+    for k, lo in enumerate(lows):
+        his = []
+        for start in range(k * per_plane, (k + 1) * per_plane, 4):
+            size = min(4, (k + 1) * per_plane - start)
+            word = high[..., start].to(torch.int32)
+            for b in range(1, size):
+                word = word | (high[..., start + b].to(torch.int32) << (8 * b))
+            places = torch.arange(8 * size, device=codes.device, dtype=torch.int32)
+            his.append((word[..., None] >> places) & 1)
+        hi = his[0] if len(his) == 1 else torch.cat(his, dim=-1)  # [..., w/4]
+        planes.append((lo.to(torch.int32) | (hi << 2)).float())
+    return planes
