@@ -146,6 +146,48 @@ def test_compiled_three_bit_reads_at_every_word_size(block, fused, monkeypatch):
     torch.testing.assert_close(summed, weights @ plain_values, **sums)
 
 
+@pytest.mark.parametrize(("bits", "extras"), [(2, True), (3, False), (4, False), (8, True)])  # a C++ build each
+def test_the_whole_read_compiled_is_the_eager_read(bits, extras, fused, monkeypatch):
+    """``kivi_decode_folded`` compiled whole (one call: both readers, the bias, exact tokens beside the codes, the
+    softmax) against the same step in torch's eager ops; with ``extras`` also a window's skipped first tokens,
+    MiniCache's per-token factors and values stored rotated."""
+    from kvconvert.runtime.kvconvert_codec import rotation
+    from kvconvert.runtime.kvconvert_folded import kivi_decode_folded
+
+    torch.manual_seed(bits)
+    block, dim, n, skip = 32, 64, 96, 5 if extras else 0
+    keys, values = (torch.randn(2, 2, n, dim) for _ in range(2))
+    k, v = quantize_tokens(keys, bits, block, True), quantize_tokens(values, bits, dim, False, extras)
+    query, bias = torch.randn(2, 2, 3, dim), torch.zeros(2, n - skip)
+    bias[-1, :7] = torch.finfo(torch.float32).min  # a left-padded row
+    exact = (torch.randn(2, 2, 4, dim), torch.randn(2, 2, 4, dim), torch.randn(2, 1, 1, 4))
+    options = {"exact": exact, "skip": skip, "value_width": dim}
+    if extras:
+        factors = (torch.rand(2, n - skip) + 0.5 for _ in range(2))
+        options |= dict(zip(("key_factor", "value_factor"), factors, strict=True), value_rotation=rotation(dim))
+    args = (query, k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, bias, 0.3, bits, bits)
+    whole = kivi_decode_folded(*args, **options)
+    assert fused.get("kivi_decode_folded") not in (None, False)
+    monkeypatch.setenv("KVCONVERT_COMPILE", "off")
+    eager = kivi_decode_folded(*args, **options)
+    for got, expected in zip(whole, eager, strict=True):  # the weighted sums, then (max, sum of weights)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_values_of_another_width_stay_out_of_the_whole_read(fused):
+    """ZACK's packed columns (values of another width than the keys, in groups that end inside a packed byte) would
+    make each layer's widths a graph of its own, all looked up at every call: their step reads through the two
+    compiled readers instead."""
+    from kvconvert.runtime.kvconvert_folded import kivi_decode_folded
+
+    torch.manual_seed(0)
+    keys, values = torch.randn(1, 2, 64, 48), torch.randn(1, 2, 64, 93)
+    k, v = quantize_tokens(keys, 4, 32, True), quantize_tokens(values, 4, 64, False)
+    kivi_decode_folded(torch.randn(1, 2, 3, 48), k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, None, 0.3,
+                       value_width=93)  # fmt: skip
+    assert "kivi_decode_folded" not in fused and fused.get("folded_scores") not in (None, False)
+
+
 def test_small_reads_and_the_off_setting_stay_eager(monkeypatch):
     """Below ``FUSE_MIN_CODES`` (a call's guards would cost what the loop saves) nothing is compiled, nor with
     ``KVCONVERT_COMPILE=off``."""

@@ -38,13 +38,14 @@ PLANE_BYTES = 1 << 23
 
 # On a CPU, eager decode steps read the largest caches' codes through readers compiled by ``torch.compile`` (Inductor:
 # one C++ loop that widens each code in registers and never writes a plane): KIVI's keys at 8 rows × 4K tokens of
-# SmolLM2 1.6–1.8 → 0.5 ms a layer, 4-bit KIVI's decode 1.19–1.26 → 1.45–1.58× the source's (2 AMD EPYC cores, the
-# runtimes before and after in one process, two runs). Below ``FUSE_MIN_CODES`` bytes of 4-bit codes (as many codes
-# at other widths) the compiled call loses inside a real step though it wins alone (SmolLM2 at 1 × 1K, 92 KB of keys a
-# layer: 54–68 µs a call against 94 µs eager in isolation, yet 0.85 → 0.82×, 0.80 → 0.76× and 0.73 → 0.71× the source
-# for KIVI, MiniCache + 4 and razor + KIVI with the bound at 64 KB); at 1 × 4K, 384 KB, within ±4 %.
-# ``KVCONVERT_COMPILE=off`` keeps torch's eager ops; a machine where Inductor cannot build (no C++ compiler) falls back
-# to them, said once.
+# SmolLM2 1.6–1.8 → 0.5 ms a layer, 4-bit KIVI's decode 1.19–1.26 → 1.45–1.58× the source's. A compiled call costs
+# ~100 µs inside a real step (dynamo's guards and wrappers run cold after a layer's weights streamed through the
+# caches; 30 µs alone), so below ``FUSE_MIN_CODES`` bytes of 4-bit codes (as many codes at other widths) a reader
+# loses (SmolLM2 at 1 × 1K, 92 KB of keys: KIVI 0.85 → 0.82× the source with the bound at 64 KB), while one call for
+# the whole of ``kivi_decode_folded`` (values in KIVI's packing) wins from ``WHOLE_MIN_CODES`` (3-bit KIVI 1 × 1K
+# 0.73 → 0.81×, 1 × 4K 0.90 → 1.05×, 8 × 4K 1.29 → 1.42×; 2 AMD EPYC cores, the runtimes before and after in one
+# process, bench/results/ab-q3-whole-s66-*). ``KVCONVERT_COMPILE=off`` keeps torch's eager ops; a machine where
+# Inductor cannot build (no C++ compiler) falls back to them, said once.
 COMPILE_CHOICES = ("auto", "off")
 FUSE_MIN_CODES = 1 << 18
 WHOLE_MIN_CODES = 1 << 15
@@ -69,12 +70,11 @@ def fuses(codes: torch.Tensor, bits: int = 0, least: int | None = None) -> bool:
     return codes.device.type == "cpu" and held >= least and not torch.compiler.is_compiling()
 
 
-def fused_call(
-    name: str, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, bits: int, traced: bool = False
-) -> torch.Tensor | None:  # fmt: skip
+def fused_call(name: str, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, bits: int,
+               traced: bool = False) -> torch.Tensor | None:  # fmt: skip
     """``fn`` compiled by Inductor (``compiled_call``) on ``tensors [b, Hkv, ...]`` as rows of b·Hkv (fewer sizes for
-    its guards), its ``[b·Hkv, ...]`` result back as ``[b, Hkv, ...]``; or None where it cannot run. ``traced``: called
-    as it is, inside a function ``compiled_call`` is tracing whole (``kivi_decode_folded``)."""
+    its guards), its ``[b·Hkv, ...]`` result back as ``[b, Hkv, ...]``; or None where it cannot run. ``traced``: ``fn``
+    itself, inside ``kivi_decode_folded`` traced whole."""
     rows = (t.flatten(0, 1) for t in tensors)
     out = fn(*rows, bits) if traced else compiled_call(name, fn, *rows, bits)
     return None if out is None else out.unflatten(0, tensors[0].shape[:2])
@@ -140,12 +140,16 @@ def kivi_decode_folded(
     the values' channels where they are not as many as the keys' (ZACK's packed columns); ``value_span``: only the
     values' channels ``[lo, hi)`` are summed and returned (one KV head's of ZACK's: ``folded_value_span``).
 
-    On a CPU, values in KIVI's packing are read by this function compiled whole (``compiled_call``, from
-    ``WHOLE_MIN_CODES``): one call where the eager step was some 80 small ops a layer."""
+    On a CPU, values in KIVI's packing are read by this function compiled whole (``WHOLE_MIN_CODES``)."""
+    # fmt: off
     args = (query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, bias, scale, key_bits,
-            value_bits, key_factor, value_factor, exact, value_rotation, skip, value_sum, value_width,
-            value_span)  # fmt: skip
-    if value_sum is None and fuses(key_codes, key_bits, WHOLE_MIN_CODES):
+            value_bits, key_factor, value_factor, exact, value_rotation, skip, value_sum, value_width, value_span)
+    # fmt: on
+    # not where a layer's widths shape the graph (ZACK's packed columns: groups ending inside a byte, values of another
+    # width than the keys), each layer's a graph of its own then, looked up among all the others at every call
+    fits = value_sum is None and value_span is None and value_width in (None, key_codes.shape[3])
+    if fits and value_groups(value_codes, value_scale, value_bits, value_width)[1] and fuses(
+            key_codes, key_bits, WHOLE_MIN_CODES):  # fmt: skip
         whole = compiled_call("kivi_decode_folded", _DECODE_TRACED, query.float().contiguous(), *args[1:])
         if whole is not None:
             return whole
@@ -160,8 +164,7 @@ def _decode(
     skip: int, value_sum: Callable[[torch.Tensor], torch.Tensor] | None, value_width: int | None,
     value_span: tuple[int, int] | None, traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``kivi_decode_folded``'s arithmetic (its arguments in order); ``traced``: inside ``torch.compile``'s trace of
-    it whole, each reader as the expression its compiled call builds (``fused_call``)."""
+    """``kivi_decode_folded``'s arithmetic; ``traced``: inside its trace whole, the readers as compiled."""
     dim = value_width or key_codes.shape[3]
     scores = folded_scores(query, key_codes, key_scale, key_zero, key_bits, traced)[..., skip:] * scale
     n = scores.shape[-1]  # the quantized tokens read
@@ -222,13 +225,10 @@ def folded_value_sum(
     n, P]``, ``scale/zero [b, Hkv, n, groups]``) without a float copy of them: ``(p⊙s_g)·code + p·z_g`` per channel
     group g. ``width``: the values' channels, whose groups of ``ceil(width / groups)`` (the codec's ``channel_groups``)
     may end inside a packed byte (ZACK's packed columns: 93 values in 2 groups of 47); None: groups of whole bytes.
-    ``[b, Hkv, G, C]`` float32 (C ≥ width: the packed row's codes), rotated as stored. ``traced``: as
-    ``folded_scores``'."""
+    ``[b, Hkv, G, C]`` float32 (C ≥ width: the packed row's codes), rotated as stored. ``traced``: ``fused_call``'s."""
     groups, channels, planes = scale.shape[-1], codes.shape[-1] * 8 // bits, plane_count(bits)
-    size = channels // groups if width is None else -(-width // groups)
-    # each group's channels a whole run of columns in every plane, or else each column's group looked up
-    aligned, columns = groups * size == channels and size % planes == 0, channels // planes
-    of_column, of_channel, starts = column_groups(planes, columns, groups, size, codes.device)
+    size, aligned = value_groups(codes, scale, bits, width)
+    of_column, of_channel, starts = column_groups(planes, channels // planes, groups, size, codes.device)
     if traced or fuses(codes, bits):
         if aligned:
             fused = fused_call("folded_value_sum", _values_in_one, weights, codes, scale, zero, bits=bits,
@@ -252,6 +252,13 @@ def folded_value_sum(
     if aligned:
         return (summed.unflatten(-1, (groups, -1)) + zeros[..., None]).flatten(-2)
     return summed + zeros.index_select(-1, of_channel)
+
+
+def value_groups(codes: torch.Tensor, scale: torch.Tensor, bits: int, width: int | None) -> tuple[int, bool]:
+    """``folded_value_sum``'s channel groups: their size, whether each is a whole run of columns in every plane."""
+    groups, channels = scale.shape[-1], codes.shape[-1] * 8 // bits
+    size = channels // groups if width is None else -(-width // groups)
+    return size, groups * size == channels and size % plane_count(bits) == 0
 
 
 def _values_by_group(
