@@ -39,8 +39,8 @@ PLANE_BYTES = 1 << 23
 # On a CPU, eager decode steps read the largest caches' codes through readers compiled by ``torch.compile`` (Inductor:
 # one C++ loop that widens each code in registers and never writes a plane): KIVI's keys at 8 rows × 4K tokens of
 # SmolLM2 1.6–1.8 → 0.5 ms a layer, 4-bit KIVI's decode 1.19–1.26 → 1.45–1.58× the source's. A compiled call costs
-# ~100 µs inside a real step (dynamo's guards and wrappers run cold after a layer's weights streamed through the
-# caches; 30 µs alone), so below ``FUSE_MIN_CODES`` bytes of 4-bit codes (as many codes at other widths) a reader
+# 110–170 µs inside a real step (dynamo's guards and wrappers run cold after a layer's weights streamed through the
+# caches; 35 µs alone), so below ``FUSE_MIN_CODES`` bytes of 4-bit codes (as many codes at other widths) a reader
 # loses (SmolLM2 at 1 × 1K, 92 KB of keys: KIVI 0.85 → 0.82× the source with the bound at 64 KB), while one call for
 # the whole of ``kivi_decode_folded`` (values in KIVI's packing) wins from ``WHOLE_MIN_CODES`` (3-bit KIVI 1 × 1K
 # 0.73 → 0.81×, 1 × 4K 0.90 → 1.05×, 8 × 4K 1.29 → 1.42×; 2 AMD EPYC cores, the runtimes before and after in one
