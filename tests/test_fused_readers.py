@@ -13,7 +13,9 @@ from kvconvert.runtime import kvconvert_folded
 from kvconvert.runtime.kvconvert_codec import dequantize_tokens, quantize_tokens
 from kvconvert.runtime.kvconvert_folded import folded_scores
 
-pytestmark = pytest.mark.slow  # Inductor compiles C++ on first use: seconds each, a minute cold on 2 cores
+# Inductor compiles C++ on first use: seconds each, a minute cold on 2 cores; the one module whose tests read through
+# the compiled readers (conftest's other tests set KVCONVERT_COMPILE=off)
+pytestmark = [pytest.mark.slow, pytest.mark.compiled_readers]
 
 
 @pytest.fixture
