@@ -31,7 +31,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-
 @pytest.fixture(autouse=True)
 def _eager_cpu_readers(request, monkeypatch):
     """kvconvert's own compiled CPU readers (``KVCONVERT_COMPILE=auto``, 3-bit codes at any size) cost Inductor 10-20 s
@@ -40,6 +39,7 @@ def _eager_cpu_readers(request, monkeypatch):
     kept) proves the compiled readers equal; a decode step a test compiles itself never calls them (``fuses``)."""
     if request.node.get_closest_marker("compiled_readers") is None:
         monkeypatch.setenv("KVCONVERT_COMPILE", "off")
+
 
 def tiny_config(kind: str):
     from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
