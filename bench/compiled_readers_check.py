@@ -1,6 +1,6 @@
 """The CPU readers ``torch.compile`` builds (``kvconvert_folded.fused_call``) against torch's eager ops in a whole
 converted model: SmolLM2 converted by each recipe, 8 left-padded rows x 4096 tokens prefilled once (chunks of 2048),
-then 4 greedy decode steps from copies of that cache with ``KVCONVERT_COMPILE=auto`` and ``=off``; the largest logit
+then 4 greedy decode steps from copies of that cache with ``KVCONVERT_COMPILE=on`` and ``=off``; the largest logit
 difference, the greedy tokens that agree, and the cache's bytes after the prefill. Writes JSON to ``--out``.
 
     python bench/compiled_readers_check.py --out bench/results/ab-kivi-rows-one-loop-exactness-2026-12-02.json
@@ -24,7 +24,7 @@ from bench.models import prepare_models  # noqa: E402
 from bench.speed_bench import _converted  # noqa: E402
 from kvconvert.eval.memory import cache_nbytes  # noqa: E402
 from kvconvert.eval.speed import _prefill, ragged_batch  # noqa: E402
-from kvconvert.runtime import kvconvert_folded  # noqa: E402
+from kvconvert.runtime import kvconvert_compiled  # noqa: E402
 
 RECIPES = {
     "kivi3": {"method": "quant", "kv_bits": 3, "kv_residual": 0, "kv_sink": 4},
@@ -56,7 +56,7 @@ def _compare(model, context: int, rows: int, steps: int) -> dict:
     ids, mask = ragged_batch(model.config.vocab_size, context, rows, 0)
     state = _prefill(model, ids, 2048, mask, None)
     logits = {}
-    for setting in ("auto", "off"):
+    for setting in ("on", "off"):
         os.environ["KVCONVERT_COMPILE"] = setting
         cache, token, seen, position = copy.deepcopy(state["cache"]), state["token"], state["mask"], state["next"]
         logits[setting] = []
@@ -67,11 +67,11 @@ def _compare(model, context: int, rows: int, steps: int) -> dict:
             logits[setting].append(out.logits[:, -1].float())
             token = logits[setting][-1].argmax(-1, keepdim=True)
     os.environ.pop("KVCONVERT_COMPILE")
-    compiled, eager = torch.stack(logits["auto"]), torch.stack(logits["off"])
+    compiled, eager = torch.stack(logits["on"]), torch.stack(logits["off"])
     return {"max_abs_logit_diff": (compiled - eager).abs().max().item(), "logit_scale": compiled.abs().max().item(),
             "greedy_tokens_equal": int((compiled.argmax(-1) == eager.argmax(-1)).sum()),
             "tokens": compiled.shape[:2].numel(),
-            "fused_readers_built": sorted(k for k, v in kvconvert_folded._FUSED.items() if v is not False),
+            "fused_readers_built": sorted(k for k, v in kvconvert_compiled._FUSED.items() if v is not False),
             "cache_bytes_after_prefill": cache_nbytes(state["cache"])}  # fmt: skip
 
 

@@ -52,7 +52,7 @@ def main() -> None:
         weights = torch.randn(rows, heads, args.group, tokens).softmax(-1)
         row = {"shape": shape, "bits": args.bits, "query_rows": args.group, "dim": args.dim}
         for mode in ("compiled", "eager"):
-            os.environ["KVCONVERT_COMPILE"] = "auto" if mode == "compiled" else "off"
+            os.environ["KVCONVERT_COMPILE"] = "on" if mode == "compiled" else "off"
             kvconvert_folded.FUSE_MIN_CODES = 0  # every size compiled in the compiled rows
             read_keys = (kvconvert_folded.folded_scores, query, keys.codes, keys.scale, keys.zero, args.bits)
             read_values = (kvconvert_folded.folded_value_sum, weights, values.codes, values.scale, values.zero,

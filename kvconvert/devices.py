@@ -36,7 +36,7 @@ def check_kernel_setting(device: torch.device) -> None:
     """``KVCONVERT_KERNELS`` can be honoured where converted models will decode (``device``): a misspelt value,
     Triton missing, or Triton asked for on a CPU is a one-line error before any model loads, not a traceback
     from inside the first decode step; so is a misspelt ``KVCONVERT_REBUILD`` or ``KVCONVERT_COMPILE``."""
-    from kvconvert.runtime.kvconvert_folded import compile_requested
+    from kvconvert.runtime.kvconvert_compiled import compile_requested
     from kvconvert.runtime.kvconvert_kernels import check_kernel_device, kernels_requested
     from kvconvert.runtime.kvconvert_products import rebuild_requested
 

@@ -5,11 +5,12 @@ model, the same tokens and logits as the eager readers."""
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kvconvert.runtime import kvconvert_folded
+from kvconvert.runtime import kvconvert_compiled, kvconvert_folded
 from kvconvert.runtime.kvconvert_codec import dequantize_tokens, quantize_tokens
 from kvconvert.runtime.kvconvert_folded import folded_scores
 
@@ -23,9 +24,9 @@ def fused(monkeypatch):
     """Every read compiled, whatever its size, from a fresh table of compiled readers."""
     monkeypatch.setattr(kvconvert_folded, "FUSE_MIN_CODES", 0)
     monkeypatch.setattr(kvconvert_folded, "WHOLE_MIN_CODES", 0)
-    monkeypatch.setattr(kvconvert_folded, "_FUSED", {})
-    monkeypatch.delenv("KVCONVERT_COMPILE", raising=False)
-    return kvconvert_folded._FUSED
+    monkeypatch.setattr(kvconvert_compiled, "_FUSED", {})
+    monkeypatch.setenv("KVCONVERT_COMPILE", "on")
+    return kvconvert_compiled._FUSED
 
 
 def quantized_keys(batch: int, blocks: int, bits: int, dim: int = 48, block: int = 32):
@@ -114,7 +115,7 @@ def test_value_sums_over_one_head_s_columns(bits, width, group, rotate, fused, m
     spans = [(0, width), (0, 25), (25, 61), (61, width), (47, 48), (3, 4), (width - 1, width)]
     spans = [(lo, min(hi, width)) for lo, hi in spans if lo < width]
     for compiled in (True, False):
-        monkeypatch.setenv("KVCONVERT_COMPILE", "auto" if compiled else "off")
+        monkeypatch.setenv("KVCONVERT_COMPILE", "on" if compiled else "off")
         whole = kvconvert_folded.value_channels(kvconvert_folded.folded_value_sum(*args, width), rotation, width)
         for lo, hi in spans:
             part = kvconvert_folded.folded_value_span(*args, width, (lo, hi), rotation)
@@ -193,14 +194,14 @@ def test_values_of_another_width_stay_out_of_the_whole_read(fused):
 def test_small_reads_and_the_off_setting_stay_eager(monkeypatch):
     """Below ``FUSE_MIN_CODES`` (a call's guards would cost what the loop saves) nothing is compiled, nor with
     ``KVCONVERT_COMPILE=off``."""
-    monkeypatch.setattr(kvconvert_folded, "_FUSED", {})
+    monkeypatch.setattr(kvconvert_compiled, "_FUSED", {})
     stored, _ = quantized_keys(1, 2, 4)
     assert stored.codes.numel() < kvconvert_folded.FUSE_MIN_CODES
     folded_scores(torch.randn(1, 2, 3, 48), stored.codes, stored.scale, stored.zero, 4)
     monkeypatch.setattr(kvconvert_folded, "FUSE_MIN_CODES", 0)
     monkeypatch.setenv("KVCONVERT_COMPILE", "off")
     folded_scores(torch.randn(1, 2, 3, 48), stored.codes, stored.scale, stored.zero, 4)
-    assert kvconvert_folded._FUSED == {}
+    assert kvconvert_compiled._FUSED == {}
 
 
 def test_the_bound_counts_codes_not_bytes():
@@ -237,7 +238,7 @@ def test_a_compiled_read_leaves_the_user_s_dynamo_settings_as_they_were(fused, m
 
         return run
 
-    monkeypatch.setattr(kvconvert_folded, "_FUSED", {})
+    monkeypatch.setattr(kvconvert_compiled, "_FUSED", {})
     monkeypatch.setattr(torch, "compile", broken)
     with pytest.warns(UserWarning, match="could not build"):
         folded_scores(query, stored.codes, stored.scale, stored.zero, 4)
@@ -269,10 +270,31 @@ def test_a_reader_inductor_cannot_build_falls_back_once_and_says_so(fused, monke
     torch.testing.assert_close(again, scores, rtol=0, atol=0)
 
 
+def test_auto_builds_a_reader_once_the_process_has_decoded_long_enough(monkeypatch):
+    """``KVCONVERT_COMPILE=auto`` reads eagerly until the time between a reader's calls sums to ``COMPILE_AFTER_S``
+    (a pause longer than ``IDLE_S`` counted as ``IDLE_S``), then builds it; the scores the same either way."""
+    clock = [0.0]
+    monkeypatch.setattr(kvconvert_compiled, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(kvconvert_compiled, "COMPILE_AFTER_S", 3.0)
+    monkeypatch.setattr(kvconvert_compiled, "_FUSED", {})
+    monkeypatch.setattr(kvconvert_compiled, "_DECODED", {})
+    monkeypatch.setattr(kvconvert_folded, "FUSE_MIN_CODES", 0)
+    monkeypatch.setenv("KVCONVERT_COMPILE", "auto")
+    stored, plain = quantized_keys(1, 2, 4)
+    query = torch.randn(1, 2, 3, 48)
+    built = []
+    for gap in (0.0, 0.5, 1.0, 60.0, 0.4, 0.5, 0.5):  # summed 0, 0.5, 1.5, 2.5 (a minute's pause: 1 s), 2.9, 3.4, 3.9
+        clock[0] += gap
+        scores = folded_scores(query, stored.codes, stored.scale, stored.zero, 4)
+        torch.testing.assert_close(scores, query @ plain.transpose(-1, -2), atol=1e-4, rtol=1e-5)
+        built.append(bool(kvconvert_compiled._FUSED.get("folded_scores")))
+    assert built == [False] * 5 + [True] * 2
+
+
 def test_a_misspelt_setting_is_an_error(monkeypatch):
-    monkeypatch.setenv("KVCONVERT_COMPILE", "on")
-    with pytest.raises(ValueError, match="KVCONVERT_COMPILE='on' is not one of auto, off"):
-        kvconvert_folded.compile_requested()
+    monkeypatch.setenv("KVCONVERT_COMPILE", "yes")
+    with pytest.raises(ValueError, match="KVCONVERT_COMPILE='yes' is not one of auto, on, off"):
+        kvconvert_compiled.compile_requested()
 
 
 # the token layout's keys beside 2-bit values: only its values are read by a compiled reader
@@ -339,7 +361,7 @@ def test_compiled_scores_of_half_precision_keys_turned_on_the_query_side(paired,
     order = pair_order(dk, dk) if paired else torch.arange(dk)
     half = [t.bfloat16() for t in (query[..., order], keys.view(b, n, kv_heads, dk)[..., order].reshape(b, n, -1),
                                    cos, sin)]  # fmt: skip
-    compiled = kvconvert_folded.compiled_call("turned_scores", turned_scores, *half, paired)
+    compiled = kvconvert_compiled.compiled_call("turned_scores", turned_scores, *half, paired)
     assert fused.get("turned_scores") not in (None, False) and compiled is not None
     assert compiled.dtype == torch.bfloat16 and compiled.shape == (b, heads, 1, n)
     if paired:  # slim's way: every key turned in bfloat16, then the product

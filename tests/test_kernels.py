@@ -732,7 +732,7 @@ def test_every_method_refuses_kernels_on_a_cpu_at_its_first_forward(method, conv
     [
         ("KVCONVERT_KERNELS", "trition", "auto, torch, triton"),
         ("KVCONVERT_REBUILD", "fast", "auto, bf16, exact"),
-        ("KVCONVERT_COMPILE", "on", "auto, off"),
+        ("KVCONVERT_COMPILE", "yes", "auto, on, off"),
     ],
 )
 def test_cli_refuses_a_kernel_setting_it_cannot_honour(command, variable, value, choices, monkeypatch, tmp_path):

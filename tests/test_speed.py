@@ -4,6 +4,8 @@ method at its lossless setting (so a speed figure times real work on every row).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from default_methods import LOSSLESS
@@ -103,3 +105,20 @@ def test_eval_times_an_sdpa_reference_packed_and_gives_it_back_its_attention(tok
     model.set_attn_implementation("eager")
     with timed_packed(model):
         assert model.config._attn_implementation == "eager"
+
+
+def test_speed_is_timed_with_the_readers_built_unless_the_user_chose(monkeypatch):
+    """``KVCONVERT_COMPILE=auto`` builds the compiled CPU readers only after minutes of decoding, so a timed run of a
+    few steps would time the eager ops: ``measure_speed`` and ``side_by_side`` ask for ``on`` and put it back; a
+    setting the user chose stays."""
+    from kvconvert.eval.speed import readers_built
+
+    monkeypatch.delenv("KVCONVERT_COMPILE")
+    with readers_built():
+        assert os.environ["KVCONVERT_COMPILE"] == "on"
+    assert "KVCONVERT_COMPILE" not in os.environ
+    for chosen in ("off", "auto"):
+        monkeypatch.setenv("KVCONVERT_COMPILE", chosen)
+        with readers_built():
+            assert os.environ["KVCONVERT_COMPILE"] == chosen
+        assert os.environ["KVCONVERT_COMPILE"] == chosen

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,23 @@ from kvconvert.devices import model_device, synchronize
 PACKED_DECODE = "sdpa_packed_decode"
 
 
+@contextlib.contextmanager
+def readers_built() -> Iterator[None]:
+    """Decode speed as a long-running process reaches it: kvconvert's compiled CPU readers built at their first call
+    (``KVCONVERT_COMPILE=on``, the warm-up step paying the build), where ``auto``, the default, builds them only after
+    minutes of decoding and a timed run of a few steps would measure the eager ops. A setting the user chose stays."""
+    chosen = os.environ.get("KVCONVERT_COMPILE")
+    if chosen is None:
+        os.environ["KVCONVERT_COMPILE"] = "on"
+    try:
+        yield
+    finally:
+        if chosen is None:
+            os.environ.pop("KVCONVERT_COMPILE", None)
+
+
 @torch.no_grad()
+@readers_built()
 def measure_speed(model: Any, context: int, new_tokens: int, seed: int = 0) -> dict[str, float]:
     """Prefill ``context`` random tokens, then greedy-decode ``new_tokens`` one at a time.
 
@@ -147,6 +164,7 @@ def _decode(model: Any, state: dict[str, Any], steps: int) -> float:
     return time.perf_counter() - start
 
 
+@readers_built()
 def side_by_side(
     models: dict[str, Any],
     context: int,

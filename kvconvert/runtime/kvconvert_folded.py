@@ -6,7 +6,6 @@ algebra (``fused_call``). Copied verbatim into every output directory; imports o
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -15,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .kvconvert_codec import channel_groups, rotation
-from .kvconvert_kernels import combine_partials, env_choice
+from .kvconvert_compiled import compiled_call
+from .kvconvert_kernels import combine_partials
 from .kvconvert_packing import bit_planes, codes_per_unit, column_groups, plane_count
 
 # Scores more than 64 below a row's largest are floored there before ``torch.exp``: its CPU code takes a slow path for
@@ -44,17 +44,9 @@ PLANE_BYTES = 1 << 23
 # loses (SmolLM2 at 1 × 1K, 92 KB of keys: KIVI 0.85 → 0.82× the source with the bound at 64 KB), while one call for
 # the whole of ``kivi_decode_folded`` (values in KIVI's packing) wins from ``WHOLE_MIN_CODES`` (3-bit KIVI 1 × 1K
 # 0.73 → 0.81×, 1 × 4K 0.90 → 1.05×, 8 × 4K 1.29 → 1.42×; 2 AMD EPYC cores, the runtimes before and after in one
-# process, bench/results/ab-q3-whole-s66-*). ``KVCONVERT_COMPILE=off`` keeps torch's eager ops; a machine where
-# Inductor cannot build (no C++ compiler) falls back to them, said once.
-COMPILE_CHOICES = ("auto", "off")
+# process, bench/results/ab-q3-whole-s66-*). When ``compiled_call`` builds them: kvconvert_compiled.py.
 FUSE_MIN_CODES = 1 << 18
 WHOLE_MIN_CODES = 1 << 15
-_FUSED: dict[str, Any] = {}  # reader name → its compiled function, or False once it failed to build
-
-
-def compile_requested() -> str:
-    """``KVCONVERT_COMPILE``, checked: ``auto`` (unset) or ``off``; a misspelt value is a one-line ``ValueError``."""
-    return env_choice("KVCONVERT_COMPILE", COMPILE_CHOICES)
 
 
 def fuses(codes: torch.Tensor, bits: int = 0, least: int | None = None) -> bool:
@@ -78,34 +70,6 @@ def fused_call(name: str, fn: Callable[..., torch.Tensor], *tensors: torch.Tenso
     rows = (t.flatten(0, 1) for t in tensors)
     out = fn(*rows, bits) if traced else compiled_call(name, fn, *rows, bits)
     return None if out is None else out.unflatten(0, tensors[0].shape[:2])
-
-
-def compiled_call(name: str, fn: Callable[..., Any], *args: Any, dynamic: bool | None = True) -> Any:
-    """``fn(*args)`` compiled by Inductor (once per process; ``dynamic``: every size symbolic, or None: only those
-    that change between calls, such as a cache's length, which compiles tighter loops); or None where it cannot run:
-    the caller's eager ops then (``KVCONVERT_COMPILE=off``, or Inductor failed to build it here: said once)."""
-    compiled = _FUSED.get(name)
-    if compiled is False or compile_requested() == "off":
-        return None
-    if compiled is None:  # shapes symbolic: rows, blocks and tokens change every step without recompiling
-        compiled = _FUSED[name] = torch.compile(fn, dynamic=dynamic)
-    # sizes that happen to be equal (3 query rows and 3 blocks) are not assumed to stay so; each bit width and
-    # batch-of-one is a graph of its own, a process converting and scoring many candidates makes more than dynamo's
-    # default 8, and one past the limit fails here instead of running the broadcast products eagerly. Set and put back
-    # by hand around each call: ``config.patch`` cost 28 µs a call (a call itself is ~55 µs at 1 × 1K), this 10.
-    shapes, dynamo = torch.fx.experimental._config, torch._dynamo.config
-    saved = shapes.use_duck_shape, dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit
-    try:
-        shapes.use_duck_shape, dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit = False, 64, True
-        return compiled(*args)
-    except Exception as exc:  # noqa: BLE001 - Inductor could not build it here (no C++ compiler, …): eager from now on
-        _FUSED[name] = False
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        warnings.warn(f"kvconvert: torch.compile could not build the CPU reader {name!r} ({reason}); decoding with "
-                      "torch's eager ops (KVCONVERT_COMPILE=off skips the attempt)", stacklevel=3)  # fmt: skip
-        return None
-    finally:
-        shapes.use_duck_shape, dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit = saved
 
 
 def kivi_decode_folded(

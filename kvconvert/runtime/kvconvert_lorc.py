@@ -31,7 +31,8 @@ from .kvconvert_common import (
     rotary_for_keys,
     softmax_rows,
 )
-from .kvconvert_folded import compiled_call, fuses
+from .kvconvert_compiled import compiled_call
+from .kvconvert_folded import fuses
 from .kvconvert_kernels import use_kernels
 from .kvconvert_prefill import additive_mask, prefill_attention
 from .kvconvert_products import cache_mix, cache_scores, rebuild, widened, widened_bmm
