@@ -33,10 +33,11 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(autouse=True)
 def _eager_cpu_readers(request, monkeypatch):
-    """kvconvert's own compiled CPU readers (``KVCONVERT_COMPILE=auto``, 3-bit codes at any size) cost Inductor 10-20 s
-    a graph, and every bit width, batch of one and absent sink or tail is a graph of its own: 7 of the suite's 19
-    minutes. Tests read through the eager ops, which test_fused_readers.py (marked ``compiled_readers``: the default
-    kept) proves the compiled readers equal; a decode step a test compiles itself never calls them (``fuses``)."""
+    """kvconvert's own compiled CPU readers cost Inductor 10-20 s a graph, and every bit width, batch of one and absent
+    sink or tail is a graph of its own: built at first use, 7 of the suite's 19 minutes; under ``auto`` a worker would
+    build them once it had decoded 5 minutes, at a test that happened to be running. Tests read through the eager ops,
+    which test_fused_readers.py (marked ``compiled_readers``: the setting left to it) proves the compiled readers
+    equal; a decode step a test compiles itself never calls them (``fuses``)."""
     if request.node.get_closest_marker("compiled_readers") is None:
         monkeypatch.setenv("KVCONVERT_COMPILE", "off")
 
