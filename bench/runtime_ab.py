@@ -94,6 +94,7 @@ def main() -> None:
         if args.model != "mha" and not args.quality:  # GQA: the source's heads packed too (MHA has none to pack)
             models[PACKED] = packed_decode(AutoModelForCausalLM.from_pretrained(source).eval())
         assert type(new).__module__.startswith(kvconvert.__name__)
+        _taught_on(models[f"runtime of {base}"])
         models = {label: model.to(getattr(torch, args.dtype)) for label, model in models.items()}
         if args.quality:
             rows = _quality(models, args.quality, args.quality_context)
@@ -126,6 +127,17 @@ def main() -> None:
                "dtype": args.dtype, "rows": rows,
                "seconds": time.perf_counter() - started}  # fmt: skip
     write_results(args.name, payload, table)
+
+
+def _taught_on(model: Any) -> None:
+    """A base runtime from before ``KVCONVERT_COMPILE=on`` (2026-12-07) knew ``auto`` (its readers built at first use:
+    what ``on`` is now) and ``off``, and refuses ``on``, which the speed measurements set (``eval.speed.readers_built``)
+    so that the working tree's readers are built too: taught ``on`` as a spelling of its ``auto``."""
+    package = type(model).__module__.rpartition(".")[0]
+    module = sys.modules.get(f"{package}.kvconvert_folded")
+    choices = getattr(module, "COMPILE_CHOICES", None)
+    if choices is not None and "on" not in choices:
+        module.COMPILE_CHOICES = (*choices, "on")  # type: ignore[union-attr]
 
 
 def _quality(models: dict[str, Any], tokens: int, context: int) -> list[dict[str, Any]]:
