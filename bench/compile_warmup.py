@@ -33,13 +33,12 @@ def _child(checkpoint: str, context: int, new: int) -> None:
     import torch
 
     import kvconvert
+    from kvconvert.eval.speed import ragged_batch
 
     model = kvconvert.load(checkpoint).eval()
-    ids = torch.randint(3, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     seconds = []
-    for rows, _ in CALLS:
-        batch, mask = ids.repeat(rows, 1), torch.ones(rows, context, dtype=torch.long)
-        mask[1:, : context // 10] = 0  # left padding: rows of different lengths
+    for rows, _ in CALLS:  # 8 rows: left-padded to different lengths, as a server's batch
+        batch, mask = ragged_batch(model.config.vocab_size, context, rows)
         start = time.perf_counter()
         with torch.no_grad():
             model.generate(input_ids=batch, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,

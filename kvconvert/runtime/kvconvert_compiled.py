@@ -15,8 +15,8 @@ import torch
 from .kvconvert_kernels import env_choice
 
 # A compiled reader saves 9-20 % of a decode step on a CPU (kvconvert_folded.py: where and by how much), but building
-# it costs more than a short run saves: SmolLM2's 3-bit KIVI, a process's first generate 52 s longer than eager with
-# a cold Inductor cache and 32 s with a warm one, its first batch of 8 rows 29 and 10 s more (2 AMD EPYC cores,
+# it costs more than a short run saves: SmolLM2's 3-bit KIVI, a process's first generate 60 s longer than eager with
+# a cold Inductor cache and 27 s with a warm one, its first batch of 8 rows 31 and 10 s more (2 AMD EPYC cores,
 # bench/results/compile-warmup-*). So ``auto`` reads eagerly until a process has decoded ``COMPILE_AFTER_S`` through
 # a reader (about a build's cost over what it saves a step), then builds it: a process that stops sooner never pays,
 # one that goes on loses at most about a build's cost (ski rental). ``on`` builds at first use (servers that warm up,
@@ -39,9 +39,12 @@ def compiled_call(name: str, fn: Callable[..., Any], *args: Any, dynamic: bool |
     the caller's eager ops then (``KVCONVERT_COMPILE=off``; ``auto`` before ``COMPILE_AFTER_S`` of decoding through
     it; or Inductor failed to build it here: said once)."""
     compiled, requested = _FUSED.get(name), compile_requested()
-    if compiled is False or requested == "off" or compiled is None and requested == "auto" and not _decoded_long(name):
+    if compiled is False or requested == "off":
         return None
-    if compiled is None:  # shapes symbolic: rows, blocks and tokens change every step without recompiling
+    if compiled is None:
+        if requested == "auto" and not _decoded_long(name):
+            return None
+        # shapes symbolic: rows, blocks and tokens change every step without recompiling
         compiled = _FUSED[name] = torch.compile(fn, dynamic=dynamic)
     # sizes that happen to be equal (3 query rows and 3 blocks) are not assumed to stay so; each bit width and
     # batch-of-one is a graph of its own, a process converting and scoring many candidates makes more than dynamo's
