@@ -55,6 +55,38 @@ def test_every_cache_layer_speaks_the_protocol(method, converted):
     ), names
 
 
+def _cache_of(output):
+    """A forward's cache: ``output.cache`` from transformers 5.24 on, ``past_key_values`` before."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+@pytest.mark.parametrize("method", sorted(COMPRESSING))
+@torch.no_grad()
+def test_the_cache_goes_by_either_name(method, converted):
+    """transformers 5.24 renamed the models' ``past_key_values`` argument ``cache``, and its ``generate`` hands the
+    model an empty stock cache under the new name: a converted model takes its cache by either name, swaps an empty
+    stock cache for its own, and gives the stock forward the name it takes (under 5.24-5.25 before this, every method
+    decoded from the stock cache in silence, or crashed: ``make test-transformers`` runs these tests there); what
+    ``generate`` returns is its own cache. Both names at once is an error."""
+    from transformers import DynamicCache
+
+    model = load_converted(converted(method, "compressing")[1])
+    ids, mask = left_padded()
+    step, longer = torch.tensor([[5], [6]]), torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    logits = []
+    for name in ("past_key_values", "cache"):
+        held = _cache_of(model(input_ids=ids, attention_mask=mask, use_cache=True, **{name: DynamicCache()}))
+        assert getattr(held, "is_kvconvert_cache", False), f"{method}: {name}= left a {type(held).__name__}"
+        logits.append(model(input_ids=step, attention_mask=longer, **{name: held}).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not both"):
+        model(input_ids=step, attention_mask=longer, cache=held, past_key_values=held)
+    generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                               return_dict_in_generate=True)  # fmt: skip
+    assert getattr(_cache_of(generated), "is_kvconvert_cache", False), f"{method}: generate decoded from a stock cache"
+
+
 @pytest.mark.parametrize("method", sorted(COMPRESSING))
 @pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
 @torch.no_grad()

@@ -7,6 +7,7 @@ the heads are laid out, whether and where RoPE is applied) so that methods never
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -112,13 +113,19 @@ class ArchAdapter:
     attention_name_pattern: ClassVar[re.Pattern[str]]
     # Attribute path of layer i's attention module inside the transformers model.
     attention_module_template: ClassVar[str]
-    # The decoder layer's argument that takes a KV cache (``update(key, value, layer_idx)``).
-    layer_cache_argument: ClassVar[str] = "past_key_values"
+    # The decoder layer's argument that takes a KV cache (``update(key, value, layer_idx)``) up to transformers 5.23
+    # (``layer_cache_argument`` asks the layer: from 5.24 on most call it ``cache``).
+    layer_cache_name: ClassVar[str] = "past_key_values"
     # The output head's checkpoint name where transformers renames it while loading (else the module's own).
     stored_head: ClassVar[str | None] = None
 
     def __init__(self, config: Any):
         self.config = config
+
+    def layer_cache_argument(self, layer: torch.nn.Module) -> str:
+        """The argument ``layer`` (a decoder layer) takes its KV cache by: ``cache`` where its forward has one
+        (transformers 5.24 renamed ``past_key_values`` so; GPT-NeoX kept ``layer_past``), else ``layer_cache_name``."""
+        return "cache" if "cache" in inspect.signature(layer.forward).parameters else self.layer_cache_name
 
     # -- geometry -------------------------------------------------------------------------
     def layout(self) -> AttentionLayout:

@@ -16,7 +16,7 @@ class GPTNeoXAdapter(ArchAdapter):
         r"^(?P<prefix>(?:gpt_neox\.)?layers\.(?P<layer>\d+)\.attention\.)(?P<local>.+)$"
     )
     attention_module_template = "gpt_neox.layers.{i}.attention"
-    layer_cache_argument = "layer_past"
+    layer_cache_name = "layer_past"
     stored_head = "embed_out"  # transformers 5 loads it as lm_head
 
     def layout(self) -> AttentionLayout:

@@ -238,7 +238,7 @@ def run_layer_by_layer(
             inputs = {b: list(states) for b, states in streams.items()} if repeat is not None else {}
             prefixes: list[_Prefix] = [_Prefix(tail) for _ in inboxes[index]] if tail else []
             for branch, states in streams.items():
-                _run_layer(layer, branch, states, states, inboxes[index], adapter.layer_cache_argument, prefixes)
+                _run_layer(layer, branch, states, states, inboxes[index], adapter.layer_cache_argument(layer), prefixes)
             if repeat is not None and repeat(index):
                 for branch, states in streams.items():
                     _run_layer(layer, branch, inputs[branch], states, inboxes[index])

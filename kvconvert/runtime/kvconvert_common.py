@@ -298,10 +298,12 @@ class LatentAttention(nn.Module):
         position_ids: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         layer_past: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        """The call every supported decoder layer makes (GPT-NeoX names the cache ``layer_past``)."""
-        cache = past_key_values if past_key_values is not None else layer_past
+        """The call every supported decoder layer makes: the cache named ``past_key_values`` up to transformers 5.23,
+        ``cache`` from 5.24 on, ``layer_past`` by GPT-NeoX's layers before that."""
+        cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
         return self.attend(hidden_states, cache, attention_mask, position_ids, position_embeddings), None
 
     def attend(

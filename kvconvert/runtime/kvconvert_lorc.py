@@ -286,7 +286,7 @@ def latent_attention(query: torch.Tensor, q_rot: torch.Tensor, latent: torch.Ten
 
 def absorbed_mla_forward(
     self: Any, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    attention_mask: Any, past_key_values: Cache | None = None, **kwargs: Any,
+    attention_mask: Any, past_key_values: Cache | None = None, cache: Cache | None = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:  # fmt: skip
     """transformers' ``DeepseekV3Attention.forward``, the same cache and mask. A few query tokens attend without
     expanding the cache: scores are ``(q_nope·W_UK)·c + q_rope·k_rope`` and each head's output ``(Σ p·c)·W_UVᵀ``
@@ -299,6 +299,7 @@ def absorbed_mla_forward(
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as stock
 
     batch, q_len = hidden_states.shape[:-1]
+    past_key_values = cache if cache is not None else past_key_values  # transformers' name for it from 5.24 on
     if self.q_proj is None:  # a query LoRA (not what kvconvert writes): the stock module
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
     heads, nope, rope, rank = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank

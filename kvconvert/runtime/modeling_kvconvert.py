@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -85,6 +86,7 @@ class KVConvertMixin:
     """Mixed in front of the source architecture's ``*ForCausalLM`` class."""
 
     config: Any
+    _kvconvert_cache_argument: str  # the stock forward's name for its cache (``cache_argument``)
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any):
         super().__init__(config, *args, **kwargs)  # type: ignore[call-arg]
@@ -122,15 +124,20 @@ class KVConvertMixin:
             "Pass past_key_values=None and reuse the cache returned in the outputs."
         )
 
-    def forward(self, *args: Any, past_key_values: Cache | None = None, use_cache: bool | None = None, **kwargs: Any):
+    def forward(self, *args: Any, past_key_values: Cache | None = None, cache: Cache | None = None,
+                use_cache: bool | None = None, **kwargs: Any):  # fmt: skip
         check_requested_kernels(self)
+        if cache is not None and past_key_values is not None:
+            raise ValueError("pass the cache as `cache` or as `past_key_values`, not both")
+        cache = cache if cache is not None else past_key_values
         if use_cache if use_cache is not None else self.config.use_cache:
-            past_key_values = self.kvconvert_cache(past_key_values)
+            cache = self.kvconvert_cache(cache)
         try:
-            with self._cache_attached(past_key_values):
-                return super().forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)  # type: ignore[misc]
+            with self._cache_attached(cache):
+                kwargs[self._kvconvert_cache_argument] = cache
+                return super().forward(*args, use_cache=use_cache, **kwargs)  # type: ignore[misc]
         finally:
-            end_step = getattr(past_key_values, "end_step", None)
+            end_step = getattr(cache, "end_step", None)
             if end_step is not None:
                 end_step()  # drop per-step scratch so only the cache state remains
 
@@ -156,9 +163,23 @@ class KVConvertMixin:
                 stacklevel=3,
             )
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)  # type: ignore[misc]
-        if model_kwargs.get("past_key_values") is not None:
-            model_kwargs["past_key_values"] = self.kvconvert_cache(model_kwargs["past_key_values"])
+        for name in CACHE_ARGUMENTS:  # whichever name this transformers' generate keeps its cache under
+            if model_kwargs.get(name) is not None:
+                model_kwargs[name] = self.kvconvert_cache(model_kwargs[name])
         return result
+
+
+# What a model's forward calls its cache: ``past_key_values`` up to transformers 5.23, ``cache`` from 5.24 on (the old
+# name deprecated, to go in 5.40). Passed a kvconvert cache under the old name, 5.24's generate also passes the stock
+# cache it made under the new one, and the stock model takes that one: every method then decoded from a plain
+# DynamicCache in silence (or crashed where the attention functions found the kvconvert cache on their modules).
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+def cache_argument(base: type) -> str:
+    """The name the transformers class ``base``'s forward takes its cache by (``CACHE_ARGUMENTS``)."""
+    parameters = inspect.signature(base.forward).parameters  # type: ignore[attr-defined]
+    return next((name for name in CACHE_ARGUMENTS if name in parameters), "past_key_values")
 
 
 def _static_length(cache: Cache | None) -> int | None:
@@ -210,6 +231,8 @@ def model_class_for(config: Any) -> type:
             {
                 "__module__": __name__,
                 "forward": _forward_with_signature_of(base),
+                # read once here: a compiled step then sees a constant, not a signature to inspect
+                "_kvconvert_cache_argument": cache_argument(base),
                 # fp8 exports' k_scale / v_scale tensors are for engines; the runtime reads kv_quant's copy
                 "_keys_to_ignore_on_load_unexpected": [
                     *(getattr(base, "_keys_to_ignore_on_load_unexpected", None) or []),
