@@ -57,7 +57,8 @@ def _details(report: dict[str, Any]) -> str:
             f"\n\nThe cache is stored as float8 e4m3 with static scales (one per {per}, calibrated on text), "
             "written as compressed-tensors' `kv_cache_scheme` with `self_attn.k_scale` / `v_scale` tensors: vLLM "
             "and SGLang serve this directory as it is (`vllm serve DIR` picks the fp8 cache by itself), and "
-            "stock transformers loads it without remote code when `compressed-tensors` is installed."
+            "stock transformers 5.23 loads it without remote code when `compressed-tensors` is installed (5.24 and "
+            "later load it too, but with compressed-tensors 0.20.1 leave the cache unquantized)."
         )
     elif storage and storage.get("layout") == "token":
         text += (
