@@ -34,7 +34,7 @@ test-fast:
 # the pinned one) in its own virtualenv beside this environment's packages, through the tests of what every output
 # must do: load, generate in every mode, its cache (growing and static), the MLA export in stock transformers. The fp8
 # export against stock transformers is left out: from 5.24 on compressed-tensors (0.20.1) no longer applies its scales
-# there (stock then equals the source; kvconvert's runtime still applies them). About 3 minutes a release; CI runs it.
+# there (stock then equals the source; kvconvert's runtime still applies them). About 2 minutes a release; CI runs it.
 TRANSFORMERS_NEXT ?= 5.25.0
 TRANSFORMERS_TESTS ?= tests/test_method_contract.py tests/test_cache_protocol.py tests/test_static_cache.py tests/test_mla.py \
 	--deselect tests/test_static_cache.py::test_fp8_static_cache_equals_stock_transformers_with_compressed_tensors

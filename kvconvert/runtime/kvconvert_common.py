@@ -302,7 +302,7 @@ class LatentAttention(nn.Module):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         """The call every supported decoder layer makes: the cache named ``past_key_values`` up to transformers 5.23,
-        ``cache`` from 5.24 on, ``layer_past`` by GPT-NeoX's layers before that."""
+        ``cache`` from 5.24 on, ``layer_past`` by GPT-NeoX's layers in both."""
         cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
         return self.attend(hidden_states, cache, attention_mask, position_ids, position_embeddings), None
 
